@@ -1,0 +1,81 @@
+"""Connecting to NATS: one place for reconnect policy, buffers and identity.
+
+nats-py's defaults give up reconnecting after ~2 minutes and cap the outbound
+buffer at 2 MB; a service that must outlive a broker restart and move
+multi-MB Training Queue partitions needs neither limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from joynexus.broker.subjects import Names
+from joynexus.schemas.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+PENDING_SIZE = 256 * 1024 * 1024
+
+
+@dataclass
+class Broker:
+    """A live connection plus the names of this deployment."""
+
+    nc: NATS
+    js: JetStreamContext
+    names: Names = field(default_factory=Names)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | list[str],
+        *,
+        name: str,
+        namespace: str = "jnx",
+        connect_timeout: float = 5.0,
+        **auth: Any,
+    ) -> Broker:
+        """Connect with reconnects that never give up (an agent outlives server restarts)."""
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats connection %s: %s", name, e)
+
+        async def on_disconnect() -> None:
+            log.warning("nats connection %s: disconnected, reconnecting", name)
+
+        async def on_reconnect() -> None:
+            log.info("nats connection %s: reconnected", name)
+
+        try:
+            nc = await nats.connect(
+                servers=url,
+                name=name,
+                connect_timeout=int(max(1, connect_timeout)),
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]
+                max_reconnect_attempts=-1,
+                pending_size=PENDING_SIZE,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                **auth,
+            )
+        except Exception as e:  # nats raises several unrelated types here
+            raise Unavailable(f"cannot connect to NATS at {url}: {e}") from e
+        return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=Names(namespace))
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.nc.max_payload)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # already closing / disconnected: close hard
+                await self.nc.close()

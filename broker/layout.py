@@ -1,0 +1,124 @@
+"""The JetStream layout of a deployment, created idempotently.
+
+Any agent may call :func:`ensure_layout` at start; the first creates the
+streams and buckets, the rest find them. Descriptions are written for the
+operator reading ``nats stream ls``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from joynexus.broker.connection import Broker
+from joynexus.schemas.errors import InvalidSpec
+
+DAY = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    replicas: int = 1
+    #: How long job events are kept (accounting needs the terminal ones).
+    jobs_max_age_s: float = 7 * DAY
+    #: Default per-message TTL of Training Queue data: orphans expire.
+    tq_ttl_s: float = 3600.0
+    #: Cap on the whole Training Queue (bytes); puts beyond it fail loudly.
+    tq_max_bytes: int = 8 * 1024**3
+    #: Dedupe window for retried appends.
+    duplicate_window_s: float = 120.0
+
+
+def stream_configs(b: Broker, opts: LayoutOptions) -> list[StreamConfig]:
+    n = b.names
+    return [
+        StreamConfig(
+            name=n.jobs_stream,
+            description=f"JoyNexus job event log: {n.namespace}.job.<tenant>.<job>.<state> "
+            "(source of truth of every training job)",
+            subjects=[n.all_jobs],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=opts.jobs_max_age_s,
+            duplicate_window=opts.duplicate_window_s,
+            num_replicas=opts.replicas,
+            allow_direct=True,
+        ),
+        StreamConfig(
+            name=n.tq_stream,
+            description=f"JoyNexus Training Queue: {n.namespace}.tq.<tenant>.<partition>.<kind>... "
+            "(sample batches as raw tensors)",
+            subjects=[n.all_tq],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_bytes=opts.tq_max_bytes,
+            discard=DiscardPolicy.NEW,
+            max_msg_size=b.max_payload,
+            num_replicas=opts.replicas,
+            allow_direct=True,
+            allow_msg_ttl=True,
+            duplicate_window=opts.duplicate_window_s,
+        ),
+        StreamConfig(
+            name=n.metrics_stream,
+            description=f"JoyNexus metrics: {n.namespace}.metrics.<kind>.<tenant> "
+            "(control, learning and system signals)",
+            subjects=[n.all_metrics],
+            storage=StorageType.FILE,
+            max_age=DAY,
+            num_replicas=opts.replicas,
+        ),
+        StreamConfig(
+            name=n.advisories_stream,
+            description="JoyNexus: JetStream max-deliveries advisories of the job consumers "
+            "(the scheduler fails those jobs)",
+            subjects=[n.max_deliveries_advisories],
+            storage=StorageType.FILE,
+            max_age=opts.jobs_max_age_s,
+            num_replicas=opts.replicas,
+        ),
+    ]
+
+
+def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
+    n = b.names
+    return [
+        KeyValueConfig(
+            bucket=n.tenants_bucket,
+            description="JoyNexus tenant-task policies: <tenant>.<task_type> -> admission limits",
+            history=8,
+            replicas=opts.replicas,
+        ),
+    ]
+
+
+async def ensure_stream(b: Broker, cfg: StreamConfig) -> None:
+    assert cfg.name is not None
+    try:
+        await b.js.stream_info(cfg.name)
+    except NotFoundError:
+        await b.js.add_stream(cfg)
+        return
+    try:
+        await b.js.update_stream(cfg)
+    except BadRequestError as e:
+        raise InvalidSpec(
+            f"stream {cfg.name} exists with a configuration this version cannot update "
+            f"({e.description}); inspect it with `nats stream info {cfg.name}`"
+        ) from e
+
+
+async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:
+    opts = opts or LayoutOptions()
+    for cfg in stream_configs(b, opts):
+        await ensure_stream(b, cfg)
+    for kv in kv_configs(b, opts):
+        await b.js.create_key_value(kv)

@@ -1,0 +1,166 @@
+"""Every name on the wire: subjects, streams, consumers, buckets, services.
+
+Nothing else in the code base writes a subject string. All names hang off a
+:class:`Names` object whose ``namespace`` (default ``jnx``) prefixes them, so
+several deployments (or tests) can share one server without seeing each
+other. With the default namespace an operator sees::
+
+    nats stream ls        -> JNX_JOBS, JNX_TQ, JNX_METRICS, JNX_ADVISORIES
+    nats kv ls            -> JNX_TENANTS, JNX_POLICY, JNX_HEALTH
+    nats micro ls         -> jnx-sched
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.jobs import JobState, check_name
+
+_NS = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+
+# Subject tokens after the namespace.
+JOB = "job"
+TQ = "tq"
+SCHED = "sched"
+METRICS = "metrics"
+TQ_DATA = "d"
+TQ_INDEX = "idx"
+TQ_CONSUMED = "c"
+
+SCHEDULER_VERBS = (
+    "reserve",
+    "mark",
+    "lease_stage",
+    "lease_next",
+    "touch",
+    "complete",
+    "drop",
+    "fail",
+    "set_policy",
+    "set_limits",
+    "set_version",
+    "wait_for_ready",
+    "get_job",
+    "snapshot",
+)
+
+
+@dataclass(frozen=True)
+class Names:
+    namespace: str = "jnx"
+
+    def __post_init__(self) -> None:
+        if not _NS.match(self.namespace):
+            raise InvalidSpec(
+                f"namespace {self.namespace!r} must be 1-16 lowercase letters/digits, "
+                "starting with a letter"
+            )
+
+    # -- streams, buckets, services (upper-case for streams and buckets, as NATS shows them)
+    def _upper(self, what: str) -> str:
+        return f"{self.namespace.upper()}_{what}"
+
+    @property
+    def jobs_stream(self) -> str:
+        return self._upper("JOBS")
+
+    @property
+    def tq_stream(self) -> str:
+        return self._upper("TQ")
+
+    @property
+    def metrics_stream(self) -> str:
+        return self._upper("METRICS")
+
+    @property
+    def advisories_stream(self) -> str:
+        return self._upper("ADVISORIES")
+
+    @property
+    def tenants_bucket(self) -> str:
+        return self._upper("TENANTS")
+
+    @property
+    def policy_bucket(self) -> str:
+        return self._upper("POLICY")
+
+    @property
+    def health_bucket(self) -> str:
+        return self._upper("HEALTH")
+
+    @property
+    def weights_store(self) -> str:
+        return self._upper("WEIGHTS")
+
+    @property
+    def scheduler_service(self) -> str:
+        return f"{self.namespace}-sched"
+
+    # -- the job event log
+    def job_subject(self, tenant_id: str, job_id: str, state: JobState | str) -> str:
+        return f"{self.namespace}.{JOB}.{tenant_id}.{job_id}.{JobState(state).value}"
+
+    def job_filter(self, tenant_id: str, job_id: str) -> str:
+        """Every event of one job: the compare-and-append scope."""
+        return f"{self.namespace}.{JOB}.{tenant_id}.{job_id}.*"
+
+    def jobs_in_state(self, state: JobState | str, tenant_id: str = "*") -> str:
+        return f"{self.namespace}.{JOB}.{tenant_id}.*.{JobState(state).value}"
+
+    @property
+    def all_jobs(self) -> str:
+        return f"{self.namespace}.{JOB}.>"
+
+    def stage_consumer(self, stage: str) -> str:
+        """Durable consumer of the stage workers (e.g. ``advantages``)."""
+        return f"stage-{stage.replace('_', '-')}"
+
+    # -- the Training Queue
+    def tq_partition(self, tenant_id: str, partition_id: str) -> str:
+        return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.>"
+
+    def tq_data(self, tenant_id: str, partition_id: str, field: str) -> str:
+        return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.{TQ_DATA}.{field}"
+
+    def tq_index(self, tenant_id: str, partition_id: str) -> str:
+        return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.{TQ_INDEX}"
+
+    def tq_consumed(self, tenant_id: str, partition_id: str, task_name: str) -> str:
+        return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.{TQ_CONSUMED}.{task_name}"
+
+    @property
+    def all_tq(self) -> str:
+        return f"{self.namespace}.{TQ}.>"
+
+    # -- the scheduler API
+    def sched(self, verb: str) -> str:
+        if verb not in SCHEDULER_VERBS:
+            raise InvalidSpec(f"unknown scheduler verb {verb!r}")
+        return f"{self.namespace}.{SCHED}.{verb}"
+
+    # -- metrics and advisories
+    def metrics(self, kind: str, tenant_id: str = "_") -> str:
+        return f"{self.namespace}.{METRICS}.{kind}.{tenant_id}"
+
+    @property
+    def all_metrics(self) -> str:
+        return f"{self.namespace}.{METRICS}.>"
+
+    @property
+    def max_deliveries_advisories(self) -> str:
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.>"
+
+
+def parse_job_subject(subject: str) -> tuple[str, str, str]:
+    """``<ns>.job.<tenant>.<job>.<state>`` -> (tenant, job, state)."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[1] != JOB:
+        raise InvalidSpec(f"{subject!r} is not a job event subject")
+    return parts[2], parts[3], parts[4]
+
+
+def check_token(kind: str, value: str) -> str:
+    """A value that becomes one subject token."""
+    return check_name(kind, value)

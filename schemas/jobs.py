@@ -1,0 +1,180 @@
+"""The training job descriptor (the paper's Table 3), its states and events.
+
+A job's history is a sequence of immutable events on the job event log. Each
+event carries a snapshot of the job *after* the event, so the current state
+of any job is its last event; the rules for which event may follow which
+live in ``joynexus.agents.lifecycle`` (pure, no I/O).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Literal
+
+import msgspec
+
+from joynexus.schemas.base import WIRE_VERSION, Wire
+from joynexus.schemas.errors import InvalidSpec
+
+
+class JobState(StrEnum):
+    RESERVED = "reserved"
+    PRODUCING = "producing"
+    NEEDS_ACTOR_FORWARD = "needs_actor_forward"
+    COMPUTING_ACTOR_FORWARD = "computing_actor_forward"
+    NEEDS_ADVANTAGES = "needs_advantages"
+    COMPUTING_ADVANTAGES = "computing_advantages"
+    READY = "ready"
+    LEASED = "leased"
+    COMPLETED = "completed"
+    DROPPED = "dropped"
+    FAILED = "failed"
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.DROPPED, JobState.FAILED})
+
+#: Pre-training stages run by stage workers: stage -> (waiting state, working state).
+STAGES: dict[str, tuple[JobState, JobState]] = {
+    "actor_forward": (JobState.NEEDS_ACTOR_FORWARD, JobState.COMPUTING_ACTOR_FORWARD),
+    "advantages": (JobState.NEEDS_ADVANTAGES, JobState.COMPUTING_ADVANTAGES),
+}
+
+TaskType = Literal["rl", "sft", "eval", "custom"]
+TASK_TYPES: tuple[str, ...] = ("rl", "sft", "eval", "custom")
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validate a name that becomes a subject token (tenant, role, ...)."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise InvalidSpec(
+            f"{kind} {value!r} is not a valid name: use 1-32 characters of "
+            "lowercase letters, digits, '-' or '_', starting with a letter or digit"
+        )
+    return value
+
+
+class JobMetadata(Wire, kw_only=True, omit_defaults=True):
+    #: Identifies the sample layout (cameras, image size, state/action dims...).
+    schema_signature: str = ""
+    extra: dict[str, str] = {}
+
+
+class TrainingJob(Wire, kw_only=True, omit_defaults=True):
+    """One unit of training work (Table 3 of the paper, plus bookkeeping)."""
+
+    job_id: str
+    tenant_id: str
+    task_type: TaskType
+    policy_key: str
+    domain: str = ""
+    partition_id: str = ""
+    sample_count: int = 0
+    behavior_policy_version: int = 0
+    max_policy_staleness: int | None = None
+    priority: int = 0
+    created_seq: int = 0
+    ready_seq: int = 0
+    producer_role: str = "producer"
+    consumer_role: str = "actor"
+    state: JobState = JobState.RESERVED
+    metadata: JobMetadata = msgspec.field(default_factory=JobMetadata)
+    #: Leases granted so far (actor and stage leases); a lease is named by it.
+    attempt: int = 0
+    #: Instance holding the current lease, "" when none.
+    holder: str = ""
+    #: Why the job is dropped or failed.
+    reason: str = ""
+    #: Policy version the consumer produced when it completed the job.
+    result_version: int | None = None
+
+
+class _Event(Wire, kw_only=True, tag_field="event", omit_defaults=True):
+    v: int = WIRE_VERSION
+    #: The job after this event.
+    job: TrainingJob
+    #: Wall-clock seconds (for accounting and display only; never for decisions).
+    at: float = 0.0
+    #: The agent instance that caused the event.
+    by: str = ""
+
+
+class Reserved(_Event, tag="reserved"):
+    pass
+
+
+class Marked(_Event, tag="marked"):
+    """A producer or stage holder moved the job forward (e.g. to ready)."""
+
+
+class StageLeased(_Event, kw_only=True, tag="stage_leased"):
+    stage: str
+
+
+class Leased(_Event, tag="leased"):
+    pass
+
+
+class LeaseExpired(_Event, tag="lease_expired"):
+    pass
+
+
+class Completed(_Event, tag="completed"):
+    pass
+
+
+class Dropped(_Event, tag="dropped"):
+    pass
+
+
+class Failed(_Event, tag="failed"):
+    pass
+
+
+JobEvent = Reserved | Marked | StageLeased | Leased | LeaseExpired | Completed | Dropped | Failed
+
+
+class TenantTaskPolicy(Wire, kw_only=True, omit_defaults=True):
+    """Admission and ordering for one tenant's task (the paper's per-policy limits)."""
+
+    tenant_id: str
+    task_type: TaskType
+    priority: int = 0
+    #: Non-terminal jobs allowed at once.
+    max_in_flight: int = 2
+    #: Jobs in reserved/producing at once (rollouts under way) for this task.
+    max_active_rollouts: int = 1
+    #: Stop admitting once this many jobs completed or are in flight.
+    completion_target: int | None = None
+    #: An RL job is dropped if its behaviour version lags by more than this.
+    max_policy_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name("tenant_id", self.tenant_id)
+        if self.task_type not in TASK_TYPES:
+            raise InvalidSpec(f"task_type {self.task_type!r} is not one of {TASK_TYPES}")
+        if self.max_in_flight < 1:
+            raise InvalidSpec(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.max_active_rollouts < 1:
+            raise InvalidSpec(f"max_active_rollouts must be >= 1, got {self.max_active_rollouts}")
+        if self.completion_target is not None and self.completion_target < 1:
+            raise InvalidSpec(f"completion_target must be >= 1, got {self.completion_target}")
+        if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
+            raise InvalidSpec(
+                f"max_policy_staleness must be >= 0, got {self.max_policy_staleness}"
+            )
+
+    @property
+    def key(self) -> str:
+        return f"{self.tenant_id}.{self.task_type}"
+
+
+class GlobalLimits(Wire, kw_only=True, omit_defaults=True):
+    #: Rollouts (jobs in reserved/producing) across all tenants.
+    max_active_rollouts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_active_rollouts < 1:
+            raise InvalidSpec(f"max_active_rollouts must be >= 1, got {self.max_active_rollouts}")

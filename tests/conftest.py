@@ -1,0 +1,62 @@
+"""Test fixtures: one real nats-server per test session, a namespace per test.
+
+The server runs on a random port with a temporary file store; readiness comes
+from its log. Tests that share it get their own namespace, hence their own
+streams and subjects.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JOYNEXUS_STRICT_DECODE", "1")
+
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from joynexus.broker.connection import Broker
+from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.ops.natsserver import EmbeddedNats
+
+_ns_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{next(_ns_counter)}{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+async def broker(nats_server: EmbeddedNats, namespace: str) -> AsyncIterator[Broker]:
+    b = await Broker.connect(nats_server.url, name="test", namespace=namespace)
+    await ensure_layout(b, LayoutOptions(tq_ttl_s=600))
+    yield b
+    # Leave the shared server clean for the next test.
+    for s in (b.names.jobs_stream, b.names.tq_stream, b.names.metrics_stream,
+              b.names.advisories_stream):
+        try:
+            await b.js.delete_stream(s)
+        except Exception:
+            pass
+    try:
+        await b.js.delete_key_value(b.names.tenants_bucket)
+    except Exception:
+        pass
+    await b.close()
+
+
+@pytest.fixture
+def tmp_dir(tmp_path: Path) -> Path:
+    return tmp_path
