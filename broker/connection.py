@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
 from joynexus.broker.subjects import Names
 from joynexus.schemas.errors import Unavailable
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from joynexus.broker.connection import Broker
+from joynexus.schemas.errors import InvalidSpec
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
@@ -17,9 +19,6 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
-
-from joynexus.broker.connection import Broker
-from joynexus.schemas.errors import InvalidSpec
 
 DAY = 24 * 3600.0
 

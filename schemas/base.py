@@ -6,7 +6,6 @@ import os
 from typing import Any, TypeVar
 
 import msgspec
-
 from joynexus.schemas.errors import InvalidMessage, SchemaVersionError
 
 #: Read once at import: tests set it before importing joynexus.

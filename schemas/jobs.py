@@ -13,7 +13,6 @@ from enum import StrEnum
 from typing import Literal
 
 import msgspec
-
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.errors import InvalidSpec
 

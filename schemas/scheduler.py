@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import msgspec
 from joynexus.schemas.base import Wire
-from joynexus.schemas.jobs import GlobalLimits, JobMetadata, JobState, TaskType, TenantTaskPolicy, TrainingJob
+from joynexus.schemas.jobs import (
+    GlobalLimits,
+    JobMetadata,
+    JobState,
+    TaskType,
+    TenantTaskPolicy,
+    TrainingJob,
+)
 
 
 class ReserveRequest(Wire, kw_only=True, omit_defaults=True):
@@ -18,7 +26,7 @@ class ReserveRequest(Wire, kw_only=True, omit_defaults=True):
     behavior_policy_version: int = 0
     producer_role: str = "producer"
     consumer_role: str = "actor"
-    metadata: JobMetadata = JobMetadata()
+    metadata: JobMetadata = msgspec.field(default_factory=JobMetadata)
     by: str = ""
 
 

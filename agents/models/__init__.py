@@ -1,0 +1,1 @@
+"""Models: the resident vision-language backbone, tenant action modules, grouped execution."""

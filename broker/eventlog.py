@@ -1,0 +1,181 @@
+"""The job event log: compare-and-append on JetStream.
+
+A job's events live on ``<ns>.job.<tenant>.<job>.<state>``; its current state
+is the last message matching ``<ns>.job.<tenant>.<job>.*``. An append names
+the sequence of that last message (``Nats-Expected-Last-Subject-Sequence``
+with the per-job wildcard in ``...-Subject``), so two writers can never both
+move a job: the loser gets JetStream error 10071. Every append also carries a
+unique ``Nats-Msg-Id``; when a retried append meets 10071, the log reads the
+job's last message and, if that message is the one we sent, reports success
+instead of a conflict (the first try landed, only its ack was lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+from joynexus.broker.subjects import parse_job_subject
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError
+from joynexus.schemas.jobs import JobEvent
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+WRONG_LAST_SEQUENCE = 10071
+
+H_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
+H_EXPECTED_SUBJ = "Nats-Expected-Last-Subject-Sequence-Subject"
+H_MSG_ID = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class Appended:
+    seq: int
+    #: True when this was a retry of an append that had already landed.
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Stored:
+    event: JobEvent
+    seq: int
+    subject: str
+    headers: dict[str, str]
+
+
+def new_op_id() -> str:
+    return secrets.token_hex(6)
+
+
+class JobEventLog:
+    def __init__(self, broker: Broker) -> None:
+        self.b = broker
+        self.n = broker.names
+
+    async def append(self, event: JobEvent, *, expected_last_seq: int, op_id: str) -> Appended:
+        """Append ``event`` if the job's last event is still ``expected_last_seq`` (0: no event).
+
+        Raises Conflict if another writer moved the job first. Retrying with
+        the same ``op_id`` is safe: an append that already landed is reported
+        as ours (``duplicate=True``), never applied twice.
+        """
+        job = event.job
+        subject = self.n.job_subject(job.tenant_id, job.job_id, job.state)
+        msg_id = f"{job.job_id}:{job.state.value}:{job.attempt}:{op_id}"
+        headers = tracing.inject(
+            {
+                H_EXPECTED_SEQ: str(expected_last_seq),
+                H_EXPECTED_SUBJ: self.n.job_filter(job.tenant_id, job.job_id),
+                H_MSG_ID: msg_id,
+            }
+        )
+        try:
+            ack = await self.b.js.publish(subject, encode(event), headers=headers)
+        except APIError as e:
+            if e.err_code != WRONG_LAST_SEQUENCE:
+                raise
+            last = await self.last_raw(job.tenant_id, job.job_id)
+            if last is not None and (last.headers or {}).get(H_MSG_ID) == msg_id:
+                return Appended(seq=last.seq or 0, duplicate=True)
+            now = parse_job_subject(last.subject)[2] if last is not None and last.subject else "none"
+            raise Conflict(
+                f"job {job.job_id} of {job.tenant_id} moved to {now!r} before this "
+                f"{job.state.value!r} event could be appended"
+            ) from e
+        return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    async def last_raw(self, tenant_id: str, job_id: str):  # -> RawStreamMsg | None
+        try:
+            return await self.b.js.get_msg(
+                self.n.jobs_stream, subject=self.n.job_filter(tenant_id, job_id), direct=True
+            )
+        except NotFoundError:
+            return None
+
+    async def last(self, tenant_id: str, job_id: str) -> Stored | None:
+        raw = await self.last_raw(tenant_id, job_id)
+        if raw is None:
+            return None
+        return Stored(
+            event=decode(raw.data or b"", JobEvent, what="job event"),  # type: ignore[arg-type]
+            seq=raw.seq or 0,
+            subject=raw.subject or "",
+            headers=dict(raw.headers or {}),
+        )
+
+    async def history(self, tenant_id: str, job_id: str) -> list[Stored]:
+        """Every event of one job, oldest first (for tests and `status --job`)."""
+        return [s async for s in self._read(self.n.job_filter(tenant_id, job_id), DeliverPolicy.ALL)]
+
+    async def latest_per_job(self) -> tuple[list[Stored], list[tuple[int, str]]]:
+        """The last event of every job, plus (seq, why) for messages that do not decode.
+
+        Reads one message per (job, state) subject and keeps the newest per job.
+        """
+        latest: dict[str, Stored] = {}
+        bad: list[tuple[int, str]] = []
+        async for item in self._read(self.n.all_jobs, DeliverPolicy.LAST_PER_SUBJECT, bad):
+            key = f"{item.event.job.tenant_id}/{item.event.job.job_id}"
+            cur = latest.get(key)
+            if cur is None or item.seq > cur.seq:
+                latest[key] = item
+        return sorted(latest.values(), key=lambda s: s.seq), bad
+
+    async def _read(
+        self,
+        subject: str,
+        policy: DeliverPolicy,
+        bad: list[tuple[int, str]] | None = None,
+    ) -> AsyncIterator[Stored]:
+        sub = await self.b.js.pull_subscribe(
+            subject,
+            stream=self.n.jobs_stream,
+            config=ConsumerConfig(
+                deliver_policy=policy,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=30.0,
+                mem_storage=True,
+            ),
+        )
+        try:
+            info = await sub.consumer_info()
+            remaining = info.num_pending or 0
+            while remaining > 0:
+                msgs = await sub.fetch(min(remaining, 2000), timeout=5.0)
+                for m in msgs:
+                    remaining = m.metadata.num_pending
+                    try:
+                        ev = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
+                        tenant, job_id, state = parse_job_subject(m.subject)
+                        if (tenant, job_id, state) != (
+                            ev.job.tenant_id,
+                            ev.job.job_id,
+                            ev.job.state.value,
+                        ):
+                            raise InvalidMessage(
+                                f"event on {m.subject} describes job {ev.job.job_id} of "
+                                f"{ev.job.tenant_id} in state {ev.job.state.value}"
+                            )
+                    except JoyNexusError as e:
+                        log.warning("skipping stream seq %s: %s", m.metadata.sequence.stream, e)
+                        if bad is not None:
+                            bad.append((m.metadata.sequence.stream, str(e)))
+                        continue
+                    yield Stored(
+                        event=ev,
+                        seq=m.metadata.sequence.stream,
+                        subject=m.subject,
+                        headers=dict(m.headers or {}),
+                    )
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
