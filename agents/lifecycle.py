@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
@@ -270,7 +271,9 @@ class SchedulerCore:
                 f"register one first (set_policy). Known: {', '.join(known) or 'none'}"
             )
         if self.in_flight[pk] >= policy.max_in_flight:
-            return f"{pk}: {self.in_flight[pk]} jobs in flight (max_in_flight {policy.max_in_flight})"
+            return (
+                f"{pk}: {self.in_flight[pk]} jobs in flight (max_in_flight {policy.max_in_flight})"
+            )
         if policy.completion_target is not None and (
             self.completed[pk] + self.in_flight[pk] >= policy.completion_target
         ):
@@ -305,7 +308,14 @@ class SchedulerCore:
         return Reserved(job=job, at=at, by=by)
 
     def decide_mark(
-        self, job_id: str, state: JobState, *, attempt: int, sample_count: int | None, at: float, by: str
+        self,
+        job_id: str,
+        state: JobState,
+        *,
+        attempt: int,
+        sample_count: int | None,
+        at: float,
+        by: str,
     ) -> Marked | TrainingJob:
         job = self.get(job_id)
         if job.state is state:
@@ -328,7 +338,7 @@ class SchedulerCore:
         if stage not in STAGES:
             raise InvalidSpec(f"unknown stage {stage!r}; stages are {sorted(STAGES)}")
         job = self.get(job_id)
-        needs, computing = STAGES[stage]
+        _needs, computing = STAGES[stage]
         if job.state is computing:
             if job.holder == by:
                 return job  # our own lease, asked again (a retry or a redelivery)
@@ -360,7 +370,9 @@ class SchedulerCore:
             f"(max_policy_staleness {job.max_policy_staleness})"
         )
 
-    def next_ready(self, consumer_role: str, skip: set[str] | frozenset[str] = frozenset()) -> TrainingJob | None:
+    def next_ready(
+        self, consumer_role: str, skip: set[str] | frozenset[str] = frozenset()
+    ) -> TrainingJob | None:
         """The job lease_next would take: priority, then RL before SFT, then ready order."""
         heap = self.ready.get(consumer_role)
         if not heap:
@@ -393,7 +405,9 @@ class SchedulerCore:
         """Lease a ready job, or drop it if it became stale while it waited."""
         if self.is_stale(job):
             return Dropped(
-                job=msgspec.structs.replace(job, state=S.DROPPED, holder="", reason=self.stale_reason(job)),
+                job=msgspec.structs.replace(
+                    job, state=S.DROPPED, holder="", reason=self.stale_reason(job)
+                ),
                 at=at,
                 by=by,
             )
@@ -430,10 +444,14 @@ class SchedulerCore:
         if job.state is S.COMPLETED and job.attempt == attempt:
             return job  # a retried complete that already landed
         if job.state is not S.LEASED:
-            raise IllegalTransition(f"cannot complete job {job_id}: it is {job.state.value}, not leased")
+            raise IllegalTransition(
+                f"cannot complete job {job_id}: it is {job.state.value}, not leased"
+            )
         self.check_lease(job_id, attempt, verb="complete")
         ev = Completed(
-            job=msgspec.structs.replace(job, state=S.COMPLETED, holder="", result_version=result_version),
+            job=msgspec.structs.replace(
+                job, state=S.COMPLETED, holder="", result_version=result_version
+            ),
             at=at,
             by=by,
         )

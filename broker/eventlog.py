@@ -17,14 +17,15 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError
 from joynexus.schemas.jobs import JobEvent
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ class JobEventLog:
             last = await self.last_raw(job.tenant_id, job.job_id)
             if last is not None and (last.headers or {}).get(H_MSG_ID) == msg_id:
                 return Appended(seq=last.seq or 0, duplicate=True)
-            now = parse_job_subject(last.subject)[2] if last is not None and last.subject else "none"
+            now = (
+                parse_job_subject(last.subject)[2] if last is not None and last.subject else "none"
+            )
             raise Conflict(
                 f"job {job.job_id} of {job.tenant_id} moved to {now!r} before this "
                 f"{job.state.value!r} event could be appended"
@@ -112,7 +115,9 @@ class JobEventLog:
 
     async def history(self, tenant_id: str, job_id: str) -> list[Stored]:
         """Every event of one job, oldest first (for tests and `status --job`)."""
-        return [s async for s in self._read(self.n.job_filter(tenant_id, job_id), DeliverPolicy.ALL)]
+        return [
+            s async for s in self._read(self.n.job_filter(tenant_id, job_id), DeliverPolicy.ALL)
+        ]
 
     async def latest_per_job(self) -> tuple[list[Stored], list[tuple[int, str]]]:
         """The last event of every job, plus (seq, why) for messages that do not decode.

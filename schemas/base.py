@@ -6,6 +6,7 @@ import os
 from typing import Any, TypeVar
 
 import msgspec
+
 from joynexus.schemas.errors import InvalidMessage, SchemaVersionError
 
 #: Read once at import: tests set it before importing joynexus.
@@ -41,7 +42,9 @@ def decode(data: bytes | memoryview, typ: type[T], *, what: str | None = None) -
     except msgspec.ValidationError as e:
         raise InvalidMessage(f"malformed {what or getattr(typ, '__name__', typ)}: {e}") from e
     except msgspec.DecodeError as e:
-        raise InvalidMessage(f"malformed {what or getattr(typ, '__name__', typ)}: not valid JSON ({e})") from e
+        raise InvalidMessage(
+            f"malformed {what or getattr(typ, '__name__', typ)}: not valid JSON ({e})"
+        ) from e
     v = getattr(obj, "v", WIRE_VERSION)
     if isinstance(v, int) and v > WIRE_VERSION:
         raise SchemaVersionError(

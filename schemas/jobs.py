@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Literal
 
 import msgspec
+
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.errors import InvalidSpec
 
@@ -161,9 +162,7 @@ class TenantTaskPolicy(Wire, kw_only=True, omit_defaults=True):
         if self.completion_target is not None and self.completion_target < 1:
             raise InvalidSpec(f"completion_target must be >= 1, got {self.completion_target}")
         if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
-            raise InvalidSpec(
-                f"max_policy_staleness must be >= 0, got {self.max_policy_staleness}"
-            )
+            raise InvalidSpec(f"max_policy_staleness must be >= 0, got {self.max_policy_staleness}")
 
     @property
     def key(self) -> str:

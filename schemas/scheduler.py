@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from joynexus.schemas.base import Wire
 from joynexus.schemas.jobs import (
     GlobalLimits,
@@ -101,6 +102,19 @@ class GetJobRequest(Wire, kw_only=True, omit_defaults=True):
     job_id: str
 
 
+class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
+    """What ``status`` shows: counts, not every job."""
+
+    jobs_by_state: dict[str, int]
+    jobs_by_tenant_state: dict[str, dict[str, int]]
+    policies: list[TenantTaskPolicy]
+    limits: GlobalLimits
+    versions: dict[str, int]
+    active_rollouts: int
+    leases: int
+    last_seq: int
+
+
 class ErrorBody(Wire, kw_only=True):
     code: str
     message: str
@@ -114,16 +128,4 @@ class Reply(Wire, kw_only=True, omit_defaults=True):
     refused: str = ""
     count: int = 0
     error: ErrorBody | None = None
-
-
-class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
-    """What ``status`` shows: counts, not every job."""
-
-    jobs_by_state: dict[str, int]
-    jobs_by_tenant_state: dict[str, dict[str, int]]
-    policies: list[TenantTaskPolicy]
-    limits: GlobalLimits
-    versions: dict[str, int]
-    active_rollouts: int
-    leases: int
-    last_seq: int
+    snapshot: SchedulerSnapshot | None = None

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.ops.natsserver import EmbeddedNats
@@ -43,8 +44,12 @@ async def broker(nats_server: EmbeddedNats, namespace: str) -> AsyncIterator[Bro
     await ensure_layout(b, LayoutOptions(tq_ttl_s=600))
     yield b
     # Leave the shared server clean for the next test.
-    for s in (b.names.jobs_stream, b.names.tq_stream, b.names.metrics_stream,
-              b.names.advisories_stream):
+    for s in (
+        b.names.jobs_stream,
+        b.names.tq_stream,
+        b.names.metrics_stream,
+        b.names.advisories_stream,
+    ):
         try:
             await b.js.delete_stream(s)
         except Exception:

@@ -1,0 +1,512 @@
+"""The Training Scheduler agent: the single decider of admission and leases.
+
+It owns no state of its own: on start it rebuilds :class:`SchedulerCore`
+from the job event log (the last event of every job) and the tenant
+policies bucket, then serves the scheduler API as the NATS micro service
+``<ns>-sched`` on ``<ns>.sched.<verb>``. Each request is decided in memory
+(pure core), applied optimistically, appended to the log with
+compare-and-append, then committed (or reverted if the append failed).
+Appends for one job are serialized by a per-job lock; different jobs are
+appended concurrently, so throughput is not bound by one round trip.
+
+Besides requests it runs three loops: actor-lease expiry, a consumer of
+JetStream max-deliveries advisories (jobs whose stage message failed too
+often are failed, with the reason), and a sweep that clears Training Queue
+partitions of terminal or unknown jobs (cleanup after a crash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from joynexus.agents.lifecycle import SchedulerCore
+from joynexus.broker.connection import Broker
+from joynexus.broker.eventlog import JobEventLog, new_op_id
+from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
+from joynexus.schemas.jobs import (
+    STAGES,
+    GlobalLimits,
+    JobEvent,
+    JobState,
+    TenantTaskPolicy,
+    TrainingJob,
+)
+from joynexus.schemas.scheduler import (
+    CompleteRequest,
+    EndRequest,
+    ErrorBody,
+    GetJobRequest,
+    LeaseNextRequest,
+    LeaseStageRequest,
+    MarkRequest,
+    Reply,
+    ReserveRequest,
+    SchedulerSnapshot,
+    SetLimitsRequest,
+    SetPolicyRequest,
+    SetVersionRequest,
+    TouchRequest,
+    WaitReadyRequest,
+)
+
+log = logging.getLogger(__name__)
+
+LIMITS_KEY = "_global.limits"
+MAX_WAIT_S = 25.0
+
+_REQUEST_TYPES: dict[str, type[Any]] = {
+    "reserve": ReserveRequest,
+    "mark": MarkRequest,
+    "lease_stage": LeaseStageRequest,
+    "lease_next": LeaseNextRequest,
+    "touch": TouchRequest,
+    "complete": CompleteRequest,
+    "drop": EndRequest,
+    "fail": EndRequest,
+    "set_policy": SetPolicyRequest,
+    "set_limits": SetLimitsRequest,
+    "set_version": SetVersionRequest,
+    "wait_for_ready": WaitReadyRequest,
+    "get_job": GetJobRequest,
+    "snapshot": WaitReadyRequest,  # no fields needed; any empty object decodes
+}
+assert set(_REQUEST_TYPES) == set(SCHEDULER_VERBS)
+
+
+class SchedulerAgent:
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        instance: str = "sched-0",
+        lease_ttl_s: float = 30.0,
+        expire_every_s: float = 0.5,
+        sweep_every_s: float = 30.0,
+        keep_terminal: int = 100_000,
+        layout: LayoutOptions | None = None,
+    ) -> None:
+        self.b = broker
+        self.n = broker.names
+        self.instance = instance
+        self.core = SchedulerCore(lease_ttl_s=lease_ttl_s)
+        self.log = JobEventLog(broker)
+        self.expire_every_s = expire_every_s
+        self.sweep_every_s = sweep_every_s
+        self.keep_terminal = keep_terminal
+        self.layout = layout or LayoutOptions()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._lease_requests: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[Any]] = []
+        self._service: Any = None
+        self._kv: Any = None
+        self.rebuild_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await ensure_layout(self.b, self.layout)
+        self._kv = await self.b.js.key_value(self.n.tenants_bucket)
+        await self._load_policies()
+        await self.rebuild()
+        self._service = await add_service(
+            self.b.nc,
+            name=self.n.scheduler_service,
+            version="0.1.0",
+            description="JoyNexus Training Scheduler: admission, stage and actor leases",
+            metadata={"instance": self.instance},
+        )
+        for verb in SCHEDULER_VERBS:
+            await self._service.add_endpoint(
+                name=verb, subject=self.n.sched(verb), handler=self._handler(verb)
+            )
+        self._loops = [
+            asyncio.create_task(self._expiry_loop(), name="sched-expiry"),
+            asyncio.create_task(self._advisory_loop(), name="sched-advisories"),
+            asyncio.create_task(self._sweep_loop(), name="sched-sweep"),
+        ]
+        log.info("scheduler %s serving %d jobs", self.instance, len(self.core.jobs))
+
+    async def stop(self) -> None:
+        for t in self._loops:
+            t.cancel()
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+
+    async def rebuild(self) -> None:
+        """Replay the last event of every job from the log into a fresh core."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        latest, bad = await self.log.latest_per_job()
+        for stored in latest:
+            self.core.load(stored.event, stored.seq, now)
+        self.core.prune_terminal(self.keep_terminal)
+        self.rebuild_stats = {
+            "jobs": len(latest),
+            "skipped_malformed": len(bad),
+            "seconds": time.perf_counter() - t0,
+        }
+        if bad:
+            log.warning("rebuild skipped %d malformed job events (first: %s)", len(bad), bad[0])
+
+    async def _load_policies(self) -> None:
+        try:
+            keys = await self._kv.keys()
+        except NotFoundError:  # nats-py raises this for an empty bucket
+            keys = []
+        for key in keys:
+            entry = await self._kv.get(key)
+            if key == LIMITS_KEY:
+                self.core.limits = decode(entry.value, GlobalLimits)
+            elif key.startswith("version."):
+                _, tenant, policy_key = key.split(".", 2)
+                self.core.versions[f"{tenant}.{policy_key}"] = int(entry.value)
+            else:
+                p = decode(entry.value, TenantTaskPolicy)
+                self.core.policies[p.key] = p
+
+    # ------------------------------------------------------------ plumbing
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _handler(self, verb: str) -> Callable[[Request], Awaitable[None]]:
+        typ = _REQUEST_TYPES[verb]
+        method: Callable[[Any], Awaitable[Reply]] = getattr(self, f"_on_{verb}")
+
+        async def handle(request: Request) -> None:
+            # nats-py runs one callback at a time per subscription: hand the
+            # work to a task so a long poll or an append never blocks others.
+            self._spawn(self._serve(request, typ, method))
+
+        return handle
+
+    async def _serve(
+        self, request: Request, typ: type[Any], method: Callable[[Any], Awaitable[Reply]]
+    ) -> None:
+        headers: dict[str, str] = {}
+        try:
+            req = decode(request.data or b"{}", typ, what=f"{typ.__name__}")
+            reply = await method(req)
+        except JoyNexusError as e:
+            reply = Reply(error=ErrorBody(code=e.code, message=str(e)))
+        except Exception as e:  # a bug: say so to the caller, keep serving
+            log.exception("scheduler request failed")
+            reply = Reply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
+        if reply.error is not None:
+            headers = {
+                "Nats-Service-Error": reply.error.message[:200],
+                "Nats-Service-Error-Code": "400",
+            }
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply), headers=headers or None)
+
+    @contextlib.asynccontextmanager
+    async def _job_lock(self, job_id: str) -> AsyncIterator[None]:
+        lock = self._locks.get(job_id)
+        if lock is None:
+            lock = self._locks[job_id] = asyncio.Lock()
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not getattr(lock, "_waiters", None):
+                self._locks.pop(job_id, None)
+
+    async def _append(self, event: JobEvent) -> TrainingJob:
+        """Apply, append with compare-and-append, commit (or revert). Caller holds the job lock."""
+        now = time.monotonic()
+        job_id = event.job.job_id
+        expected = self.core.last_seq.get(job_id, 0)
+        prev = self.core.apply(event, now)
+        try:
+            appended = await self.log.append(event, expected_last_seq=expected, op_id=new_op_id())
+        except BaseException as e:
+            self.core.revert(job_id, prev, now)
+            if isinstance(e, Conflict):
+                await self._reload(job_id)
+            if isinstance(e, (Conflict, asyncio.CancelledError)):
+                raise
+            raise Unavailable(
+                f"could not append {event.job.state.value} for job {job_id}: {e}"
+            ) from e
+        job = self.core.commit(job_id, appended.seq)
+        if job.state is JobState.READY:
+            self._wake(job.consumer_role)
+        for tenant, partition in self.core.effects_of(job).clear_partitions:
+            self._spawn(self._clear_partition(tenant, partition))
+        return job
+
+    async def _reload(self, job_id: str) -> None:
+        """Someone else moved the job: take the log's word for it."""
+        job = self.core.jobs.get(job_id)
+        if job is None:
+            return
+        stored = await self.log.last(job.tenant_id, job_id)
+        if stored is not None:
+            self.core.load(stored.event, stored.seq, time.monotonic())
+
+    def _wake(self, role: str) -> None:
+        ev = self._ready_events.pop(role, None)
+        if ev is not None:
+            ev.set()
+
+    async def _clear_partition(self, tenant_id: str, partition_id: str) -> None:
+        try:
+            await self.b.js.purge_stream(
+                self.n.tq_stream, subject=self.n.tq_partition(tenant_id, partition_id)
+            )
+        except Exception as e:  # the sweep retries later
+            log.warning("clearing partition %s/%s failed: %s", tenant_id, partition_id, e)
+
+    @staticmethod
+    def _at() -> float:
+        return time.time()
+
+    # ------------------------------------------------------------ verbs
+    async def _on_reserve(self, req: ReserveRequest) -> Reply:
+        async with self._job_lock(req.job_id):
+            decided = self.core.decide_reserve(req, at=self._at(), by=req.by)
+            if isinstance(decided, str):
+                return Reply(refused=decided)
+            if isinstance(decided, TrainingJob):
+                return Reply(job=decided)
+            return Reply(job=await self._append(decided))
+
+    async def _on_mark(self, req: MarkRequest) -> Reply:
+        async with self._job_lock(req.job_id):
+            decided = self.core.decide_mark(
+                req.job_id,
+                req.state,
+                attempt=req.attempt,
+                sample_count=req.sample_count,
+                at=self._at(),
+                by=req.by,
+            )
+            if isinstance(decided, TrainingJob):
+                return Reply(job=decided)
+            return Reply(job=await self._append(decided))
+
+    async def _on_lease_stage(self, req: LeaseStageRequest) -> Reply:
+        async with self._job_lock(req.job_id):
+            decided = self.core.decide_lease_stage(
+                req.job_id, req.stage, now=time.monotonic(), at=self._at(), by=req.by
+            )
+            if isinstance(decided, TrainingJob):
+                return Reply(job=decided)
+            return Reply(job=await self._append(decided))
+
+    async def _on_lease_next(self, req: LeaseNextRequest) -> Reply:
+        if req.request_id:
+            job_id = self._lease_requests.get(req.request_id)
+            job = self.core.jobs.get(job_id) if job_id else None
+            if job is not None and job.state is JobState.LEASED and job.holder == req.by:
+                return Reply(job=job)
+        deadline = time.monotonic() + min(max(req.wait_s, 0.0), MAX_WAIT_S)
+        while True:
+            busy = {j for j, lock in self._locks.items() if lock.locked()}
+            job = self.core.next_ready(req.consumer_role, busy)
+            if job is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return Reply(refused=f"no ready job for {req.consumer_role!r}")
+                ev = self._ready_events[req.consumer_role]
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), remaining)
+                continue
+            async with self._job_lock(job.job_id):
+                if self.core.jobs[job.job_id].state is not JobState.READY:
+                    continue
+                try:
+                    leased = await self._append(
+                        self.core.decide_lease(job, at=self._at(), by=req.by)
+                    )
+                except Conflict:
+                    continue
+            if leased.state is JobState.LEASED:
+                if req.request_id:
+                    self._lease_requests[req.request_id] = leased.job_id
+                    if len(self._lease_requests) > 10_000:
+                        self._lease_requests.pop(next(iter(self._lease_requests)))
+                return Reply(job=leased)
+            # dropped as stale: look for the next one
+
+    async def _on_touch(self, req: TouchRequest) -> Reply:
+        return Reply(job=self.core.touch(req.job_id, req.attempt, now=time.monotonic()))
+
+    async def _on_complete(self, req: CompleteRequest) -> Reply:
+        async with self._job_lock(req.job_id):
+            decided = self.core.decide_complete(
+                req.job_id, req.attempt, result_version=req.result_version, at=self._at(), by=req.by
+            )
+            if isinstance(decided, TrainingJob):
+                return Reply(job=decided)
+            return Reply(job=await self._append(decided))
+
+    async def _end(self, req: EndRequest, kind: str) -> Reply:
+        async with self._job_lock(req.job_id):
+            decided = self.core.decide_end(
+                req.job_id,
+                kind,
+                req.reason,
+                attempt=req.attempt,
+                at=self._at(),
+                by=req.by,  # type: ignore[arg-type]
+            )
+            if isinstance(decided, TrainingJob):
+                return Reply(job=decided)
+            return Reply(job=await self._append(decided))
+
+    async def _on_drop(self, req: EndRequest) -> Reply:
+        return await self._end(req, "drop")
+
+    async def _on_fail(self, req: EndRequest) -> Reply:
+        return await self._end(req, "fail")
+
+    async def _on_set_policy(self, req: SetPolicyRequest) -> Reply:
+        await self._kv.put(req.policy.key, encode(req.policy))
+        self.core.policies[req.policy.key] = req.policy
+        return Reply()
+
+    async def _on_set_limits(self, req: SetLimitsRequest) -> Reply:
+        await self._kv.put(LIMITS_KEY, encode(req.limits))
+        self.core.limits = req.limits
+        return Reply()
+
+    async def _on_set_version(self, req: SetVersionRequest) -> Reply:
+        key = f"{req.tenant_id}.{req.policy_key}"
+        version = max(self.core.versions.get(key, 0), req.version)
+        await self._kv.put(f"version.{key}", str(version).encode())
+        self.core.versions[key] = version
+        return Reply(count=version)
+
+    async def _on_wait_for_ready(self, req: WaitReadyRequest) -> Reply:
+        deadline = time.monotonic() + min(max(req.wait_s, 0.0), MAX_WAIT_S)
+        while True:
+            n = self.core.count_ready(req.consumer_role)
+            remaining = deadline - time.monotonic()
+            if n or remaining <= 0:
+                return Reply(count=n)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready_events[req.consumer_role].wait(), remaining)
+
+    async def _on_get_job(self, req: GetJobRequest) -> Reply:
+        return Reply(job=self.core.get(req.job_id))
+
+    async def _on_snapshot(self, _req: Any) -> Reply:
+        return Reply(snapshot=self.snapshot())
+
+    def snapshot(self) -> SchedulerSnapshot:
+        c = self.core
+        return SchedulerSnapshot(
+            jobs_by_state={k: v for k, v in c.by_state.items() if v},
+            jobs_by_tenant_state={
+                t: {k: v for k, v in states.items() if v} for t, states in c.by_tenant_state.items()
+            },
+            policies=sorted(c.policies.values(), key=lambda p: p.key),
+            limits=c.limits,
+            versions=dict(c.versions),
+            active_rollouts=c.active_rollouts["*"],
+            leases=sum(1 for j in c.deadlines if j in c.jobs),
+            last_seq=c.max_seq,
+        )
+
+    # ------------------------------------------------------------ loops
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.expire_every_s)
+            now = time.monotonic()
+            for ev in self.core.decide_expiries(now=now, at=self._at(), by=self.instance):
+                job_id = ev.job.job_id
+                async with self._job_lock(job_id):
+                    fresh = self.core.decide_expiries(
+                        now=time.monotonic(), at=self._at(), by=self.instance
+                    )
+                    mine = [e for e in fresh if e.job.job_id == job_id]
+                    if not mine:
+                        continue  # touched or completed meanwhile
+                    try:
+                        await self._append(mine[0])
+                        log.info("lease %d of job %s expired", ev.job.attempt, job_id)
+                    except JoyNexusError as e:
+                        log.warning("expiring lease of %s failed: %s", job_id, e)
+
+    async def _advisory_loop(self) -> None:
+        """Fail jobs whose stage message JetStream gave up redelivering."""
+        sub = await self.b.js.pull_subscribe(
+            self.n.max_deliveries_advisories,
+            durable="scheduler",
+            stream=self.n.advisories_stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_deliver=5, ack_wait=30),
+        )
+        while True:
+            try:
+                msgs = await sub.fetch(16, timeout=5.0)
+            except TimeoutError:
+                continue
+            except Exception as e:
+                log.warning("advisory fetch failed: %s", e)
+                await asyncio.sleep(1.0)
+                continue
+            for m in msgs:
+                try:
+                    await self._on_max_deliveries(orjson.loads(m.data))
+                except Exception as e:
+                    log.warning("advisory %s not handled: %s", m.subject, e)
+                await m.ack()
+
+    async def _on_max_deliveries(self, adv: dict[str, Any]) -> None:
+        raw = await self.b.js.get_msg(self.n.jobs_stream, seq=int(adv["stream_seq"]))
+        event = decode(raw.data or b"", JobEvent, what="job event")  # type: ignore[arg-type]
+        job = self.core.jobs.get(event.job.job_id)
+        if job is None or job.state.value in ("completed", "dropped", "failed"):
+            return
+        stage = next((s for s, (needs, _) in STAGES.items() if needs is event.job.state), "")
+        reason = (
+            f"{stage or event.job.state.value}: consumer {adv.get('consumer')} delivered the "
+            f"{event.job.state.value} event {adv.get('deliveries')} times without success "
+            "(the worker crashed, timed out or rejected it each time)"
+        )
+        await self._end(EndRequest(job_id=job.job_id, reason=reason, by=self.instance), "fail")
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep_partitions()
+            except Exception as e:
+                log.warning("partition sweep failed: %s", e)
+            await asyncio.sleep(self.sweep_every_s)
+
+    async def sweep_partitions(self) -> int:
+        """Clear partitions whose job is terminal or unknown; returns how many."""
+        info = await self.b.js.stream_info(self.n.tq_stream, subjects_filter=self.n.all_tq)
+        partitions = {tuple(subject.split(".")[2:4]) for subject in (info.state.subjects or {})}
+        cleared = 0
+        for tenant, partition in partitions:
+            job = self.core.jobs.get(partition)
+            if job is None or job.state.value in ("completed", "dropped", "failed"):
+                if job is None and partition in self._locks:
+                    continue  # being reserved right now
+                await self._clear_partition(tenant, partition)
+                cleared += 1
+        return cleared

@@ -1,0 +1,213 @@
+"""The agents' client of the Training Scheduler API.
+
+Every verb is idempotent on the scheduler's side (reserve by job_id, marks
+by target state, leases by holder or request_id, complete by attempt), so
+this client retries a call that got no answer, in one place, until its
+deadline; errors the scheduler reports come back as the same exception
+classes (by code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import Unavailable, error_from_code
+from joynexus.schemas.jobs import (
+    GlobalLimits,
+    JobMetadata,
+    JobState,
+    TaskType,
+    TenantTaskPolicy,
+    TrainingJob,
+)
+from joynexus.schemas.scheduler import (
+    CompleteRequest,
+    EndRequest,
+    GetJobRequest,
+    LeaseNextRequest,
+    LeaseStageRequest,
+    MarkRequest,
+    Reply,
+    ReserveRequest,
+    SchedulerSnapshot,
+    SetLimitsRequest,
+    SetPolicyRequest,
+    SetVersionRequest,
+    TouchRequest,
+    WaitReadyRequest,
+)
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(10)
+
+
+class SchedulerClient:
+    def __init__(
+        self, broker: Broker, *, by: str, call_timeout_s: float = 5.0, deadline_s: float = 60.0
+    ) -> None:
+        self.b = broker
+        self.by = by
+        self.call_timeout_s = call_timeout_s
+        self.deadline_s = deadline_s
+
+    async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> Reply:
+        subject = self.b.names.sched(verb)
+        payload = encode(req)
+        headers = tracing.inject()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s + extra_wait
+        delay = 0.05
+        while True:
+            try:
+                msg = await self.b.nc.request(
+                    subject, payload, timeout=self.call_timeout_s + extra_wait, headers=headers
+                )
+                break
+            except (NoRespondersError, NatsTimeout, TimeoutError) as e:
+                # No scheduler right now (restarting?) or no answer: retry until the deadline.
+                if loop.time() + delay > deadline:
+                    raise Unavailable(
+                        f"scheduler did not answer {verb} within {self.deadline_s:.0f}s ({type(e).__name__}); "
+                        "is `joynexus agent scheduler` running?"
+                    ) from e
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        reply = decode(msg.data, Reply, what=f"scheduler reply to {verb}")
+        if reply.error is not None:
+            raise error_from_code(reply.error.code, reply.error.message)
+        return reply
+
+    # -- policies
+    async def set_policy(self, policy: TenantTaskPolicy) -> None:
+        await self._call("set_policy", SetPolicyRequest(policy=policy))
+
+    async def set_limits(self, limits: GlobalLimits) -> None:
+        await self._call("set_limits", SetLimitsRequest(limits=limits))
+
+    async def set_version(self, tenant_id: str, policy_key: str, version: int) -> int:
+        r = await self._call(
+            "set_version",
+            SetVersionRequest(tenant_id=tenant_id, policy_key=policy_key, version=version),
+        )
+        return r.count
+
+    # -- the paper's API
+    async def reserve(
+        self,
+        tenant_id: str,
+        task_type: TaskType,
+        *,
+        policy_key: str = "default",
+        domain: str = "",
+        sample_count: int = 0,
+        behavior_policy_version: int = 0,
+        producer_role: str = "producer",
+        consumer_role: str = "actor",
+        metadata: JobMetadata | None = None,
+        job_id: str | None = None,
+    ) -> TrainingJob | None:
+        """Admit a new job, or None when admission refuses it (limits reached)."""
+        req = ReserveRequest(
+            job_id=job_id or new_job_id(),
+            tenant_id=tenant_id,
+            task_type=task_type,
+            policy_key=policy_key,
+            domain=domain,
+            sample_count=sample_count,
+            behavior_policy_version=behavior_policy_version,
+            producer_role=producer_role,
+            consumer_role=consumer_role,
+            metadata=metadata or JobMetadata(),
+            by=self.by,
+        )
+        self.last_refusal = ""
+        r = await self._call("reserve", req)
+        self.last_refusal = r.refused
+        return r.job
+
+    async def mark(
+        self, job_id: str, state: JobState, *, attempt: int = 0, sample_count: int | None = None
+    ) -> TrainingJob:
+        r = await self._call(
+            "mark",
+            MarkRequest(
+                job_id=job_id, state=state, attempt=attempt, sample_count=sample_count, by=self.by
+            ),
+        )
+        assert r.job is not None
+        return r.job
+
+    async def lease_stage(self, job_id: str, stage: str) -> TrainingJob:
+        r = await self._call(
+            "lease_stage", LeaseStageRequest(job_id=job_id, stage=stage, by=self.by)
+        )
+        assert r.job is not None
+        return r.job
+
+    async def lease_next(
+        self, consumer_role: str = "actor", *, wait_s: float = 0.0
+    ) -> TrainingJob | None:
+        """The best ready job for this role (priority, RL first, FIFO), or None after ``wait_s``."""
+        req = LeaseNextRequest(
+            consumer_role=consumer_role, by=self.by, wait_s=wait_s, request_id=secrets.token_hex(8)
+        )
+        r = await self._call("lease_next", req, extra_wait=wait_s)
+        return r.job
+
+    async def wait_for_ready(self, consumer_role: str = "actor", *, wait_s: float = 5.0) -> int:
+        r = await self._call(
+            "wait_for_ready",
+            WaitReadyRequest(consumer_role=consumer_role, wait_s=wait_s),
+            extra_wait=wait_s,
+        )
+        return r.count
+
+    async def touch(self, job: TrainingJob) -> TrainingJob:
+        r = await self._call(
+            "touch", TouchRequest(job_id=job.job_id, attempt=job.attempt, by=self.by)
+        )
+        assert r.job is not None
+        return r.job
+
+    async def complete(self, job: TrainingJob, *, result_version: int | None = None) -> TrainingJob:
+        r = await self._call(
+            "complete",
+            CompleteRequest(
+                job_id=job.job_id, attempt=job.attempt, result_version=result_version, by=self.by
+            ),
+        )
+        assert r.job is not None
+        return r.job
+
+    async def drop(self, job_id: str, reason: str, *, attempt: int = 0) -> TrainingJob:
+        r = await self._call(
+            "drop", EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
+        )
+        assert r.job is not None
+        return r.job
+
+    async def fail(self, job_id: str, reason: str, *, attempt: int = 0) -> TrainingJob:
+        r = await self._call(
+            "fail", EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
+        )
+        assert r.job is not None
+        return r.job
+
+    async def get_job(self, job_id: str) -> TrainingJob:
+        r = await self._call("get_job", GetJobRequest(job_id=job_id))
+        assert r.job is not None
+        return r.job
+
+    async def snapshot(self) -> SchedulerSnapshot:
+        r = await self._call("snapshot", WaitReadyRequest())
+        assert r.snapshot is not None
+        return r.snapshot

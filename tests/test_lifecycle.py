@@ -1,0 +1,326 @@
+"""The pure scheduler core: every (state, event) pair, admission, lease order."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from joynexus.agents.lifecycle import SchedulerCore, allowed, transition
+from joynexus.schemas.errors import (
+    Conflict,
+    IllegalTransition,
+    StaleLease,
+    UnknownJob,
+    UnknownTenant,
+)
+from joynexus.schemas.jobs import (
+    Completed,
+    Dropped,
+    Failed,
+    GlobalLimits,
+    JobState,
+    Leased,
+    LeaseExpired,
+    Marked,
+    Reserved,
+    StageLeased,
+    TenantTaskPolicy,
+    TrainingJob,
+)
+from joynexus.schemas.scheduler import ReserveRequest
+
+S = JobState
+ALL = list(JobState)
+NON_TERMINAL = [s for s in ALL if s not in (S.COMPLETED, S.DROPPED, S.FAILED)]
+
+# Written out by hand, independently of the code's tables: (from, event kind, to).
+EXPECTED: set[tuple[JobState | None, str, JobState]] = {
+    (None, "reserved", S.RESERVED),
+    *(
+        (S.RESERVED, "marked", t)
+        for t in (S.PRODUCING, S.NEEDS_ACTOR_FORWARD, S.NEEDS_ADVANTAGES, S.READY)
+    ),
+    *((S.PRODUCING, "marked", t) for t in (S.NEEDS_ACTOR_FORWARD, S.NEEDS_ADVANTAGES, S.READY)),
+    (S.COMPUTING_ACTOR_FORWARD, "marked", S.NEEDS_ADVANTAGES),
+    (S.COMPUTING_ACTOR_FORWARD, "marked", S.READY),
+    (S.COMPUTING_ADVANTAGES, "marked", S.READY),
+    (S.NEEDS_ACTOR_FORWARD, "stage:actor_forward", S.COMPUTING_ACTOR_FORWARD),
+    (S.COMPUTING_ACTOR_FORWARD, "stage:actor_forward", S.COMPUTING_ACTOR_FORWARD),
+    (S.NEEDS_ADVANTAGES, "stage:advantages", S.COMPUTING_ADVANTAGES),
+    (S.COMPUTING_ADVANTAGES, "stage:advantages", S.COMPUTING_ADVANTAGES),
+    (S.READY, "leased", S.LEASED),
+    (S.LEASED, "lease_expired", S.READY),
+    (S.LEASED, "completed", S.COMPLETED),
+    *((s, "dropped", S.DROPPED) for s in NON_TERMINAL),
+    *((s, "failed", S.FAILED) for s in NON_TERMINAL),
+}
+
+KINDS = [
+    "reserved",
+    "marked",
+    "stage:actor_forward",
+    "stage:advantages",
+    "stage:bogus",
+    "leased",
+    "lease_expired",
+    "completed",
+    "dropped",
+    "failed",
+]
+
+
+def job(state: JobState = S.RESERVED, **kw: object) -> TrainingJob:
+    base = dict(job_id="j1", tenant_id="acme", task_type="rl", policy_key="default", state=state)
+    base.update(kw)
+    return TrainingJob(**base)  # type: ignore[arg-type]
+
+
+def make_event(kind: str, to: JobState):
+    j = job(to)
+    if kind.startswith("stage:"):
+        return StageLeased(stage=kind.split(":")[1], job=j)
+    cls = {
+        "reserved": Reserved,
+        "marked": Marked,
+        "leased": Leased,
+        "lease_expired": LeaseExpired,
+        "completed": Completed,
+        "dropped": Dropped,
+        "failed": Failed,
+    }[kind]
+    return cls(job=j)
+
+
+@pytest.mark.parametrize("prev,kind", list(itertools.product([None, *ALL], KINDS)))
+def test_transition_table(prev: JobState | None, kind: str) -> None:
+    for to in ALL:
+        ev = make_event(kind, to)
+        ok = (prev, kind, to) in EXPECTED
+        assert allowed(prev, ev) is ok, (prev, kind, to)
+        current = None if prev is None else job(prev)
+        if ok:
+            assert transition(current, ev).state is to
+        else:
+            with pytest.raises(IllegalTransition, match="not allowed"):
+                transition(current, ev)
+
+
+def test_completed_to_leased_names_both_states() -> None:
+    with pytest.raises(IllegalTransition, match="completed -> leased"):
+        transition(job(S.COMPLETED), Leased(job=job(S.LEASED)))
+
+
+def test_event_of_another_job_is_rejected() -> None:
+    with pytest.raises(IllegalTransition, match="applied to job"):
+        transition(job(S.READY), Leased(job=job(S.LEASED, job_id="j2")))
+
+
+# ----------------------------------------------------------------- the core
+
+
+class Driver:
+    """Runs the core the way the agent does, with a fake sequence counter."""
+
+    def __init__(self, **policies: TenantTaskPolicy) -> None:
+        self.core = SchedulerCore(lease_ttl_s=10.0)
+        self.seq = itertools.count(1)
+        self.now = 0.0
+        for p in policies.values():
+            self.core.policies[p.key] = p
+
+    def run(self, ev):
+        if isinstance(ev, (str, TrainingJob)):
+            return ev
+        self.core.apply(ev, self.now)
+        return self.core.commit(ev.job.job_id, next(self.seq))
+
+    def reserve(self, tenant: str, task: str = "rl", job_id: str | None = None, **kw):
+        req = ReserveRequest(
+            job_id=job_id or f"j{next(self.seq)}", tenant_id=tenant, task_type=task, **kw
+        )
+        return self.run(self.core.decide_reserve(req, at=0, by="p"))
+
+    def ready(self, job_id: str) -> TrainingJob:
+        return self.run(
+            self.core.decide_mark(job_id, S.READY, attempt=0, sample_count=None, at=0, by="p")
+        )
+
+    def lease(self, role: str = "actor"):
+        j = self.core.next_ready(role)
+        return None if j is None else self.run(self.core.decide_lease(j, at=0, by="a"))
+
+
+def pol(tenant: str, task: str = "rl", **kw: object) -> TenantTaskPolicy:
+    return TenantTaskPolicy(tenant_id=tenant, task_type=task, **kw)  # type: ignore[arg-type]
+
+
+def test_admission_max_in_flight_and_rollouts() -> None:
+    d = Driver(a=pol("a", max_in_flight=2, max_active_rollouts=1))
+    j1 = d.reserve("a")
+    assert isinstance(j1, TrainingJob)
+    assert "rollouts active" in d.reserve("a")  # one rollout already under way
+    d.ready(j1.job_id)
+    j2 = d.reserve("a")
+    assert isinstance(j2, TrainingJob)
+    d.ready(j2.job_id)
+    assert "max_in_flight 2" in d.reserve("a")
+    leased = d.lease()
+    d.run(d.core.decide_complete(leased.job_id, leased.attempt, result_version=1, at=0, by="a"))
+    assert isinstance(d.reserve("a"), TrainingJob)
+
+
+def test_global_rollout_limit_and_completion_target() -> None:
+    d = Driver(
+        a=pol("a", max_in_flight=9),
+        b=pol("b", max_in_flight=9),
+        c=pol("c", task="sft", max_in_flight=9, completion_target=2),
+    )
+    d.core.limits = GlobalLimits(max_active_rollouts=1)
+    assert isinstance(d.reserve("a"), TrainingJob)
+    assert d.reserve("b").startswith("global")
+    # SFT jobs are not rollouts; the completion target counts in-flight + completed.
+    assert isinstance(d.reserve("c", "sft"), TrainingJob)
+    assert isinstance(d.reserve("c", "sft"), TrainingJob)
+    assert "completion target 2" in d.reserve("c", "sft")
+
+
+def test_unknown_tenant_is_a_clear_error() -> None:
+    d = Driver(a=pol("a"))
+    with pytest.raises(UnknownTenant, match="'ghost' has no policy"):
+        d.reserve("ghost")
+    with pytest.raises(UnknownJob):
+        d.core.get("nope")
+
+
+def test_reserve_is_idempotent_by_job_id() -> None:
+    d = Driver(a=pol("a"))
+    j = d.reserve("a", job_id="jx")
+    assert d.reserve("a", job_id="jx") == j
+    assert d.core.in_flight["a.rl"] == 1
+
+
+def test_lease_order_priority_then_rl_then_fifo() -> None:
+    d = Driver(
+        lo=pol("lo", max_in_flight=9, max_active_rollouts=9, priority=0),
+        hi=pol("hi", task="sft", max_in_flight=9, priority=5),
+        rl=pol("rl", max_in_flight=9, max_active_rollouts=9, priority=0),
+        sft=pol("sft", task="sft", max_in_flight=9, priority=0),
+    )
+    d.core.limits = GlobalLimits(max_active_rollouts=99)
+    order = []
+    for tenant, task in [("sft", "sft"), ("lo", "rl"), ("hi", "sft"), ("rl", "rl"), ("sft", "sft")]:
+        j = d.reserve(tenant, task)
+        d.ready(j.job_id)
+        order.append(j.job_id)
+    got = [d.lease().job_id for _ in range(5)]
+    # hi (priority 5) first; then RL jobs in ready order; then SFT in ready order.
+    assert got == [order[2], order[1], order[3], order[0], order[4]]
+    assert d.lease() is None
+
+
+def test_stale_rl_job_is_dropped_at_lease_with_reason() -> None:
+    d = Driver(a=pol("a", max_in_flight=4, max_active_rollouts=4, max_policy_staleness=1))
+    d.core.limits = GlobalLimits(max_active_rollouts=9)
+    old = d.reserve("a", behavior_policy_version=0)
+    fresh = d.reserve("a", behavior_policy_version=2)
+    d.ready(old.job_id)
+    d.ready(fresh.job_id)
+    d.core.versions["a.default"] = 2
+    j = d.core.next_ready("actor")
+    ev = d.core.decide_lease(j, at=0, by="a")
+    assert isinstance(ev, Dropped) and "lags current version 2 by 2" in ev.job.reason
+    d.run(ev)
+    assert d.core.effects_of(d.core.jobs[old.job_id]).clear_partitions == [("a", old.job_id)]
+    assert d.lease().job_id == fresh.job_id
+
+
+def test_lease_expiry_and_stale_complete() -> None:
+    d = Driver(a=pol("a", task="sft"))
+    j = d.reserve("a", "sft")
+    d.ready(j.job_id)
+    first = d.lease()
+    assert first.attempt == 1
+    d.now = 5.0
+    d.core.touch(first.job_id, 1, now=d.now)  # extends to 15
+    d.now = 12.0
+    assert d.core.decide_expiries(now=d.now, at=0, by="s") == []
+    d.now = 16.0
+    [exp] = d.core.decide_expiries(now=d.now, at=0, by="s")
+    d.run(exp)
+    second = d.lease()
+    assert second.attempt == 2 and second.ready_seq == first.ready_seq
+    with pytest.raises(StaleLease, match="lease 1 expired"):
+        d.core.decide_complete(j.job_id, 1, result_version=None, at=0, by="zombie")
+    done = d.run(d.core.decide_complete(j.job_id, 2, result_version=3, at=0, by="a"))
+    assert done.state is S.COMPLETED and d.core.versions["a.default"] == 3
+    # A retried complete of the same lease is a no-op, not an error.
+    assert d.core.decide_complete(j.job_id, 2, result_version=3, at=0, by="a") == done
+    with pytest.raises(IllegalTransition):
+        d.core.decide_lease_stage(j.job_id, "advantages", now=d.now, at=0, by="w")
+
+
+def test_stage_lease_is_exclusive_until_it_expires() -> None:
+    d = Driver(a=pol("a"))
+    j = d.reserve("a")
+    d.run(d.core.decide_mark(j.job_id, S.NEEDS_ADVANTAGES, attempt=0, sample_count=8, at=0, by="p"))
+    a = d.run(d.core.decide_lease_stage(j.job_id, "advantages", now=0, at=0, by="w1"))
+    assert a.holder == "w1" and a.attempt == 1 and a.sample_count == 8
+    assert d.core.decide_lease_stage(j.job_id, "advantages", now=1, at=0, by="w1") == a
+    with pytest.raises(Conflict, match="leased to w1"):
+        d.core.decide_lease_stage(j.job_id, "advantages", now=1, at=0, by="w2")
+    b = d.run(d.core.decide_lease_stage(j.job_id, "advantages", now=11, at=0, by="w2"))
+    assert b.holder == "w2" and b.attempt == 2
+    with pytest.raises(StaleLease):
+        d.core.decide_mark(j.job_id, S.READY, attempt=1, sample_count=None, at=0, by="w1")
+    assert (
+        d.run(
+            d.core.decide_mark(j.job_id, S.READY, attempt=2, sample_count=None, at=0, by="w2")
+        ).state
+        is S.READY
+    )
+
+
+def test_revert_restores_counters_and_ready_queue() -> None:
+    d = Driver(a=pol("a", task="sft"))
+    j = d.reserve("a", "sft")
+    d.ready(j.job_id)
+    before = (+d.core.by_state, +d.core.in_flight)
+    ready_job = d.core.next_ready("actor")
+    ev = d.core.decide_lease(ready_job, at=0, by="a")
+    prev = d.core.apply(ev, 0.0)
+    assert d.core.next_ready("actor") is None
+    d.core.revert(j.job_id, prev, 0.0)
+    assert (+d.core.by_state, +d.core.in_flight) == before
+    assert d.core.next_ready("actor").job_id == j.job_id
+
+
+def test_rebuild_from_last_events_gives_same_state() -> None:
+    d = Driver(
+        a=pol("a", max_in_flight=5, max_active_rollouts=5), b=pol("b", task="sft", max_in_flight=5)
+    )
+    d.core.limits = GlobalLimits(max_active_rollouts=9)
+    events: dict[str, tuple[object, int]] = {}
+    orig_run = d.run
+
+    def recording_run(ev):
+        out = orig_run(ev)
+        if not isinstance(ev, (str, TrainingJob)):
+            events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
+        return out
+
+    d.run = recording_run  # type: ignore[method-assign]
+    for t, task in [("a", "rl"), ("b", "sft"), ("a", "rl"), ("b", "sft")]:
+        j = d.reserve(t, task)
+        d.ready(j.job_id)
+    leased = d.lease()
+    d.run(d.core.decide_complete(leased.job_id, leased.attempt, result_version=4, at=0, by="a"))
+    d.lease()
+    fresh = SchedulerCore(lease_ttl_s=10.0, policies=dict(d.core.policies), limits=d.core.limits)
+    for ev, seq in sorted(events.values(), key=lambda x: x[1]):
+        fresh.load(ev, seq, 0.0)  # type: ignore[arg-type]
+    strip = lambda c: {k: msgspec.structs.asdict(v) for k, v in c.jobs.items()}  # noqa: E731
+    assert strip(fresh) == strip(d.core)
+    assert fresh.by_state == d.core.by_state and fresh.versions == {"a.default": 4}
+    assert fresh.next_ready("actor").job_id == d.core.next_ready("actor").job_id
