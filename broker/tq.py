@@ -336,7 +336,7 @@ class TrainingQueue:
         for p in prepared:
             subject = names.tq_data(tenant_id, partition_id, p.name)
             # A byte view of the contiguous array: chunks are slices, not copies.
-            flat = memoryview(p.arr.reshape(-1).view(np.uint8)) if p.nbytes else memoryview(b"")
+            flat = p.arr.reshape(-1).view(np.uint8).data if p.nbytes else memoryview(b"")
             shape = list(p.arr.shape)
             dtype = p.arr.dtype.str
             for k in range(p.parts):
@@ -409,7 +409,11 @@ class TrainingQueue:
             check_field(f)
         if batch_size <= 0:
             raise InvalidSpec(f"batch_size must be positive, got {batch_size}")
-        part = await self._read_index(tenant_id, partition_id)
+        claim_subject = self.broker.names.tq_consumed(tenant_id, partition_id, task_name)
+        # Index and claims are independent reads: one round trip instead of two.
+        part, first_claims = await asyncio.gather(
+            self._read_index(tenant_id, partition_id), self._read_records(claim_subject, 1)
+        )
         if not part.records:
             raise UnknownPartition(
                 f"partition {partition_id!r} of tenant {tenant_id!r} has no data: never written, "
@@ -427,15 +431,17 @@ class TrainingQueue:
         for arr in owner.values():
             ready &= arr >= 0
 
-        claim_subject = self.broker.names.tq_consumed(tenant_id, partition_id, task_name)
         claimed = np.zeros(n, dtype=bool)
         last_seq = 0
+        more: _Records | None = first_claims
         for _ in range(MAX_APPEND_ATTEMPTS):
-            more = await self._read_records(claim_subject, last_seq + 1)
+            if more is None:  # a concurrent claim won: read what it took
+                more = await self._read_records(claim_subject, last_seq + 1)
             for _, d in more.items:
                 for a, b in decode(d, TqClaimRecord).rows:
                     claimed[a:min(b, n)] = True
             last_seq = max(last_seq, more.last_seq)
+            more = None
             rows = np.flatnonzero(ready & ~claimed)[:batch_size].tolist()
             if not rows:
                 return BatchMeta(tenant_id=tenant_id, partition_id=partition_id,
@@ -699,7 +705,7 @@ class _ReadPlan:
         out = np.empty((len(self.seg_of), *self.row_shape), dtype=self.dtype)
         if rb == 0 or out.size == 0:
             return out
-        dst = memoryview(out.reshape(-1).view(np.uint8))
+        dst = out.reshape(-1).view(np.uint8).data
         for a, b, s, p in self.runs():
             seg = self.segs[s]
             cb = seg.chunk_bytes
