@@ -1,0 +1,418 @@
+"""The resident base model: a frozen Qwen2.5-VL backbone shared by all tenants.
+
+One ``Backbone`` per process holds the transformers ``Qwen2_5_VLModel`` (vision
+tower + language model, no LM head), a byte-level tokenizer and the Qwen2-VL
+image processor. It is frozen and in eval mode; tenants never train it, they
+only read its features. Everything works offline: the model is built from a
+config (``size="tiny"`` for tests, ``"bench"`` for benchmarks, random weights)
+or loaded from a local directory with ``from_pretrained`` (the same path real
+weights take). Nothing is fetched from a hub.
+
+Prompt layout per sample (token ids), right-padded to the batch's longest::
+
+    <|im_start|> (<|vision_start|> <|image_pad|>*n <|vision_end|>) per camera
+    instruction bytes (at most max_text_tokens) <|im_end|> <|endoftext|>...
+
+Positions are the 3-D M-RoPE ids from ``get_rope_index`` (temporal, height,
+width rows), passed explicitly so the model never falls back to 1-D positions.
+Every sample of a compatible batch shares the same prefix layout, so one row is
+computed and broadcast. Attention is causal, so right padding never changes the
+features of real tokens.
+
+Features (``encode``/``forward``): ``feats_B_D`` float32, the mean of the last
+hidden states over each sample's real tokens (pads excluded); D = hidden size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLModel,
+    Qwen2VLImageProcessor,
+)
+
+from joynexus.agents.models.features import FeatureBatch, SharedBatch, right_pad
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+__all__ = [
+    "SIZES",
+    "SPECIAL_TOKENS",
+    "Backbone",
+    "BackboneConfig",
+    "BackboneInputs",
+    "build_image_processor",
+    "build_qwen_config",
+    "build_tokenizer",
+]
+
+PAD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS: tuple[str, ...] = (
+    PAD_TOKEN,
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+META_FILE = "joynexus_backbone.json"
+
+# Model sizes built from config. "bench" is sized so a batch-4 forward takes
+# ~30 ms on 2 CPU threads; the vision tower is kept small next to the LM so the
+# shared language-model compute dominates, as it does for real VLA backbones.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3]),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2),
+    ),
+    "bench": dict(
+        text=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                  num_attention_heads=12, num_key_value_heads=4, mrope_section=[8, 12, 12]),
+        vision=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2),
+    ),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """How to build the resident backbone. Validates itself.
+
+    ``path``: a local directory to load with ``from_pretrained`` (then ``size``
+    only names the model); None builds random weights of ``size``.
+    ``image_size``: side (pixels, multiple of 28) the image processor resizes to.
+    ``threads``: torch intra-op threads to set at build (None leaves it).
+    """
+
+    size: Literal["tiny", "bench"] = "tiny"
+    path: str | None = None
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int | None = None
+    image_size: int = 56
+    max_text_tokens: int = 48
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise InvalidSpec(f"BackboneConfig.size={self.size!r}: choose one of {sorted(SIZES)}")
+        if self.dtype not in _DTYPES:
+            raise InvalidSpec(f"BackboneConfig.dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
+        if self.image_size < 28 or self.image_size % 28:
+            raise InvalidSpec(
+                f"BackboneConfig.image_size={self.image_size}: must be a multiple of 28 (patch 14 x merge 2), >= 28"
+            )
+        if self.max_text_tokens < 1:
+            raise InvalidSpec(f"BackboneConfig.max_text_tokens={self.max_text_tokens}: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidSpec(f"BackboneConfig.threads={self.threads}: must be >= 1 or None")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise InvalidSpec(f"BackboneConfig.device={self.device!r}: not a torch device ({e})") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidSpec(f"BackboneConfig.device={self.device!r} but CUDA is not available; use 'cpu'")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise InvalidSpec(f"BackboneConfig.path={self.path!r} is not a local directory; save a backbone there first")
+
+    @property
+    def base_model(self) -> str:
+        return f"qwen2.5-vl-{self.size}"
+
+
+@dataclass(frozen=True)
+class BackboneInputs:
+    """Tokenized and patchified inputs for one backbone forward (CPU tensors)."""
+
+    input_ids_B_L: torch.Tensor  # int64, right-padded
+    lengths_B: torch.Tensor  # int64, real tokens per row
+    pixel_values_P_F: torch.Tensor  # float32, all images' patches, sample-major then camera
+    image_grid_thw_N_3: torch.Tensor  # int64, N = B * cameras
+    n_cameras: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids_B_L.shape[0])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE: id i (0..255) is byte i, no merges, then the special tokens."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token="<|im_end|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+    return fast
+
+
+def build_image_processor(image_size: int) -> Qwen2VLImageProcessor:
+    """Qwen2-VL image processor pinned to ``image_size`` x ``image_size`` pixels."""
+    px = image_size * image_size
+    return Qwen2VLImageProcessor(min_pixels=px, max_pixels=px, patch_size=14, temporal_patch_size=2, merge_size=2)
+
+
+def build_qwen_config(size: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_VLConfig:
+    spec = SIZES[size]
+    t = dict(spec["text"])
+    mrope = t.pop("mrope_section")
+    head_dim = t["hidden_size"] // t["num_attention_heads"]
+    if sum(mrope) * 2 != head_dim:
+        raise InvalidSpec(f"size {size!r}: mrope_section {mrope} must sum to head_dim/2 = {head_dim // 2}")
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
+    text_config = dict(
+        t,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rope_scaling={"type": "mrope", "mrope_section": mrope},
+        tie_word_embeddings=False,
+        use_cache=False,
+        pad_token_id=ids[PAD_TOKEN],
+    )
+    v = spec["vision"]
+    vision_config = dict(
+        v,
+        out_hidden_size=t["hidden_size"],
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=list(range(v["depth"])),
+        in_channels=3,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=ids[PAD_TOKEN],
+        tie_word_embeddings=False,
+    )
+
+
+class Backbone:
+    """The frozen, shared vision-language backbone. Build with ``Backbone.build``."""
+
+    def __init__(
+        self,
+        model: Qwen2_5_VLModel,
+        tokenizer: PreTrainedTokenizerFast,
+        image_processor: Qwen2VLImageProcessor,
+        config: BackboneConfig,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.model.to(device=self.device, dtype=self.dtype)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        missing = [s for s in SPECIAL_TOKENS if s not in tokenizer.get_vocab()]
+        if missing:
+            raise InvalidSpec(f"tokenizer lacks special tokens {missing}; save the backbone with this module's tokenizer")
+        self._ids = {s: int(tokenizer.convert_tokens_to_ids(s)) for s in SPECIAL_TOKENS}
+        self.tokens_per_image = (config.image_size // 28) ** 2
+        self._prefix_cache: dict[int, list[int]] = {}
+        self._pos_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    # -- construction ---------------------------------------------------
+    @classmethod
+    def build(cls, config: BackboneConfig | None = None) -> Backbone:
+        """Build from config: random weights of ``config.size``, or ``from_pretrained(config.path)``."""
+        config = config or BackboneConfig()
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        if config.path is not None:
+            p = Path(config.path)
+            model = Qwen2_5_VLModel.from_pretrained(p, local_files_only=True, attn_implementation="sdpa",
+                                                    dtype=_DTYPES[config.dtype])
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
+            image_processor = build_image_processor(config.image_size)
+        else:
+            tokenizer = build_tokenizer()
+            image_processor = build_image_processor(config.image_size)
+            qcfg = build_qwen_config(config.size, tokenizer)
+            qcfg._attn_implementation = "sdpa"
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                model = Qwen2_5_VLModel(qcfg)
+        return cls(model, tokenizer, image_processor, config)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> Backbone:
+        """Load a directory written by ``save`` (or any local Qwen2.5-VL checkpoint + tokenizer)."""
+        p = Path(path)
+        meta: dict[str, Any] = {}
+        if (p / META_FILE).is_file():
+            meta = json.loads((p / META_FILE).read_text())
+        meta.update(overrides)
+        meta["path"] = str(p)
+        return cls.build(BackboneConfig(**meta))
+
+    def save(self, path: str | Path) -> None:
+        """save_pretrained for model, tokenizer and image processor, plus our settings."""
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(p)
+        self.tokenizer.save_pretrained(p)
+        self.image_processor.save_pretrained(p)
+        meta = {k: v for k, v in asdict(self.config).items() if k not in ("path", "device", "threads")}
+        (p / META_FILE).write_text(json.dumps(meta, indent=2))
+
+    # -- facts ----------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.text_config.hidden_size)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.text_config.num_hidden_layers)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return dict(self._ids)
+
+    # -- input preparation (per request; pure CPU work) -------------------
+    def _prefix(self, n_cameras: int) -> list[int]:
+        if n_cameras not in self._prefix_cache:
+            ids = self._ids
+            cam = [ids["<|vision_start|>"], *([ids["<|image_pad|>"]] * self.tokens_per_image), ids["<|vision_end|>"]]
+            self._prefix_cache[n_cameras] = [ids["<|im_start|>"], *(cam * n_cameras)]
+        return self._prefix_cache[n_cameras]
+
+    def tokenize(self, instructions: tuple[str, ...] | list[str], n_cameras: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids (right-padded) and real lengths for a batch of instructions."""
+        text_ids = self.tokenizer(list(instructions), add_special_tokens=False)["input_ids"]
+        prefix = self._prefix(n_cameras)
+        end = self._ids["<|im_end|>"]
+        rows = [prefix + t[: self.config.max_text_tokens] + [end] for t in text_ids]
+        return right_pad(rows, self._ids[PAD_TOKEN])
+
+    def process_images(self, images: dict[str, torch.Tensor] | Any, camera_slots: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the Qwen2-VL image processor over all images, sample-major then camera."""
+        per_slot = [images[s] for s in camera_slots]
+        b = int(per_slot[0].shape[0])
+        c = int(per_slot[0].shape[1])
+        if c == 1:
+            per_slot = [x.expand(-1, 3, -1, -1) for x in per_slot]
+        stacked_B_K_C_H_W = torch.stack(per_slot, dim=1)
+        flat = stacked_B_K_C_H_W.reshape(b * len(camera_slots), *stacked_B_K_C_H_W.shape[2:]).numpy()
+        side = self.config.image_size
+        same = flat.shape[-2:] == (side, side)
+        out = self.image_processor(
+            images=list(flat),
+            do_resize=not same,
+            input_data_format="channels_first",
+            return_tensors="pt",
+        )
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def prepare(self, batch: FeatureBatch | SharedBatch) -> BackboneInputs:
+        """Tokenize instructions and patchify images (no model call)."""
+        slots = batch.schema.camera_slots if isinstance(batch, FeatureBatch) else batch.camera_slots
+        ids, lengths = self.tokenize(batch.instructions, len(slots))
+        pv, thw = self.process_images(dict(batch.images), slots)
+        return BackboneInputs(ids, lengths, pv, thw, len(slots))
+
+    def concat_inputs(self, parts: list[BackboneInputs]) -> BackboneInputs:
+        """Join prepared inputs of compatible batches (rows in order) without re-processing."""
+        if len(parts) == 1:
+            return parts[0]
+        k = parts[0].n_cameras
+        if any(p.n_cameras != k for p in parts):
+            raise ShapeMismatch("concat_inputs: parts have different camera counts; group only compatible batches")
+        L = max(int(p.input_ids_B_L.shape[1]) for p in parts)
+        pad_id = self._ids[PAD_TOKEN]
+        ids = [
+            torch.nn.functional.pad(p.input_ids_B_L, (0, L - p.input_ids_B_L.shape[1]), value=pad_id)
+            if p.input_ids_B_L.shape[1] < L
+            else p.input_ids_B_L
+            for p in parts
+        ]
+        return BackboneInputs(
+            torch.cat(ids, 0),
+            torch.cat([p.lengths_B for p in parts], 0),
+            torch.cat([p.pixel_values_P_F for p in parts], 0),
+            torch.cat([p.image_grid_thw_N_3 for p in parts], 0),
+            k,
+        )
+
+    # -- the forward ------------------------------------------------------
+    def rope_positions(self, inputs: BackboneInputs) -> torch.Tensor:
+        """3-D M-RoPE position ids ``[3, B, L]`` from the model's ``get_rope_index``.
+
+        All rows share the prefix layout, so one row is computed and broadcast;
+        right-padded tails just continue the text positions (never attended).
+        """
+        b, L = inputs.input_ids_B_L.shape
+        key = (inputs.n_cameras, int(L))
+        if key not in self._pos_cache:
+            row_1_L = inputs.input_ids_B_L[:1]
+            pos_3_1_L, _ = self.model.get_rope_index(row_1_L, inputs.image_grid_thw_N_3[: inputs.n_cameras])
+            self._pos_cache[key] = pos_3_1_L.to(self.device)
+        return self._pos_cache[key].expand(3, b, L)
+
+    def forward(self, inputs: BackboneInputs) -> torch.Tensor:
+        """One backbone forward over prepared inputs -> ``feats_B_D`` float32 (mean over real tokens)."""
+        dev = self.device
+        ids = inputs.input_ids_B_L.to(dev, non_blocking=True)
+        with torch.inference_mode():
+            pos = self.rope_positions(inputs)
+            out = self.model(
+                input_ids=ids,
+                pixel_values=inputs.pixel_values_P_F.to(dev, self.dtype, non_blocking=True),
+                image_grid_thw=inputs.image_grid_thw_N_3.to(dev),
+                position_ids=pos,
+                use_cache=False,
+                return_dict=True,
+            )
+            h_B_L_D = out.last_hidden_state
+            lengths = inputs.lengths_B.to(dev)
+            mask_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
+            summed_B_D = (h_B_L_D * mask_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
+            feats_B_D = summed_B_D / lengths[:, None].to(torch.float32)
+        # Clone outside inference mode so heads may use the features in autograd.
+        return feats_B_D.clone()
+
+    def encode(self, batch: FeatureBatch | SharedBatch) -> torch.Tensor:
+        """prepare + forward: ``feats_B_D`` for a canonical batch."""
+        return self.forward(self.prepare(batch))
+

@@ -1,0 +1,324 @@
+"""Canonical VLA inputs, and the rules for sharing one backbone forward.
+
+A tenant's request is canonicalized once at the edge into a ``FeatureBatch``:
+camera images as uint8 ``[B, C, H, W]`` per camera slot, one instruction string
+per sample, robot state float32 ``[B, S]`` and optional state history
+``[B, Hh, S]``. The ``FeatureSchema`` says what a tenant's policy expects; its
+``signature()`` string names it on the wire.
+
+Sharing rule: batches of different tenants may go through ONE backbone forward
+when their ``backbone_key()`` matches (same base model, same camera slots in
+the same order, same image channels/size). State dim, action dim and horizon
+may differ: they only reach the per-tenant heads, never the shared backbone.
+
+Padding rules: instructions are byte-tokenized and right-padded to the longest
+sequence of the (grouped) batch; because the backbone attends causally, right
+padding never changes the features of real tokens, so a sample's features do
+not depend on which other samples share its forward. State history shorter
+than ``history_len`` is left-padded by repeating its oldest frame.
+
+Everything here is pure: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+__all__ = [
+    "FeatureBatch",
+    "FeatureSchema",
+    "IncompatibleBatches",
+    "SharedBatch",
+    "canonicalize_request",
+    "check_compatible",
+    "concat_batches",
+    "pad_history",
+    "right_pad",
+    "split_rows",
+]
+
+
+class IncompatibleBatches(InvalidSpec):
+    """Batches that cannot share one backbone forward (wire code stays invalid_spec)."""
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """What one tenant's policy consumes and produces.
+
+    ``camera_slots`` are ordered names ("front", "wrist"); ``image_hw`` is the
+    camera image size every slot must have; ``action_horizon`` x ``action_dim``
+    is the action chunk a head predicts.
+    """
+
+    camera_slots: tuple[str, ...]
+    image_hw: tuple[int, int]
+    state_dim: int
+    action_dim: int
+    action_horizon: int
+    base_model: str = "qwen2.5-vl-tiny"
+    history_len: int = 0
+    channels: int = 3
+
+    def __post_init__(self) -> None:
+        slots = tuple(self.camera_slots)
+        object.__setattr__(self, "camera_slots", slots)
+        object.__setattr__(self, "image_hw", tuple(int(x) for x in self.image_hw))
+        if not slots:
+            raise InvalidSpec("FeatureSchema.camera_slots is empty: give at least one camera slot name")
+        if len(set(slots)) != len(slots):
+            raise InvalidSpec(f"FeatureSchema.camera_slots {slots!r} has duplicates: name each camera once")
+        for s in slots:
+            if not s or not all(c.isalnum() or c in "_-." for c in s):
+                raise InvalidSpec(
+                    f"camera slot name {s!r} is not a plain name: use letters, digits, '_', '-', '.'"
+                )
+        if len(self.image_hw) != 2 or min(self.image_hw) < 1:
+            raise InvalidSpec(f"FeatureSchema.image_hw={self.image_hw!r}: give (height, width), both >= 1")
+        for name in ("state_dim", "action_dim", "action_horizon", "channels"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidSpec(f"FeatureSchema.{name}={v!r}: must be an integer >= 1")
+        if not isinstance(self.history_len, int) or self.history_len < 0:
+            raise InvalidSpec(f"FeatureSchema.history_len={self.history_len!r}: must be an integer >= 0")
+        if self.channels not in (1, 3):
+            raise InvalidSpec(f"FeatureSchema.channels={self.channels}: use 3 (RGB) or 1 (grey)")
+        if not self.base_model or "|" in self.base_model:
+            raise InvalidSpec(f"FeatureSchema.base_model={self.base_model!r}: give a name without '|'")
+
+    def signature(self) -> str:
+        """Stable string naming this schema, e.g.
+        ``qwen2.5-vl-tiny|cams=front,wrist|img=3x56x56|state=8|act=8x7|hist=0``."""
+        h, w = self.image_hw
+        return (
+            f"{self.base_model}|cams={','.join(self.camera_slots)}|img={self.channels}x{h}x{w}"
+            f"|state={self.state_dim}|act={self.action_horizon}x{self.action_dim}|hist={self.history_len}"
+        )
+
+    def backbone_key(self) -> str:
+        """The part of the signature that decides whether a backbone forward can be shared."""
+        h, w = self.image_hw
+        return f"{self.base_model}|cams={','.join(self.camera_slots)}|img={self.channels}x{h}x{w}"
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """One tenant's canonical batch. Tensors are on CPU; the backbone moves them."""
+
+    schema: FeatureSchema
+    images: Mapping[str, torch.Tensor]  # slot -> uint8 [B, C, H, W]
+    instructions: tuple[str, ...]  # len B
+    state_B_S: torch.Tensor  # float32
+    history_B_H_S: torch.Tensor | None = None  # float32, H == schema.history_len
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.state_B_S.shape[0])
+
+
+@dataclass(frozen=True)
+class SharedBatch:
+    """Several tenants' compatible batches laid end to end for one backbone forward."""
+
+    backbone_key: str
+    camera_slots: tuple[str, ...]
+    images: Mapping[str, torch.Tensor]  # slot -> uint8 [N, C, H, W], N = sum of batch sizes
+    instructions: tuple[str, ...]  # len N
+    slices: tuple[slice, ...]  # rows of each input batch, in input order
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.instructions)
+
+
+def _as_tensor(x: Any, field: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, (list, tuple)):
+        try:
+            return torch.as_tensor(np.asarray(x))
+        except (ValueError, TypeError) as e:
+            raise InvalidSpec(f"{field}: cannot read as an array ({e}); send a rectangular numeric array") from e
+    raise InvalidSpec(f"{field}: expected an array or tensor, got {type(x).__name__}")
+
+
+def _check_finite(t: torch.Tensor, field: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        n_bad = int((~torch.isfinite(t)).sum())
+        raise InvalidSpec(f"{field} contains {n_bad} NaN/inf value(s): send finite numbers only")
+
+
+def _canon_image(x: Any, field: str, schema: FeatureSchema, batched: bool) -> torch.Tensor:
+    img = _as_tensor(x, field)
+    c = schema.channels
+    h, w = schema.image_hw
+    if not batched:
+        img = img.unsqueeze(0)
+    if img.ndim != 4:
+        raise ShapeMismatch(f"{field}: expected [B, {c}, {h}, {w}] (or [B, {h}, {w}, {c}]), got {list(img.shape)}")
+    if img.shape[1] != c and img.shape[-1] == c:
+        img = img.permute(0, 3, 1, 2)  # channels-last -> channels-first
+    if tuple(img.shape[1:]) != (c, h, w):
+        raise ShapeMismatch(
+            f"{field}: expected [B, {c}, {h}, {w}] per the schema, got {list(img.shape)}; "
+            "resize the camera image or fix FeatureSchema.image_hw"
+        )
+    if img.dtype == torch.uint8:
+        return img.contiguous()
+    if img.is_floating_point():
+        _check_finite(img, field)
+        lo, hi = float(img.min()), float(img.max())
+        if lo < 0.0 or hi > 1.0:
+            raise InvalidSpec(
+                f"{field}: float images must lie in [0, 1], got [{lo:.3g}, {hi:.3g}]; send uint8 0..255 instead"
+            )
+        return (img * 255.0).round().to(torch.uint8).contiguous()
+    raise InvalidSpec(f"{field}: dtype {img.dtype} not supported; send uint8 (0..255) or float in [0, 1]")
+
+
+def pad_history(history_B_H_S: torch.Tensor, history_len: int) -> torch.Tensor:
+    """Left-pad (repeat the oldest frame) or keep the newest ``history_len`` frames."""
+    h = history_B_H_S.shape[1]
+    if h == history_len:
+        return history_B_H_S
+    if h > history_len:
+        return history_B_H_S[:, h - history_len :]
+    if h == 0:
+        raise ShapeMismatch(f"history has 0 frames; send at least 1 (schema wants {history_len})")
+    pad = history_B_H_S[:, :1].expand(-1, history_len - h, -1)
+    return torch.cat([pad, history_B_H_S], dim=1)
+
+
+def canonicalize_request(
+    schema: FeatureSchema,
+    images: Mapping[str, Any],
+    instructions: str | Sequence[str],
+    state: Any,
+    history: Any | None = None,
+) -> FeatureBatch:
+    """Check and convert one request into a ``FeatureBatch``.
+
+    ``state`` may be ``[B, S]`` or, for a single sample, ``[S]`` (then images may
+    be unbatched ``[C, H, W]``/``[H, W, C]``). One instruction string is broadcast
+    to the whole batch. Raises ``ShapeMismatch`` for wrong shapes and
+    ``InvalidSpec`` for NaN/inf, wrong camera slots or bad dtypes, naming the field.
+    """
+    state_t = _as_tensor(state, "state")
+    batched = state_t.ndim == 2
+    if state_t.ndim == 1:
+        state_t = state_t.unsqueeze(0)
+    if state_t.ndim != 2 or state_t.shape[1] != schema.state_dim:
+        raise ShapeMismatch(
+            f"state: expected [B, {schema.state_dim}] (or [{schema.state_dim}] for one sample), "
+            f"got {list(_as_tensor(state, 'state').shape)}"
+        )
+    if not state_t.is_floating_point():
+        state_t = state_t.to(torch.float32)
+    _check_finite(state_t, "state")
+    state_t = state_t.to(torch.float32).contiguous()
+    b = int(state_t.shape[0])
+    if b < 1:
+        raise ShapeMismatch("state: batch is empty; send at least one sample")
+
+    missing = [s for s in schema.camera_slots if s not in images]
+    extra = [s for s in images if s not in schema.camera_slots]
+    if missing or extra:
+        raise InvalidSpec(
+            f"images: camera slots must be exactly {list(schema.camera_slots)}; "
+            f"missing {missing}, unexpected {extra}"
+        )
+    imgs: dict[str, torch.Tensor] = {}
+    for slot in schema.camera_slots:
+        field = f"images[{slot!r}]"
+        img = _canon_image(images[slot], field, schema, batched)
+        if img.shape[0] != b:
+            raise ShapeMismatch(f"{field}: batch size {img.shape[0]} but state has {b} rows")
+        imgs[slot] = img
+
+    if isinstance(instructions, str):
+        instr = (instructions,) * b
+    else:
+        instr = tuple(instructions)
+        if not all(isinstance(s, str) for s in instr):
+            raise InvalidSpec("instructions: every instruction must be a str")
+        if len(instr) != b:
+            raise ShapeMismatch(f"instructions: {len(instr)} given but batch size is {b}; send one per sample or one str")
+
+    hist: torch.Tensor | None = None
+    if schema.history_len > 0:
+        if history is None:
+            hist = state_t.unsqueeze(1).expand(-1, schema.history_len, -1).contiguous()
+        else:
+            hist = _as_tensor(history, "history").to(torch.float32)
+            if not batched and hist.ndim == 2:
+                hist = hist.unsqueeze(0)
+            if hist.ndim != 3 or hist.shape[0] != b or hist.shape[2] != schema.state_dim:
+                raise ShapeMismatch(
+                    f"history: expected [B={b}, frames, {schema.state_dim}], got {list(hist.shape)}"
+                )
+            _check_finite(hist, "history")
+            hist = pad_history(hist, schema.history_len).contiguous()
+    elif history is not None:
+        raise InvalidSpec("history: schema.history_len is 0 so history is not accepted; drop it or raise history_len")
+
+    return FeatureBatch(schema=schema, images=imgs, instructions=instr, state_B_S=state_t, history_B_H_S=hist)
+
+
+def check_compatible(schemas: Sequence[FeatureSchema]) -> str:
+    """Return the shared backbone key, or raise ``IncompatibleBatches`` naming the odd one out."""
+    if not schemas:
+        raise InvalidSpec("nothing to group: give at least one batch")
+    key = schemas[0].backbone_key()
+    for i, s in enumerate(schemas[1:], start=1):
+        if s.backbone_key() != key:
+            raise IncompatibleBatches(
+                f"batch {i} cannot share a backbone forward with batch 0: "
+                f"{s.backbone_key()!r} != {key!r} (base model, camera slots and image size must match); "
+                "run it in its own group"
+            )
+    return key
+
+
+def concat_batches(batches: Sequence[FeatureBatch]) -> SharedBatch:
+    """Lay compatible batches end to end; ``slices[i]`` recovers batch i's rows."""
+    key = check_compatible([b.schema for b in batches])
+    slots = batches[0].schema.camera_slots
+    slices: list[slice] = []
+    start = 0
+    for b in batches:
+        slices.append(slice(start, start + b.batch_size))
+        start += b.batch_size
+    if len(batches) == 1:
+        images: Mapping[str, torch.Tensor] = batches[0].images
+    else:
+        images = {s: torch.cat([b.images[s] for b in batches], dim=0) for s in slots}
+    instructions = tuple(s for b in batches for s in b.instructions)
+    return SharedBatch(key, slots, images, instructions, tuple(slices))
+
+
+def split_rows(x_N_rest: torch.Tensor, slices: Sequence[slice]) -> list[torch.Tensor]:
+    """Split backbone output rows back into per-batch views by recorded slices."""
+    total = slices[-1].stop if slices else 0
+    if x_N_rest.shape[0] != total:
+        raise ShapeMismatch(f"split_rows: tensor has {x_N_rest.shape[0]} rows but slices cover {total}")
+    return [x_N_rest[s] for s in slices]
+
+
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token rows to the longest: returns (ids_B_L int64, lengths_B int64)."""
+    lengths = [len(r) for r in rows]
+    L = max(lengths) if lengths else 0
+    ids = np.full((len(rows), L), pad_id, dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    return torch.from_numpy(ids), torch.tensor(lengths, dtype=torch.int64)
+

@@ -1,0 +1,333 @@
+"""Tenant action modules: the only trainable part of a tenant's policy.
+
+Each tenant owns a small head (well under 1% of the backbone at bench size and
+above), its own optimizer state and its own version counter; nothing here is
+shared or averaged across tenants. Heads are chosen by a type name from a
+registry (``@register("oft_mlp")``, ``build_head(type_name, cfg)``):
+
+- ``oft_mlp``: OFT-style MLP regressing an action chunk ``[B, horizon, action_dim]``
+  from backbone features ``[B, D]`` + robot state ``[B, S]``; L1 or MSE loss.
+- ``flow_matching``: GR00T-style velocity field conditioned on features + state,
+  trained with the rectified-flow loss, sampled with a few Euler steps from
+  noise; deterministic given the noise tensor (or the head's seeded generator).
+- ``value``: scalar value per sample for RL (``[B]``), MSE to returns.
+
+Every head has ``loss(feats_B_D, state_B_S, target) -> scalar`` and
+``act(feats_B_D, state_B_S) -> tensor``. ``TenantModule`` bundles head,
+AdamW optimizer and version, with a ``state_dict`` that includes the optimizer
+and a safetensors export of the head weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+__all__ = [
+    "HEADS",
+    "ActionHead",
+    "FlowMatchingHead",
+    "HeadConfig",
+    "OFTMLPHead",
+    "TenantModule",
+    "ValueHead",
+    "build_head",
+    "register",
+]
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Sizes and knobs of one tenant's head. Validates itself."""
+
+    feature_dim: int
+    state_dim: int
+    action_dim: int = 7
+    action_horizon: int = 8
+    hidden: int = 64
+    loss: Literal["l1", "mse"] = "l1"  # oft_mlp only
+    flow_steps: int = 4  # flow_matching: Euler steps at act()
+    seed: int = 0  # init weights and the head's own noise generator
+
+    def __post_init__(self) -> None:
+        for name in ("feature_dim", "state_dim", "action_dim", "action_horizon", "hidden", "flow_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidSpec(f"HeadConfig.{name}={v!r}: must be an integer >= 1")
+        if self.loss not in ("l1", "mse"):
+            raise InvalidSpec(f"HeadConfig.loss={self.loss!r}: choose 'l1' or 'mse'")
+
+
+class ActionHead(nn.Module):
+    """Base of tenant heads: ``loss`` for training, ``act`` for decoding."""
+
+    type_name: str = ""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def _check(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> None:
+        c = self.cfg
+        if feats_B_D.ndim != 2 or feats_B_D.shape[1] != c.feature_dim:
+            raise ShapeMismatch(f"{self.type_name}: feats must be [B, {c.feature_dim}], got {list(feats_B_D.shape)}")
+        if state_B_S.shape != (feats_B_D.shape[0], c.state_dim):
+            raise ShapeMismatch(
+                f"{self.type_name}: state must be [B={feats_B_D.shape[0]}, {c.state_dim}], got {list(state_B_S.shape)}"
+            )
+
+    def _check_target(self, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(target.shape) != shape:
+            raise ShapeMismatch(f"{self.type_name}: target must be {list(shape)}, got {list(target.shape)}")
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+HEADS: dict[str, type[ActionHead]] = {}
+
+
+def register(type_name: str) -> Callable[[type[ActionHead]], type[ActionHead]]:
+    """Class decorator: make a head buildable by ``type_name``."""
+
+    def deco(cls: type[ActionHead]) -> type[ActionHead]:
+        if type_name in HEADS and HEADS[type_name] is not cls:
+            raise InvalidSpec(f"head type {type_name!r} is already registered to {HEADS[type_name].__name__}")
+        cls.type_name = type_name
+        HEADS[type_name] = cls
+        return cls
+
+    return deco
+
+
+def build_head(type_name: str, cfg: HeadConfig) -> ActionHead:
+    """Build a registered head; weights are initialized from ``cfg.seed`` only."""
+    cls = HEADS.get(type_name)
+    if cls is None:
+        raise InvalidSpec(f"unknown action module {type_name!r}: choose one of {sorted(HEADS)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return cls(cfg)
+
+
+def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out))
+
+
+@register("oft_mlp")
+class OFTMLPHead(ActionHead):
+    """Parallel decoding of the whole action chunk in one MLP pass (OpenVLA-OFT style)."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__(cfg)
+        self.norm = nn.LayerNorm(cfg.feature_dim)
+        self.net = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, cfg.action_horizon * cfg.action_dim)
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self._check(feats_B_D, state_B_S)
+        x = torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)
+        return self.net(x).view(-1, self.cfg.action_horizon, self.cfg.action_dim)
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred_B_H_A = self.act(feats_B_D, state_B_S)
+        self._check_target(target, tuple(pred_B_H_A.shape))
+        if self.cfg.loss == "l1":
+            return nn.functional.l1_loss(pred_B_H_A, target)
+        return nn.functional.mse_loss(pred_B_H_A, target)
+
+
+def _time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=torch.float32, device=t_B.device) / half)
+    ang_B_F = t_B[:, None] * freqs[None, :] * 1000.0
+    return torch.cat([ang_B_F.sin(), ang_B_F.cos()], dim=-1)
+
+
+@register("flow_matching")
+class FlowMatchingHead(ActionHead):
+    """Velocity field v(x_t, t | feats, state); x_0 = noise, x_1 = actions (rectified flow)."""
+
+    t_dim = 32
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__(cfg)
+        self.norm = nn.LayerNorm(cfg.feature_dim)
+        self.cond = nn.Linear(cfg.feature_dim + cfg.state_dim, cfg.hidden)
+        n_act = cfg.action_horizon * cfg.action_dim
+        self.net = _mlp(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
+
+    def _cond(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
+        return self.cond(torch.cat([self.norm(feats_B_D), state_B_S], dim=-1))
+
+    def velocity(self, x_B_N: torch.Tensor, t_B: torch.Tensor, cond_B_C: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([x_B_N, cond_B_C, _time_embedding(t_B, self.t_dim)], dim=-1))
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self._check(feats_B_D, state_B_S)
+        b = feats_B_D.shape[0]
+        c = self.cfg
+        self._check_target(target, (b, c.action_horizon, c.action_dim))
+        x1_B_N = target.reshape(b, -1)
+        # The head's own generator: the same draws whether this tenant runs grouped or alone.
+        noise_B_N = torch.randn(x1_B_N.shape, generator=self.generator).to(x1_B_N)
+        t_B = torch.rand((b,), generator=self.generator).to(x1_B_N)
+        xt_B_N = (1.0 - t_B[:, None]) * noise_B_N + t_B[:, None] * x1_B_N
+        v_B_N = self.velocity(xt_B_N, t_B, self._cond(feats_B_D, state_B_S))
+        return nn.functional.mse_loss(v_B_N, x1_B_N - noise_B_N)
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
+            steps: int | None = None, **kw: Any) -> torch.Tensor:
+        """Euler-integrate from ``noise`` ``[B, horizon, action_dim]`` (drawn from the head's generator if None)."""
+        self._check(feats_B_D, state_B_S)
+        c = self.cfg
+        b = feats_B_D.shape[0]
+        shape = (b, c.action_horizon, c.action_dim)
+        if noise is None:
+            noise = torch.randn(shape, generator=self.generator)
+        self._check_target(noise, shape)
+        x_B_N = noise.reshape(b, -1).to(feats_B_D)
+        cond_B_C = self._cond(feats_B_D, state_B_S)
+        n = steps or c.flow_steps
+        dt = 1.0 / n
+        for k in range(n):
+            t_B = torch.full((b,), k * dt, dtype=x_B_N.dtype, device=x_B_N.device)
+            x_B_N = x_B_N + dt * self.velocity(x_B_N, t_B, cond_B_C)
+        return x_B_N.view(shape)
+
+
+@register("value")
+class ValueHead(ActionHead):
+    """State value V(s) for RL: one scalar per sample."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__(cfg)
+        self.norm = nn.LayerNorm(cfg.feature_dim)
+        self.net = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self._check(feats_B_D, state_B_S)
+        return self.net(torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)).squeeze(-1)
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        v_B = self.act(feats_B_D, state_B_S)
+        self._check_target(target, tuple(v_B.shape))
+        return nn.functional.mse_loss(v_B, target)
+
+
+class TenantModule:
+    """One tenant's private training state: head, AdamW optimizer, version.
+
+    ``version`` counts optimizer steps applied (the policy version a publisher
+    would announce). Nothing in here is shared with another tenant.
+    """
+
+    def __init__(self, tenant: str, head_type: str, cfg: HeadConfig, lr: float = 1e-3,
+                 weight_decay: float = 0.0, device: str | torch.device = "cpu") -> None:
+        if not tenant:
+            raise InvalidSpec("TenantModule.tenant is empty: give the tenant id")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise InvalidSpec(f"TenantModule lr={lr!r}: must be a finite number > 0")
+        self.tenant = tenant
+        self.head_type = head_type
+        self.cfg = cfg
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.head = build_head(head_type, cfg).to(device)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=weight_decay)
+        self.version = 0
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.head.parameters())
+
+    def train_step(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> float:
+        """loss, backward and AdamW step on this tenant's head only; returns the loss."""
+        self.head.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.head.loss(feats_B_D, state_B_S, target)
+        if not torch.isfinite(loss):
+            raise InvalidSpec(f"tenant {self.tenant}: loss is {loss.item()}; check the targets for NaN/inf")
+        loss.backward()
+        self.optimizer.step()
+        self.version += 1
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self.head.eval()
+        return self.head.act(feats_B_D, state_B_S, **kw)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "head_type": self.head_type,
+            "config": asdict(self.cfg),
+            "version": self.version,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
+            "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.head.generator.get_state(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["head_type"] != self.head_type or HeadConfig(**sd["config"]) != self.cfg:
+            raise InvalidSpec(
+                f"tenant {self.tenant}: state is for head {sd['head_type']!r} {sd['config']}, this module is "
+                f"{self.head_type!r} {asdict(self.cfg)}; build a TenantModule with the saved type and config"
+            )
+        self.head.load_state_dict(sd["head"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.head.generator.set_state(sd["generator"])
+        self.version = int(sd["version"])
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Any], device: str | torch.device = "cpu") -> TenantModule:
+        m = cls(sd["tenant"], sd["head_type"], HeadConfig(**sd["config"]), lr=sd["lr"],
+                weight_decay=sd["weight_decay"], device=device)
+        m.load_state_dict(sd)
+        return m
+
+    def export_safetensors(self, path: str | Path) -> Path:
+        """Head weights as safetensors with a manifest in the metadata (no optimizer)."""
+        p = Path(path)
+        if p.suffix != ".safetensors":
+            p.mkdir(parents=True, exist_ok=True)
+            p = p / "head.safetensors"
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        meta = {"tenant": self.tenant, "head_type": self.head_type, "version": str(self.version),
+                "config": json.dumps(asdict(self.cfg))}
+        save_file(tensors, str(p), metadata=meta)
+        return p
+
+    @classmethod
+    def import_safetensors(cls, path: str | Path, lr: float = 1e-3) -> TenantModule:
+        """Rebuild a module from ``export_safetensors`` output (fresh optimizer, same version)."""
+        from safetensors import safe_open
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "head.safetensors"
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+        for k in ("tenant", "head_type", "version", "config"):
+            if k not in meta:
+                raise InvalidSpec(f"{p}: safetensors metadata lacks {k!r}; export it with TenantModule.export_safetensors")
+        m = cls(meta["tenant"], meta["head_type"], HeadConfig(**json.loads(meta["config"])), lr=lr)
+        m.head.load_state_dict(load_file(str(p)))
+        m.version = int(meta["version"])
+        return m
+
