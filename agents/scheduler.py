@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoKeysError, NotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -171,7 +171,7 @@ class SchedulerAgent:
     async def _load_policies(self) -> None:
         try:
             keys = await self._kv.keys()
-        except NotFoundError:  # nats-py raises this for an empty bucket
+        except (NotFoundError, NoKeysError):  # nats-py raises these for an empty bucket
             keys = []
         for key in keys:
             entry = await self._kv.get(key)

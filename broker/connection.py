@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
-from joynexus.broker.subjects import Names
-from joynexus.schemas.errors import Unavailable
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+
+from joynexus.broker.subjects import Names
+from joynexus.schemas.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,14 @@ class Broker:
     ) -> Broker:
         """Connect with reconnects that never give up (an agent outlives server restarts)."""
 
+        conn: list[NATS] = []
+
         async def on_error(e: Exception) -> None:
             log.warning("nats connection %s: %s", name, e)
 
         async def on_disconnect() -> None:
-            log.warning("nats connection %s: disconnected, reconnecting", name)
+            if conn and not (conn[0].is_closed or conn[0].is_draining):
+                log.warning("nats connection %s: disconnected, reconnecting", name)
 
         async def on_reconnect() -> None:
             log.info("nats connection %s: reconnected", name)
@@ -66,6 +70,7 @@ class Broker:
             )
         except Exception as e:  # nats raises several unrelated types here
             raise Unavailable(f"cannot connect to NATS at {url}: {e}") from e
+        conn.append(nc)
         return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=Names(namespace))
 
     @property
@@ -73,8 +78,12 @@ class Broker:
         return int(self.nc.max_payload)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:  # already closing / disconnected: close hard
-                await self.nc.close()
+        """Flush what was published, then close (drain would wait on every
+        subscription, including abandoned pull fetches)."""
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception:  # disconnected: nothing more can be flushed
+            pass
+        await self.nc.close()

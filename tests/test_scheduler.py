@@ -1,0 +1,275 @@
+"""The scheduler agent on a real nats-server: leases, races, restarts, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+
+from joynexus.agents.scheduler import SchedulerAgent
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.stage import StageWorker
+from joynexus.broker.connection import Broker
+from joynexus.broker.eventlog import JobEventLog, new_op_id
+from joynexus.schemas.base import decode
+from joynexus.schemas.errors import (
+    Conflict,
+    IllegalTransition,
+    InvalidMessage,
+    StaleLease,
+    UnknownTenant,
+)
+from joynexus.schemas.jobs import GlobalLimits, JobState, Leased, TenantTaskPolicy
+from joynexus.schemas.scheduler import Reply
+
+S = JobState
+
+
+async def start_scheduler(broker: Broker, **kw: object) -> SchedulerAgent:
+    agent = SchedulerAgent(broker, lease_ttl_s=kw.pop("lease_ttl_s", 30.0), expire_every_s=0.1, **kw)  # type: ignore[arg-type]
+    await agent.start()
+    return agent
+
+
+@pytest.fixture
+async def sched(broker: Broker) -> AsyncIterator[SchedulerAgent]:
+    agent = await start_scheduler(broker, lease_ttl_s=1.0)
+    yield agent
+    await agent.stop()
+
+
+async def setup_tenants(c: SchedulerClient) -> None:
+    await c.set_limits(GlobalLimits(max_active_rollouts=16))
+    await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="rl", max_in_flight=16, max_active_rollouts=16))
+    await c.set_policy(TenantTaskPolicy(tenant_id="bolt", task_type="sft", max_in_flight=16))
+
+
+async def completed_count(broker: Broker, tenant: str, job_id: str) -> int:
+    hist = await JobEventLog(broker).history(tenant, job_id)
+    return sum(1 for h in hist if h.event.job.state is S.COMPLETED)
+
+
+async def test_full_rl_lifecycle_through_the_api(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    job = await c.reserve("acme", "rl", sample_count=4, behavior_policy_version=0)
+    assert job is not None and job.state is S.RESERVED and job.created_seq > 0
+    await c.mark(job.job_id, S.NEEDS_ADVANTAGES, sample_count=8)
+    staged = await c.lease_stage(job.job_id, "advantages")
+    ready = await c.mark(job.job_id, S.READY, attempt=staged.attempt)
+    assert ready.ready_seq > job.created_seq
+    leased = await c.lease_next(wait_s=1.0)
+    assert leased is not None and leased.job_id == job.job_id and leased.state is S.LEASED
+    done = await c.complete(leased, result_version=1)
+    assert done.state is S.COMPLETED and done.sample_count == 8
+    states = [h.event.job.state for h in await JobEventLog(broker).history("acme", job.job_id)]
+    assert states == [S.RESERVED, S.NEEDS_ADVANTAGES, S.COMPUTING_ADVANTAGES, S.READY, S.LEASED, S.COMPLETED]
+    snap = await c.snapshot()
+    assert snap.jobs_by_state == {"completed": 1} and snap.versions == {"acme.default": 1}
+
+
+async def test_bad_requests_get_clear_errors_and_service_continues(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    with pytest.raises(UnknownTenant, match="'ghost' has no policy"):
+        await c.reserve("ghost", "rl")
+    msg = await broker.nc.request(broker.names.sched("reserve"), b"{not json", timeout=5)
+    reply = decode(msg.data, Reply)
+    assert reply.error is not None and reply.error.code == "invalid_message"
+    assert msg.headers and "Nats-Service-Error" in msg.headers
+    job = await c.reserve("bolt", "sft")
+    assert job is not None
+    with pytest.raises(IllegalTransition, match="not leased"):
+        await c.complete(job)
+    await c.mark(job.job_id, S.READY)
+    leased = await c.lease_next()
+    assert leased is not None
+    await c.complete(leased)
+    with pytest.raises(IllegalTransition, match="completed -> computing_advantages"):
+        await c.lease_stage(job.job_id, "advantages")
+    with pytest.raises(IllegalTransition, match="already completed"):
+        await c.fail(job.job_id, "too late")
+
+
+async def test_two_actors_race_for_one_ready_job(broker: Broker, sched: SchedulerAgent) -> None:
+    await setup_tenants(SchedulerClient(broker, by="setup"))
+    a, b = SchedulerClient(broker, by="actor-a"), SchedulerClient(broker, by="actor-b")
+    for _ in range(5):
+        job = await a.reserve("bolt", "sft")
+        assert job is not None
+        await a.mark(job.job_id, S.READY)
+        got = await asyncio.gather(a.lease_next(), b.lease_next())
+        leased = [g for g in got if g is not None]
+        assert len(leased) == 1 and leased[0].job_id == job.job_id
+        await (a if leased[0].holder == "actor-a" else b).complete(leased[0])
+
+
+async def test_event_log_compare_and_append_admits_one_writer(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    job = await c.reserve("bolt", "sft")
+    job = await c.mark(job.job_id, S.READY)
+    log = JobEventLog(broker)
+    last = await log.last("bolt", job.job_id)
+    assert last is not None
+
+    def lease_by(who: str) -> Leased:
+        import msgspec
+
+        return Leased(job=msgspec.structs.replace(job, state=S.LEASED, attempt=1, holder=who))
+
+    results = await asyncio.gather(
+        log.append(lease_by("x"), expected_last_seq=last.seq, op_id=new_op_id()),
+        log.append(lease_by("y"), expected_last_seq=last.seq, op_id=new_op_id()),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, Conflict) for r in results) == 1
+    # A retry of the append that landed is recognised as ours, not as a conflict.
+    winner_op = None
+    hist = await log.history("bolt", job.job_id)
+    winner_op = hist[-1].headers["Nats-Msg-Id"].rsplit(":", 1)[1]
+    ev = hist[-1].event
+    again = await log.append(ev, expected_last_seq=last.seq, op_id=winner_op)
+    assert again.duplicate and again.seq == hist[-1].seq
+
+
+async def test_actor_killed_mid_lease_is_leased_again_and_completed_once(
+    broker: Broker, sched: SchedulerAgent
+) -> None:
+    await setup_tenants(SchedulerClient(broker, by="setup"))
+    zombie = SchedulerClient(broker, by="actor-dead")
+    job = await zombie.reserve("bolt", "sft")
+    await zombie.mark(job.job_id, S.READY)
+    first = await zombie.lease_next()
+    assert first is not None and first.attempt == 1
+    # The actor dies: no touch, no complete. After the lease TTL (1 s) it is ready again.
+    survivor = SchedulerClient(broker, by="actor-ok")
+    second = await survivor.lease_next(wait_s=5.0)
+    assert second is not None and second.job_id == job.job_id and second.attempt == 2
+    with pytest.raises(StaleLease):
+        await zombie.complete(first)
+    await survivor.complete(second)
+    assert await completed_count(broker, "bolt", job.job_id) == 1
+    states = [h.event.job.state for h in await JobEventLog(broker).history("bolt", job.job_id)]
+    assert states == [S.RESERVED, S.READY, S.LEASED, S.READY, S.LEASED, S.COMPLETED]
+
+
+async def test_touch_keeps_a_long_lease(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="slow-actor")
+    await setup_tenants(c)
+    job = await c.reserve("bolt", "sft")
+    await c.mark(job.job_id, S.READY)
+    leased = await c.lease_next()
+    for _ in range(6):  # 1.8 s, longer than the 1 s TTL
+        await asyncio.sleep(0.3)
+        await c.touch(leased)
+    assert (await c.complete(leased)).state is S.COMPLETED
+
+
+async def test_scheduler_restart_rebuilds_state_without_loss_or_doubling(broker: Broker) -> None:
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    jobs = [await c.reserve("acme" if i % 2 else "bolt", "rl" if i % 2 else "sft") for i in range(12)]
+    for j in jobs[:9]:
+        await c.mark(j.job_id, S.READY)
+    leased = [await c.lease_next() for _ in range(4)]
+    for lj in leased[:2]:
+        await c.complete(lj)
+    before = agent.snapshot()
+    await agent.stop()
+    # While the scheduler is down, a caller's request waits and goes through after restart.
+    pending = asyncio.create_task(c.mark(jobs[9].job_id, S.READY))
+    await asyncio.sleep(0.3)
+    agent2 = await start_scheduler(broker)
+    try:
+        await asyncio.wait_for(pending, 10)
+        after = agent2.snapshot()
+        assert after.jobs_by_state["ready"] == before.jobs_by_state["ready"] + 1
+        for k in ("completed", "leased", "reserved"):
+            expect = before.jobs_by_state.get(k, 0) - (1 if k == "reserved" else 0)
+            assert after.jobs_by_state.get(k, 0) == expect
+        assert agent2.rebuild_stats["jobs"] == 12
+        # The held leases survive the restart; finish everything.
+        for lj in leased[2:]:
+            await c.complete(lj)
+        for j in jobs[10:]:
+            await c.mark(j.job_id, S.READY)
+        while (lj := await c.lease_next()) is not None:
+            await c.complete(lj)
+        counts = Counter([await completed_count(broker, j.job_id and j.tenant_id, j.job_id) for j in jobs])
+        assert counts == {1: 12}
+    finally:
+        await agent2.stop()
+
+
+async def test_malformed_event_in_log_is_skipped_on_rebuild(broker: Broker) -> None:
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    job = await c.reserve("bolt", "sft")
+    await agent.stop()
+    await broker.js.publish(broker.names.job_subject("bolt", "jgarbage", "ready"), b"\x00 not an event")
+    agent2 = await start_scheduler(broker)
+    try:
+        assert agent2.rebuild_stats["skipped_malformed"] == 1
+        assert (await c.get_job(job.job_id)).state is S.RESERVED
+    finally:
+        await agent2.stop()
+
+
+async def test_stage_message_failing_max_deliver_times_fails_the_job(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+
+    async def broken(job):  # a transient error every time
+        raise ConnectionError("simulator unreachable")
+
+    worker = StageWorker(broker, SchedulerClient(broker, by="w"), "advantages", broken, max_deliver=3)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    # Speed the test up: the disposition's backoff grows 0.5, 1, ... seconds.
+    job = await c.reserve("acme", "rl")
+    await c.mark(job.job_id, S.NEEDS_ADVANTAGES)
+    for _ in range(100):
+        if (await c.get_job(job.job_id)).state is S.FAILED:
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await run
+    failed = await c.get_job(job.job_id)
+    assert failed.state is S.FAILED
+    assert "simulator unreachable" in failed.reason and "3 deliveries" in failed.reason
+
+
+async def test_garbage_on_a_stage_subject_is_terminated_not_retried(broker: Broker, sched: SchedulerAgent) -> None:
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    seen: list[str] = []
+
+    async def work(job):
+        seen.append(job.job_id)
+        return None
+
+    worker = StageWorker(broker, SchedulerClient(broker, by="w"), "advantages", work)
+    await broker.js.publish(broker.names.job_subject("acme", "jjunk", "needs_advantages"), b"garbage")
+    good = await c.reserve("acme", "rl")
+    await c.mark(good.job_id, S.NEEDS_ADVANTAGES)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    for _ in range(100):
+        if (await c.get_job(good.job_id)).state is S.READY:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await run
+    assert seen == [good.job_id]
+    info = await broker.js.consumer_info(broker.names.jobs_stream, worker.consumer_name)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+def test_decode_is_strict_in_tests() -> None:
+    with pytest.raises(InvalidMessage, match="unknown field"):
+        decode(b'{"job":null,"refused":"","bogus":1}', Reply)
