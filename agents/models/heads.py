@@ -54,7 +54,7 @@ class HeadConfig:
     state_dim: int
     action_dim: int = 7
     action_horizon: int = 8
-    hidden: int = 64
+    hidden: int = 32
     loss: Literal["l1", "mse"] = "l1"  # oft_mlp only
     flow_steps: int = 4  # flow_matching: Euler steps at act()
     seed: int = 0  # init weights and the head's own noise generator
