@@ -75,8 +75,8 @@ SIZES: dict[str, dict[str, Any]] = {
         vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2),
     ),
     "bench": dict(
-        text=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
-                  num_attention_heads=12, num_key_value_heads=4, mrope_section=[8, 12, 12]),
+        text=dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, mrope_section=[8, 12, 12]),
         vision=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2),
     ),
 }
@@ -219,6 +219,11 @@ def build_qwen_config(size: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_
     )
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 class Backbone:
     """The frozen, shared vision-language backbone. Build with ``Backbone.build``."""
 
@@ -245,6 +250,7 @@ class Backbone:
         self.tokens_per_image = (config.image_size // 28) ** 2
         self._prefix_cache: dict[int, list[int]] = {}
         self._pos_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._rot_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -390,26 +396,97 @@ class Backbone:
             self._pos_cache[key] = pos_3_1_L.to(self.device)
         return self._pos_cache[key].expand(3, b, L)
 
+    def _fast_vision_ok(self, grid_thw_N_3: torch.Tensor) -> bool:
+        """Batched vision path is exact when all images share one grid and no block
+        uses windowed attention over more than one window per image."""
+        vc = self.model.config.vision_config
+        full = set(vc.fullatt_block_indexes) >= set(range(vc.depth))
+        one_window = int(grid_thw_N_3[0, 1:].max()) * vc.patch_size <= vc.window_size
+        return bool((grid_thw_N_3 == grid_thw_N_3[:1]).all()) and int(grid_thw_N_3[0, 0]) == 1 and (full or one_window)
+
+    def _vision_embeds(self, pixel_values_P_F: torch.Tensor, grid_thw_N_3: torch.Tensor) -> torch.Tensor:
+        """The Qwen2.5-VL vision tower, batched over equal-size images.
+
+        Same modules and weights as ``model.visual``, but attention runs as one
+        ``[images, heads, patches, head_dim]`` call instead of a Python loop per
+        image, and the rotary table is computed once per grid. Returns
+        ``[images * tokens_per_image, text_hidden]`` in image order.
+        """
+        vis = self.model.visual
+        if not self._fast_vision_ok(grid_thw_N_3):
+            return vis(pixel_values_P_F, grid_thw=grid_thw_N_3)
+        n = int(grid_thw_N_3.shape[0])
+        key = tuple(int(v) for v in grid_thw_N_3[0])
+        if key not in self._rot_cache:
+            rot = vis.rot_pos_emb(grid_thw_N_3[:1].cpu()).to(self.device)
+            emb = torch.cat([rot, rot], dim=-1).float()
+            self._rot_cache[key] = (emb.cos(), emb.sin())
+        cos_P_H, sin_P_H = self._rot_cache[key]
+        x_P_C = vis.patch_embed(pixel_values_P_F)
+        p1 = x_P_C.shape[0] // n
+        c = x_P_C.shape[1]
+        x_N_P_C = x_P_C.view(n, p1, c)
+        for blk in vis.blocks:
+            attn = blk.attn
+            qkv = attn.qkv(blk.norm1(x_N_P_C)).view(n, p1, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)  # [N, heads, P, hd]
+            q = (q.float() * cos_P_H + _rotate_half(q.float()) * sin_P_H).to(v.dtype)
+            k = (k.float() * cos_P_H + _rotate_half(k.float()) * sin_P_H).to(v.dtype)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+            x_N_P_C = x_N_P_C + attn.proj(o.transpose(1, 2).reshape(n, p1, c))
+            x_N_P_C = x_N_P_C + blk.mlp(blk.norm2(x_N_P_C))
+        return vis.merger(x_N_P_C.reshape(n * p1, c))
+
     def forward(self, inputs: BackboneInputs) -> torch.Tensor:
-        """One backbone forward over prepared inputs -> ``feats_B_D`` float32 (mean over real tokens)."""
+        """One backbone forward over prepared inputs -> ``feats_B_D`` float32 (mean over real tokens).
+
+        Runs the model's own modules: embeddings, vision tower (batched over
+        images), image-token scatter, then the language model with explicit
+        3-D M-RoPE positions.
+        """
         dev = self.device
         ids = inputs.input_ids_B_L.to(dev, non_blocking=True)
         with torch.inference_mode():
             pos = self.rope_positions(inputs)
+            embeds_B_L_D = self.model.get_input_embeddings()(ids)
+            img_V_D = self._vision_embeds(
+                inputs.pixel_values_P_F.to(dev, self.dtype, non_blocking=True), inputs.image_grid_thw_N_3.to(dev)
+            )
+            mask_B_L = ids == self._ids["<|image_pad|>"]
+            if int(mask_B_L.sum()) != img_V_D.shape[0]:
+                raise ShapeMismatch(
+                    f"{int(mask_B_L.sum())} image tokens but {img_V_D.shape[0]} image embeddings; "
+                    "prepare inputs with this backbone's prepare()"
+                )
+            embeds_B_L_D = embeds_B_L_D.masked_scatter(mask_B_L[..., None], img_V_D.to(embeds_B_L_D.dtype))
+            out = self.model.language_model(
+                inputs_embeds=embeds_B_L_D, position_ids=pos, use_cache=False, return_dict=True
+            )
+            h_B_L_D = out.last_hidden_state
+            lengths = inputs.lengths_B.to(dev)
+            real_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
+            summed_B_D = (h_B_L_D * real_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
+            feats_B_D = summed_B_D / lengths[:, None].to(torch.float32)
+        # Clone outside inference mode so heads may use the features in autograd.
+        return feats_B_D.clone()
+
+    def reference_forward(self, inputs: BackboneInputs) -> torch.Tensor:
+        """The plain ``Qwen2_5_VLModel.forward`` path (per-image vision loop); for checking ``forward``."""
+        dev = self.device
+        with torch.inference_mode():
             out = self.model(
-                input_ids=ids,
-                pixel_values=inputs.pixel_values_P_F.to(dev, self.dtype, non_blocking=True),
+                input_ids=inputs.input_ids_B_L.to(dev),
+                pixel_values=inputs.pixel_values_P_F.to(dev, self.dtype),
                 image_grid_thw=inputs.image_grid_thw_N_3.to(dev),
-                position_ids=pos,
+                position_ids=self.rope_positions(inputs),
                 use_cache=False,
                 return_dict=True,
             )
             h_B_L_D = out.last_hidden_state
             lengths = inputs.lengths_B.to(dev)
-            mask_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
-            summed_B_D = (h_B_L_D * mask_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
-            feats_B_D = summed_B_D / lengths[:, None].to(torch.float32)
-        # Clone outside inference mode so heads may use the features in autograd.
+            real_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
+            feats_B_D = (h_B_L_D * real_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
+            feats_B_D = feats_B_D / lengths[:, None].to(torch.float32)
         return feats_B_D.clone()
 
     def encode(self, batch: FeatureBatch | SharedBatch) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""Benchmark: shared-forward speedup of grouped vs serial execution.
+
+For each T x B (T tenants, each with a local batch of B samples):
+serial = T backbone forwards of batch B + T head decodes; grouped = one
+backbone forward of T*B rows (inputs joined with ``concat_inputs``) + T head
+decodes. Inputs are prepared (tokenized, patchified) beforehand for both, as
+the inference agent does when a request arrives; that per-request cost is the
+same in both paths and is reported separately as ``prepare_ms_per_request``.
+Torch threads = 2, warmup, serial and grouped repetitions interleaved, medians.
+
+    .venv/bin/python -m joynexus.ops.bench_group [--quick]
+
+prints the JSON result. ``measure_rss`` reports the process RSS with the base
+model plus 1 vs 8 tenant modules (measured in a fresh subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["bench_group", "main", "measure_rss"]
+
+INSTRUCTIONS = ("pick up the red cube", "open the drawer", "push the block left", "stack the cups")
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def bench_group(
+    tenants: Sequence[int] = (2, 4, 6, 8),
+    batches: Sequence[int] = (1, 2, 4, 8),
+    size: str = "bench",
+    repeats: int = 7,
+    quick: bool = False,
+    threads: int = 2,
+    rss: bool = True,
+) -> dict[str, Any]:
+    """Grouped vs serial timings over the T x B grid; keys are ``"TxB"``."""
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.features import FeatureSchema, canonicalize_request, split_rows
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+
+    if quick:
+        tenants, batches, repeats = (2, 8), (1, 4), 3
+    torch.set_num_threads(threads)
+    bb = Backbone.build(BackboneConfig(size=size, threads=threads))  # type: ignore[arg-type]
+    schema = FeatureSchema(("front", "wrist"), (56, 56), 8, 7, 8, base_model=bb.config.base_model)
+    t_max, b_max = max(tenants), max(batches)
+    mods = [
+        TenantModule(f"t{i}", ("oft_mlp", "flow_matching")[i % 2], HeadConfig(bb.feature_dim, 8, seed=i))
+        for i in range(t_max)
+    ]
+    g = torch.Generator().manual_seed(0)
+    prepared: dict[tuple[int, int], Any] = {}
+    states: dict[tuple[int, int], torch.Tensor] = {}
+    prep_ts = []
+    for b in batches:
+        for i in range(t_max):
+            fb = canonicalize_request(
+                schema,
+                {s: torch.randint(0, 256, (b, 3, 56, 56), dtype=torch.uint8, generator=g) for s in schema.camera_slots},
+                [INSTRUCTIONS[(i + j) % len(INSTRUCTIONS)] for j in range(b)],
+                torch.randn(b, 8, generator=g),
+            )
+            t0 = time.perf_counter()
+            prepared[(i, b)] = bb.prepare(fb)
+            prep_ts.append(time.perf_counter() - t0)
+            states[(i, b)] = fb.state_B_S
+
+    def serial(t: int, b: int) -> None:
+        for i in range(t):
+            mods[i].act(bb.forward(prepared[(i, b)]), states[(i, b)])
+
+    def grouped(t: int, b: int) -> None:
+        inp = bb.concat_inputs([prepared[(i, b)] for i in range(t)])
+        feats = bb.forward(inp)
+        slices = [slice(i * b, (i + 1) * b) for i in range(t)]
+        for i, f in enumerate(split_rows(feats, slices)):
+            mods[i].act(f, states[(i, b)])
+
+    b4 = prepared[(0, 4)] if 4 in batches else bb.prepare(
+        canonicalize_request(schema, {s: torch.zeros(4, 3, 56, 56, dtype=torch.uint8) for s in schema.camera_slots},
+                             INSTRUCTIONS[0], torch.zeros(4, 8)))
+    bb.forward(b4)
+    batch4_ms = _median_ms(lambda: bb.forward(b4), max(repeats, 5))
+
+    serial_ms: dict[str, float] = {}
+    grouped_ms: dict[str, float] = {}
+    speedup: dict[str, float] = {}
+    with torch.inference_mode():
+        for t in tenants:
+            for b in batches:
+                serial(t, b)  # warmup (also fills the position cache for this length)
+                grouped(t, b)
+                s_ts, g_ts = [], []
+                for _ in range(repeats):  # interleaved so machine noise hits both alike
+                    s_ts.append(_median_ms(lambda t=t, b=b: serial(t, b), 1))
+                    g_ts.append(_median_ms(lambda t=t, b=b: grouped(t, b), 1))
+                key = f"{t}x{b}"
+                serial_ms[key] = round(statistics.median(s_ts), 2)
+                grouped_ms[key] = round(statistics.median(g_ts), 2)
+                speedup[key] = round(serial_ms[key] / grouped_ms[key], 2)
+
+    head_params = {m.head_type: m.num_params() for m in mods[:2]}
+    out: dict[str, Any] = {
+        "group_speedup": speedup,
+        "serial_ms": serial_ms,
+        "grouped_ms": grouped_ms,
+        "backbone": {
+            "size": size,
+            "params": bb.num_params(),
+            "hidden": bb.hidden_size,
+            "layers": bb.num_layers,
+            "vision_params": sum(p.numel() for p in bb.model.visual.parameters()),
+            "tokens_per_sample": int(prepared[(0, batches[0])].input_ids_B_L.shape[1]),
+            "batch4_forward_ms": round(batch4_ms, 2),
+        },
+        "head_params": head_params,
+        "prepare_ms_per_request": round(statistics.median(prep_ts) * 1e3, 2),
+        "threads": threads,
+        "repeats": repeats,
+    }
+    if rss:
+        out["rss"] = measure_rss(size)
+    return out
+
+
+_RSS_SCRIPT = r"""
+import json, sys, torch
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.heads import HeadConfig, TenantModule
+def rss_mb():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) / 1024.0
+torch.set_num_threads(2)
+bb = Backbone.build(BackboneConfig(size=sys.argv[1]))
+base = rss_mb()
+mods = []
+res = {}
+for n in range(1, 9):
+    m = TenantModule(f"t{n}", ("oft_mlp", "flow_matching")[n % 2], HeadConfig(bb.feature_dim, 8, seed=n))
+    f = torch.randn(4, bb.feature_dim)
+    m.train_step(f, torch.randn(4, 8), torch.randn(4, 8, 7))  # optimizer moments exist
+    mods.append(m)
+    if n in (1, 8):
+        res[n] = rss_mb()
+print(json.dumps({"backbone_only_mb": round(base, 1), "with_1_tenant_mb": round(res[1], 1),
+                  "with_8_tenants_mb": round(res[8], 1),
+                  "per_extra_tenant_mb": round((res[8] - res[1]) / 7, 3),
+                  "backbone_weights_mb": round(sum(p.numel() * p.element_size() for p in bb.model.parameters()) / 2**20, 1)}))
+"""
+
+
+def measure_rss(size: str = "bench") -> dict[str, float]:
+    """RSS (MB) of a fresh process holding the base model once and 1 vs 8 tenant modules."""
+    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, size], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr else f"rc={r.returncode}"}  # type: ignore[dict-item]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 and 8 tenants x batch 1 and 4, 3 repeats")
+    ap.add_argument("--size", default="bench", choices=["tiny", "bench"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-rss", action="store_true")
+    a = ap.parse_args(argv)
+    print(json.dumps(bench_group(size=a.size, repeats=a.repeats, quick=a.quick, rss=not a.no_rss), indent=2))
+
+
+if __name__ == "__main__":
+    main()
