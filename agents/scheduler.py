@@ -36,10 +36,12 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog, new_op_id
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
 from joynexus.schemas.jobs import (
     STAGES,
+    TERMINAL_STATES,
     GlobalLimits,
     JobEvent,
     JobState,
@@ -105,6 +107,7 @@ class SchedulerAgent:
         self.instance = instance
         self.core = SchedulerCore(lease_ttl_s=lease_ttl_s)
         self.log = JobEventLog(broker)
+        self.tq = TrainingQueue(broker)
         self.expire_every_s = expire_every_s
         self.sweep_every_s = sweep_every_s
         self.keep_terminal = keep_terminal
@@ -273,9 +276,7 @@ class SchedulerAgent:
 
     async def _clear_partition(self, tenant_id: str, partition_id: str) -> None:
         try:
-            await self.b.js.purge_stream(
-                self.n.tq_stream, subject=self.n.tq_partition(tenant_id, partition_id)
-            )
+            await self.tq.async_clear_partition(tenant_id, partition_id)
         except Exception as e:  # the sweep retries later
             log.warning("clearing partition %s/%s failed: %s", tenant_id, partition_id, e)
 
@@ -479,7 +480,7 @@ class SchedulerAgent:
         raw = await self.b.js.get_msg(self.n.jobs_stream, seq=int(adv["stream_seq"]))
         event = decode(raw.data or b"", JobEvent, what="job event")  # type: ignore[arg-type]
         job = self.core.jobs.get(event.job.job_id)
-        if job is None or job.state.value in ("completed", "dropped", "failed"):
+        if job is None or job.state in TERMINAL_STATES:
             return
         stage = next((s for s, (needs, _) in STAGES.items() if needs is event.job.state), "")
         reason = (
@@ -499,12 +500,10 @@ class SchedulerAgent:
 
     async def sweep_partitions(self) -> int:
         """Clear partitions whose job is terminal or unknown; returns how many."""
-        info = await self.b.js.stream_info(self.n.tq_stream, subjects_filter=self.n.all_tq)
-        partitions = {tuple(subject.split(".")[2:4]) for subject in (info.state.subjects or {})}
         cleared = 0
-        for tenant, partition in partitions:
+        for tenant, partition in await self.tq.list_partitions():
             job = self.core.jobs.get(partition)
-            if job is None or job.state.value in ("completed", "dropped", "failed"):
+            if job is None or job.state in TERMINAL_STATES:
                 if job is None and partition in self._locks:
                     continue  # being reserved right now
                 await self._clear_partition(tenant, partition)

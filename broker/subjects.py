@@ -130,6 +130,11 @@ class Names:
     def tq_consumed(self, tenant_id: str, partition_id: str, task_name: str) -> str:
         return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.{TQ_CONSUMED}.{task_name}"
 
+    @staticmethod
+    def direct_get(stream: str, api_prefix: str = "$JS.API") -> str:
+        """JetStream's direct-get API subject for ``stream`` (batched reads)."""
+        return f"{api_prefix}.DIRECT.GET.{stream}"
+
     @property
     def all_tq(self) -> str:
         return f"{self.namespace}.{TQ}.>"

@@ -212,7 +212,7 @@ class TrainingQueue:
     @property
     def _direct_get_subject(self) -> str:
         prefix = getattr(self.broker.js, "_prefix", "$JS.API")
-        return f"{prefix}.DIRECT.GET.{self.stream}"
+        return self.broker.names.direct_get(self.stream, prefix)
 
     # -- put
 

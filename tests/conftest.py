@@ -64,3 +64,22 @@ async def broker(nats_server: EmbeddedNats, namespace: str) -> AsyncIterator[Bro
 @pytest.fixture
 def tmp_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+async def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """If a test is about to hit its time limit, print where every asyncio task waits."""
+    import asyncio
+    import sys
+
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 120)
+
+    def dump() -> None:
+        print(f"\n--- asyncio tasks {limit - 5:.0f}s into {request.node.nodeid} ---", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=8, file=sys.stderr)
+
+    handle = asyncio.get_running_loop().call_later(max(1.0, limit - 5), dump)
+    yield
+    handle.cancel()
