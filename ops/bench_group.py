@@ -11,7 +11,7 @@ Torch threads = 2, warmup, serial and grouped repetitions interleaved, medians.
     .venv/bin/python -m joynexus.ops.bench_group [--quick]
 
 prints the JSON result. ``measure_rss`` reports the process RSS with the base
-model plus 1 vs 8 tenant modules (measured in a fresh subprocess).
+model plus 1 vs 8 tenant modules (measured in-process, before the timings).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,18 +52,13 @@ def bench_group(
     """Grouped vs serial timings over the T x B grid; keys are ``"TxB"``."""
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
     from joynexus.agents.models.features import FeatureSchema, canonicalize_request, split_rows
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
-
     if quick:
         tenants, batches, repeats = (2, 8), (1, 4), 3
     torch.set_num_threads(threads)
     bb = Backbone.build(BackboneConfig(size=size, threads=threads))  # type: ignore[arg-type]
     schema = FeatureSchema(("front", "wrist"), (56, 56), 8, 7, 8, base_model=bb.config.base_model)
-    t_max, b_max = max(tenants), max(batches)
-    mods = [
-        TenantModule(f"t{i}", ("oft_mlp", "flow_matching")[i % 2], HeadConfig(bb.feature_dim, 8, seed=i))
-        for i in range(t_max)
-    ]
+    t_max = max(tenants)
+    rss_info, mods = measure_rss(bb, max(t_max, 8))
     g = torch.Generator().manual_seed(0)
     prepared: dict[tuple[int, int], Any] = {}
     states: dict[tuple[int, int], torch.Tensor] = {}
@@ -109,8 +103,8 @@ def bench_group(
                 grouped(t, b)
                 s_ts, g_ts = [], []
                 for _ in range(repeats):  # interleaved so machine noise hits both alike
-                    s_ts.append(_median_ms(lambda t=t, b=b: serial(t, b), 1))
-                    g_ts.append(_median_ms(lambda t=t, b=b: grouped(t, b), 1))
+                    s_ts.append(_median_ms(partial(serial, t, b), 1))
+                    g_ts.append(_median_ms(partial(grouped, t, b), 1))
                 key = f"{t}x{b}"
                 serial_ms[key] = round(statistics.median(s_ts), 2)
                 grouped_ms[key] = round(statistics.median(g_ts), 2)
@@ -136,43 +130,48 @@ def bench_group(
         "repeats": repeats,
     }
     if rss:
-        out["rss"] = measure_rss(size)
+        out["rss"] = rss_info
     return out
 
 
-_RSS_SCRIPT = r"""
-import json, sys, torch
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.models.heads import HeadConfig, TenantModule
-def rss_mb():
-    for line in open('/proc/self/status'):
-        if line.startswith('VmRSS:'):
-            return int(line.split()[1]) / 1024.0
-torch.set_num_threads(2)
-bb = Backbone.build(BackboneConfig(size=sys.argv[1]))
-base = rss_mb()
-mods = []
-res = {}
-for n in range(1, 9):
-    m = TenantModule(f"t{n}", ("oft_mlp", "flow_matching")[n % 2], HeadConfig(bb.feature_dim, 8, seed=n))
-    f = torch.randn(4, bb.feature_dim)
-    m.train_step(f, torch.randn(4, 8), torch.randn(4, 8, 7))  # optimizer moments exist
-    mods.append(m)
-    if n in (1, 8):
-        res[n] = rss_mb()
-print(json.dumps({"backbone_only_mb": round(base, 1), "with_1_tenant_mb": round(res[1], 1),
-                  "with_8_tenants_mb": round(res[8], 1),
-                  "per_extra_tenant_mb": round((res[8] - res[1]) / 7, 3),
-                  "backbone_weights_mb": round(sum(p.numel() * p.element_size() for p in bb.model.parameters()) / 2**20, 1)}))
-"""
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
 
 
-def measure_rss(size: str = "bench") -> dict[str, float]:
-    """RSS (MB) of a fresh process holding the base model once and 1 vs 8 tenant modules."""
-    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, size], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr else f"rc={r.returncode}"}  # type: ignore[dict-item]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def measure_rss(backbone: Any, n: int = 8) -> tuple[dict[str, float], list[Any]]:
+    """Process RSS (MB) with the base model held once, then 1 and ``n`` tenant modules.
+
+    Each module gets one AdamW step so its optimizer moments exist. Call it
+    right after building the backbone, before other allocations, for a clean
+    reading. Returns the figures and the modules (reuse them).
+    """
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+
+    base = _rss_mb()
+    mods: list[Any] = []
+    at: dict[int, float] = {}
+    g = torch.Generator().manual_seed(1)
+    for i in range(n):
+        m = TenantModule(f"t{i}", ("oft_mlp", "flow_matching")[i % 2], HeadConfig(backbone.feature_dim, 8, seed=i))
+        m.train_step(torch.randn(4, backbone.feature_dim, generator=g), torch.randn(4, 8, generator=g),
+                     torch.randn(4, 8, 7, generator=g))
+        mods.append(m)
+        at[i + 1] = _rss_mb()
+    weights_mb = sum(p.numel() * p.element_size() for p in backbone.model.parameters()) / 2**20
+    return {
+        "backbone_only_mb": round(base, 1),
+        "with_1_tenant_mb": round(at[1], 1),
+        f"with_{n}_tenants_mb": round(at[n], 1),
+        "per_extra_tenant_mb": round((at[n] - at[1]) / max(n - 1, 1), 3),
+        "backbone_weights_mb": round(weights_mb, 1),
+        "head_state_mb_each": round(
+            sum(p.numel() * p.element_size() * 3 for p in mods[-1].head.parameters()) / 2**20, 3
+        ),  # weights + two AdamW moments
+    }, mods
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from joynexus.agents.models.backbone import SPECIAL_TOKENS, Backbone, BackboneConfig, build_tokenizer
+from joynexus.agents.models.backbone import (
+    SPECIAL_TOKENS,
+    Backbone,
+    BackboneConfig,
+    build_tokenizer,
+)
 from joynexus.agents.models.features import (
     FeatureBatch,
     FeatureSchema,
@@ -65,6 +70,12 @@ def test_backbone_builds_offline_frozen_and_encodes(backbone: Backbone) -> None:
     assert torch.isfinite(feats).all()
     # Different images/text -> different features (the inputs reach the output).
     assert (feats[0] - feats[1]).abs().max() > 1e-4
+
+
+def test_batched_vision_path_matches_plain_model_forward(backbone: Backbone) -> None:
+    inputs = backbone.prepare(make_batch(5, 3))
+    assert backbone._fast_vision_ok(inputs.image_grid_thw_N_3)
+    torch.testing.assert_close(backbone.forward(inputs), backbone.reference_forward(inputs), atol=ATOL, rtol=1e-5)
 
 
 def test_features_do_not_depend_on_padding_or_neighbours(backbone: Backbone) -> None:
@@ -195,7 +206,7 @@ def test_heads_registered_by_name_and_unknown_rejected() -> None:
     cfg = HeadConfig(64, 8)
     assert build_head("oft_mlp", cfg).act(torch.zeros(2, 64), torch.zeros(2, 8)).shape == (2, 8, 7)
     assert build_head("value", cfg).act(torch.zeros(2, 64), torch.zeros(2, 8)).shape == (2,)
-    with pytest.raises(InvalidSpec, match="unknown action module 'diffusion_xl'.*oft_mlp"):
+    with pytest.raises(InvalidSpec, match=r"unknown action module 'diffusion_xl'.*oft_mlp"):
         build_head("diffusion_xl", cfg)
     with pytest.raises(ShapeMismatch, match="state must be"):
         build_head("oft_mlp", cfg).act(torch.zeros(2, 64), torch.zeros(2, 5))

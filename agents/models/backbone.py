@@ -240,13 +240,13 @@ class Backbone:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        self.model.to(device=self.device, dtype=self.dtype)
+        self.model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.model.eval()
         self.model.requires_grad_(False)
         missing = [s for s in SPECIAL_TOKENS if s not in tokenizer.get_vocab()]
         if missing:
             raise InvalidSpec(f"tokenizer lacks special tokens {missing}; save the backbone with this module's tokenizer")
-        self._ids = {s: int(tokenizer.convert_tokens_to_ids(s)) for s in SPECIAL_TOKENS}
+        self._ids = {s: int(tokenizer.convert_tokens_to_ids(s)) for s in SPECIAL_TOKENS}  # type: ignore[arg-type]
         self.tokens_per_image = (config.image_size // 28) ** 2
         self._prefix_cache: dict[int, list[int]] = {}
         self._pos_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -392,7 +392,7 @@ class Backbone:
         key = (inputs.n_cameras, int(L))
         if key not in self._pos_cache:
             row_1_L = inputs.input_ids_B_L[:1]
-            pos_3_1_L, _ = self.model.get_rope_index(row_1_L, inputs.image_grid_thw_N_3[: inputs.n_cameras])
+            pos_3_1_L, _ = self.model.get_rope_index(row_1_L, inputs.image_grid_thw_N_3[: inputs.n_cameras])  # type: ignore[arg-type]
             self._pos_cache[key] = pos_3_1_L.to(self.device)
         return self._pos_cache[key].expand(3, b, L)
 
