@@ -12,6 +12,7 @@ instead of a conflict (the first try landed, only its ack was lost).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -149,8 +150,8 @@ class JobEventLog:
                 mem_storage=True,
             ),
         )
+        info = await sub.consumer_info()
         try:
-            info = await sub.consumer_info()
             remaining = info.num_pending or 0
             while remaining > 0:
                 msgs = await sub.fetch(min(remaining, 2000), timeout=5.0)
@@ -180,7 +181,8 @@ class JobEventLog:
                         headers=dict(m.headers or {}),
                     )
         finally:
-            try:
+            # Delete the ephemeral consumer now rather than leaving it to its
+            # inactivity timeout (it would show up in `nats consumer ls`).
+            with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            except Exception:
-                pass
+                await self.b.js.delete_consumer(self.n.jobs_stream, info.name)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from joynexus.broker.connection import Broker
-from joynexus.schemas.errors import InvalidSpec
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
@@ -19,6 +17,9 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
+
+from joynexus.broker.connection import Broker
+from joynexus.schemas.errors import InvalidSpec
 
 DAY = 24 * 3600.0
 
@@ -121,3 +122,18 @@ async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:
         await ensure_stream(b, cfg)
     for kv in kv_configs(b, opts):
         await b.js.create_key_value(kv)
+
+
+async def delete_layout(b: Broker) -> None:
+    """Delete every stream and bucket of this namespace (tests and benchmarks clean up)."""
+    n = b.names
+    for stream in (n.jobs_stream, n.tq_stream, n.metrics_stream, n.advisories_stream):
+        try:
+            await b.js.delete_stream(stream)
+        except NotFoundError:
+            pass
+    for kv in kv_configs(b, LayoutOptions()):
+        try:
+            await b.js.delete_key_value(kv.bucket)
+        except NotFoundError:
+            pass

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.broker.connection import Broker
-from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.tq import TrainingQueue
 
 MB = 1024 * 1024
@@ -66,16 +66,7 @@ async def bench_tq(url: str, seconds: float, sizes_mb: list[int] | None = None) 
         await _bench_size(tq, 1, 0.0)  # warm up connections and the stream
         by_size = {s: await _bench_size(tq, s, seconds / len(sizes)) for s in sizes}
     finally:
-        for s in (b.names.jobs_stream, b.names.tq_stream, b.names.metrics_stream,
-                  b.names.advisories_stream):
-            try:
-                await b.js.delete_stream(s)
-            except Exception:  # absent or server gone: nothing left to clean
-                pass
-        try:
-            await b.js.delete_key_value(b.names.tenants_bucket)
-        except Exception:
-            pass
+        await delete_layout(b)
         await b.close()
     top = by_size[max(sizes)]
     return {"put_mb_s": top["put_mb_s"], "get_mb_s": top["get_mb_s"], "sizes_mb": sizes,

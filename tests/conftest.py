@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from joynexus.broker.connection import Broker
-from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.ops.natsserver import EmbeddedNats
 
 _ns_counter = itertools.count()

