@@ -418,7 +418,7 @@ class Backbone:
         n = int(grid_thw_N_3.shape[0])
         key = tuple(int(v) for v in grid_thw_N_3[0])
         if key not in self._rot_cache:
-            rot = vis.rot_pos_emb(grid_thw_N_3[:1].cpu()).to(self.device)
+            rot = vis.rot_pos_emb(grid_thw_N_3[:1]).to(self.device)
             emb = torch.cat([rot, rot], dim=-1).float()
             self._rot_cache[key] = (emb.cos(), emb.sin())
         cos_P_H, sin_P_H = self._rot_cache[key]
