@@ -32,6 +32,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.lifecycle import SchedulerCore
+from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog, new_op_id
 from joynexus.broker.layout import LayoutOptions, ensure_layout
@@ -210,7 +211,11 @@ class SchedulerAgent:
         headers: dict[str, str] = {}
         try:
             req = decode(request.data or b"{}", typ, what=f"{typ.__name__}")
-            reply = await method(req)
+            # Continue the caller's trace: the events this request appends carry it.
+            with tracing.tracer.start_as_current_span(
+                f"scheduler.{typ.__name__}", context=tracing.extract(request.headers)
+            ):
+                reply = await method(req)
         except JoyNexusError as e:
             reply = Reply(error=ErrorBody(code=e.code, message=str(e)))
         except Exception as e:  # a bug: say so to the caller, keep serving

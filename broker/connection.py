@@ -7,6 +7,7 @@ multi-MB Training Queue partitions needs neither limit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ class Broker:
         name: str,
         namespace: str = "jnx",
         connect_timeout: float = 5.0,
+        initial_timeout_s: float = 10.0,
         **auth: Any,
     ) -> Broker:
         """Connect with reconnects that never give up (an agent outlives server restarts)."""
@@ -46,7 +48,9 @@ class Broker:
         conn: list[NATS] = []
 
         async def on_error(e: Exception) -> None:
-            log.warning("nats connection %s: %s", name, e)
+            # Before the first connect succeeds every refused attempt lands here;
+            # the final error says it once.
+            log.log(logging.WARNING if conn else logging.DEBUG, "nats connection %s: %s", name, e)
 
         async def on_disconnect() -> None:
             if conn and not (conn[0].is_closed or conn[0].is_draining):
@@ -56,7 +60,7 @@ class Broker:
             log.info("nats connection %s: reconnected", name)
 
         try:
-            nc = await nats.connect(
+            connecting = nats.connect(
                 servers=url,
                 name=name,
                 connect_timeout=int(max(1, connect_timeout)),
@@ -68,8 +72,14 @@ class Broker:
                 reconnected_cb=on_reconnect,
                 **auth,
             )
+            # Reconnects never give up once connected; the first connect does.
+            nc = await asyncio.wait_for(connecting, initial_timeout_s)
         except Exception as e:  # nats raises several unrelated types here
-            raise Unavailable(f"cannot connect to NATS at {url}: {e}") from e
+            why = "no answer" if isinstance(e, TimeoutError) else str(e)
+            raise Unavailable(
+                f"cannot connect to NATS at {url} within {initial_timeout_s:.0f}s ({why}); "
+                "is the server running? (`joynexus up` or `joynexus server` start one)"
+            ) from e
         conn.append(nc)
         return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=Names(namespace))
 

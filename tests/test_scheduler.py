@@ -273,3 +273,103 @@ async def test_garbage_on_a_stage_subject_is_terminated_not_retried(broker: Brok
 def test_decode_is_strict_in_tests() -> None:
     with pytest.raises(InvalidMessage, match="unknown field"):
         decode(b'{"job":null,"refused":"","bogus":1}', Reply)
+
+
+async def test_stage_message_that_crashes_every_worker_fails_the_job_via_advisory(
+    broker: Broker, sched: SchedulerAgent
+) -> None:
+    """A worker that dies holding the message (no ack, no nak) each time: JetStream
+    gives up after max_deliver and its advisory makes the scheduler fail the job."""
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+
+    async def never(job):  # pragma: no cover - the 'crashed' worker never runs work
+        raise AssertionError
+
+    worker = StageWorker(broker, SchedulerClient(broker, by="w"), "advantages", never, ack_wait_s=0.5, max_deliver=2)
+    sub = await worker.subscribe()
+    job = await c.reserve("acme", "rl")
+    await c.mark(job.job_id, S.NEEDS_ADVANTAGES)
+    deliveries = 0
+    for _ in range(50):
+        try:
+            msgs = await sub.fetch(1, timeout=0.5)
+        except TimeoutError:
+            msgs = []
+        deliveries += len(msgs)  # received, then "crash": never acked
+        if (await c.get_job(job.job_id)).state is S.FAILED:
+            break
+    failed = await c.get_job(job.job_id)
+    assert deliveries == 2
+    assert failed.state is S.FAILED and "2 times without success" in failed.reason
+
+
+async def test_partition_bytes_return_to_zero_once_every_job_is_terminal(
+    broker: Broker, sched: SchedulerAgent
+) -> None:
+    import numpy as np
+
+    from joynexus.broker.tq import TrainingQueue
+
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    tq = TrainingQueue(broker)
+    jobs = []
+    for i in range(6):
+        job = await c.reserve("bolt", "sft")
+        await tq.async_put({"x": np.full((4, 256), i, dtype=np.float32)}, tenant_id="bolt", partition_id=job.partition_id)
+        jobs.append(await c.mark(job.job_id, S.READY))
+    # An orphan: data for a job that was never reserved (a producer died mid-reserve).
+    await tq.async_put({"x": np.ones((2, 8), dtype=np.float32)}, tenant_id="bolt", partition_id="jorphan")
+    assert await tq.partition_bytes() > 6 * 4 * 256 * 4
+    for i, _ in enumerate(jobs):
+        leased = await c.lease_next()
+        if i % 3 == 0:
+            await c.complete(leased)
+        elif i % 3 == 1:
+            await c.drop(leased.job_id, "operator said so")
+        else:
+            await c.fail(leased.job_id, "bad batch", attempt=leased.attempt)
+    assert await sched.sweep_partitions() >= 1  # the orphan (and any purge still in flight)
+    for _ in range(50):
+        if await tq.partition_bytes() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await tq.partition_bytes() == 0
+    assert await tq.list_partitions() == {}
+
+
+async def test_events_carry_the_callers_trace(broker: Broker, sched: SchedulerAgent) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    tracer = provider.get_tracer("test")
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    with tracer.start_as_current_span("producer") as span:
+        job = await c.reserve("acme", "rl")
+        await c.mark(job.job_id, S.NEEDS_ADVANTAGES)
+        trace_id = f"{span.get_span_context().trace_id:032x}"
+    hist = await JobEventLog(broker).history("acme", job.job_id)
+    assert all(trace_id in h.headers.get("traceparent", "") for h in hist)
+
+    async def work(j):
+        return None
+
+    worker = StageWorker(broker, SchedulerClient(broker, by="w"), "advantages", work)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    for _ in range(100):
+        if (await c.get_job(job.job_id)).state is S.READY:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await run
+    stage_spans = [s for s in exporter.get_finished_spans() if s.name == "stage.advantages"]
+    assert stage_spans and f"{stage_spans[0].context.trace_id:032x}" == trace_id
