@@ -43,21 +43,7 @@ async def broker(nats_server: EmbeddedNats, namespace: str) -> AsyncIterator[Bro
     b = await Broker.connect(nats_server.url, name="test", namespace=namespace)
     await ensure_layout(b, LayoutOptions(tq_ttl_s=600))
     yield b
-    # Leave the shared server clean for the next test.
-    for s in (
-        b.names.jobs_stream,
-        b.names.tq_stream,
-        b.names.metrics_stream,
-        b.names.advisories_stream,
-    ):
-        try:
-            await b.js.delete_stream(s)
-        except Exception:
-            pass
-    try:
-        await b.js.delete_key_value(b.names.tenants_bucket)
-    except Exception:
-        pass
+    await delete_layout(b)  # leave the shared server clean for the next test
     await b.close()
 
 
