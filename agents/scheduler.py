@@ -23,7 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -369,7 +369,7 @@ class SchedulerAgent:
                 return Reply(job=decided)
             return Reply(job=await self._append(decided))
 
-    async def _end(self, req: EndRequest, kind: str) -> Reply:
+    async def _end(self, req: EndRequest, kind: Literal["drop", "fail"]) -> Reply:
         async with self._job_lock(req.job_id):
             decided = self.core.decide_end(
                 req.job_id,
@@ -483,7 +483,7 @@ class SchedulerAgent:
 
     async def _on_max_deliveries(self, adv: dict[str, Any]) -> None:
         raw = await self.b.js.get_msg(self.n.jobs_stream, seq=int(adv["stream_seq"]))
-        event = decode(raw.data or b"", JobEvent, what="job event")  # type: ignore[arg-type]
+        event: JobEvent = decode(raw.data or b"", JobEvent, what="job event")  # type: ignore[arg-type]
         job = self.core.jobs.get(event.job.job_id)
         if job is None or job.state in TERMINAL_STATES:
             return

@@ -96,7 +96,7 @@ class StageWorker:
         error: BaseException | None = None
         job: TrainingJob | None = None
         try:
-            event = decode(msg.data, JobEvent, what=f"job event on {msg.subject}")  # type: ignore[arg-type]
+            event: JobEvent = decode(msg.data, JobEvent, what=f"job event on {msg.subject}")  # type: ignore[arg-type]
             with tracing.tracer.start_as_current_span(
                 f"stage.{self.stage}", context=tracing.extract(msg.headers)
             ):

@@ -158,7 +158,7 @@ class JobEventLog:
                 for m in msgs:
                     remaining = m.metadata.num_pending
                     try:
-                        ev = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
+                        ev: JobEvent = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
                         tenant, job_id, state = parse_job_subject(m.subject)
                         if (tenant, job_id, state) != (
                             ev.job.tenant_id,

@@ -25,7 +25,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
-from joynexus.schemas.jobs import GlobalLimits, TenantTaskPolicy
+from joynexus.schemas.jobs import GlobalLimits, TaskType, TenantTaskPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
 
@@ -85,7 +85,7 @@ async def bench_scheduler(
             )
             names = [f"t{i}" for i in range(tenants)]
             for i, t in enumerate(names):
-                task = "rl" if i % 2 == 0 else "sft"
+                task: TaskType = "rl" if i % 2 == 0 else "sft"
                 await setup.set_policy(
                     TenantTaskPolicy(
                         tenant_id=t, task_type=task, max_in_flight=64, max_active_rollouts=64
@@ -121,13 +121,13 @@ async def bench_scheduler(
                         flush=True,
                     )
             elapsed = time.perf_counter() - t0
-            done = len([t for t in pipe.stats.completed_at if t >= t0])
+            done = sum(1 for at in pipe.stats.completed_at if at >= t0)
             if progress:
                 print(file=sys.stderr)
             stop.set()
             await asyncio.wait(tasks, timeout=5)
-            for t in tasks:
-                t.cancel()
+            for task_ in tasks:
+                task_.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if proc.poll() is not None:
                 raise RuntimeError(f"scheduler process died: {proc.stderr.read().decode()[-2000:]}")
