@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import InvalidSpec
@@ -97,6 +98,23 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             history=8,
             replicas=opts.replicas,
         ),
+        KeyValueConfig(
+            bucket=n.policy_bucket,
+            description="JoyNexus policy versions: <tenant>.<policy_key> -> current version "
+            "and its weights object (history keeps the retained versions)",
+            history=64,
+            replicas=opts.replicas,
+        ),
+    ]
+
+
+def object_store_configs(b: Broker, opts: LayoutOptions) -> list[ObjectStoreConfig]:
+    return [
+        ObjectStoreConfig(
+            bucket=b.names.weights_store,
+            description="JoyNexus action-module weights: <tenant>/<policy_key>/v<version>.safetensors",
+            replicas=opts.replicas,
+        )
     ]
 
 
@@ -122,6 +140,11 @@ async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:
         await ensure_stream(b, cfg)
     for kv in kv_configs(b, opts):
         await b.js.create_key_value(kv)
+    for obj in object_store_configs(b, opts):
+        try:
+            await b.js.object_store(obj.bucket)
+        except (NotFoundError, BucketNotFoundError):
+            await b.js.create_object_store(obj.bucket, config=obj)
 
 
 async def delete_layout(b: Broker) -> None:
@@ -135,5 +158,10 @@ async def delete_layout(b: Broker) -> None:
     for kv in kv_configs(b, LayoutOptions()):
         try:
             await b.js.delete_key_value(kv.bucket)
+        except NotFoundError:
+            pass
+    for obj in object_store_configs(b, LayoutOptions()):
+        try:
+            await b.js.delete_object_store(obj.bucket)
         except NotFoundError:
             pass

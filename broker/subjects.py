@@ -7,7 +7,8 @@ other. With the default namespace an operator sees::
 
     nats stream ls        -> JNX_JOBS, JNX_TQ, JNX_METRICS, JNX_ADVISORIES
     nats kv ls            -> JNX_TENANTS, JNX_POLICY, JNX_HEALTH
-    nats micro ls         -> jnx-sched
+    nats object ls        -> JNX_WEIGHTS
+    nats micro ls         -> jnx-sched, jnx-infer
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ JOB = "job"
 TQ = "tq"
 SCHED = "sched"
 METRICS = "metrics"
+INFER = "infer"
 TQ_DATA = "d"
 TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
@@ -98,6 +100,25 @@ class Names:
     def scheduler_service(self) -> str:
         return f"{self.namespace}-sched"
 
+    @property
+    def inference_service(self) -> str:
+        return f"{self.namespace}-infer"
+
+    # -- the Inference Queue (request-reply) and policy publication
+    def infer(self, base_model: str) -> str:
+        """Endpoint subject of one base model, e.g. ``jnx.infer.qwen2_5-vl-tiny``."""
+        return f"{self.namespace}.{INFER}.{model_token(base_model)}"
+
+    @staticmethod
+    def policy_key(tenant_id: str, policy_key: str) -> str:
+        """Key in the policy bucket: ``<tenant>.<policy_key>``."""
+        return f"{tenant_id}.{policy_key}"
+
+    @staticmethod
+    def weights_object(tenant_id: str, policy_key: str, version: int) -> str:
+        """Object name in the weights store for one policy version."""
+        return f"{tenant_id}/{policy_key}/v{version}.safetensors"
+
     # -- the job event log
     def job_subject(self, tenant_id: str, job_id: str, state: JobState | str) -> str:
         return f"{self.namespace}.{JOB}.{tenant_id}.{job_id}.{JobState(state).value}"
@@ -156,6 +177,14 @@ class Names:
     @property
     def max_deliveries_advisories(self) -> str:
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.>"
+
+
+def model_token(base_model: str) -> str:
+    """A base model id as one subject token (dots separate tokens in NATS)."""
+    token = base_model.replace(".", "_")
+    if not token or any(c in token for c in " *>\t"):
+        raise InvalidSpec(f"base model id {base_model!r} cannot be used in a subject")
+    return token
 
 
 def parse_job_subject(subject: str) -> tuple[str, str, str]:

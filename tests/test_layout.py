@@ -13,3 +13,21 @@ async def test_layout_is_idempotent_and_reads_well(broker: Broker) -> None:
     info = await broker.js.stream_info(broker.names.jobs_stream)
     assert "job event log" in (info.config.description or "")
     assert info.config.allow_direct
+
+
+async def test_buckets_and_object_store_exist(broker: Broker) -> None:
+    n = broker.names
+    for bucket in (n.tenants_bucket, n.policy_bucket):
+        kv = await broker.js.key_value(bucket)
+        assert (await kv.status()).bucket == bucket
+    store = await broker.js.object_store(n.weights_store)
+    assert (await store.status()).bucket == n.weights_store
+
+
+def test_names_are_tokens() -> None:
+    from joynexus.broker.subjects import Names
+
+    n = Names()
+    assert n.infer("qwen2.5-vl-tiny") == "jnx.infer.qwen2_5-vl-tiny"
+    assert n.job_subject("acme", "j1", "ready") == "jnx.job.acme.j1.ready"
+    assert n.jobs_in_state("needs_advantages") == "jnx.job.*.*.needs_advantages"
