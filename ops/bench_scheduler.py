@@ -25,7 +25,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
-from joynexus.schemas.jobs import GlobalLimits, TaskType, TenantTaskPolicy
+from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, TenantTaskPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
 
@@ -64,6 +64,27 @@ def scheduler_process(url: str, namespace: str) -> Any:
             proc.wait()
 
 
+async def _unloaded_latency(b: Broker, tenant: str, *, n: int) -> list[float]:
+    """Latency of each transition with one caller and nothing else running."""
+    c = SchedulerClient(b, by="bench-seq")
+    out: list[float] = []
+
+    async def timed(coro: Any) -> Any:
+        t0 = time.perf_counter()
+        result = await coro
+        out.append(time.perf_counter() - t0)
+        return result
+
+    for _ in range(n):
+        job = await timed(c.reserve(tenant, "rl"))
+        await timed(c.mark(job.job_id, JobState.NEEDS_ADVANTAGES))
+        staged = await timed(c.lease_stage(job.job_id, "advantages"))
+        await timed(c.mark(job.job_id, JobState.READY, attempt=staged.attempt))
+        leased = await timed(c.lease_next())
+        await timed(c.complete(leased))
+    return out
+
+
 async def bench_scheduler(
     url: str,
     seconds: float = 10.0,
@@ -91,6 +112,7 @@ async def bench_scheduler(
                         tenant_id=t, task_type=task, max_in_flight=64, max_active_rollouts=64
                     )
                 )
+            unloaded = await _unloaded_latency(b, names[0], n=100)
             pipe = SyntheticPipeline(b, with_data=False, instance="bench")
             stop = asyncio.Event()
             tasks = [
@@ -143,6 +165,8 @@ async def bench_scheduler(
                 for v in (*TIMED_VERBS, "lease_next")
                 if lat.get(v)
             },
+            "unloaded_transition_p50_ms": _pct(unloaded, 50),
+            "unloaded_transition_p99_ms": _pct(unloaded, 99),
             "seconds": round(elapsed, 2),
             "lifecycles": done,
             "config": {
