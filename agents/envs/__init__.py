@@ -1,0 +1,1 @@
+"""Simulators (ManiSkill) and demonstration datasets (LeRobot format)."""
