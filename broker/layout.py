@@ -99,6 +99,12 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             replicas=opts.replicas,
         ),
         KeyValueConfig(
+            bucket=n.workloads_bucket,
+            description="JoyNexus workloads: <tenant>.<name> -> spec and state (the control plane writes)",
+            history=4,
+            replicas=opts.replicas,
+        ),
+        KeyValueConfig(
             bucket=n.policy_bucket,
             description="JoyNexus policy versions: <tenant>.<policy_key> -> current version "
             "and its weights object (history keeps the retained versions)",

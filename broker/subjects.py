@@ -6,9 +6,9 @@ several deployments (or tests) can share one server without seeing each
 other. With the default namespace an operator sees::
 
     nats stream ls        -> JNX_JOBS, JNX_TQ, JNX_METRICS, JNX_ADVISORIES
-    nats kv ls            -> JNX_TENANTS, JNX_POLICY, JNX_HEALTH
+    nats kv ls            -> JNX_TENANTS, JNX_WORKLOADS, JNX_POLICY, JNX_HEALTH
     nats object ls        -> JNX_WEIGHTS
-    nats micro ls         -> jnx-sched, jnx-infer
+    nats micro ls         -> jnx-sched, jnx-control, jnx-infer
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ TQ = "tq"
 SCHED = "sched"
 METRICS = "metrics"
 INFER = "infer"
+API = "api"
 TQ_DATA = "d"
 TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
@@ -101,6 +102,26 @@ class Names:
         return f"{self.namespace}-sched"
 
     @property
+    def control_service(self) -> str:
+        return f"{self.namespace}-control"
+
+    @property
+    def workloads_bucket(self) -> str:
+        return self._upper("WORKLOADS")
+
+    # -- the tenant API (what the SDK publishes); the tenant is the 3rd token
+    def api(self, tenant_id: str, verb: str) -> str:
+        return f"{self.namespace}.{API}.{tenant_id}.{verb}"
+
+    @property
+    def all_api(self) -> str:
+        return f"{self.namespace}.{API}.*.*"
+
+    @staticmethod
+    def workload_key(tenant_id: str, name: str) -> str:
+        return f"{tenant_id}.{name}"
+
+    @property
     def inference_service(self) -> str:
         return f"{self.namespace}-infer"
 
@@ -129,6 +150,10 @@ class Names:
 
     def jobs_in_state(self, state: JobState | str, tenant_id: str = "*") -> str:
         return f"{self.namespace}.{JOB}.{tenant_id}.*.{JobState(state).value}"
+
+    def tenant_jobs(self, tenant_id: str) -> str:
+        """Every event of every job of one tenant (what a tenant may read)."""
+        return f"{self.namespace}.{JOB}.{tenant_id}.*.*"
 
     @property
     def all_jobs(self) -> str:

@@ -1,0 +1,184 @@
+"""The control plane: validates tenants' workload specs and allocates their slots.
+
+Serves ``<ns>.api.<tenant>.<verb>`` as the micro service ``<ns>-control``.
+The tenant is taken from the subject (the third token), never from the
+payload: once the broker fences tenants to their own API subjects, a tenant
+cannot act for another. Creating a workload registers its admission policy
+with the scheduler, publishes the first version of its action module (fresh
+weights, or a copy of another of the tenant's versions) and stores the
+workload record, which the producer agents watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import InvalidSpec, JoyNexusError, UnknownTenant
+from joynexus.schemas.jobs import TenantTaskPolicy
+from joynexus.schemas.scheduler import ErrorBody
+from joynexus.schemas.workloads import (
+    ApiReply,
+    CreateWorkload,
+    NamedWorkload,
+    WorkloadRecord,
+)
+
+log = logging.getLogger(__name__)
+
+#: Publishes version 1 of a new workload's policy; returns its schema signature.
+InitPolicy = Callable[[WorkloadRecord], Awaitable[str]]
+
+VERBS: dict[str, type[Any]] = {
+    "create_workload": CreateWorkload,
+    "get_workload": NamedWorkload,
+    "list_workloads": NamedWorkload,
+    "cancel_workload": NamedWorkload,
+}
+
+
+class ControlPlane:
+    def __init__(
+        self, broker: Broker, *, init_policy: InitPolicy, instance: str = "control-0"
+    ) -> None:
+        self.b = broker
+        self.n = broker.names
+        self.sched = SchedulerClient(broker, by=instance)
+        self.init_policy = init_policy
+        self.instance = instance
+        self._service: Any = None
+        self._kv: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._lock = asyncio.Lock()  # one create at a time: slot allocation is check-then-write
+
+    async def start(self) -> None:
+        self._kv = await self.b.js.key_value(self.n.workloads_bucket)
+        self._service = await add_service(
+            self.b.nc,
+            name=self.n.control_service,
+            version="0.1.0",
+            description="JoyNexus control plane: tenants' workload specs and slots",
+        )
+        await self._service.add_endpoint(name="api", subject=self.n.all_api, handler=self._handle)
+
+    async def stop(self) -> None:
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, request: Request) -> None:
+        task = asyncio.ensure_future(self._serve(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, request: Request) -> None:
+        parts = request.subject.split(".")
+        tenant, verb = parts[2], parts[3]
+        try:
+            if verb not in VERBS:
+                raise InvalidSpec(f"unknown API verb {verb!r}; verbs are {sorted(VERBS)}")
+            req = decode(request.data or b"{}", VERBS[verb], what=f"{verb} request")
+            with tracing.tracer.start_as_current_span(
+                f"control.{verb}", context=tracing.extract(request.headers)
+            ):
+                reply = await getattr(self, f"_{verb}")(tenant, req)
+        except JoyNexusError as e:
+            reply = ApiReply(error=ErrorBody(code=e.code, message=str(e)))
+        except Exception as e:  # a bug: say so, keep serving
+            log.exception("control request %s failed", request.subject)
+            reply = ApiReply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))
+
+    async def _records(self, tenant: str) -> list[WorkloadRecord]:
+        try:
+            keys = await self._kv.keys(filters=[f"{tenant}."])
+        except (NoKeysError, NotFoundError):
+            return []
+        out = []
+        for key in keys:
+            if key.startswith(f"{tenant}."):
+                out.append(decode((await self._kv.get(key)).value, WorkloadRecord))
+        return out
+
+    async def _get(self, tenant: str, name: str) -> WorkloadRecord:
+        try:
+            entry = await self._kv.get(self.n.workload_key(tenant, name))
+        except KeyNotFoundError as e:
+            raise UnknownTenant(f"tenant {tenant!r} has no workload {name!r}") from e
+        return decode(entry.value, WorkloadRecord)
+
+    async def _create_workload(self, tenant: str, req: CreateWorkload) -> ApiReply:
+        spec = req.spec
+        async with self._lock:
+            for rec in await self._records(tenant):
+                if rec.spec.name == spec.name:
+                    if rec.spec == spec:
+                        return ApiReply(workload=rec)  # a retried create
+                    raise InvalidSpec(
+                        f"tenant {tenant!r} already has a workload named {spec.name!r}; pick another name"
+                    )
+                if rec.state == "active" and rec.spec.task_type == spec.task_type:
+                    raise InvalidSpec(
+                        f"tenant {tenant!r} already runs an active {spec.task_type} workload "
+                        f"({rec.spec.name!r}); cancel it first or wait for it to finish"
+                    )
+            if spec.init_from_workload:
+                await self._get(tenant, spec.init_from_workload)
+            record = WorkloadRecord(tenant_id=tenant, spec=spec, created_at=time.time())
+            signature = await self.init_policy(record)
+            record = WorkloadRecord(
+                tenant_id=tenant,
+                spec=spec,
+                created_at=record.created_at,
+                schema_signature=signature,
+            )
+            s = spec.scheduling
+            await self.sched.set_policy(
+                TenantTaskPolicy(
+                    tenant_id=tenant,
+                    task_type=spec.task_type,
+                    priority=s.priority,
+                    max_in_flight=s.max_in_flight,
+                    max_active_rollouts=s.max_active_rollouts,
+                    completion_target=s.completion_target,
+                    max_policy_staleness=s.max_policy_staleness,
+                )
+            )
+            await self.sched.set_version(tenant, spec.name, 1)
+            await self._kv.put(self.n.workload_key(tenant, spec.name), encode(record))
+            return ApiReply(workload=record)
+
+    async def _get_workload(self, tenant: str, req: NamedWorkload) -> ApiReply:
+        return ApiReply(workload=await self._get(tenant, req.name))
+
+    async def _list_workloads(self, tenant: str, _req: NamedWorkload) -> ApiReply:
+        return ApiReply(workloads=await self._records(tenant))
+
+    async def _cancel_workload(self, tenant: str, req: NamedWorkload) -> ApiReply:
+        rec = await self._get(tenant, req.name)
+        if rec.state == "active":
+            rec = WorkloadRecord(
+                tenant_id=rec.tenant_id,
+                spec=rec.spec,
+                state="cancelled",
+                created_at=rec.created_at,
+                schema_signature=rec.schema_signature,
+            )
+            await self._kv.put(self.n.workload_key(tenant, req.name), encode(rec))
+        return ApiReply(workload=rec)

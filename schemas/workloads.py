@@ -1,0 +1,125 @@
+"""Workloads: what a tenant asks the service to run, and the control plane's API.
+
+A workload is one tenant's task: SFT on a LeRobot dataset, RL in a ManiSkill
+task, or evaluation. Its ``name`` is the policy key of the action module it
+trains (``<tenant>.<name>`` in the policy bucket). Specs validate themselves
+on construction and on decode, so a bad spec is refused with a message that
+names the field and says what would be accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from joynexus.schemas.base import WIRE_VERSION, Wire
+from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.jobs import TASK_TYPES, TaskType, check_name
+from joynexus.schemas.scheduler import ErrorBody
+
+#: Base models the service can host, and the backbone size each maps to.
+BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
+ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching")
+#: ManiSkill tasks whose assets ship with the package (others need downloads).
+RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
+
+
+class Scheduling(Wire, kw_only=True, omit_defaults=True):
+    priority: int = 0
+    max_in_flight: int = 2
+    max_active_rollouts: int = 1
+    completion_target: int | None = None
+    max_policy_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("max_in_flight", "max_active_rollouts"):
+            if getattr(self, field) < 1:
+                raise InvalidSpec(f"scheduling.{field} must be >= 1, got {getattr(self, field)}")
+        if self.completion_target is not None and self.completion_target < 1:
+            raise InvalidSpec(
+                f"scheduling.completion_target must be >= 1, got {self.completion_target}"
+            )
+        if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
+            raise InvalidSpec(
+                f"scheduling.max_policy_staleness must be >= 0, got {self.max_policy_staleness}"
+            )
+
+
+class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
+    v: int = WIRE_VERSION
+    name: str
+    task_type: TaskType
+    base_model: str = "qwen2.5-vl-tiny"
+    action_module: str = "oft_mlp"
+    #: ManiSkill task id (rl, eval).
+    env: str = ""
+    #: LeRobot dataset root on the service's machines (sft).
+    dataset: str = ""
+    #: Start from this version of ``init_from_workload`` (same tenant); None = fresh weights.
+    init_from: int | None = None
+    init_from_workload: str = ""
+    #: RL: parallel envs and steps per rollout job; SFT: samples per job.
+    num_envs: int = 2
+    horizon: int = 16
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    #: Jobs to run (None: until cancelled or the completion target).
+    seed: int = 0
+    scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
+
+    def __post_init__(self) -> None:
+        check_name("workload name", self.name)
+        if self.task_type not in TASK_TYPES:
+            raise InvalidSpec(f"task_type {self.task_type!r} is not one of {list(TASK_TYPES)}")
+        if self.base_model not in BASE_MODELS:
+            raise InvalidSpec(
+                f"base_model {self.base_model!r} is not hosted here; choose one of {sorted(BASE_MODELS)}"
+            )
+        if self.action_module not in ACTION_MODULES:
+            raise InvalidSpec(
+                f"action_module {self.action_module!r} is unknown; choose one of {list(ACTION_MODULES)}"
+            )
+        if self.task_type in ("rl", "eval"):
+            if self.env not in RL_ENVS:
+                raise InvalidSpec(
+                    f"{self.task_type} workload {self.name!r} needs env set to one of {list(RL_ENVS)} "
+                    f"(got {self.env!r}; other ManiSkill tasks need asset downloads)"
+                )
+        if self.task_type == "sft" and not self.dataset:
+            raise InvalidSpec(
+                f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
+            )
+        for field in ("num_envs", "horizon", "batch_size"):
+            if getattr(self, field) < 1:
+                raise InvalidSpec(f"{field} must be >= 1, got {getattr(self, field)}")
+        if not 0 < self.learning_rate < 1:
+            raise InvalidSpec(f"learning_rate must be in (0, 1), got {self.learning_rate}")
+        if self.init_from is not None and self.init_from < 0:
+            raise InvalidSpec(f"init_from must be a version >= 0, got {self.init_from}")
+
+
+WorkloadState = Literal["active", "cancelled", "done"]
+
+
+class WorkloadRecord(Wire, kw_only=True, omit_defaults=True):
+    tenant_id: str
+    spec: WorkloadSpec
+    state: WorkloadState = "active"
+    created_at: float = 0.0
+    #: The sample layout its jobs carry (from the env or the dataset).
+    schema_signature: str = ""
+
+
+class CreateWorkload(Wire, kw_only=True):
+    spec: WorkloadSpec
+
+
+class NamedWorkload(Wire, kw_only=True):
+    name: str = ""
+
+
+class ApiReply(Wire, kw_only=True, omit_defaults=True):
+    workload: WorkloadRecord | None = None
+    workloads: list[WorkloadRecord] = []
+    error: ErrorBody | None = None

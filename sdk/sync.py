@@ -1,0 +1,118 @@
+"""A blocking facade over :class:`joynexus.sdk.Client` for scripts and notebooks.
+
+It runs the async client on an event loop in a background thread; every
+method returns a ``concurrent.futures.Future`` (call ``.result()``), and
+``events()`` is a plain iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
+
+from joynexus.schemas.jobs import JobEvent
+from joynexus.schemas.workloads import WorkloadSpec
+from joynexus.sdk.client import Client, Credentials, Workload
+
+T = TypeVar("T")
+_END = object()
+
+
+class SyncClient:
+    def __init__(
+        self, client: Client, loop: asyncio.AbstractEventLoop, thread: threading.Thread
+    ) -> None:
+        self._client = client
+        self._loop = loop
+        self._thread = thread
+        self.tenant = client.tenant
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | list[str],
+        *,
+        tenant: str,
+        credentials: Credentials | None = None,
+        namespace: str = "jnx",
+    ) -> SyncClient:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=loop.run_forever, name=f"joynexus-sdk-{tenant}", daemon=True
+        )
+        thread.start()
+        fut = asyncio.run_coroutine_threadsafe(
+            Client.connect(url, tenant=tenant, credentials=credentials, namespace=namespace), loop
+        )
+        try:
+            client = fut.result()
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            raise
+        return cls(client, loop, thread)
+
+    def _run(self, make: Any) -> concurrent.futures.Future[Any]:
+        async def go() -> Any:
+            return await make()
+
+        return asyncio.run_coroutine_threadsafe(go(), self._loop)
+
+    def _call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        return self._run(lambda: _awaitable(fn(*args)))
+
+    def create_workload(self, spec: WorkloadSpec) -> concurrent.futures.Future[Workload]:
+        return self._call(self._client.create_workload, spec)
+
+    def get_workload(self, name: str) -> concurrent.futures.Future[Workload]:
+        return self._call(self._client.get_workload, name)
+
+    def list_workloads(self) -> concurrent.futures.Future[list[Workload]]:
+        return self._call(self._client.list_workloads)
+
+    def cancel_workload(self, name: str) -> concurrent.futures.Future[Workload]:
+        return self._call(self._client.cancel_workload, name)
+
+    def events(
+        self, workload: str | None = None, *, timeout_s: float | None = None
+    ) -> Iterator[JobEvent]:
+        """Job events as a blocking iterator; stops after ``timeout_s`` without an event."""
+        q: queue.Queue[Any] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ev in self._client.events(workload):
+                    q.put(ev)
+            finally:
+                q.put(_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=timeout_s)
+                except queue.Empty:
+                    return
+                if item is _END:
+                    return
+                yield item
+        finally:
+            fut.cancel()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _awaitable(x: Awaitable[T]) -> T:
+    return await x

@@ -1,0 +1,79 @@
+"""The SDK's public surface is small and explicit, and needs no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import joynexus.sdk as sdk
+from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.workloads import Scheduling, WorkloadSpec
+
+PUBLIC = {
+    "Client",
+    "Conflict",
+    "Credentials",
+    "IllegalTransition",
+    "InvalidMessage",
+    "InvalidSpec",
+    "JobEvent",
+    "JobState",
+    "JoyNexusError",
+    "Scheduling",
+    "SyncClient",
+    "TrainingJob",
+    "Unavailable",
+    "UnknownJob",
+    "UnknownTenant",
+    "Workload",
+    "WorkloadRecord",
+    "WorkloadSpec",
+}
+
+
+def test_public_surface_is_pinned() -> None:
+    assert set(sdk.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(sdk, name) is not None
+
+
+def test_sdk_imports_without_torch() -> None:
+    code = "import sys, joynexus.sdk; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"name": "Bad Name", "task_type": "sft", "dataset": "/d"},
+            "workload name 'Bad Name' is not a valid name",
+        ),
+        ({"name": "a", "task_type": "rl", "env": "AntMaze"}, "needs env set to one of"),
+        ({"name": "a", "task_type": "sft"}, "needs dataset"),
+        (
+            {"name": "a", "task_type": "sft", "dataset": "/d", "action_module": "gpt"},
+            "action_module 'gpt' is unknown",
+        ),
+        (
+            {"name": "a", "task_type": "sft", "dataset": "/d", "base_model": "llama"},
+            "base_model 'llama' is not hosted",
+        ),
+        ({"name": "a", "task_type": "train", "dataset": "/d"}, "task_type 'train' is not one of"),
+        (
+            {"name": "a", "task_type": "sft", "dataset": "/d", "learning_rate": 3.0},
+            "learning_rate must be in",
+        ),
+    ],
+)
+def test_invalid_specs_say_what_is_wrong(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        WorkloadSpec(**kwargs)
+
+
+def test_invalid_scheduling_says_which_field() -> None:
+    with pytest.raises(InvalidSpec, match="scheduling.max_in_flight must be >= 1"):
+        Scheduling(max_in_flight=0)
