@@ -75,5 +75,5 @@ def test_invalid_specs_say_what_is_wrong(kwargs: dict, message: str) -> None:
 
 
 def test_invalid_scheduling_says_which_field() -> None:
-    with pytest.raises(InvalidSpec, match="scheduling.max_in_flight must be >= 1"):
+    with pytest.raises(InvalidSpec, match=r"scheduling\.max_in_flight must be >= 1"):
         Scheduling(max_in_flight=0)
