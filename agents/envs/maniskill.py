@@ -1,0 +1,686 @@
+"""ManiSkill3 simulators for RL rollouts and evaluation, on CPU backends.
+
+The RL producers and the evaluator run a tenant's task here: ``make_env``
+builds a batch of ManiSkill envs (PickCube-v1, PushCube-v1, StackCube-v1:
+the tasks whose assets ship inside the ``mani_skill`` wheel, so nothing is
+downloaded), ``rollout`` steps them with an async policy (the Inference
+Queue, in the service) and returns flat numeric arrays ready for a Training
+Queue put, and ``evaluate`` measures a policy's success rate.
+
+Observations handed to a policy use LeRobot's key names, so that a head
+trained on a LeRobot dataset (see ``lerobot_data``) reads simulator
+observations unchanged:
+
+    "observation.images.<camera>"  uint8   [N, 3, H, W]   one per camera slot
+    "observation.state"            float32 [N, S]
+    "task"                         list[str] of length N (the instruction)
+
+Rendering runs on the CPU through Mesa's lavapipe Vulkan driver (install it
+with ``ops/system_setup.sh``); this module points the Vulkan loader at it
+before SAPIEN is imported, unless the caller already set ``VK_ICD_FILENAMES``.
+The CPU physics backend holds one env per ManiSkill instance, so a batch of
+``num_envs`` is that many instances in this process, stepped one after the
+other in a worker thread (``asyncio.to_thread``) so the event loop keeps
+serving while the simulator runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+# --- environment for the Vulkan loader, before sapien is imported anywhere ---
+
+
+def configure_cpu_rendering() -> str | None:
+    """Point the Vulkan loader at lavapipe (Mesa's CPU driver) if nothing is set.
+
+    Returns the ICD file in use, or None when lavapipe is not installed (then
+    SAPIEN uses whatever Vulkan driver the machine has, e.g. a GPU's).
+    Idempotent; the caller's own ``VK_ICD_FILENAMES`` always wins.
+    """
+    if os.environ.get("VK_ICD_FILENAMES") or os.environ.get("VK_DRIVER_FILES"):
+        return os.environ.get("VK_ICD_FILENAMES") or os.environ.get("VK_DRIVER_FILES")
+    # Mesa 25 names it lvp_icd.json, older packages lvp_icd.<arch>.json.
+    for pattern in ("/usr/share/vulkan/icd.d/lvp_icd*.json", "/etc/vulkan/icd.d/lvp_icd*.json"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            os.environ["VK_ICD_FILENAMES"] = found[0]
+            return found[0]
+    return None
+
+
+configure_cpu_rendering()
+
+# Key names shared with LeRobot datasets (lerobot.utils.constants spells them the same).
+OBS_STATE = "observation.state"
+OBS_IMAGES = "observation.images"
+ACTION = "action"
+TASK = "task"
+
+ObsMode = Literal["state", "rgb"]
+ObsBatch = dict[str, Any]
+"""A batch observation: image and state arrays keyed as above, plus ``TASK`` strings."""
+ActFn = Callable[[ObsBatch], Awaitable[np.ndarray]]
+"""An async policy: a batch observation in, actions [N, A] or a chunk [N, H, A] out."""
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What JoyNexus supports of one ManiSkill task."""
+
+    instruction: str
+    max_episode_steps: int
+    #: Camera slots the task can render: its sensor cameras plus "render_camera"
+    #: (the third-person view ManiSkill uses for videos; shows the goal marker).
+    cameras: tuple[str, ...]
+    default_cameras: tuple[str, ...]
+    #: (group, key) pairs of ManiSkill's dict observation concatenated into the
+    #: state vector when obs="rgb"; group is "agent" or "extra".
+    default_state_keys: tuple[str, ...]
+    #: State vector length when obs="state" (ManiSkill's flattened state).
+    flat_state_dim: int
+
+
+TASKS: dict[str, TaskInfo] = {
+    "PickCube-v1": TaskInfo(
+        instruction="pick up the cube and move it to the goal position",
+        max_episode_steps=50,
+        cameras=("base_camera", "hand_camera", "render_camera"),
+        default_cameras=("base_camera",),
+        # The goal marker is hidden from the sensor cameras, so the goal is in the state.
+        default_state_keys=("agent/qpos", "extra/goal_pos"),
+        flat_state_dim=42,
+    ),
+    "PushCube-v1": TaskInfo(
+        instruction="push the cube to the red and white target",
+        max_episode_steps=50,
+        cameras=("base_camera", "hand_camera", "render_camera"),
+        default_cameras=("base_camera",),
+        default_state_keys=("agent/qpos",),
+        flat_state_dim=35,
+    ),
+    "StackCube-v1": TaskInfo(
+        instruction="stack the red cube on top of the green cube",
+        max_episode_steps=50,
+        cameras=("base_camera", "hand_camera", "render_camera"),
+        default_cameras=("base_camera",),
+        default_state_keys=("agent/qpos",),
+        flat_state_dim=48,
+    ),
+}
+
+_WHY_ONLY_THESE = (
+    "only tasks whose assets ship inside the mani_skill wheel are supported, "
+    "because nothing may be downloaded at run time"
+)
+
+#: Sizes of the (group, key) entries that may be named in ``state_keys``.
+_STATE_KEY_DIMS: dict[str, int] = {
+    "agent/qpos": 9,
+    "agent/qvel": 9,
+    "extra/tcp_pose": 7,
+    "extra/goal_pos": 3,
+    "extra/is_grasped": 1,
+}
+
+_ACTION_DIMS: dict[str, int] = {
+    "pd_ee_delta_pos": 4,
+    "pd_ee_delta_pose": 7,
+    "pd_joint_delta_pos": 8,
+    "pd_joint_pos": 8,
+}
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """The observation/action schema of a built env: what a policy must read and write."""
+
+    task: str
+    obs: ObsMode
+    num_envs: int
+    image_size: int
+    control_mode: str
+    #: Camera slots, each "observation.images.<camera>" uint8 [N, 3, H, W]; empty for obs="state".
+    cameras: tuple[str, ...]
+    #: What "observation.state" is made of (ManiSkill names), or ("flat_state",).
+    state_keys: tuple[str, ...]
+    state_dim: int
+    action_dim: int
+    max_episode_steps: int
+    instruction: str
+    robot: str = "panda"
+
+    @property
+    def image_keys(self) -> tuple[str, ...]:
+        return tuple(f"{OBS_IMAGES}.{cam}" for cam in self.cameras)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data description (feature name -> dtype/shape), e.g. for a workload manifest."""
+        feats: dict[str, Any] = {
+            key: {"dtype": "uint8", "shape": (3, self.image_size, self.image_size)}
+            for key in self.image_keys
+        }
+        feats[OBS_STATE] = {"dtype": "float32", "shape": (self.state_dim,)}
+        feats[ACTION] = {"dtype": "float32", "shape": (self.action_dim,)}
+        return {
+            "task": self.task,
+            "obs": self.obs,
+            "control_mode": self.control_mode,
+            "instruction": self.instruction,
+            "max_episode_steps": self.max_episode_steps,
+            "features": feats,
+        }
+
+
+def task_spec(
+    task: str,
+    *,
+    obs: ObsMode = "state",
+    num_envs: int = 1,
+    image_size: int = 64,
+    control_mode: str = "pd_ee_delta_pos",
+    cameras: Sequence[str] | None = None,
+    state_keys: Sequence[str] | None = None,
+) -> EnvSpec:
+    """Validate a request and describe the env it builds, without building it."""
+    info = TASKS.get(task)
+    if info is None:
+        raise InvalidSpec(
+            f"unknown task {task!r}: choose one of {sorted(TASKS)} ({_WHY_ONLY_THESE})"
+        )
+    if obs not in ("state", "rgb"):
+        raise InvalidSpec(f"obs={obs!r}: choose 'state' (vector only) or 'rgb' (cameras + state)")
+    if num_envs < 1:
+        raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
+    if not 16 <= image_size <= 512:
+        raise InvalidSpec(f"image_size={image_size}: choose 16..512 pixels (64 renders ~15 steps/s on a CPU)")
+    if control_mode not in _ACTION_DIMS:
+        raise InvalidSpec(f"control_mode={control_mode!r}: choose one of {sorted(_ACTION_DIMS)}")
+    if obs == "state":
+        if cameras:
+            raise InvalidSpec("cameras are only rendered with obs='rgb'; drop cameras= or set obs='rgb'")
+        if state_keys:
+            raise InvalidSpec("state_keys applies to obs='rgb'; obs='state' gives ManiSkill's full flat state")
+        cams: tuple[str, ...] = ()
+        keys: tuple[str, ...] = ("flat_state",)
+        state_dim = info.flat_state_dim
+    else:
+        cams = tuple(cameras) if cameras is not None else info.default_cameras
+        bad = [c for c in cams if c not in info.cameras]
+        if bad or not cams or len(set(cams)) != len(cams):
+            raise InvalidSpec(
+                f"cameras={list(cams)} for {task}: name one or more distinct cameras of {list(info.cameras)}"
+            )
+        keys = tuple(state_keys) if state_keys is not None else info.default_state_keys
+        bad = [k for k in keys if k not in _STATE_KEY_DIMS]
+        if bad or not keys:
+            raise InvalidSpec(f"state_keys={list(keys)}: choose from {sorted(_STATE_KEY_DIMS)}")
+        if "extra/goal_pos" in keys and task != "PickCube-v1":
+            raise InvalidSpec(f"extra/goal_pos exists only in PickCube-v1, not {task}")
+        if "extra/is_grasped" in keys and task != "PickCube-v1":
+            raise InvalidSpec(f"extra/is_grasped exists only in PickCube-v1, not {task}")
+        state_dim = sum(_STATE_KEY_DIMS[k] for k in keys)
+    return EnvSpec(
+        task=task,
+        obs=obs,
+        num_envs=num_envs,
+        image_size=image_size,
+        control_mode=control_mode,
+        cameras=cams,
+        state_keys=keys,
+        state_dim=state_dim,
+        action_dim=_ACTION_DIMS[control_mode],
+        max_episode_steps=info.max_episode_steps,
+        instruction=info.instruction,
+        # The wrist camera comes with ManiSkill's "panda_wristcam" robot; it costs
+        # ~4x the render time of the base camera on a CPU, so only when asked.
+        robot="panda_wristcam" if "hand_camera" in cams else "panda",
+    )
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _quiet_maniskill_logs() -> None:
+    import logging
+
+    # "panda_wristcam is not in the task's list of supported robots": it is the
+    # same arm with a camera; the warning repeats per env.
+    logging.getLogger("mani_skill").setLevel(logging.ERROR)
+
+
+@dataclass
+class StepResult:
+    """One synchronous step of all N envs (numpy, leading dimension N)."""
+
+    obs: ObsBatch
+    reward_N: np.ndarray
+    terminated_N: np.ndarray
+    truncated_N: np.ndarray
+    success_N: np.ndarray
+    info: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ManiSkillEnv:
+    """N single-instance ManiSkill envs (CPU physics and rendering) behind one batch API.
+
+    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``
+    (``rollout`` and ``evaluate`` do). ``sims`` are the unwrapped ManiSkill
+    envs, for scripted experts that read privileged state.
+    """
+
+    def __init__(self, spec: EnvSpec, envs: list[Any]) -> None:
+        self.spec = spec
+        self._envs = envs
+        self._closed = False
+
+    @property
+    def num_envs(self) -> int:
+        return self.spec.num_envs
+
+    @property
+    def sims(self) -> list[Any]:
+        """The unwrapped ManiSkill envs (``mani_skill.envs.sapien_env.BaseEnv``)."""
+        return [e.unwrapped for e in self._envs]
+
+    def _convert_one(self, raw: Any, env: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        spec = self.spec
+        if spec.obs == "state":
+            return _to_numpy(raw).reshape(-1).astype(np.float32), {}
+        parts = []
+        for key in spec.state_keys:
+            group, name = key.split("/")
+            parts.append(_to_numpy(raw[group][name]).reshape(-1).astype(np.float32))
+        state_S = np.concatenate(parts)
+        images: dict[str, np.ndarray] = {}
+        for cam in spec.cameras:
+            if cam == "render_camera":
+                img_H_W_C = _to_numpy(env.unwrapped.render_rgb_array())[0]
+            else:
+                img_H_W_C = _to_numpy(raw["sensor_data"][cam]["rgb"])[0]
+            images[cam] = np.ascontiguousarray(img_H_W_C.transpose(2, 0, 1)).astype(np.uint8)
+        return state_S, images
+
+    def _batch(self, per_env: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> ObsBatch:
+        obs: ObsBatch = {}
+        for cam in self.spec.cameras:
+            obs[f"{OBS_IMAGES}.{cam}"] = np.stack([imgs[cam] for _, imgs in per_env])
+        obs[OBS_STATE] = np.stack([s for s, _ in per_env]).astype(np.float32)
+        obs[TASK] = [self.spec.instruction] * len(per_env)
+        return obs
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidSpec("this env was closed; build a new one with make_env()")
+
+    def reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Reset env ``index``; returns its (state [S], {camera: image [3, H, W]})."""
+        self._check_open()
+        env = self._envs[index]
+        raw, _ = env.reset(seed=seed)
+        return self._convert_one(raw, env)
+
+    def reset(self, seed: int | Sequence[int] | None = None) -> ObsBatch:
+        """Reset all envs; env i gets seed[i] (or seed + i for an int seed)."""
+        if seed is None:
+            seeds: list[int | None] = [None] * self.num_envs
+        elif isinstance(seed, int):
+            seeds = [seed + i for i in range(self.num_envs)]
+        else:
+            seeds = list(seed)
+            if len(seeds) != self.num_envs:
+                raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        return self._batch([self.reset_one(i, s) for i, s in enumerate(seeds)])
+
+    def step(self, actions_N_A: np.ndarray) -> StepResult:
+        """Step every env once with its row of ``actions_N_A`` (float32 [N, A], in [-1, 1])."""
+        self._check_open()
+        actions_N_A = np.asarray(actions_N_A, dtype=np.float32)
+        want = (self.num_envs, self.spec.action_dim)
+        if actions_N_A.shape != want:
+            raise ShapeMismatch(
+                f"actions of shape {actions_N_A.shape} for {self.spec.task} with "
+                f"{self.spec.control_mode}: send float32 {list(want)} (num_envs, action_dim)"
+            )
+        per_env = []
+        rewards, terms, truncs, succ, infos = [], [], [], [], []
+        for env, a_A in zip(self._envs, actions_N_A, strict=True):
+            raw, r, te, tr, info = env.step(a_A[None])
+            per_env.append(self._convert_one(raw, env))
+            rewards.append(float(_to_numpy(r).reshape(-1)[0]))
+            terms.append(bool(_to_numpy(te).reshape(-1)[0]))
+            truncs.append(bool(_to_numpy(tr).reshape(-1)[0]))
+            succ.append(bool(_to_numpy(info.get("success", False)).reshape(-1)[0]))
+            infos.append(info)
+        return StepResult(
+            obs=self._batch(per_env),
+            reward_N=np.asarray(rewards, dtype=np.float32),
+            terminated_N=np.asarray(terms, dtype=bool),
+            truncated_N=np.asarray(truncs, dtype=bool),
+            success_N=np.asarray(succ, dtype=bool),
+            info=infos,
+        )
+
+    def replace_obs(self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]) -> None:
+        """Write one env's converted observation into row ``index`` of a batch, in place."""
+        state_S, images = row
+        obs[OBS_STATE][index] = state_S
+        for cam, img in images.items():
+            obs[f"{OBS_IMAGES}.{cam}"][index] = img
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for env in self._envs:
+                env.close()
+
+    def __enter__(self) -> ManiSkillEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_env(
+    task: str,
+    *,
+    obs: ObsMode = "state",
+    num_envs: int = 1,
+    image_size: int = 64,
+    control_mode: str = "pd_ee_delta_pos",
+    seed: int | None = None,
+    cameras: Sequence[str] | None = None,
+    state_keys: Sequence[str] | None = None,
+    reward_mode: str = "normalized_dense",
+) -> ManiSkillEnv:
+    """Build ``num_envs`` CPU ManiSkill envs of ``task``; reset with ``seed`` if given.
+
+    ``obs="state"``: "observation.state" is ManiSkill's flat privileged state.
+    ``obs="rgb"``: one uint8 [N, 3, image_size, image_size] image per camera slot,
+    and a state made of ``state_keys`` (default per task, see ``TASKS``).
+    The first rgb env of a process takes ~10 s (renderer start); later ones < 1 s.
+    """
+    spec = task_spec(
+        task,
+        obs=obs,
+        num_envs=num_envs,
+        image_size=image_size,
+        control_mode=control_mode,
+        cameras=cameras,
+        state_keys=state_keys,
+    )
+    import gymnasium as gym
+    import mani_skill.envs  # noqa: F401  (registers the tasks)
+
+    _quiet_maniskill_logs()
+    kwargs: dict[str, Any] = dict(
+        obs_mode="state" if obs == "state" else "rgb",
+        control_mode=control_mode,
+        reward_mode=reward_mode,
+        robot_uids=spec.robot,
+        sim_backend="physx_cpu",
+        render_backend="sapien_cpu",
+        max_episode_steps=spec.max_episode_steps,
+    )
+    if obs == "rgb":
+        kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
+        kwargs["human_render_camera_configs"] = dict(width=image_size, height=image_size)
+    envs: list[Any] = []
+    try:
+        for _ in range(num_envs):
+            envs.append(gym.make(task, **kwargs))
+    except RuntimeError as exc:
+        for env in envs:
+            env.close()
+        if "vulkan" in str(exc).lower() or "device" in str(exc).lower():
+            raise InvalidSpec(
+                f"ManiSkill could not start a Vulkan renderer ({exc}); on a machine without "
+                "a GPU run `sudo bash ops/system_setup.sh` (installs Mesa's lavapipe)"
+            ) from exc
+        raise
+    env = ManiSkillEnv(spec, envs)
+    if seed is not None:
+        env.reset(seed=seed)
+    return env
+
+
+# --- async rollout and evaluation ---
+
+
+def episode_seed(seed: int, env_index: int, episode: int) -> int:
+    """A distinct, reproducible reset seed for episode ``episode`` of env ``env_index``."""
+    return int(np.random.SeedSequence([seed, env_index, episode]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _check_actions(actions: Any, spec: EnvSpec) -> np.ndarray:
+    """Actions as float32 [N, H, A] (H = 1 for a single step)."""
+    arr = np.asarray(actions, dtype=np.float32)
+    if arr.ndim == 2:
+        arr = arr[:, None, :]
+    if arr.ndim != 3 or arr.shape[0] != spec.num_envs or arr.shape[2] != spec.action_dim or arr.shape[1] < 1:
+        raise ShapeMismatch(
+            f"act_fn returned shape {tuple(np.shape(actions))}; return float32 "
+            f"[{spec.num_envs}, {spec.action_dim}] or a chunk [{spec.num_envs}, H, {spec.action_dim}]"
+        )
+    return arr
+
+
+def _copy_obs(obs: ObsBatch) -> ObsBatch:
+    return {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in obs.items()}
+
+
+async def rollout(
+    env: ManiSkillEnv,
+    act_fn: ActFn,
+    *,
+    horizon: int,
+    seed: int,
+    chunk: Literal["first", "open_loop"] = "open_loop",
+) -> dict[str, np.ndarray]:
+    """Run ``horizon`` steps of every env with ``act_fn``; returns N x horizon samples.
+
+    Envs are reset at the start (with seeds derived from ``seed``) and again
+    whenever an episode ends, so every env contributes exactly ``horizon``
+    steps. ``act_fn`` gets the batch observation of all N envs and returns
+    float32 [N, A], or an action chunk [N, H, A]: with ``chunk="open_loop"``
+    the chunk's steps are executed one after the other without asking the
+    policy again, until the chunk is used up, the horizon is reached, or any
+    env's episode ends (then the policy is asked afresh); with ``chunk="first"``
+    only its first step is executed.
+
+    Returned arrays (numeric only, leading dimension M = N * horizon, env-major:
+    sample m is env m // horizon at step m % horizon):
+        "observation.images.<cam>" uint8 [M, 3, H, W]  (obs="rgb")
+        "observation.state" float32 [M, S]   observation the action was taken in
+        "action" float32 [M, A]              the action executed
+        "next.reward" float32 [M]; "next.terminated", "next.truncated", "next.done",
+        "next.success" bool [M]              outcome of that step
+        "env_index", "episode_index", "frame_index" int64 [M]   (episode_index counts
+                                             episodes per env within this rollout)
+        "episode_seed" int64 [M]             the reset seed of the sample's episode
+    """
+    if horizon < 1:
+        raise InvalidSpec(f"horizon={horizon}: must be at least 1")
+    spec = env.spec
+    N = spec.num_envs
+    episode_N = np.zeros(N, dtype=np.int64)
+    frame_N = np.zeros(N, dtype=np.int64)
+    seeds_N = np.array([episode_seed(seed, i, 0) for i in range(N)], dtype=np.int64)
+    obs = await asyncio.to_thread(env.reset, [int(s) for s in seeds_N])
+
+    record: dict[str, list[np.ndarray]] = {k: [] for k in (*spec.image_keys, OBS_STATE)}
+    extra: dict[str, list[np.ndarray]] = {
+        k: []
+        for k in (
+            ACTION,
+            "next.reward",
+            "next.terminated",
+            "next.truncated",
+            "next.done",
+            "next.success",
+            "env_index",
+            "episode_index",
+            "frame_index",
+            "episode_seed",
+        )
+    }
+
+    def _reset_done(done_N: np.ndarray, obs_next: ObsBatch) -> None:
+        for i in np.flatnonzero(done_N):
+            episode_N[i] += 1
+            frame_N[i] = 0
+            seeds_N[i] = episode_seed(seed, int(i), int(episode_N[i]))
+            env.replace_obs(obs_next, int(i), env.reset_one(int(i), int(seeds_N[i])))
+
+    t = 0
+    while t < horizon:
+        actions_N_H_A = _check_actions(await act_fn(_copy_obs(obs)), spec)
+        steps = 1 if chunk == "first" else actions_N_H_A.shape[1]
+        for h in range(min(steps, horizon - t)):
+            a_N_A = actions_N_H_A[:, h]
+            res = await asyncio.to_thread(env.step, a_N_A)
+            done_N = res.terminated_N | res.truncated_N
+            for key in record:
+                record[key].append(obs[key])
+            extra[ACTION].append(a_N_A)
+            extra["next.reward"].append(res.reward_N)
+            extra["next.terminated"].append(res.terminated_N)
+            extra["next.truncated"].append(res.truncated_N)
+            extra["next.done"].append(done_N)
+            extra["next.success"].append(res.success_N)
+            extra["env_index"].append(np.arange(N, dtype=np.int64))
+            extra["episode_index"].append(episode_N.copy())
+            extra["frame_index"].append(frame_N.copy())
+            extra["episode_seed"].append(seeds_N.copy())
+            frame_N += 1
+            obs = res.obs
+            t += 1
+            if done_N.any():
+                await asyncio.to_thread(_reset_done, done_N, obs)
+                break
+    out: dict[str, np.ndarray] = {}
+    for key, steps_T in {**record, **extra}.items():
+        arr_T_N = np.stack(steps_T)  # [T, N, ...]
+        arr_N_T = np.swapaxes(arr_T_N, 0, 1)
+        out[key] = np.ascontiguousarray(arr_N_T.reshape(N * horizon, *arr_T_N.shape[2:]))
+    return out
+
+
+async def evaluate(
+    env_factory: Callable[[], ManiSkillEnv],
+    act_fn: ActFn,
+    *,
+    episodes: int,
+    max_steps: int | None = None,
+    seed: int = 0,
+    chunk: Literal["first", "open_loop"] = "open_loop",
+) -> dict[str, float | int]:
+    """Run ``episodes`` episodes (no training) and report how well ``act_fn`` does.
+
+    Builds one env with ``env_factory()`` (closed at the end) and runs its N
+    envs in lockstep, ceil(episodes / N) rounds, each episode until it ends
+    or ``max_steps`` (default: the task's limit). An episode counts as a
+    success if the task reported success at any step (ManiSkill's
+    "success_once"). Episode e resets with ``episode_seed(seed, 0, e)``, so two
+    policies evaluated with the same seed see the same initial states.
+
+    Returns success_rate, success_at_end_rate, mean_return, mean_length, episodes.
+    """
+    if episodes < 1:
+        raise InvalidSpec(f"episodes={episodes}: must be at least 1")
+    env = await asyncio.to_thread(env_factory)
+    try:
+        spec = env.spec
+        N = spec.num_envs
+        limit = max_steps if max_steps is not None else spec.max_episode_steps
+        successes: list[bool] = []
+        at_end: list[bool] = []
+        returns: list[float] = []
+        lengths: list[int] = []
+        next_episode = 0
+        while next_episode < episodes:
+            ids = list(range(next_episode, min(next_episode + N, episodes)))
+            next_episode += N
+            seeds = [episode_seed(seed, 0, e) for e in ids]
+            seeds += [episode_seed(seed, 1, e) for e in range(N - len(ids))]  # idle padding envs
+            obs = await asyncio.to_thread(env.reset, seeds)
+            active_N = np.zeros(N, dtype=bool)
+            active_N[: len(ids)] = True
+            ret_N = np.zeros(N, dtype=np.float64)
+            len_N = np.zeros(N, dtype=np.int64)
+            ever_N = np.zeros(N, dtype=bool)
+            last_N = np.zeros(N, dtype=bool)
+            steps = 0
+            while active_N.any() and steps < limit:
+                actions_N_H_A = _check_actions(await act_fn(_copy_obs(obs)), spec)
+                n_exec = 1 if chunk == "first" else actions_N_H_A.shape[1]
+                for h in range(min(n_exec, limit - steps)):
+                    res = await asyncio.to_thread(env.step, actions_N_H_A[:, h])
+                    steps += 1
+                    ret_N += np.where(active_N, res.reward_N, 0.0)
+                    len_N += active_N
+                    ever_N |= active_N & res.success_N
+                    last_N = np.where(active_N, res.success_N, last_N)
+                    active_N &= ~(res.terminated_N | res.truncated_N)
+                    obs = res.obs
+                    if not active_N.all():
+                        break
+            k = len(ids)
+            successes += ever_N[:k].tolist()
+            at_end += last_N[:k].tolist()
+            returns += ret_N[:k].tolist()
+            lengths += len_N[:k].tolist()
+    finally:
+        await asyncio.to_thread(env.close)
+    return {
+        "success_rate": float(np.mean(successes)),
+        "success_at_end_rate": float(np.mean(at_end)),
+        "mean_return": float(np.mean(returns)),
+        "mean_length": float(np.mean(lengths)),
+        "episodes": len(successes),
+    }
+
+
+def random_policy(spec: EnvSpec, seed: int = 0) -> ActFn:
+    """A uniform random policy over [-1, 1]^A, as a baseline act_fn."""
+    rng = np.random.default_rng(seed)
+
+    async def act(obs: Mapping[str, Any]) -> np.ndarray:
+        n = len(obs[OBS_STATE])
+        return rng.uniform(-1.0, 1.0, size=(n, spec.action_dim)).astype(np.float32)
+
+    return act
+
+
+__all__ = [
+    "ACTION",
+    "OBS_IMAGES",
+    "OBS_STATE",
+    "TASK",
+    "TASKS",
+    "ActFn",
+    "EnvSpec",
+    "ManiSkillEnv",
+    "ObsBatch",
+    "StepResult",
+    "TaskInfo",
+    "configure_cpu_rendering",
+    "episode_seed",
+    "evaluate",
+    "make_env",
+    "random_policy",
+    "rollout",
+    "task_spec",
+]
