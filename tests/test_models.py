@@ -334,3 +334,22 @@ def test_grouped_train_step_matches_serial_and_isolates_tenants(backbone: Backbo
     assert any(not torch.equal(before[1][k], after[1][k]) for k in before[1])
     assert [it.tenant.version for it in g_items] == [5, 6, 5]
     assert not any(p.requires_grad for p in backbone.model.parameters())
+
+
+@pytest.mark.parametrize("head_type", ["oft_mlp", "flow_matching"])
+def test_sample_weights_weigh_the_loss(head_type: str) -> None:
+    """Advantage-weighted RL: equal weights give the plain mean; a zero weight drops a sample."""
+    cfg = HeadConfig(feature_dim=16, state_dim=3, action_dim=2, action_horizon=2, seed=3)
+    feats = torch.randn(4, 16)
+    state = torch.randn(4, 3)
+    target = torch.randn(4, 2, 2)
+
+    def loss(weight, rows=slice(None)):
+        head = build_head(head_type, cfg)  # same seed: same init and same noise draws
+        return float(head.loss(feats[rows], state[rows], target[rows], weight))
+
+    assert loss(torch.full((4,), 2.0)) == pytest.approx(loss(None), rel=1e-6)
+    if head_type == "oft_mlp":  # deterministic per sample: dropping rows equals weight 0
+        assert loss(torch.tensor([1.0, 1.0, 0.0, 0.0])) == pytest.approx(loss(None, slice(0, 2)), rel=1e-6)
+    with pytest.raises(ShapeMismatch, match="sample weights must be"):
+        loss(torch.ones(3))

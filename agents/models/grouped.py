@@ -51,6 +51,8 @@ class TrainItem:
     tenant: TenantModule
     batch: FeatureBatch
     target: torch.Tensor
+    #: Per-sample weights (e.g. advantage weights for RL); None = plain mean.
+    weight_B: torch.Tensor | None = None
 
 
 def plan_groups(batches: Sequence[FeatureBatch]) -> list[list[int]]:
@@ -96,7 +98,9 @@ def grouped_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[f
     losses = []
     for it, f in zip(items, split_rows(feats_N_D, shared.slices), strict=True):
         # detach(): each tenant's graph starts at its own slice of the shared features.
-        losses.append(it.tenant.train_step(f.detach(), it.batch.state_B_S.to(f.device), it.target.to(f.device)))
+        losses.append(
+            it.tenant.train_step(f.detach(), it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
+        )
     return losses
 
 
@@ -104,7 +108,7 @@ def serial_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[fl
     """Reference path: a backbone forward and a step per tenant."""
     _check_tenants([it.tenant for it in items])
     return [
-        it.tenant.train_step(f, it.batch.state_B_S.to(f.device), it.target.to(f.device))
+        it.tenant.train_step(f, it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
         for it in items
         for f in (backbone.encode(it.batch),)
     ]

@@ -91,7 +91,9 @@ class ActionHead(nn.Module):
         if tuple(target.shape) != shape:
             raise ShapeMismatch(f"{self.type_name}: target must be {list(shape)}, got {list(target.shape)}")
 
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss over the batch; ``weight_B`` weighs samples (advantage-weighted RL)."""
         raise NotImplementedError
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
@@ -124,6 +126,15 @@ def build_head(type_name: str, cfg: HeadConfig) -> ActionHead:
         return cls(cfg)
 
 
+def _weighted_mean(loss_B: torch.Tensor, weight_B: torch.Tensor | None) -> torch.Tensor:
+    if weight_B is None:
+        return loss_B.mean()
+    if weight_B.shape != loss_B.shape:
+        raise ShapeMismatch(f"sample weights must be [{loss_B.shape[0]}], got {list(weight_B.shape)}")
+    w_B = weight_B.to(loss_B)
+    return (loss_B * w_B).sum() / w_B.sum().clamp_min(1e-8)
+
+
 def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out))
 
@@ -142,12 +153,12 @@ class OFTMLPHead(ActionHead):
         x = torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)
         return self.net(x).view(-1, self.cfg.action_horizon, self.cfg.action_dim)
 
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
         pred_B_H_A = self.act(feats_B_D, state_B_S)
         self._check_target(target, tuple(pred_B_H_A.shape))
-        if self.cfg.loss == "l1":
-            return nn.functional.l1_loss(pred_B_H_A, target)
-        return nn.functional.mse_loss(pred_B_H_A, target)
+        err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
+        return _weighted_mean(err.flatten(1).mean(1), weight_B)
 
 
 def _time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
@@ -176,7 +187,8 @@ class FlowMatchingHead(ActionHead):
     def velocity(self, x_B_N: torch.Tensor, t_B: torch.Tensor, cond_B_C: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([x_B_N, cond_B_C, _time_embedding(t_B, self.t_dim)], dim=-1))
 
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
         self._check(feats_B_D, state_B_S)
         b = feats_B_D.shape[0]
         c = self.cfg
@@ -187,7 +199,7 @@ class FlowMatchingHead(ActionHead):
         t_B = torch.rand((b,), generator=self.generator).to(x1_B_N)
         xt_B_N = (1.0 - t_B[:, None]) * noise_B_N + t_B[:, None] * x1_B_N
         v_B_N = self.velocity(xt_B_N, t_B, self._cond(feats_B_D, state_B_S))
-        return nn.functional.mse_loss(v_B_N, x1_B_N - noise_B_N)
+        return _weighted_mean(((v_B_N - (x1_B_N - noise_B_N)) ** 2).mean(1), weight_B)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
             steps: int | None = None, **kw: Any) -> torch.Tensor:
@@ -222,10 +234,11 @@ class ValueHead(ActionHead):
         self._check(feats_B_D, state_B_S)
         return self.net(torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)).squeeze(-1)
 
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
         v_B = self.act(feats_B_D, state_B_S)
         self._check_target(target, tuple(v_B.shape))
-        return nn.functional.mse_loss(v_B, target)
+        return _weighted_mean((v_B - target) ** 2, weight_B)
 
 
 class TenantModule:
@@ -253,11 +266,12 @@ class TenantModule:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.head.parameters())
 
-    def train_step(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor) -> float:
+    def train_step(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+                   weight_B: torch.Tensor | None = None) -> float:
         """loss, backward and AdamW step on this tenant's head only; returns the loss."""
         self.head.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.head.loss(feats_B_D, state_B_S, target)
+        loss = self.head.loss(feats_B_D, state_B_S, target, weight_B)
         if not torch.isfinite(loss):
             raise InvalidSpec(f"tenant {self.tenant}: loss is {loss.item()}; check the targets for NaN/inf")
         loss.backward()
