@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from joynexus.agents.advantage import gae
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker
@@ -39,20 +40,6 @@ class Stats:
 
     def timed(self, verb: str, t0: float) -> None:
         self.latency[verb].append(time.perf_counter() - t0)
-
-
-def gae(
-    rewards_B_T: np.ndarray, values_B_T: np.ndarray, gamma: float = 0.99, lam: float = 0.95
-) -> np.ndarray:
-    """Generalised advantage estimation over fixed-length rollouts (last value bootstraps 0)."""
-    adv_B_T = np.zeros_like(rewards_B_T)
-    last = np.zeros(rewards_B_T.shape[0], dtype=rewards_B_T.dtype)
-    for t in range(rewards_B_T.shape[1] - 1, -1, -1):
-        next_v = values_B_T[:, t + 1] if t + 1 < rewards_B_T.shape[1] else 0.0
-        delta = rewards_B_T[:, t] + gamma * next_v - values_B_T[:, t]
-        last = delta + gamma * lam * last
-        adv_B_T[:, t] = last
-    return adv_B_T
 
 
 class SyntheticPipeline:
@@ -125,12 +112,13 @@ class SyntheticPipeline:
             job.sample_count,
             tenant_id=job.tenant_id,
             partition_id=job.partition_id,
-            task_name=ADVANTAGES_TASK,
+            task_name=f"{ADVANTAGES_TASK}-{job.attempt}",  # a retried lease re-reads all rows
         )
         if meta.rows:
             data = await self.tq.async_get_data(meta)
+            adv_B_T, _ = gae(data["rewards"], data["values"])
             await self.tq.async_put(
-                {"advantages": gae(data["rewards"], data["values"])},
+                {"advantages": adv_B_T},
                 tenant_id=job.tenant_id,
                 metadata=meta,
             )
@@ -154,7 +142,7 @@ class SyntheticPipeline:
                     job.sample_count,
                     tenant_id=job.tenant_id,
                     partition_id=job.partition_id,
-                    task_name=ACTOR_TASK,
+                    task_name=f"{ACTOR_TASK}-{job.attempt}",
                 )
                 await self.tq.async_get_data(meta)
             version = None

@@ -1,0 +1,130 @@
+"""Advantages for RL jobs: the pure math and the stage agent that applies it.
+
+Rollout partitions hold one row per (env, step): ``env_id`` and ``step``
+say where a row sits in its trajectory, ``rewards`` and ``dones`` what
+happened, and ``values`` (optional) the critic's estimates. The advantage
+agent leases a job's ``advantages`` stage, reads those fields through the
+Training Queue, writes ``advantages`` and ``returns`` back against the same
+rows, and marks the job ready.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.stage import StageWorker
+from joynexus.broker.connection import Broker
+from joynexus.broker.tq import TrainingQueue
+from joynexus.schemas.errors import ShapeMismatch
+from joynexus.schemas.jobs import TrainingJob
+
+TASK = "advantages"
+
+
+def gae(
+    rewards_B_T: np.ndarray,
+    values_B_T: np.ndarray,
+    dones_B_T: np.ndarray | None = None,
+    *,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation over fixed-length rollouts.
+
+    A done at step t ends the episode there (no bootstrap across it); the last
+    step bootstraps from 0 (rollouts are cut, and the critic is optional).
+    Returns (advantages_B_T, returns_B_T).
+    """
+    if rewards_B_T.shape != values_B_T.shape:
+        raise ShapeMismatch(f"rewards {rewards_B_T.shape} and values {values_B_T.shape} differ")
+    t_len = rewards_B_T.shape[1]
+    not_done_B_T = 1.0 - (dones_B_T.astype(np.float32) if dones_B_T is not None else 0.0)
+    adv_B_T = np.zeros_like(rewards_B_T, dtype=np.float32)
+    last_B = np.zeros(rewards_B_T.shape[0], dtype=np.float32)
+    for t in range(t_len - 1, -1, -1):
+        next_v_B = values_B_T[:, t + 1] if t + 1 < t_len else np.zeros_like(last_B)
+        nd_B = not_done_B_T[:, t] if dones_B_T is not None else 1.0
+        delta_B = rewards_B_T[:, t] + gamma * next_v_B * nd_B - values_B_T[:, t]
+        last_B = delta_B + gamma * lam * nd_B * last_B
+        adv_B_T[:, t] = last_B
+    return adv_B_T, adv_B_T + values_B_T
+
+
+def group_relative(returns_G: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """GRPO: each trajectory's return relative to its group's mean, in std units."""
+    return ((returns_G - returns_G.mean()) / (returns_G.std() + eps)).astype(np.float32)
+
+
+def awr_weights(adv_N: np.ndarray, *, beta: float = 1.0, max_weight: float = 20.0) -> np.ndarray:
+    """Advantage-weighted regression weights exp(A / beta), normalised advantages, clipped."""
+    a = (adv_N - adv_N.mean()) / (adv_N.std() + 1e-6)
+    return np.minimum(np.exp(a / beta), max_weight).astype(np.float32)
+
+
+def to_trajectories(
+    env_id_N: np.ndarray, step_N: np.ndarray, *fields_N: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """Rows (env, step) -> [envs, steps] arrays, plus the row order to map back."""
+    envs = np.unique(env_id_N)
+    steps = int(step_N.max()) + 1
+    if len(env_id_N) != len(envs) * steps:
+        raise ShapeMismatch(
+            f"rollout rows do not form whole trajectories: {len(env_id_N)} rows, "
+            f"{len(envs)} envs x {steps} steps"
+        )
+    e_idx = np.searchsorted(envs, env_id_N)
+    out = []
+    for f in fields_N:
+        grid = np.zeros((len(envs), steps), dtype=np.float32)
+        grid[e_idx, step_N] = f
+        out.append(grid)
+    return (e_idx, *out)
+
+
+class AdvantageAgent:
+    """The ``advantages`` stage: GAE per trajectory (values 0 without a critic)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        instance: str,
+        gamma: float = 0.99,
+        lam: float = 0.95,
+        ack_wait_s: float = 30.0,
+    ) -> None:
+        self.tq = TrainingQueue(broker)
+        self.gamma, self.lam = gamma, lam
+        self.worker = StageWorker(
+            broker,
+            SchedulerClient(broker, by=instance),
+            "advantages",
+            self.work,
+            ack_wait_s=ack_wait_s,
+        )
+
+    async def work(self, job: TrainingJob) -> int | None:
+        fields = ["env_id", "step", "rewards", "dones"]
+        meta = await self.tq.async_get_meta(
+            fields,
+            job.sample_count or 1 << 30,
+            tenant_id=job.tenant_id,
+            partition_id=job.partition_id,
+            task_name=TASK,
+        )
+        if not meta.rows:
+            return None  # a redelivery after a crash: this task already claimed the rows
+        data = await self.tq.async_get_data(meta)
+        e_idx, rewards, dones = to_trajectories(
+            data["env_id"], data["step"], data["rewards"], data["dones"]
+        )
+        values = np.zeros_like(rewards)
+        adv, ret = gae(rewards, values, dones, gamma=self.gamma, lam=self.lam)
+        step = data["step"].astype(np.int64)
+        await self.tq.async_put(
+            {"advantages": adv[e_idx, step], "returns": ret[e_idx, step]},
+            tenant_id=job.tenant_id,
+            metadata=meta,
+        )
+        return len(meta.rows)
