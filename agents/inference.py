@@ -1,0 +1,783 @@
+"""The Inference Queue: batched, multi-tenant action serving on NATS request-reply.
+
+An :class:`InferenceEngine` holds the shared frozen backbone and the heads of
+the tenants it serves. It is the NATS micro service ``<ns>-infer`` with one
+endpoint per base model on ``Names.infer(base_model)``, in a queue group, so
+several engines (in one process or many) share the load.
+
+Path of a request::
+
+    handler (decode, look up the tenant's head, validate, enqueue; never waits)
+      -> batcher (FIFO-compatible prefix: up to B requests or T ms after the first)
+      -> ONE backbone forward over the concatenated rows (off the event loop)
+      -> split rows -> each tenant's head at its requested version -> reply
+
+A request is validated on its own before it joins a batch (tenant, version,
+schema signature, shapes, NaN/inf), so a bad one gets an error reply and never
+touches its batch-mates. If a batch still fails inside the shared forward, the
+batch falls back to one forward per request, so one request cannot fail others.
+
+Policies: the engine watches the policy KV and loads a new version's weights
+before it becomes the "latest" the engine serves; a request pinned to an older
+retained version is served by that version (loaded on demand, an LRU of
+``retain_versions`` per tenant stays resident).
+
+:class:`EnginePool` scales engines inside one process (scale_up loads every
+tenant's weights before joining the queue group; scale_down drains: nothing
+taken is lost). Across processes the same holds: each ``joynexus agent
+inference`` process is one engine, joining only after it loaded the weights,
+and draining on SIGTERM before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.micro import add_service
+from nats.micro.request import Request
+from opentelemetry import trace
+
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.features import (
+    FeatureBatch,
+    FeatureSchema,
+    canonicalize_request,
+    concat_batches,
+    split_rows,
+)
+from joynexus.agents.models.grouped import ActRequest, serial_forward
+from joynexus.agents.models.heads import TenantModule
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.policy import PolicyStore, feature_schema_of
+from joynexus.broker.subjects import model_token
+from joynexus.schemas.errors import (
+    InvalidSpec,
+    JoyNexusError,
+    ShapeMismatch,
+    Timeout,
+    Unavailable,
+)
+from joynexus.schemas.inference import (
+    BatchInfo,
+    IncompatibleSchema,
+    InferError,
+    InferReply,
+    InferRequest,
+    InferResult,
+    InferTimings,
+    Observation,
+    PolicyRecord,
+    TensorBytes,
+    decode_msgpack,
+    encode_msgpack,
+)
+
+__all__ = [
+    "EnginePool",
+    "InferenceClient",
+    "InferenceEngine",
+    "LoadedPolicy",
+    "run_inference_agent",
+]
+
+log = logging.getLogger(__name__)
+
+PolicyId = tuple[str, str, int]  # (tenant, policy_key, version)
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    """One tenant policy version, resident and ready to decode."""
+
+    record: PolicyRecord
+    schema: FeatureSchema
+    module: TenantModule
+
+    @property
+    def id(self) -> PolicyId:
+        return (self.record.tenant_id, self.record.policy_key, self.record.version)
+
+
+@dataclass
+class _Pending:
+    """A validated request waiting for (or in) a batch."""
+
+    request: Request
+    req: InferRequest
+    policy: LoadedPolicy
+    batch: FeatureBatch
+    noise: torch.Tensor | None
+    key: str  # backbone key: who may share a forward
+    span: Any
+    received: float
+    enqueued: float = 0.0
+    answered: bool = False
+
+
+@dataclass
+class _Outcome:
+    actions: torch.Tensor | None = None
+    error: Exception | None = None
+    decode_ms: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    errors: int = 0
+    batches: int = 0
+    rows: int = 0
+    fallbacks: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def _error_of(e: BaseException) -> InferError:
+    if isinstance(e, JoyNexusError):
+        return InferError(code=e.code, message=str(e))
+    return InferError(code="error", message=f"internal error: {e!r}")
+
+
+class InferenceEngine:
+    """One batching engine for one base model. ``start()`` = ``prepare()`` + ``join()``."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        backbone: Backbone,
+        *,
+        base_model: str | None = None,
+        max_batch: int = 16,
+        max_wait_ms: float = 5.0,
+        instance: str = "infer-0",
+        retain_versions: int = 4,
+        policies: PolicyStore | None = None,
+        load_timeout_s: float = 60.0,
+    ) -> None:
+        if max_batch < 1:
+            raise InvalidSpec(f"max_batch={max_batch}: must be >= 1")
+        if not max_wait_ms >= 0:
+            raise InvalidSpec(f"max_wait_ms={max_wait_ms}: must be >= 0")
+        if retain_versions < 1:
+            raise InvalidSpec(f"retain_versions={retain_versions}: must be >= 1")
+        self.b = broker
+        self.backbone = backbone
+        self.base_model = base_model or backbone.config.base_model
+        model_token(self.base_model)  # fails early on a name that cannot be a subject token
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_ms / 1e3
+        self.instance = instance
+        self.retain_versions = retain_versions
+        self.policies = policies or PolicyStore(broker)
+        self.load_timeout_s = load_timeout_s
+        self.stats = EngineStats()
+        self.state = "new"  # new -> prepared -> serving -> draining -> stopped
+
+        self._policies: dict[PolicyId, LoadedPolicy] = {}
+        self._latest: dict[tuple[str, str], int] = {}
+        self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
+        self._queue: deque[_Pending] = deque()
+        self._wake = asyncio.Event()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._batch_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self._batcher: asyncio.Task[None] | None = None
+        self._service: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def prepare(self) -> None:
+        """Load every tenant's current weights (for this base model) and start the
+        batcher; the engine does not take requests yet. Raises if a load fails."""
+        if self.state != "new":
+            raise InvalidSpec(f"engine {self.instance} is {self.state}; prepare() runs once")
+        ready = asyncio.Event()
+        self._watcher = asyncio.create_task(self._watch_loop(ready), name=f"{self.instance}-watch")
+        waiter = asyncio.create_task(ready.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, self._watcher},
+                timeout=self.load_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self._watcher in done:
+                self._watcher.result()  # raises the load error
+                raise Unavailable(f"engine {self.instance}: the policy watch ended before loading")
+            if not done:
+                raise Unavailable(
+                    f"engine {self.instance}: policies not loaded within {self.load_timeout_s:.0f}s"
+                )
+        except BaseException:
+            waiter.cancel()
+            await self.close()
+            raise
+        self._batcher = asyncio.create_task(self._batch_loop(), name=f"{self.instance}-batch")
+        self.state = "prepared"
+
+    async def join(self) -> None:
+        """Join the queue group: from here on requests arrive."""
+        if self.state != "prepared":
+            raise InvalidSpec(f"engine {self.instance} is {self.state}; call prepare() first")
+        n = self.b.names
+        self._service = await add_service(
+            self.b.nc,
+            name=n.inference_service,
+            version="0.1.0",
+            description="JoyNexus Inference Queue: batched multi-tenant action decoding",
+            metadata={
+                "instance": self.instance,
+                "base_model": self.base_model,
+                "max_batch": str(self.max_batch),
+                "max_wait_ms": f"{self.max_wait_s * 1e3:g}",
+            },
+            queue_group=n.inference_service,
+        )
+        await self._service.add_endpoint(
+            name=model_token(self.base_model),
+            subject=n.infer(self.base_model),
+            handler=self._on_request,
+            metadata={"base_model": self.base_model},
+        )
+        await self.b.nc.flush()
+        self.state = "serving"
+
+    async def start(self) -> None:
+        await self.prepare()
+        await self.join()
+
+    async def stop(self) -> None:
+        """Drain: stop taking requests, answer every request already taken, then stop."""
+        if self.state in ("stopped", "draining"):
+            return
+        self.state = "draining"
+        if self._service is not None:
+            await _drain_service(self._service)
+            self._service = None
+        await self._idle.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop at once (rollback of a failed prepare; after ``stop()``'s drain)."""
+        tasks = [t for t in (self._watcher, self._batcher) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+            self._service = None
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.state = "stopped"
+
+    # ------------------------------------------------------------ policies
+    def loaded_versions(self, tenant_id: str, policy_key: str = "default") -> list[int]:
+        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, policy_key))
+
+    def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
+        return self._latest.get((tenant_id, policy_key))
+
+    async def _watch_loop(self, ready: asyncio.Event) -> None:
+        async for rec in self.policies.watch(ready=ready):
+            if rec.base_model != self.base_model:
+                continue
+            try:
+                await self._ensure_loaded(rec)
+            except Exception as e:
+                if not ready.is_set():
+                    raise  # a current version that does not load fails prepare()
+                log.warning(
+                    "engine %s: version %d of %s.%s does not load, keeps serving v%s: %s",
+                    self.instance, rec.version, rec.tenant_id, rec.policy_key,
+                    self._latest.get((rec.tenant_id, rec.policy_key)), e,
+                )
+                continue
+            self._advance_latest(rec)
+
+    def _advance_latest(self, rec: PolicyRecord) -> None:
+        tk = (rec.tenant_id, rec.policy_key)
+        if rec.version > self._latest.get(tk, 0):
+            self._latest[tk] = rec.version
+            self._evict(tk)
+
+    def _evict(self, tk: tuple[str, str]) -> None:
+        """Keep the newest ``retain_versions`` of a tenant resident (requests hold their own ref)."""
+        versions = sorted(v for (t, k, v) in self._policies if (t, k) == tk)
+        latest = self._latest.get(tk)
+        for v in versions[: max(0, len(versions) - self.retain_versions)]:
+            if v != latest:
+                self._policies.pop((*tk, v), None)
+
+    async def _ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
+        pid = (rec.tenant_id, rec.policy_key, rec.version)
+        lp = self._policies.get(pid)
+        if lp is not None:
+            return lp
+        fut = self._loading.get(pid)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load(rec))
+            self._loading[pid] = fut
+            fut.add_done_callback(lambda _f: self._loading.pop(pid, None))
+        return await asyncio.shield(fut)
+
+    async def _load(self, rec: PolicyRecord) -> LoadedPolicy:
+        if rec.base_model != self.base_model:
+            raise IncompatibleSchema(
+                f"tenant {rec.tenant_id!r} policy {rec.policy_key!r} v{rec.version} is for base model "
+                f"{rec.base_model!r}; this endpoint serves {self.base_model!r}"
+            )
+        schema = feature_schema_of(rec)
+        fd = rec.head_config.get("feature_dim")
+        if fd != self.backbone.feature_dim:
+            raise IncompatibleSchema(
+                f"tenant {rec.tenant_id!r} v{rec.version}: head expects features of dim {fd} but "
+                f"{self.base_model} gives {self.backbone.feature_dim}; retrain the head on this backbone"
+            )
+        module = await self.policies.load_module(rec)
+        lp = LoadedPolicy(rec, schema, module)
+        self._policies[lp.id] = lp
+        self._evict((rec.tenant_id, rec.policy_key))
+        log.info("engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version)
+        return lp
+
+    def _lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
+        v = version or self._latest.get((tenant_id, policy_key))
+        return None if v is None else self._policies.get((tenant_id, policy_key, v))
+
+    async def _resolve(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy:
+        """The policy a request asks for, loading it from the store when not resident."""
+        lp = self._lookup(tenant_id, policy_key, version)
+        if lp is not None:
+            return lp
+        rec = await self.policies.get(tenant_id, policy_key, version)  # UnknownTenant / UnknownPolicyVersion
+        lp = await self._ensure_loaded(rec)
+        if not version:
+            self._advance_latest(rec)
+        return lp
+
+    # ------------------------------------------------------------ requests
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _begin(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def _on_request(self, request: Request) -> None:
+        """The endpoint handler: decode and enqueue, never wait (nats-py runs one
+        callback at a time per subscription). A tenant version that is not
+        resident yet is loaded in a task of its own."""
+        received = time.perf_counter()
+        self._begin()
+        self.stats.requests += 1
+        span = tracing.tracer.start_span(
+            "inference.act",
+            context=tracing.extract(request.headers),
+            attributes={"joynexus.instance": self.instance},
+        )
+        try:
+            req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
+            span.set_attribute("joynexus.tenant", req.tenant_id)
+            lp = self._lookup(req.tenant_id, req.policy_key, req.policy_version)
+            if lp is None:
+                self._spawn(self._admit_later(request, req, span, received))
+                return
+            self._admit(request, req, lp, span, received)
+        except Exception as e:
+            self._spawn(self._reply_error(request, e, span))
+
+    async def _admit_later(self, request: Request, req: InferRequest, span: Any, received: float) -> None:
+        try:
+            lp = await self._resolve(req.tenant_id, req.policy_key, req.policy_version)
+            self._admit(request, req, lp, span, received)
+        except Exception as e:
+            await self._reply_error(request, e, span)
+
+    def _admit(
+        self, request: Request, req: InferRequest, lp: LoadedPolicy, span: Any, received: float
+    ) -> None:
+        """Validate one request against its tenant's policy; enqueue it (raises on bad input)."""
+        rec = lp.record
+        if req.schema_signature != rec.schema_signature:
+            raise IncompatibleSchema(
+                f"request schema {req.schema_signature!r} does not match tenant {req.tenant_id!r} "
+                f"policy {req.policy_key!r} v{rec.version}, trained on {rec.schema_signature!r}; "
+                "send observations in the policy's schema"
+            )
+        batch = _canonical(lp.schema, req.observation)
+        noise = None
+        if req.noise is not None:
+            noise = torch.from_numpy(req.noise.to_array("noise").astype(np.float32))
+            want = (batch.batch_size, lp.schema.action_horizon, lp.schema.action_dim)
+            if tuple(noise.shape) != want:
+                raise ShapeMismatch(f"noise: expected {list(want)}, got {list(noise.shape)}")
+            if not bool(torch.isfinite(noise).all()):
+                raise InvalidSpec("noise contains NaN/inf: send finite numbers only")
+        p = _Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
+        p.enqueued = time.perf_counter()
+        self._queue.append(p)
+        self._wake.set()
+
+    async def _reply_error(self, request: Request, e: BaseException, span: Any) -> None:
+        err = _error_of(e)
+        if err.code == "error":
+            log.error("engine %s: request failed: %r", self.instance, e)
+        self.stats.errors += 1
+        span.set_attribute("joynexus.error", err.code)
+        try:
+            await self._respond(request, err, span)
+        finally:
+            span.end()
+            self._end()
+
+    async def _respond(self, request: Request, reply: InferResult | InferError, span: Any) -> None:
+        with trace.use_span(span, end_on_exit=False):
+            headers = tracing.inject()
+        if isinstance(reply, InferError):
+            headers["Nats-Service-Error"] = reply.message[:200]
+            headers["Nats-Service-Error-Code"] = "400"
+        try:
+            await request.respond(encode_msgpack(reply), headers=headers)
+        except Exception as e:  # the caller is gone or the connection dropped
+            log.warning("engine %s: reply not sent: %s", self.instance, e)
+
+    # ------------------------------------------------------------ the batcher
+    def _prefix_len(self) -> int:
+        """Length of the FIFO-compatible prefix (stops at the first incompatible request)."""
+        q = self._queue
+        key = q[0].key
+        n = 0
+        for p in q:
+            if p.key != key or n >= self.max_batch:
+                break
+            n += 1
+        return n
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            deadline = self._queue[0].enqueued + self.max_wait_s
+            while True:
+                n = self._prefix_len()
+                # Full, or blocked by an incompatible request behind: waiting cannot grow it.
+                if n >= self.max_batch or n < len(self._queue):
+                    break
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._wake.clear()
+                waiter = loop.create_task(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=remaining)
+                finally:
+                    waiter.cancel()
+            items = [self._queue.popleft() for _ in range(n)]
+            try:
+                await self._run_batch(items)
+            except Exception as e:  # a bug: answer the batch with it, keep batching
+                log.exception("engine %s: batch failed", self.instance)
+                for p in items:
+                    if not p.answered:
+                        p.answered = True
+                        await self._reply_error(p.request, e, p.span)
+
+    async def _run_batch(self, items: list[_Pending]) -> None:
+        batch_id = f"{self.instance}-{next(self._batch_ids)}"
+        rows = sum(p.batch.batch_size for p in items)
+        started = time.perf_counter()
+        links = [trace.Link(p.span.get_span_context()) for p in items]
+        with tracing.tracer.start_as_current_span(
+            "inference.batch",
+            links=links,
+            attributes={"joynexus.batch_id": batch_id, "joynexus.batch_size": len(items)},
+        ):
+            fallback = False
+            try:
+                outcomes, forward_ms = await asyncio.to_thread(self._forward_grouped, items)
+            except Exception as e:
+                log.warning("engine %s: shared forward of %s failed (%s); serving each request alone",
+                            self.instance, batch_id, e)
+                fallback = True
+                self.stats.fallbacks += 1
+                outcomes, forward_ms = await asyncio.to_thread(self._forward_each, items)
+        self.stats.batches += 1
+        self.stats.rows += rows
+        self.stats.batch_sizes.append(len(items))
+        info = BatchInfo(batch_id=batch_id, size=len(items), rows=rows, instance=self.instance,
+                         fallback=fallback)
+        for p, out in zip(items, outcomes, strict=True):
+            p.span.set_attribute("joynexus.batch_id", batch_id)
+            p.answered = True
+            if out.error is not None or out.actions is None:
+                await self._reply_error(p.request, out.error or RuntimeError("no actions"), p.span)
+                continue
+            now = time.perf_counter()
+            result = InferResult(
+                actions=TensorBytes.from_array(out.actions.detach().to(torch.float32).numpy()),
+                policy_version=p.policy.record.version,
+                batch=info,
+                timings=InferTimings(
+                    queue_ms=round((started - p.enqueued) * 1e3, 3),
+                    forward_ms=round(forward_ms, 3),
+                    decode_ms=round(out.decode_ms, 3),
+                    total_ms=round((now - p.received) * 1e3, 3),
+                ),
+            )
+            try:
+                await self._respond(p.request, result, p.span)
+            finally:
+                p.span.end()
+                self._end()
+
+    @staticmethod
+    def _decode(p: _Pending, feats_B_D: torch.Tensor) -> _Outcome:
+        t0 = time.perf_counter()
+        try:
+            kw = {} if p.noise is None else {"noise": p.noise}
+            actions = p.policy.module.act(feats_B_D, p.batch.state_B_S, **kw)
+            return _Outcome(actions=actions, decode_ms=(time.perf_counter() - t0) * 1e3)
+        except Exception as e:
+            return _Outcome(error=e)
+
+    def _forward_grouped(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:
+        """ONE backbone forward over every request's rows, then each head on its own rows."""
+        t0 = time.perf_counter()
+        shared = concat_batches([p.batch for p in items])
+        feats_N_D = self.backbone.encode(shared)
+        forward_ms = (time.perf_counter() - t0) * 1e3
+        parts = split_rows(feats_N_D, shared.slices)
+        return [self._decode(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
+
+    def _forward_each(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:
+        """Fallback: one forward per request; a failure stays with its request."""
+        t0 = time.perf_counter()
+        outs = []
+        for p in items:
+            t1 = time.perf_counter()
+            try:
+                req = ActRequest(p.policy.module, p.batch, p.noise)
+                (actions,) = serial_forward(self.backbone, [req])
+                outs.append(_Outcome(actions=actions, decode_ms=(time.perf_counter() - t1) * 1e3))
+            except Exception as e:
+                outs.append(_Outcome(error=e))
+        return outs, (time.perf_counter() - t0) * 1e3
+
+
+def _canonical(schema: FeatureSchema, obs: Observation) -> FeatureBatch:
+    images = {slot: torch.from_numpy(t.to_array(f"images[{slot!r}]").copy()) for slot, t in obs.images.items()}
+    state = obs.state.to_array("state").copy()
+    history = None if obs.history is None else obs.history.to_array("history").copy()
+    return canonicalize_request(schema, images, obs.instruction, state, history)
+
+
+async def _drain_service(service: Any) -> None:
+    """Leave the queue group but answer what was already delivered.
+
+    nats-py's ``Service.stop()`` unsubscribes endpoints, which discards
+    messages already delivered to this client; draining the subscription
+    instead tells the server to stop routing here, then runs the handler for
+    every pending message. The control subjects ($SRV.*) are stopped after.
+    """
+    endpoints = list(getattr(service, "_endpoints", []))
+    for ep in endpoints:
+        sub = getattr(ep, "_subscription", None)
+        if sub is not None:
+            with contextlib.suppress(Exception):  # connection closed: nothing to drain
+                await sub.drain()
+            ep._subscription = None
+    service._endpoints = []
+    with contextlib.suppress(Exception):
+        await service.stop()
+
+
+# ---------------------------------------------------------------- the pool
+
+
+class EnginePool:
+    """Elastic engines in one process, sharing one backbone (each engine has its own heads).
+
+    Scale operations are serialized. ``scale_up`` loads every tenant's current
+    weights before the new engine joins the queue group, and rolls back (the
+    engine never joined) if that fails. ``scale_down`` drains the newest
+    engine: it stops taking requests, answers every request it took, stops.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        backbone: Backbone,
+        *,
+        base_model: str | None = None,
+        max_batch: int = 16,
+        max_wait_ms: float = 5.0,
+        retain_versions: int = 4,
+        instance_prefix: str = "infer",
+    ) -> None:
+        self.b = broker
+        self.backbone = backbone
+        self.kw: dict[str, Any] = dict(base_model=base_model, max_batch=max_batch,
+                                       max_wait_ms=max_wait_ms, retain_versions=retain_versions)
+        self.instance_prefix = instance_prefix
+        self.engines: list[InferenceEngine] = []
+        self._lock = asyncio.Lock()
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    async def scale_up(self) -> InferenceEngine:
+        async with self._lock:
+            engine = InferenceEngine(self.b, self.backbone,
+                                     instance=f"{self.instance_prefix}-{next(self._seq)}", **self.kw)
+            try:
+                await engine.prepare()
+                await engine.join()
+            except BaseException:
+                await engine.close()
+                raise
+            self.engines.append(engine)
+            return engine
+
+    async def scale_down(self) -> InferenceEngine | None:
+        async with self._lock:
+            if not self.engines:
+                return None
+            engine = self.engines.pop()
+            await engine.stop()
+            return engine
+
+    async def scale_to(self, n: int) -> None:
+        while len(self.engines) < n:
+            await self.scale_up()
+        while len(self.engines) > n:
+            await self.scale_down()
+
+    async def close(self) -> None:
+        await self.scale_to(0)
+
+
+async def run_inference_agent(
+    broker: Broker,
+    stop: asyncio.Event,
+    *,
+    base_model: str | None = None,
+    size: str = "tiny",
+    max_batch: int = 16,
+    max_wait_ms: float = 5.0,
+    instance: str = "infer-0",
+    engines: int = 1,
+    backbone_path: str | None = None,
+    threads: int | None = None,
+    layout: LayoutOptions | None = None,
+) -> None:
+    """``joynexus agent inference``: build the backbone, serve until ``stop`` is set, then drain.
+
+    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``).
+    """
+    await ensure_layout(broker, layout)
+    cfg = BackboneConfig(size=size, path=backbone_path, threads=threads)  # type: ignore[arg-type]
+    backbone = await asyncio.to_thread(Backbone.build, cfg)
+    pool = EnginePool(broker, backbone, base_model=base_model, max_batch=max_batch,
+                      max_wait_ms=max_wait_ms, instance_prefix=instance)
+    try:
+        await pool.scale_to(engines)
+        log.info("inference %s serving %s on %s (B=%d, T=%gms, %d engine(s))", instance,
+                 pool.engines[0].base_model, broker.names.infer(pool.engines[0].base_model),
+                 max_batch, max_wait_ms, engines)
+        await stop.wait()
+    finally:
+        await pool.close()
+
+
+# ---------------------------------------------------------------- the client
+
+
+class _HasSignature(Protocol):
+    def signature(self) -> str: ...
+
+
+class InferenceClient:
+    """Ask the Inference Queue for actions; errors come back as the engine's classes."""
+
+    def __init__(self, broker: Broker, *, base_model: str = "qwen2.5-vl-tiny", timeout_s: float = 10.0) -> None:
+        self.b = broker
+        self.base_model = base_model
+        self.timeout_s = timeout_s
+
+    async def request(
+        self,
+        tenant_id: str,
+        *,
+        schema: str | _HasSignature,
+        images: Mapping[str, Any],
+        instruction: str | Sequence[str],
+        state: Any,
+        history: Any | None = None,
+        policy_key: str = "default",
+        policy_version: int | None = None,
+        session_id: str = "",
+        noise: Any | None = None,
+        timeout_s: float | None = None,
+        base_model: str | None = None,
+    ) -> InferResult:
+        """The full reply (actions, version served, batch info, timings)."""
+        req = InferRequest(
+            tenant_id=tenant_id,
+            policy_key=policy_key,
+            session_id=session_id,
+            schema_signature=schema if isinstance(schema, str) else schema.signature(),
+            policy_version=policy_version,
+            observation=Observation(
+                images={slot: TensorBytes.from_array(x) for slot, x in images.items()},
+                instruction=instruction if isinstance(instruction, str) else list(instruction),
+                state=TensorBytes.from_array(state),
+                history=None if history is None else TensorBytes.from_array(history),
+            ),
+            noise=None if noise is None else TensorBytes.from_array(noise),
+        )
+        model = base_model or self.base_model
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            msg = await self.b.nc.request(
+                self.b.names.infer(model), encode_msgpack(req), timeout=timeout, headers=tracing.inject()
+            )
+        except NoRespondersError as e:
+            raise Unavailable(
+                f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
+            ) from e
+        except (NatsTimeout, TimeoutError) as e:
+            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {timeout:g}s") from e
+        reply: InferReply = decode_msgpack(msg.data, InferReply, what="inference reply")
+        if isinstance(reply, InferError):
+            raise reply.to_exception()
+        return reply
+
+    async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
+        """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""
+        return (await self.request(tenant_id, **kw)).actions.to_array("actions")

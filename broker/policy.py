@@ -1,0 +1,368 @@
+"""Policy publication: tenant action-module weights and their versions.
+
+A version is two writes, in this order: the head's weights as safetensors
+bytes into the object store (``Names.weights_object``), then a
+:class:`PolicyRecord` into the policy KV under ``<tenant>.<policy_key>``.
+A reader that sees a record can therefore always fetch its weights. The KV
+write is a compare-and-set on the key's last revision, so two publishers
+racing for the same version number cannot both win (the loser gets
+``Conflict``). The key's history (bucket ``history``) holds the retained
+versions; an inference request pinned to one of them is served with it.
+
+Inference engines ``watch()`` the bucket and load a version before serving it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from joynexus.broker.connection import Broker
+from joynexus.broker.subjects import check_token
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import Conflict, InvalidSpec, Unavailable, UnknownTenant
+from joynexus.schemas.inference import (
+    FeatureSchemaSpec,
+    IncompatibleSchema,
+    PolicyRecord,
+    UnknownPolicyVersion,
+)
+
+if TYPE_CHECKING:
+    from joynexus.agents.models.features import FeatureSchema
+    from joynexus.agents.models.heads import TenantModule
+
+__all__ = [
+    "IncompatibleSchema",
+    "PolicyStore",
+    "UnknownPolicyVersion",
+    "feature_schema_of",
+    "module_from_weights",
+    "schema_spec",
+    "weights_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+
+# -- conversions (pure) --------------------------------------------------------
+
+
+def schema_spec(schema: FeatureSchema) -> FeatureSchemaSpec:
+    return FeatureSchemaSpec(
+        camera_slots=list(schema.camera_slots),
+        image_hw=list(schema.image_hw),
+        state_dim=schema.state_dim,
+        action_dim=schema.action_dim,
+        action_horizon=schema.action_horizon,
+        base_model=schema.base_model,
+        history_len=schema.history_len,
+        channels=schema.channels,
+    )
+
+
+def feature_schema_of(record: PolicyRecord) -> FeatureSchema:
+    """The FeatureSchema a record was published with; checks it against the signature."""
+    from joynexus.agents.models.features import FeatureSchema
+
+    s = record.feature_schema
+    schema = FeatureSchema(
+        tuple(s.camera_slots),
+        (int(s.image_hw[0]), int(s.image_hw[1])),
+        s.state_dim,
+        s.action_dim,
+        s.action_horizon,
+        base_model=s.base_model,
+        history_len=s.history_len,
+        channels=s.channels,
+    )
+    if schema.signature() != record.schema_signature:
+        raise InvalidSpec(
+            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: feature_schema gives "
+            f"{schema.signature()!r} but the record says {record.schema_signature!r}; republish it"
+        )
+    return schema
+
+
+def weights_bytes(module: TenantModule, version: int | None = None) -> bytes:
+    """The head's weights as safetensors bytes, with the same metadata as
+    ``TenantModule.export_safetensors`` (so ``import_safetensors`` reads them);
+    ``version`` (default ``module.version``) is the published policy version."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in module.head.state_dict().items()}
+    meta = {
+        "tenant": module.tenant,
+        "head_type": module.head_type,
+        "version": str(module.version if version is None else version),
+        "config": json.dumps(asdict(module.cfg)),
+    }
+    return bytes(save(tensors, metadata=meta))
+
+
+def module_from_weights(record: PolicyRecord, data: bytes) -> TenantModule:
+    """Rebuild the tenant's head (eval use) from a record and its safetensors bytes."""
+    from safetensors.torch import load
+
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+
+    try:
+        cfg = HeadConfig(**record.head_config)
+        module = TenantModule(record.tenant_id, record.head_type, cfg)
+        module.head.load_state_dict(load(data))
+    except InvalidSpec:
+        raise
+    except Exception as e:  # bad bytes or a state dict of another shape
+        raise InvalidSpec(
+            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: weights "
+            f"{record.object_name!r} do not load into a {record.head_type} head ({e}); republish them"
+        ) from e
+    module.version = record.version
+    module.head.eval()
+    return module
+
+
+# -- the store ------------------------------------------------------------------
+
+
+class PolicyStore:
+    """Publish, look up and watch tenant policy versions."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.b = broker
+        self._kv: Any = None
+        self._obj: Any = None
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            try:
+                self._kv = await self.b.js.key_value(self.b.names.policy_bucket)
+            except (BucketNotFoundError, NotFoundError) as e:
+                raise Unavailable(
+                    f"policy bucket {self.b.names.policy_bucket} does not exist; "
+                    "run ensure_layout (any agent's start does)"
+                ) from e
+        return self._kv
+
+    async def _store(self) -> Any:
+        if self._obj is None:
+            try:
+                self._obj = await self.b.js.object_store(self.b.names.weights_store)
+            except (BucketNotFoundError, NotFoundError) as e:
+                raise Unavailable(
+                    f"weights store {self.b.names.weights_store} does not exist; "
+                    "run ensure_layout (any agent's start does)"
+                ) from e
+        return self._obj
+
+    @staticmethod
+    def _key(tenant_id: str, policy_key: str) -> str:
+        from joynexus.broker.subjects import Names
+
+        return Names.policy_key(check_token("tenant_id", tenant_id), check_token("policy_key", policy_key))
+
+    # -- writing
+    async def publish(
+        self,
+        tenant_id: str,
+        policy_key: str,
+        module: TenantModule,
+        schema: FeatureSchema,
+        base_model: str | None = None,
+        *,
+        version: int | None = None,
+    ) -> PolicyRecord:
+        """Publish ``module``'s head weights as a new version (weights first, record second).
+
+        ``version`` defaults to the latest published + 1 (1 for the first);
+        an explicit one must be above the latest. Raises ``Conflict`` if
+        another publisher wrote the key meanwhile.
+        """
+        base_model = base_model or schema.base_model
+        if schema.base_model != base_model:
+            raise InvalidSpec(
+                f"schema is for base model {schema.base_model!r} but base_model={base_model!r}; "
+                "build the FeatureSchema with the engine's base model"
+            )
+        cfg = module.cfg
+        if cfg.state_dim != schema.state_dim:
+            raise InvalidSpec(
+                f"head state_dim={cfg.state_dim} but schema state_dim={schema.state_dim}; they must match"
+            )
+        if module.head_type != "value" and (cfg.action_dim, cfg.action_horizon) != (
+            schema.action_dim,
+            schema.action_horizon,
+        ):
+            raise InvalidSpec(
+                f"head predicts {cfg.action_horizon}x{cfg.action_dim} actions but the schema says "
+                f"{schema.action_horizon}x{schema.action_dim}; they must match"
+            )
+        kv = await self._bucket()
+        key = self._key(tenant_id, policy_key)
+        try:
+            entry = await kv.get(key)
+            last_rev: int | None = entry.revision
+            latest = decode(entry.value, PolicyRecord, what=f"policy record {key}").version
+        except KeyNotFoundError:  # also KeyDeletedError
+            last_rev, latest = None, 0
+        if version is None:
+            version = latest + 1
+        elif version <= latest:
+            raise InvalidSpec(
+                f"version {version} of {key} is not above the latest published ({latest}); "
+                "publish a higher version"
+            )
+        if version < 1:
+            raise InvalidSpec(f"version {version}: policy versions start at 1 (0 means 'latest')")
+
+        data = weights_bytes(module, version)
+        object_name = self.b.names.weights_object(tenant_id, policy_key, version)
+        await (await self._store()).put(object_name, data)
+        record = PolicyRecord(
+            tenant_id=tenant_id,
+            policy_key=policy_key,
+            version=version,
+            head_type=module.head_type,
+            head_config=asdict(cfg),
+            schema_signature=schema.signature(),
+            feature_schema=schema_spec(schema),
+            base_model=base_model,
+            object_name=object_name,
+            size_bytes=len(data),
+            created_at=time.time(),
+        )
+        try:
+            if last_rev is None:
+                await kv.create(key, encode(record))
+            else:
+                await kv.update(key, encode(record), last=last_rev)
+        except KeyWrongLastSequenceError as e:  # create() on an existing key lands here too
+            raise Conflict(
+                f"{key} changed while publishing version {version}; read the latest and publish again"
+            ) from e
+        return record
+
+    # -- reading
+    async def latest(self, tenant_id: str, policy_key: str = "default") -> PolicyRecord:
+        """The newest version's record; ``UnknownTenant`` if none was published."""
+        kv = await self._bucket()
+        key = self._key(tenant_id, policy_key)
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError as e:
+            raise UnknownTenant(
+                f"no policy published for tenant {tenant_id!r} (key {policy_key!r}); "
+                "publish one (PolicyStore.publish) before asking for actions"
+            ) from e
+        return decode(entry.value, PolicyRecord, what=f"policy record {key}")
+
+    async def history(self, tenant_id: str, policy_key: str = "default") -> list[PolicyRecord]:
+        """Every retained version's record, oldest first."""
+        kv = await self._bucket()
+        key = self._key(tenant_id, policy_key)
+        try:
+            entries = await kv.history(key)
+        except NoKeysError as e:
+            raise UnknownTenant(
+                f"no policy published for tenant {tenant_id!r} (key {policy_key!r})"
+            ) from e
+        out = []
+        for entry in entries:
+            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                continue
+            out.append(decode(entry.value, PolicyRecord, what=f"policy record {key}"))
+        if not out:
+            raise UnknownTenant(f"the policy of tenant {tenant_id!r} (key {policy_key!r}) was deleted")
+        return out
+
+    async def get(
+        self, tenant_id: str, policy_key: str = "default", version: int | None = None
+    ) -> PolicyRecord:
+        """One version's record (None or 0: the latest); ``UnknownPolicyVersion`` if not retained."""
+        latest = await self.latest(tenant_id, policy_key)
+        if not version or version == latest.version:
+            return latest
+        records = await self.history(tenant_id, policy_key)
+        for r in records:
+            if r.version == version:
+                return r
+        retained = [r.version for r in records]
+        if version > latest.version:
+            why = f"the latest published is {latest.version}"
+        else:
+            why = f"retained versions are {retained} (older ones were dropped from history)"
+        raise UnknownPolicyVersion(
+            f"tenant {tenant_id!r} policy {policy_key!r} has no version {version}: {why}; "
+            "pin a retained version or omit policy_version for the latest"
+        )
+
+    async def records(self) -> list[PolicyRecord]:
+        """The latest record of every tenant policy."""
+        return [rec async for rec in self.watch(follow=False)]
+
+    async def load_weights(self, record: PolicyRecord) -> bytes:
+        """The safetensors bytes of one version."""
+        store = await self._store()
+        buf = io.BytesIO()
+        try:
+            await store.get(record.object_name, writeinto=buf)
+        except (ObjectNotFoundError, NotFoundError) as e:
+            raise UnknownPolicyVersion(
+                f"weights {record.object_name!r} of tenant {record.tenant_id!r} v{record.version} are "
+                "missing from the weights store; republish the version"
+            ) from e
+        return buf.getvalue()
+
+    async def load_module(self, record: PolicyRecord) -> TenantModule:
+        """Weights fetched and loaded into a fresh head (the parse runs off the event loop)."""
+        data = await self.load_weights(record)
+        return await asyncio.to_thread(module_from_weights, record, data)
+
+    async def watch(
+        self, *, ready: asyncio.Event | None = None, follow: bool = True
+    ) -> AsyncIterator[PolicyRecord]:
+        """The latest record of every key, then (``follow``) each new one as it is published.
+
+        ``ready`` is set once the current records have been yielded (and the
+        consumer has processed them, since it pulls the next only after).
+        Deletes and malformed records are skipped (logged).
+        """
+        kv = await self._bucket()
+        watcher = await kv.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of the current values
+                    if ready is not None:
+                        ready.set()
+                    if not follow:
+                        return
+                    continue
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    continue
+                try:
+                    rec = decode(entry.value, PolicyRecord, what=f"policy record {entry.key}")
+                except Exception as e:  # one bad record must not stop the watch
+                    log.warning("skipping policy record %s: %s", entry.key, e)
+                    continue
+                yield rec
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:  # connection already closed
+                pass

@@ -1,0 +1,528 @@
+"""The Inference Queue on a real nats-server: batching, version routing, elastic engines, errors.
+
+Tiny backbone (random weights, built offline). Grouped and serial execution
+agree to ATOL: one shared forward over concatenated rows reorders float sums
+inside batched matmuls, so results match to ~1e-6, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from nats.micro.service import ServiceVerb, control_subject
+
+from joynexus.agents.inference import EnginePool, InferenceClient, InferenceEngine
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.features import FeatureSchema, canonicalize_request
+from joynexus.agents.models.grouped import ActRequest, serial_forward
+from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore, weights_bytes
+from joynexus.schemas.base import encode
+from joynexus.schemas.errors import (
+    InvalidMessage,
+    InvalidSpec,
+    JoyNexusError,
+    ShapeMismatch,
+    Unavailable,
+    UnknownTenant,
+)
+from joynexus.schemas.inference import (
+    IncompatibleSchema,
+    InferError,
+    InferReply,
+    InferResult,
+    UnknownPolicyVersion,
+    decode_msgpack,
+    encode_msgpack,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+ATOL = 1e-5
+CAMS = ("front", "wrist")
+HW = (56, 56)
+SCHEMA = FeatureSchema(CAMS, HW, 8, 7, 8)
+INSTR = ("pick up the red cube", "open the drawer", "push the block left", "stack the cups")
+
+
+@pytest.fixture(scope="module")
+def backbone() -> Backbone:
+    return Backbone.build(BackboneConfig(size="tiny"))
+
+
+def make_module(tenant: str, head_type: str = "oft_mlp", seed: int = 0, state_dim: int = 8) -> TenantModule:
+    return TenantModule(tenant, head_type, HeadConfig(64, state_dim, 7, 8, seed=seed))
+
+
+def make_obs(seed: int, b: int = 1, state_dim: int = 8) -> dict[str, Any]:
+    g = np.random.default_rng(seed)
+    return dict(
+        images={s: g.integers(0, 256, (b, 3, *HW), dtype=np.uint8) for s in CAMS},
+        instruction=[INSTR[(seed + i) % 4] + " now" * (i % 3) for i in range(b)],
+        state=g.standard_normal((b, state_dim)).astype(np.float32),
+    )
+
+
+def expected(backbone: Backbone, module: TenantModule, obs: dict[str, Any], noise: Any = None,
+             schema: FeatureSchema = SCHEMA) -> np.ndarray:
+    """In-process serial reference: this request's rows alone through the backbone, then the head."""
+    fb = canonicalize_request(schema, {k: torch.from_numpy(v) for k, v in obs["images"].items()},
+                              obs["instruction"], obs["state"])
+    n = None if noise is None else torch.from_numpy(noise)
+    (a,) = serial_forward(backbone, [ActRequest(module, fb, n)])
+    return a.numpy()
+
+
+@pytest.fixture
+async def make_engine(broker: Broker, backbone: Backbone) -> AsyncIterator[Callable[..., Any]]:
+    started: list[InferenceEngine] = []
+
+    async def make(**kw: Any) -> InferenceEngine:
+        kw.setdefault("max_batch", 8)
+        kw.setdefault("max_wait_ms", 20)
+        e = InferenceEngine(broker, kw.pop("backbone", backbone), instance=f"e{len(started)}", **kw)
+        started.append(e)
+        await e.start()
+        return e
+
+    yield make
+    for e in started:
+        await e.close()
+
+
+async def micro_instances(broker: Broker, verb: ServiceVerb = ServiceVerb.INFO, window_s: float = 0.3) -> list[dict[str, Any]]:
+    """Every live instance of the inference service answering a $SRV request within the window."""
+    inbox = broker.nc.new_inbox()
+    sub = await broker.nc.subscribe(inbox)
+    await broker.nc.publish(control_subject(verb, name=broker.names.inference_service), b"", reply=inbox)
+    out = []
+    deadline = time.monotonic() + window_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = await sub.next_msg(timeout=left)
+        except Exception:
+            break
+        out.append(json.loads(msg.data))
+    await sub.unsubscribe()
+    return out
+
+
+async def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+# -- policy store -----------------------------------------------------------------
+
+
+async def test_policy_store_publishes_weights_then_record_and_keeps_versions(
+    broker: Broker, tmp_path: Path
+) -> None:
+    store = PolicyStore(broker)
+    with pytest.raises(UnknownTenant, match="no policy published for tenant 'acme'"):
+        await store.latest("acme")
+    m1, m2 = make_module("acme", seed=1), make_module("acme", seed=2)
+    r1 = await store.publish("acme", "default", m1, SCHEMA)
+    r2 = await store.publish("acme", "default", m2, SCHEMA)
+    assert (r1.version, r2.version) == (1, 2)
+    assert r2.object_name == broker.names.weights_object("acme", "default", 2)
+    assert r2.schema_signature == SCHEMA.signature() and r2.head_type == "oft_mlp"
+    assert (await store.latest("acme")).version == 2
+    assert (await store.get("acme", "default", 1)) == r1
+    assert [r.version for r in await store.history("acme")] == [1, 2]
+    data = await store.load_weights(r1)
+    assert len(data) == r1.size_bytes == len(weights_bytes(m1, version=1))
+    # The stored object is what export_safetensors writes: the tenant can take it home.
+    (tmp_path / "head.safetensors").write_bytes(data)
+    exported = TenantModule.import_safetensors(tmp_path / "head.safetensors")
+    loaded = await store.load_module(r1)
+    assert loaded.version == exported.version == 1 and exported.head_type == "oft_mlp"
+    for k, v in m1.head.state_dict().items():
+        torch.testing.assert_close(loaded.head.state_dict()[k], v, atol=0, rtol=0)
+        torch.testing.assert_close(exported.head.state_dict()[k], v, atol=0, rtol=0)
+    with pytest.raises(UnknownPolicyVersion, match="no version 9: the latest published is 2"):
+        await store.get("acme", "default", 9)
+    with pytest.raises(InvalidSpec, match="not above the latest"):
+        await store.publish("acme", "default", m1, SCHEMA, version=2)
+    with pytest.raises(InvalidSpec, match="state_dim"):
+        await store.publish("acme", "default", make_module("acme", state_dim=5), SCHEMA)
+    assert [r.tenant_id for r in await store.records()] == ["acme"]
+
+
+# -- batching -------------------------------------------------------------------
+
+
+async def test_grouped_through_engine_matches_serial_per_tenant(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    heads = ("oft_mlp", "flow_matching", "oft_mlp", "flow_matching")
+    mods = {f"t{i}": make_module(f"t{i}", h, seed=i) for i, h in enumerate(heads)}
+    for t, m in mods.items():
+        await store.publish(t, "default", m, SCHEMA)
+    # T is long and B equals the number of tenants: the four requests share one forward.
+    await make_engine(max_batch=4, max_wait_ms=5000)
+    client = InferenceClient(broker)
+    obs = {t: make_obs(i, b=2) for i, t in enumerate(mods)}
+    noise = {t: np.random.default_rng(10 + i).standard_normal((2, 8, 7)).astype(np.float32)
+             for i, t in enumerate(mods)}
+    replies = await asyncio.gather(*(
+        client.request(t, schema=SCHEMA, noise=noise[t] if mods[t].head_type == "flow_matching" else None, **obs[t])
+        for t in mods
+    ))
+    assert {r.batch.batch_id for r in replies} == {replies[0].batch.batch_id}
+    assert all(r.batch.size == 4 and r.batch.rows == 8 and not r.batch.fallback for r in replies)
+    for t, r in zip(mods, replies, strict=True):
+        n = noise[t] if mods[t].head_type == "flow_matching" else None
+        got = r.actions.to_array()
+        assert got.shape == (2, 8, 7) and r.policy_version == 1
+        np.testing.assert_allclose(got, expected(backbone, mods[t], obs[t], n), atol=ATOL, rtol=0)
+    # The same tenant's request served alone (a batch of one) gives the same actions.
+    alone = await client.request("t0", schema=SCHEMA, **obs["t0"])
+    assert alone.batch.size == 1
+    np.testing.assert_allclose(alone.actions.to_array(), replies[0].actions.to_array(), atol=ATOL, rtol=0)
+
+
+async def test_batches_respect_max_batch_and_max_wait(broker: Broker, make_engine: Callable[..., Any]) -> None:
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    wait_ms = 150.0
+    engine = await make_engine(max_batch=3, max_wait_ms=wait_ms)
+    client = InferenceClient(broker)
+    replies = await asyncio.gather(*(client.request("acme", schema=SCHEMA, **make_obs(i)) for i in range(7)))
+    sizes = {r.batch.batch_id: r.batch.size for r in replies}
+    assert max(sizes.values()) == 3 and sum(sizes.values()) == 7, sizes
+    assert all(r.batch.size <= 3 for r in replies)
+    assert engine.stats.batch_sizes == sorted(engine.stats.batch_sizes, reverse=True)  # full ones first
+    # A lone request waits about T for company, then is served alone: not held longer.
+    t0 = time.perf_counter()
+    lone = await client.request("acme", schema=SCHEMA, **make_obs(99))
+    took_ms = (time.perf_counter() - t0) * 1e3
+    assert lone.batch.size == 1
+    assert wait_ms * 0.9 <= lone.timings.queue_ms <= wait_ms + 100, lone.timings
+    assert took_ms < wait_ms + 1000
+
+
+async def test_fifo_prefix_stops_at_first_incompatible_request(
+    broker: Broker, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    small = FeatureSchema(("front",), (28, 28), 8, 7, 8)  # another backbone key: cannot share a forward
+    await store.publish("a", "default", make_module("a"), SCHEMA)
+    await store.publish("b", "default", make_module("b", seed=3), small)
+    engine = await make_engine(max_batch=8, max_wait_ms=200)
+    client = InferenceClient(broker)
+    g = np.random.default_rng(0)
+    obs_b = dict(images={"front": g.integers(0, 256, (1, 3, 28, 28), dtype=np.uint8)},
+                 instruction="x", state=np.zeros((1, 8), np.float32))
+    # Warm both tenants so admission is synchronous (strict arrival order).
+    await asyncio.gather(client.request("a", schema=SCHEMA, **make_obs(0)),
+                         client.request("b", schema=small, **obs_b))
+    engine.stats.batch_sizes.clear()
+    reqs = [("a", SCHEMA, make_obs(1)), ("a", SCHEMA, make_obs(2)), ("b", small, obs_b), ("a", SCHEMA, make_obs(3))]
+    tasks = []
+    for t, s, o in reqs:  # issue in order; NATS keeps one connection's order
+        tasks.append(asyncio.ensure_future(client.request(t, schema=s, **o)))
+        await asyncio.sleep(0)
+    replies = await asyncio.gather(*tasks)
+    assert [r.batch.size for r in replies] == [2, 2, 1, 1]
+    assert replies[0].batch.batch_id == replies[1].batch.batch_id != replies[3].batch.batch_id
+
+
+# -- versions -------------------------------------------------------------------
+
+
+class GatedStore(PolicyStore):
+    """Loads of versions >= ``gated_from`` wait for ``gate`` (to watch a load in progress)."""
+
+    def __init__(self, broker: Broker, gated_from: int) -> None:
+        super().__init__(broker)
+        self.gate = asyncio.Event()
+        self.gated_from = gated_from
+        self.waiting = asyncio.Event()
+
+    async def load_module(self, record: Any) -> TenantModule:
+        if record.version >= self.gated_from:
+            self.waiting.set()
+            await self.gate.wait()
+        return await super().load_module(record)
+
+
+async def test_version_routing_and_new_version_loaded_before_served(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    v1, v2 = make_module("acme", seed=1), make_module("acme", seed=2)
+    await store.publish("acme", "default", v1, SCHEMA)
+    gated = GatedStore(broker, gated_from=2)
+    engine = await make_engine(policies=gated, max_wait_ms=1)
+    client = InferenceClient(broker)
+    obs = make_obs(5)
+    want1, want2 = expected(backbone, v1, obs), expected(backbone, v2, obs)
+    assert np.abs(want1 - want2).max() > 1e-3  # the versions are distinguishable
+
+    await store.publish("acme", "default", v2, SCHEMA)
+    await asyncio.wait_for(gated.waiting.wait(), 10)  # the engine saw v2 and is loading it
+    # While v2 loads, "latest" is still v1 on this engine: never a version without weights.
+    r = await client.request("acme", schema=SCHEMA, **obs)
+    assert r.policy_version == 1 and engine.latest_version("acme") == 1
+    np.testing.assert_allclose(r.actions.to_array(), want1, atol=ATOL, rtol=0)
+    gated.gate.set()
+    await wait_for(lambda: engine.latest_version("acme") == 2, "v2 to become latest")
+    assert 2 in engine.loaded_versions("acme")
+
+    latest = await client.request("acme", schema=SCHEMA, **obs)
+    pinned1 = await client.request("acme", schema=SCHEMA, policy_version=1, **obs)
+    pinned2 = await client.request("acme", schema=SCHEMA, policy_version=2, **obs)
+    assert (latest.policy_version, pinned1.policy_version, pinned2.policy_version) == (2, 1, 2)
+    np.testing.assert_allclose(latest.actions.to_array(), want2, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(pinned1.actions.to_array(), want1, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(pinned2.actions.to_array(), want2, atol=ATOL, rtol=0)
+    with pytest.raises(UnknownPolicyVersion, match="no version 7"):
+        await client.request("acme", schema=SCHEMA, policy_version=7, **obs)
+
+
+async def test_pinned_old_version_beyond_resident_window_is_loaded_on_demand(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    mods = [make_module("acme", seed=s) for s in range(4)]
+    for m in mods:
+        await store.publish("acme", "default", m, SCHEMA)
+    engine = await make_engine(retain_versions=2, max_wait_ms=1)
+    assert engine.loaded_versions("acme") == [4]
+    client = InferenceClient(broker)
+    obs = make_obs(1)
+    for v in (1, 2, 3):
+        r = await client.request("acme", schema=SCHEMA, policy_version=v, **obs)
+        assert r.policy_version == v
+        np.testing.assert_allclose(r.actions.to_array(), expected(backbone, mods[v - 1], obs), atol=ATOL, rtol=0)
+    assert len(engine.loaded_versions("acme")) <= 2 and 4 in engine.loaded_versions("acme")
+
+
+# -- errors ---------------------------------------------------------------------
+
+
+async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    ma, mb = make_module("a", seed=1), make_module("b", seed=2)
+    await store.publish("a", "default", ma, SCHEMA)
+    await store.publish("b", "default", mb, SCHEMA)
+    engine = await make_engine(max_batch=16, max_wait_ms=300)
+    client = InferenceClient(broker)
+    oa, ob = make_obs(1), make_obs(2)
+    nan = make_obs(3)
+    nan["state"][0, 2] = np.nan
+    wrong_shape = make_obs(4, state_dim=5)
+    bad_img = make_obs(5)
+    bad_img["images"]["front"] = bad_img["images"]["front"][:, :, :28]
+    other_schema = FeatureSchema(CAMS, HW, 8, 7, 4)
+
+    calls = {
+        "good_a": client.request("a", schema=SCHEMA, **oa),
+        "unknown_tenant": client.request("nobody", schema=SCHEMA, **make_obs(6)),
+        "nan": client.request("a", schema=SCHEMA, **nan),
+        "good_b": client.request("b", schema=SCHEMA, **ob),
+        "wrong_state": client.request("b", schema=SCHEMA, **wrong_shape),
+        "wrong_image": client.request("a", schema=SCHEMA, **bad_img),
+        "schema": client.request("a", schema=other_schema, **make_obs(7)),
+        "version": client.request("a", schema=SCHEMA, policy_version=3, **make_obs(8)),
+        "slot": client.request("a", schema=SCHEMA, images={"front": oa["images"]["front"]},
+                               instruction="x", state=oa["state"]),
+    }
+    out = dict(zip(calls, await asyncio.gather(*calls.values(), return_exceptions=True), strict=True))
+    assert isinstance(out["unknown_tenant"], UnknownTenant) and "nobody" in str(out["unknown_tenant"])
+    assert isinstance(out["nan"], InvalidSpec) and "state contains 1 NaN/inf" in str(out["nan"])
+    assert isinstance(out["wrong_state"], ShapeMismatch) and "state: expected [B, 8]" in str(out["wrong_state"])
+    assert isinstance(out["wrong_image"], ShapeMismatch) and "images['front']" in str(out["wrong_image"])
+    assert isinstance(out["schema"], IncompatibleSchema) and "act=4x7" in str(out["schema"])
+    assert isinstance(out["version"], UnknownPolicyVersion)
+    assert isinstance(out["slot"], InvalidSpec) and "missing ['wrist']" in str(out["slot"])
+    ra, rb = out["good_a"], out["good_b"]
+    assert isinstance(ra, InferResult) and isinstance(rb, InferResult)
+    assert ra.batch.batch_id == rb.batch.batch_id and ra.batch.size == 2  # only the good ones batched
+    np.testing.assert_allclose(ra.actions.to_array(), expected(backbone, ma, oa), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(rb.actions.to_array(), expected(backbone, mb, ob), atol=ATOL, rtol=0)
+    assert engine.stats.errors == 7
+
+    # Bytes that are not an inference request, and tensor bytes that do not fit their shape.
+    msg = await broker.nc.request(broker.names.infer("qwen2.5-vl-tiny"), b"\x01garbage", timeout=5)
+    err = decode_msgpack(msg.data, InferReply)
+    assert isinstance(err, InferError) and isinstance(err.to_exception(), InvalidMessage)
+    assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
+
+
+class FlakyBackbone:
+    """The real backbone, except that any forward containing the instruction 'boom' fails."""
+
+    def __init__(self, inner: Backbone) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, batch: Any) -> torch.Tensor:
+        if "boom" in batch.instructions:
+            raise RuntimeError("boom")
+        return self.inner.encode(batch)
+
+
+async def test_failure_inside_a_batch_falls_back_per_request(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    store = PolicyStore(broker)
+    ma = make_module("a", seed=1)
+    await store.publish("a", "default", ma, SCHEMA)
+    engine = await make_engine(backbone=FlakyBackbone(backbone), max_batch=3, max_wait_ms=2000)
+    client = InferenceClient(broker)
+    o1, o2 = make_obs(1), make_obs(2)
+    boom = dict(make_obs(3), instruction=["boom"])
+    out = await asyncio.gather(
+        client.request("a", schema=SCHEMA, **o1),
+        client.request("a", schema=SCHEMA, **boom),
+        client.request("a", schema=SCHEMA, **o2),
+        return_exceptions=True,
+    )
+    r1, bad, r2 = out
+    assert isinstance(r1, InferResult) and isinstance(r2, InferResult)
+    assert r1.batch.fallback and r1.batch.size == 3
+    assert isinstance(bad, JoyNexusError) and "boom" in str(bad)
+    np.testing.assert_allclose(r1.actions.to_array(), expected(backbone, ma, o1), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(r2.actions.to_array(), expected(backbone, ma, o2), atol=ATOL, rtol=0)
+    assert engine.stats.fallbacks == 1
+
+
+async def test_no_engine_is_a_clear_unavailable(broker: Broker) -> None:
+    with pytest.raises(Unavailable, match="no inference engine serves"):
+        await InferenceClient(broker).request("a", schema=SCHEMA, timeout_s=2, **make_obs(0))
+
+
+# -- the micro service, traces --------------------------------------------------
+
+
+async def test_visible_as_micro_service_and_reply_continues_the_trace(
+    broker: Broker, make_engine: Callable[..., Any]
+) -> None:
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    engine = await make_engine()
+    infos = await micro_instances(broker)
+    assert len(infos) == 1
+    info = infos[0]
+    assert info["name"] == broker.names.inference_service
+    assert info["metadata"]["instance"] == engine.instance
+    (ep,) = info["endpoints"]
+    assert ep["subject"] == broker.names.infer("qwen2.5-vl-tiny")
+    assert ep["queue_group"] == broker.names.inference_service
+
+    from joynexus.schemas.inference import InferRequest, Observation, TensorBytes
+
+    o = make_obs(0)
+    req = InferRequest(
+        tenant_id="acme", schema_signature=SCHEMA.signature(),
+        observation=Observation(images={k: TensorBytes.from_array(v) for k, v in o["images"].items()},
+                                instruction="go", state=TensorBytes.from_array(o["state"])),
+    )
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    msg = await broker.nc.request(broker.names.infer("qwen2.5-vl-tiny"), encode_msgpack(req), timeout=5,
+                                  headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert isinstance(decode_msgpack(msg.data, InferReply), InferResult)
+    assert msg.headers is not None and msg.headers["traceparent"].split("-")[1] == trace_id
+
+
+# -- elastic engines --------------------------------------------------------------
+
+
+async def test_scale_down_mid_stream_loses_no_request(broker: Broker, backbone: Backbone) -> None:
+    store = PolicyStore(broker)
+    for i in range(3):
+        await store.publish(f"t{i}", "default", make_module(f"t{i}", seed=i), SCHEMA)
+    pool = EnginePool(broker, backbone, max_batch=4, max_wait_ms=10)
+    try:
+        await pool.scale_to(2)
+        leaving = pool.engines[-1]
+        client = InferenceClient(broker)
+        tasks = [asyncio.ensure_future(client.request(f"t{i % 3}", schema=SCHEMA, **make_obs(i)))
+                 for i in range(60)]
+        await wait_for(lambda: leaving.stats.batches >= 1, "the leaving engine to be busy")
+        assert leaving._inflight > 0 or leaving.stats.requests > 0
+        gone = await pool.scale_down()
+        assert gone is leaving and gone.state == "stopped" and len(pool) == 1
+        replies = await asyncio.gather(*tasks)  # every request answered (none errors or times out)
+        assert len(replies) == 60 and all(isinstance(r, InferResult) for r in replies)
+        served_by = {r.batch.instance for r in replies}
+        assert served_by == {pool.engines[0].instance, leaving.instance}
+        assert leaving.stats.requests == sum(r.batch.instance == leaving.instance for r in replies)
+        after = await client.request("t0", schema=SCHEMA, **make_obs(0))
+        assert after.batch.instance == pool.engines[0].instance
+        assert len(await micro_instances(broker, ServiceVerb.PING)) == 1
+    finally:
+        await pool.close()
+
+
+async def test_scale_up_loads_weights_before_joining_and_failure_rolls_back(
+    broker: Broker, backbone: Backbone
+) -> None:
+    store = PolicyStore(broker)
+    mods = {f"t{i}": make_module(f"t{i}", seed=i) for i in range(3)}
+    for t, m in mods.items():
+        await store.publish(t, "default", m, SCHEMA)
+    pool = EnginePool(broker, backbone, max_batch=4, max_wait_ms=5)
+    try:
+        first = await pool.scale_up()
+        await store.publish("t0", "default", make_module("t0", seed=10), SCHEMA)  # v2 of t0
+        second = await pool.scale_up()
+        # Joined with every tenant's current version already resident.
+        assert {t: second.latest_version(t) for t in mods} == {"t0": 2, "t1": 1, "t2": 1}
+        assert all(second.loaded_versions(t) for t in mods)
+        await pool.scale_down()  # the newest (second) drains
+        await pool.scale_down()  # first too: nobody serves now
+        assert len(pool) == 0 and first.state == "stopped"
+        third = await pool.scale_up()
+        assert third.loaded_versions("t1") == [1]
+        r = await InferenceClient(broker).request("t1", schema=SCHEMA, **make_obs(1))
+        assert r.batch.instance == third.instance and r.policy_version == 1
+
+        # A current version whose weights do not load: the scale-up fails and rolls back.
+        # (written by hand, object first as publish() does, so no engine ever sees good bytes)
+        good = await store.latest("t2")
+        bad = msgspec.structs.replace(good, version=2, object_name=broker.names.weights_object("t2", "default", 2))
+        obj = await broker.js.object_store(broker.names.weights_store)
+        await obj.put(bad.object_name, b"not safetensors")
+        kv = await broker.js.key_value(broker.names.policy_bucket)
+        await kv.put(broker.names.policy_key("t2", "default"), encode(bad))
+        with pytest.raises(InvalidSpec, match="do not load"):
+            await pool.scale_up()
+        assert pool.engines == [third]
+        assert [i["metadata"]["instance"] for i in await micro_instances(broker)] == [third.instance]
+        # The running engine keeps serving (t2 at its last good version).
+        r2 = await InferenceClient(broker).request("t2", schema=SCHEMA, **make_obs(2))
+        assert r2.policy_version == 1 and third.latest_version("t2") == 1
+    finally:
+        await pool.close()
+
+
+async def test_concurrent_scale_operations_are_serialized(broker: Broker, backbone: Backbone) -> None:
+    await PolicyStore(broker).publish("a", "default", make_module("a"), SCHEMA)
+    pool = EnginePool(broker, backbone)
+    try:
+        await asyncio.gather(pool.scale_up(), pool.scale_up(), pool.scale_up())
+        assert len(pool) == 3 and len({e.instance for e in pool.engines}) == 3
+        await asyncio.gather(pool.scale_down(), pool.scale_up(), pool.scale_down())
+        assert len(pool) == 2 and all(e.state == "serving" for e in pool.engines)
+        assert len(await micro_instances(broker, ServiceVerb.PING)) == 2
+    finally:
+        await pool.close()
