@@ -39,12 +39,14 @@ def gae(
     if rewards_B_T.shape != values_B_T.shape:
         raise ShapeMismatch(f"rewards {rewards_B_T.shape} and values {values_B_T.shape} differ")
     t_len = rewards_B_T.shape[1]
-    not_done_B_T = 1.0 - (dones_B_T.astype(np.float32) if dones_B_T is not None else 0.0)
+    not_done_B_T = (
+        1.0 - dones_B_T.astype(np.float32) if dones_B_T is not None else np.ones_like(rewards_B_T)
+    )
     adv_B_T = np.zeros_like(rewards_B_T, dtype=np.float32)
     last_B = np.zeros(rewards_B_T.shape[0], dtype=np.float32)
     for t in range(t_len - 1, -1, -1):
         next_v_B = values_B_T[:, t + 1] if t + 1 < t_len else np.zeros_like(last_B)
-        nd_B = not_done_B_T[:, t] if dones_B_T is not None else 1.0
+        nd_B = not_done_B_T[:, t]
         delta_B = rewards_B_T[:, t] + gamma * next_v_B * nd_B - values_B_T[:, t]
         last_B = delta_B + gamma * lam * nd_B * last_B
         adv_B_T[:, t] = last_B

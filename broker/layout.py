@@ -147,6 +147,7 @@ async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:
     for kv in kv_configs(b, opts):
         await b.js.create_key_value(kv)
     for obj in object_store_configs(b, opts):
+        assert obj.bucket is not None
         try:
             await b.js.object_store(obj.bucket)
         except (NotFoundError, BucketNotFoundError):
@@ -167,6 +168,7 @@ async def delete_layout(b: Broker) -> None:
         except NotFoundError:
             pass
     for obj in object_store_configs(b, LayoutOptions()):
+        assert obj.bucket is not None
         try:
             await b.js.delete_object_store(obj.bucket)
         except NotFoundError:

@@ -1,0 +1,289 @@
+"""The actor: the one consumer of RL and SFT jobs, and the only trainer.
+
+It leases ready jobs from the scheduler (priority, RL before SFT, FIFO),
+groups jobs of different tenants whose inputs share the backbone, runs ONE
+frozen backbone forward for the group and then each tenant's own loss,
+backward and optimizer step (``agents.models.grouped``). Only the job's
+tenant's action module steps and only its version increments.
+
+Exactly-once steps: after a step the tenant's checkpoint (module, optimizer,
+version, the jobs it has applied) is written atomically under
+``<out>/<tenant>/<policy_key>/`` with a manifest, then the version is
+published (weights to the object store, record to the policy KV), then the
+job is completed. A restart reloads the checkpoint; a job it already
+applied (crash after the step, before complete) is completed with the
+version it produced, without a second step.
+
+SFT targets are the demonstrated action chunks; RL uses advantage-weighted
+regression (AWR) on the executed action chunks: weights exp(A/beta) from
+the advantages the advantage stage wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from joynexus.agents.advantage import awr_weights
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.features import FeatureBatch, canonicalize_request
+from joynexus.agents.models.grouped import TrainItem, grouped_train_step, plan_groups
+from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import metrics, tracing
+from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore, feature_schema_of
+from joynexus.broker.tq import TrainingQueue
+from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError, StaleLease
+from joynexus.schemas.inference import PolicyRecord
+from joynexus.schemas.jobs import TrainingJob
+
+log = logging.getLogger(__name__)
+
+IMAGE_PREFIX = "img_"
+KEEP_APPLIED = 4096
+
+
+def image_field(slot: str) -> str:
+    return IMAGE_PREFIX + slot.replace("-", "_").replace(".", "_").lower()
+
+
+@dataclass
+class TenantState:
+    module: TenantModule
+    record: PolicyRecord  # the latest version this actor knows (schema, base model)
+    applied: dict[str, int] = field(default_factory=dict)  # job_id -> version it produced
+    dir: Path = Path()
+
+    def save(self) -> None:
+        """Checkpoint atomically: a crash leaves the old or the new one, never half."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / "checkpoint.pt.tmp"
+        torch.save({"module": self.module.state_dict(), "applied": self.applied}, tmp)
+        os.replace(tmp, self.dir / "checkpoint.pt")
+        manifest = {
+            "tenant_id": self.record.tenant_id,
+            "policy_key": self.record.policy_key,
+            "version": self.module.version,
+            "head_type": self.module.head_type,
+            "schema_signature": self.record.schema_signature,
+            "base_model": self.record.base_model,
+            "jobs_applied": len(self.applied),
+            "last_job": next(reversed(self.applied), None),
+            "updated_at": time.time(),
+        }
+        tmp_m = self.dir / "manifest.json.tmp"
+        tmp_m.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp_m, self.dir / "manifest.json")
+
+
+class Actor:
+    def __init__(
+        self,
+        broker: Broker,
+        backbone: Backbone,
+        *,
+        instance: str,
+        out_dir: str | Path,
+        max_group: int = 4,
+        awr_beta: float = 1.0,
+        lease_wait_s: float = 1.0,
+    ) -> None:
+        self.b = broker
+        self.backbone = backbone
+        self.instance = instance
+        self.out_dir = Path(out_dir)
+        self.max_group = max_group
+        self.awr_beta = awr_beta
+        self.lease_wait_s = lease_wait_s
+        self.sched = SchedulerClient(broker, by=instance)
+        self.tq = TrainingQueue(broker)
+        self.policies = PolicyStore(broker)
+        self.tenants: dict[tuple[str, str], TenantState] = {}
+        self.steps = 0
+        self.busy_s = 0.0
+
+    # ------------------------------------------------------------ tenant state
+    async def tenant(self, tenant_id: str, policy_key: str) -> TenantState:
+        key = (tenant_id, policy_key)
+        if key in self.tenants:
+            return self.tenants[key]
+        d = self.out_dir / tenant_id / policy_key
+        record = await self.policies.latest(tenant_id, policy_key)
+        ckpt = d / "checkpoint.pt"
+        if ckpt.exists():
+            saved = torch.load(ckpt, weights_only=False)
+            module = TenantModule.from_state_dict(saved["module"])
+            applied = dict(saved["applied"])
+            if module.version < record.version:
+                # Someone published past our checkpoint (another actor): take theirs, fresh optimizer.
+                module = await self.policies.load_module(record)
+        else:
+            module = await self.policies.load_module(record)
+            applied = {}
+        state = TenantState(module=module, record=record, applied=applied, dir=d)
+        self.tenants[key] = state
+        return state
+
+    # ------------------------------------------------------------ loop
+    async def run(self, stop: asyncio.Event) -> None:
+        pending: list[TrainingJob] = []
+        while not stop.is_set():
+            if not pending:
+                job = await self.sched.lease_next("actor", wait_s=self.lease_wait_s)
+                if job is None:
+                    continue
+                pending.append(job)
+            while len(pending) < self.max_group:  # what else is ready right now
+                more = await self.sched.lease_next("actor")
+                if more is None:
+                    break
+                pending.append(more)
+            group: list[TrainingJob] = []
+            seen: set[tuple[str, str]] = set()
+            for job in list(pending):  # one job per tenant policy per step
+                key = (job.tenant_id, job.policy_key)
+                if key not in seen:
+                    seen.add(key)
+                    group.append(job)
+                    pending.remove(job)
+            await self.train_group(group)
+
+    async def train_group(self, jobs: list[TrainingJob]) -> None:
+        """Train on a group of leased jobs (distinct tenant policies) and complete them."""
+        todo: list[tuple[TrainingJob, TenantState, TrainItem]] = []
+        for job in jobs:
+            try:
+                st = await self.tenant(job.tenant_id, job.policy_key)
+                if job.job_id in st.applied:  # applied before a crash: complete, do not step again
+                    await self._finish(job, st, loss=None)
+                    continue
+                todo.append((job, st, await self._item(job, st)))
+            except JoyNexusError as e:
+                await self._give_up(job, e)
+        if not todo:
+            return
+        hb = asyncio.create_task(self._keep_leases([j for j, _, _ in todo]))  # noqa: RUF006
+        t0 = time.perf_counter()
+        try:
+            with tracing.tracer.start_as_current_span("actor.train_group") as span:
+                span.set_attribute("jobs", len(todo))
+                losses = await asyncio.to_thread(self._step, [it for _, _, it in todo])
+        finally:
+            hb.cancel()
+            with contextlib.suppress(BaseException):
+                await hb
+        self.busy_s += time.perf_counter() - t0
+        self.steps += 1
+        for (job, st, _), loss in zip(todo, losses, strict=True):
+            st.applied[job.job_id] = st.module.version
+            while len(st.applied) > KEEP_APPLIED:
+                st.applied.pop(next(iter(st.applied)))
+            await asyncio.to_thread(st.save)
+            await self._finish(job, st, loss=loss, group_size=len(todo))
+
+    def _step(self, items: list[TrainItem]) -> list[float]:
+        """Compatible items share one backbone forward; others get their own."""
+        losses: dict[int, float] = {}
+        for idx in plan_groups([it.batch for it in items]):
+            for i, loss in zip(
+                idx, grouped_train_step(self.backbone, [items[i] for i in idx]), strict=True
+            ):
+                losses[i] = loss
+        return [losses[i] for i in range(len(items))]
+
+    async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
+        schema = feature_schema_of(st.record)
+        fields = ["state", "actions", *[image_field(s) for s in schema.camera_slots]]
+        if job.task_type == "rl":
+            fields.append("advantages")
+        meta = await self.tq.async_get_meta(
+            fields,
+            job.sample_count or 1 << 30,
+            tenant_id=job.tenant_id,
+            partition_id=job.partition_id,
+            task_name=f"actor-{job.attempt}",
+        )
+        if not meta.rows:
+            raise InvalidSpec(f"job {job.job_id}: its partition has no rows with fields {fields}")
+        data = await self.tq.async_get_data(meta)
+        batch: FeatureBatch = canonicalize_request(
+            schema,
+            {s: data[image_field(s)] for s in schema.camera_slots},
+            job.metadata.extra.get("instruction", ""),
+            data["state"],
+        )
+        target = torch.from_numpy(np.ascontiguousarray(data["actions"], dtype=np.float32))
+        if target.ndim == 2:  # per-step actions: a chunk of one
+            target = target[:, None, :]
+        weight = None
+        if job.task_type == "rl":
+            weight = torch.from_numpy(
+                awr_weights(data["advantages"].reshape(-1), beta=self.awr_beta)
+            )
+        return TrainItem(tenant=st.module, batch=batch, target=target, weight_B=weight)
+
+    async def _finish(
+        self, job: TrainingJob, st: TenantState, *, loss: float | None, group_size: int = 1
+    ) -> None:
+        version = st.applied[job.job_id]
+        try:
+            st.record = await self.policies.publish(
+                job.tenant_id,
+                job.policy_key,
+                st.module,
+                feature_schema_of(st.record),
+                st.record.base_model,
+                version=version,
+            )
+        except InvalidSpec:
+            pass  # this version was published before a crash
+        except Conflict:
+            st.record = await self.policies.latest(job.tenant_id, job.policy_key)
+        try:
+            await self.sched.complete(job, result_version=version)
+        except StaleLease as e:
+            log.warning("job %s: %s (its step stays applied as version %d)", job.job_id, e, version)
+            return
+        if loss is not None:
+            await metrics.emit(
+                self.b,
+                "learning",
+                job.tenant_id,
+                workload=job.policy_key,
+                job_id=job.job_id,
+                task_type=job.task_type,
+                version=version,
+                loss=loss,
+                samples=job.sample_count,
+                group_size=group_size,
+            )
+
+    async def _give_up(self, job: TrainingJob, error: JoyNexusError) -> None:
+        log.warning("job %s failed: %s", job.job_id, error)
+        with contextlib.suppress(JoyNexusError):
+            await self.sched.fail(
+                job.job_id, f"actor: {type(error).__name__}: {error}", attempt=job.attempt
+            )
+
+    async def _keep_leases(self, jobs: list[TrainingJob]) -> None:
+        while True:
+            await asyncio.sleep(max(1.0, self.sched_ttl / 3))
+            for job in jobs:
+                with contextlib.suppress(JoyNexusError):
+                    await self.sched.touch(job)
+
+    sched_ttl: float = 30.0
+
+    def tenant_summary(self) -> dict[str, Any]:
+        return {f"{t}.{k}": st.module.version for (t, k), st in self.tenants.items()}

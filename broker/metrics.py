@@ -1,0 +1,27 @@
+"""Metric events on ``<ns>.metrics.<kind>.<tenant>`` (captured by the metrics stream).
+
+Kinds: ``learning`` (losses, eval scores), ``control`` (queue depths, policy
+freshness), ``system`` (health, weight-sync time, utilization), ``security``.
+Fire-and-forget: a lost metric never blocks training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+
+log = logging.getLogger(__name__)
+
+
+async def emit(b: Broker, kind: str, tenant_id: str = "_", **fields: Any) -> None:
+    payload = orjson.dumps({"kind": kind, "tenant_id": tenant_id, "at": time.time(), **fields})
+    try:
+        await b.nc.publish(b.names.metrics(kind, tenant_id), payload, headers=tracing.inject())
+    except Exception as e:  # disconnected: drop the metric, keep working
+        log.debug("metric %s dropped: %s", kind, e)
