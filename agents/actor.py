@@ -40,6 +40,7 @@ from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, grouped_train_step, plan_groups
 from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.workloads import image_field
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
@@ -50,12 +51,7 @@ from joynexus.schemas.jobs import TrainingJob
 
 log = logging.getLogger(__name__)
 
-IMAGE_PREFIX = "img_"
 KEEP_APPLIED = 4096
-
-
-def image_field(slot: str) -> str:
-    return IMAGE_PREFIX + slot.replace("-", "_").replace(".", "_").lower()
 
 
 @dataclass

@@ -56,6 +56,7 @@ from joynexus.schemas.scheduler import (
     GetJobRequest,
     LeaseNextRequest,
     LeaseStageRequest,
+    ListJobsRequest,
     MarkRequest,
     Reply,
     ReserveRequest,
@@ -86,6 +87,7 @@ _REQUEST_TYPES: dict[str, type[Any]] = {
     "set_version": SetVersionRequest,
     "wait_for_ready": WaitReadyRequest,
     "get_job": GetJobRequest,
+    "list_jobs": ListJobsRequest,
     "snapshot": WaitReadyRequest,  # no fields needed; any empty object decodes
 }
 assert set(_REQUEST_TYPES) == set(SCHEDULER_VERBS)
@@ -418,6 +420,18 @@ class SchedulerAgent:
 
     async def _on_get_job(self, req: GetJobRequest) -> Reply:
         return Reply(job=self.core.get(req.job_id))
+
+    async def _on_list_jobs(self, req: ListJobsRequest) -> Reply:
+        states = set(req.states)
+        return Reply(
+            jobs=[
+                j
+                for j in self.core.jobs.values()
+                if j.tenant_id == req.tenant_id
+                and (not req.policy_key or j.policy_key == req.policy_key)
+                and (not states or j.state in states)
+            ]
+        )
 
     async def _on_snapshot(self, _req: Any) -> Reply:
         return Reply(snapshot=self.snapshot())

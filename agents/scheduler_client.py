@@ -34,6 +34,7 @@ from joynexus.schemas.scheduler import (
     GetJobRequest,
     LeaseNextRequest,
     LeaseStageRequest,
+    ListJobsRequest,
     MarkRequest,
     Reply,
     ReserveRequest,
@@ -206,6 +207,14 @@ class SchedulerClient:
         r = await self._call("get_job", GetJobRequest(job_id=job_id))
         assert r.job is not None
         return r.job
+
+    async def list_jobs(
+        self, tenant_id: str, *, policy_key: str = "", states: list[JobState] | None = None
+    ) -> list[TrainingJob]:
+        r = await self._call(
+            "list_jobs", ListJobsRequest(tenant_id=tenant_id, policy_key=policy_key, states=states or [])
+        )
+        return r.jobs
 
     async def snapshot(self) -> SchedulerSnapshot:
         r = await self._call("snapshot", WaitReadyRequest())

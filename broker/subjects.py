@@ -46,6 +46,7 @@ SCHEDULER_VERBS = (
     "set_version",
     "wait_for_ready",
     "get_job",
+    "list_jobs",
     "snapshot",
 )
 

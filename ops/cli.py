@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.ops.deploy import nats_url
-
-AGENT_ROLES = ("scheduler", "synthetic")
+from joynexus.ops.roles import ROLES, RoleOptions, run_role
 
 
 def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
@@ -76,10 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one agent role as this process (roles can be spread over "
         "machines; each resumes from its durable consumer on restart).",
     )
-    p.add_argument("role", choices=AGENT_ROLES, help="the role to run")
+    p.add_argument("role", choices=ROLES, help="the role to run")
     _common(p, embedded=False)
     p.add_argument("--instance", default=None, help="instance name (default: <role>-<pid>)")
     p.add_argument("--lease-ttl", type=float, default=30.0, help="scheduler: lease TTL in seconds")
+    p.add_argument("--out", default=".jnx/actor", help="actor: per-tenant checkpoint directory")
+    p.add_argument(
+        "--backbone",
+        default="tiny",
+        choices=("tiny", "bench"),
+        help="actor/inference: backbone size built from its config (default tiny)",
+    )
+    p.add_argument(
+        "--backbone-path",
+        default=None,
+        help="actor/inference: load the backbone from this local directory instead",
+    )
+    p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
 
     p = sub.add_parser(
         "status",
@@ -124,30 +137,13 @@ async def _until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
 
 
 async def run_agent(
-    role: str, url: str, namespace: str, instance: str, lease_ttl: float, stop: asyncio.Event
+    role: str, url: str, namespace: str, opts: RoleOptions, stop: asyncio.Event
 ) -> None:
     from joynexus.broker.connection import Broker
 
-    b = await Broker.connect(url, name=instance, namespace=namespace)
+    b = await Broker.connect(url, name=opts.instance, namespace=namespace)
     try:
-        if role == "scheduler":
-            from joynexus.agents.scheduler import SchedulerAgent
-
-            agent = SchedulerAgent(b, instance=instance, lease_ttl_s=lease_ttl)
-            await agent.start()
-            print(
-                f"{instance}: serving {b.names.scheduler_service} "
-                f"({agent.rebuild_stats['jobs']} jobs rebuilt)",
-                file=sys.stderr,
-                flush=True,
-            )
-            await stop.wait()
-            await agent.stop()
-        elif role == "synthetic":
-            from joynexus.agents.synthetic import SyntheticPipeline
-
-            pipe = SyntheticPipeline(b, instance=instance)
-            await asyncio.gather(pipe.stage_worker().run(stop), pipe.actor(stop=stop))
+        await run_role(role, b, stop, opts)
     finally:
         await b.close()
 

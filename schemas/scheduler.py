@@ -102,6 +102,12 @@ class GetJobRequest(Wire, kw_only=True, omit_defaults=True):
     job_id: str
 
 
+class ListJobsRequest(Wire, kw_only=True, omit_defaults=True):
+    tenant_id: str
+    policy_key: str = ""
+    states: list[JobState] = []
+
+
 class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
     """What ``status`` shows: counts, not every job."""
 
@@ -129,3 +135,4 @@ class Reply(Wire, kw_only=True, omit_defaults=True):
     count: int = 0
     error: ErrorBody | None = None
     snapshot: SchedulerSnapshot | None = None
+    jobs: list[TrainingJob] = []

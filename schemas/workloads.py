@@ -62,6 +62,9 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: RL: parallel envs and steps per rollout job; SFT: samples per job.
     num_envs: int = 2
     horizon: int = 16
+    #: Action chunk the head predicts; camera image size (RL/eval render size).
+    action_horizon: int = 4
+    image_size: int = 64
     batch_size: int = 32
     learning_rate: float = 1e-3
     #: Jobs to run (None: until cancelled or the completion target).
@@ -90,7 +93,9 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
             )
-        for field in ("num_envs", "horizon", "batch_size"):
+        if not 16 <= self.image_size <= 256:
+            raise InvalidSpec(f"image_size must be 16..256 pixels, got {self.image_size}")
+        for field in ("num_envs", "horizon", "batch_size", "action_horizon"):
             if getattr(self, field) < 1:
                 raise InvalidSpec(f"{field} must be >= 1, got {getattr(self, field)}")
         if not 0 < self.learning_rate < 1:

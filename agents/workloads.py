@@ -1,0 +1,433 @@
+"""What a workload needs besides the scheduler: its schema, its first policy
+version, and the producers that turn it into jobs.
+
+* ``workload_schema``: the feature layout of a workload (from its ManiSkill
+  task, or from its LeRobot dataset's ``meta/info.json``).
+* ``PolicyInitializer``: the control plane's hook; publishes version 1 of a
+  new workload's action module (fresh weights, or a copy of a version of
+  another of the tenant's workloads: SFT then RL).
+* ``RLProducer``: reserve (recording the behaviour version first), roll out
+  in ManiSkill with actions from the Inference Queue pinned to that version
+  plus Gaussian exploration, put num_envs x horizon samples into the
+  partition, mark needs_advantages.
+* ``SFTProducer``: reserve, put the next batch of demonstrations (action
+  chunks of the head's horizon), mark ready; the admission policy's
+  max_in_flight is its prefetch depth.
+* ``ProducerAgent``: watches the workloads bucket and runs a producer per
+  active workload of its kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nats.js.errors import KeyNotFoundError
+
+from joynexus.agents.models.backbone import SIZES
+from joynexus.agents.models.features import FeatureSchema
+from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import metrics
+from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore, feature_schema_of, module_from_weights
+from joynexus.broker.tq import TrainingQueue
+from joynexus.schemas.base import decode
+from joynexus.schemas.errors import InvalidSpec, JoyNexusError
+from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.workloads import BASE_MODELS, WorkloadRecord, WorkloadSpec
+
+log = logging.getLogger(__name__)
+
+OBS_IMAGES = "observation.images"
+OBS_STATE = "observation.state"
+ACTION = "action"
+EXPLORATION_STD = 0.1
+
+
+def image_field(slot: str) -> str:
+    """Training Queue field of a camera slot (field names are subject tokens)."""
+    return "img_" + slot.replace("-", "_").replace(".", "_").lower()
+
+
+def feature_dim(base_model: str) -> int:
+    return int(SIZES[BASE_MODELS[base_model]]["text"]["hidden_size"])
+
+
+def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
+    """(schema, instruction) of a workload; a clear error if its env or dataset is unusable."""
+    if spec.task_type in ("rl", "eval"):
+        from joynexus.agents.envs.maniskill import task_spec
+
+        env = task_spec(spec.env, obs="rgb", num_envs=spec.num_envs, image_size=spec.image_size)
+        schema = FeatureSchema(
+            camera_slots=env.cameras,
+            image_hw=(env.image_size, env.image_size),
+            state_dim=env.state_dim,
+            action_dim=env.action_dim,
+            action_horizon=spec.action_horizon,
+            base_model=spec.base_model,
+        )
+        return schema, env.instruction
+    info_path = Path(spec.dataset) / "meta" / "info.json"
+    if not info_path.is_file():
+        raise InvalidSpec(
+            f"dataset {spec.dataset!r} is not a LeRobot dataset here (no meta/info.json); "
+            "give the root folder of a LeRobot-format dataset on the service's machines"
+        )
+    feats = json.loads(info_path.read_text())["features"]
+    cams = sorted(k.removeprefix(f"{OBS_IMAGES}.") for k in feats if k.startswith(f"{OBS_IMAGES}."))
+    if not cams or OBS_STATE not in feats or ACTION not in feats:
+        raise InvalidSpec(
+            f"dataset {spec.dataset!r} needs {OBS_IMAGES}.<camera>, {OBS_STATE} and {ACTION} features; "
+            f"it has {sorted(feats)}"
+        )
+    h, w = feats[f"{OBS_IMAGES}.{cams[0]}"]["shape"][:2]
+    tasks_file = Path(spec.dataset) / "meta" / "tasks.parquet"
+    instruction = ""
+    if tasks_file.exists():
+        import pandas as pd
+
+        tasks = pd.read_parquet(tasks_file)
+        instruction = str(tasks.index[0]) if len(tasks) else ""
+    schema = FeatureSchema(
+        camera_slots=tuple(cams),
+        image_hw=(int(h), int(w)),
+        state_dim=int(feats[OBS_STATE]["shape"][0]),
+        action_dim=int(feats[ACTION]["shape"][0]),
+        action_horizon=spec.action_horizon,
+        base_model=spec.base_model,
+    )
+    return schema, instruction
+
+
+class PolicyInitializer:
+    """Publishes version 1 of a new workload's policy (the control plane's hook)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.store = PolicyStore(broker)
+
+    async def __call__(self, record: WorkloadRecord) -> str:
+        spec = record.spec
+        schema, _ = await asyncio.to_thread(workload_schema, spec)
+        cfg = HeadConfig(
+            feature_dim=feature_dim(spec.base_model),
+            state_dim=schema.state_dim,
+            action_dim=schema.action_dim,
+            action_horizon=schema.action_horizon,
+            seed=spec.seed,
+        )
+        module = TenantModule(record.tenant_id, spec.action_module, cfg, lr=spec.learning_rate)
+        if spec.init_from_workload:
+            src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
+            if (
+                feature_schema_of(src).signature() != schema.signature()
+                or src.head_type != spec.action_module
+            ):
+                raise InvalidSpec(
+                    f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
+                    f"({src.head_type}, {src.schema_signature}) differs from this workload's "
+                    f"({spec.action_module}, {schema.signature()})"
+                )
+            loaded = module_from_weights(src, await self.store.load_weights(src))
+            module.head.load_state_dict(loaded.head.state_dict())
+        try:
+            await self.store.publish(
+                record.tenant_id, spec.name, module, schema, spec.base_model, version=1
+            )
+        except InvalidSpec:
+            pass  # v1 exists: a retried create
+        return schema.signature()
+
+
+def chunk_targets(
+    actions_M_A: np.ndarray,
+    env_M: np.ndarray,
+    episode_M: np.ndarray,
+    frame_M: np.ndarray,
+    horizon: int,
+) -> np.ndarray:
+    """For each executed step, the chunk of the next ``horizon`` actions of its episode
+    [M, horizon, A] (past the episode's end the last action repeats, as LeRobot pads)."""
+    m = len(actions_M_A)
+    out_M_H_A = np.empty((m, horizon, actions_M_A.shape[1]), dtype=np.float32)
+    order = np.lexsort((frame_M, episode_M, env_M))
+    keys = (env_M.astype(np.int64) * 1_000_003 + episode_M)[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    for s, e in zip(starts, np.r_[starts[1:], m], strict=True):
+        rows = order[s:e]
+        idx_L_H = np.minimum(np.arange(e - s)[:, None] + np.arange(horizon)[None, :], e - s - 1)
+        out_M_H_A[rows] = actions_M_A[rows][idx_L_H]
+    return out_M_H_A
+
+
+class RLProducer:
+    def __init__(self, broker: Broker, record: WorkloadRecord, *, instance: str) -> None:
+        from joynexus.agents.inference import InferenceClient
+
+        self.b = broker
+        self.rec = record
+        self.spec = record.spec
+        self.tenant = record.tenant_id
+        self.instance = instance
+        self.sched = SchedulerClient(broker, by=instance)
+        self.tq = TrainingQueue(broker)
+        self.policies = PolicyStore(broker)
+        self.infer = InferenceClient(broker, base_model=self.spec.base_model, timeout_s=30.0)
+        self.rng = np.random.default_rng(self.spec.seed)
+        self.rollouts = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from joynexus.agents.envs.maniskill import make_env
+
+        schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
+        await self._fail_orphans()
+        env = await asyncio.to_thread(
+            make_env,
+            self.spec.env,
+            obs="rgb",
+            num_envs=self.spec.num_envs,
+            image_size=self.spec.image_size,
+            seed=self.spec.seed,
+        )
+        backoff = 0.05
+        try:
+            while not stop.is_set():
+                version = (await self.policies.latest(self.tenant, self.spec.name)).version
+                job = await self.sched.reserve(
+                    self.tenant,
+                    "rl",
+                    policy_key=self.spec.name,
+                    domain=self.spec.env,
+                    sample_count=self.spec.num_envs * self.spec.horizon,
+                    behavior_policy_version=version,
+                    metadata=JobMetadata(
+                        schema_signature=schema.signature(), extra={"instruction": instruction}
+                    ),
+                )
+                if job is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                backoff = 0.05
+                await self.sched.mark(job.job_id, JobState.PRODUCING)
+                try:
+                    data = await self._rollout(env, schema, instruction, version)
+                    await self.tq.async_put(
+                        data, tenant_id=self.tenant, partition_id=job.partition_id
+                    )
+                    await self.sched.mark(
+                        job.job_id, JobState.NEEDS_ADVANTAGES, sample_count=len(data["state"])
+                    )
+                except JoyNexusError as e:
+                    await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
+        finally:
+            await asyncio.to_thread(env.close)
+
+    async def _fail_orphans(self) -> None:
+        """Jobs a previous incarnation reserved but never finished producing."""
+        for job in await self.sched.list_jobs(
+            self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED, JobState.PRODUCING]
+        ):
+            await self.sched.fail(job.job_id, "producer restarted before the rollout finished")
+
+    async def _rollout(
+        self, env: Any, schema: FeatureSchema, instruction: str, version: int
+    ) -> dict[str, np.ndarray]:
+        from joynexus.agents.envs.maniskill import rollout
+
+        async def act(obs: dict[str, Any]) -> np.ndarray:
+            chunk_N_H_A = await self.infer.act(
+                self.tenant,
+                schema=schema,
+                policy_key=self.spec.name,
+                policy_version=version,
+                images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
+                instruction=instruction,
+                state=obs[OBS_STATE],
+            )
+            noise = self.rng.normal(0.0, EXPLORATION_STD, chunk_N_H_A.shape).astype(np.float32)
+            return np.clip(chunk_N_H_A + noise, -1.0, 1.0)
+
+        out = await rollout(
+            env, act, horizon=self.spec.horizon, seed=self.spec.seed * 100_003 + self.rollouts
+        )
+        self.rollouts += 1
+        m = len(out[OBS_STATE])
+        steps = np.tile(np.arange(self.spec.horizon, dtype=np.int64), m // self.spec.horizon)
+        success = float(out["next.success"].mean())
+        await metrics.emit(
+            self.b,
+            "learning",
+            self.tenant,
+            workload=self.spec.name,
+            rollout_success=success,
+            behavior_version=version,
+            mean_reward=float(out["next.reward"].mean()),
+        )
+        return {
+            **{image_field(c): out[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
+            "state": out[OBS_STATE],
+            "actions": chunk_targets(
+                out[ACTION],
+                out["env_index"],
+                out["episode_index"],
+                out["frame_index"],
+                schema.action_horizon,
+            ),
+            "env_id": out["env_index"],
+            "step": steps,
+            "rewards": out["next.reward"].astype(np.float32),
+            "dones": out["next.done"].astype(np.float32),
+        }
+
+
+class SFTProducer:
+    def __init__(self, broker: Broker, record: WorkloadRecord, *, instance: str) -> None:
+        self.b = broker
+        self.rec = record
+        self.spec = record.spec
+        self.tenant = record.tenant_id
+        self.sched = SchedulerClient(broker, by=instance)
+        self.tq = TrainingQueue(broker)
+
+    async def _cursor_kv(self) -> Any:
+        return await self.b.js.key_value(self.b.names.workloads_bucket)
+
+    def _cursor_key(self) -> str:
+        return f"cursor.{self.tenant}.{self.spec.name}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from joynexus.agents.envs.lerobot_data import load_dataset
+
+        schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
+        ds = await asyncio.to_thread(
+            load_dataset, Path(self.spec.dataset), action_horizon=self.spec.action_horizon
+        )
+        for job in await self.sched.list_jobs(
+            self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED]
+        ):
+            await self.sched.fail(job.job_id, "producer restarted before the batch was written")
+        kv = await self._cursor_kv()
+        try:
+            cursor = int((await kv.get(self._cursor_key())).value)
+        except KeyNotFoundError:
+            cursor = 0
+        n = len(ds)
+        order = np.random.default_rng(self.spec.seed).permutation(n)
+        backoff = 0.05
+        while not stop.is_set():
+            job = await self.sched.reserve(
+                self.tenant,
+                "sft",
+                policy_key=self.spec.name,
+                domain=self.spec.dataset,
+                sample_count=self.spec.batch_size,
+                metadata=JobMetadata(
+                    schema_signature=schema.signature(),
+                    extra={"instruction": instruction, "cursor": str(cursor)},
+                ),
+            )
+            if job is None:
+                if "completion target" in self.sched.last_refusal:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            backoff = 0.05
+            idx = [int(order[(cursor + i) % n]) for i in range(self.spec.batch_size)]
+            cursor += self.spec.batch_size
+            await kv.put(self._cursor_key(), str(cursor).encode())
+            try:
+                items = await asyncio.to_thread(lambda ix=idx: [ds[i] for i in ix])
+                data = {
+                    **{
+                        image_field(c): np.stack([it[f"{OBS_IMAGES}.{c}"].numpy() for it in items])
+                        for c in schema.camera_slots
+                    },
+                    "state": np.stack([it[OBS_STATE].numpy() for it in items]).astype(np.float32),
+                    "actions": np.stack(
+                        [it[ACTION].numpy().reshape(schema.action_horizon, -1) for it in items]
+                    ).astype(np.float32),
+                }
+                await self.tq.async_put(data, tenant_id=self.tenant, partition_id=job.partition_id)
+                await self.sched.mark(job.job_id, JobState.READY)
+            except JoyNexusError as e:
+                await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
+
+
+class ProducerAgent:
+    """Runs a producer for every active workload of ``task_type`` (rl or sft)."""
+
+    def __init__(self, broker: Broker, task_type: str, *, instance: str) -> None:
+        self.b = broker
+        self.task_type = task_type
+        self.instance = instance
+        self.running: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        kv = await self.b.js.key_value(self.b.names.workloads_bucket)
+        watcher = await kv.watchall()
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=0.5)
+                except Exception:  # timeout: nothing changed
+                    entry = None
+                if entry is None or not entry.value or entry.key.startswith("cursor."):
+                    self._reap()
+                    continue
+                try:
+                    rec = decode(entry.value, WorkloadRecord)
+                except JoyNexusError as e:
+                    log.warning("workload %s: %s", entry.key, e)
+                    continue
+                if rec.spec.task_type != self.task_type:
+                    continue
+                key = entry.key
+                if rec.state == "active" and key not in self.running:
+                    ev = asyncio.Event()
+                    cls = RLProducer if self.task_type == "rl" else SFTProducer
+                    producer = cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}")
+                    self.running[key] = (
+                        asyncio.create_task(self._guard(producer.run(ev), key)),
+                        ev,
+                    )
+                elif rec.state != "active" and key in self.running:
+                    self.running[key][1].set()
+        finally:
+            for _task, ev in self.running.values():
+                ev.set()
+            await asyncio.gather(*(t for t, _ in self.running.values()), return_exceptions=True)
+            await watcher.stop()
+
+    async def _guard(self, coro: Any, key: str) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("producer for %s crashed", key)
+
+    def _reap(self) -> None:
+        for key in [k for k, (t, _) in self.running.items() if t.done()]:
+            del self.running[key]
+
+
+__all__ = [
+    "PolicyInitializer",
+    "ProducerAgent",
+    "RLProducer",
+    "SFTProducer",
+    "chunk_targets",
+    "feature_dim",
+    "image_field",
+    "workload_schema",
+]
