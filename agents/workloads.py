@@ -310,10 +310,10 @@ class SFTProducer:
         ds = await asyncio.to_thread(
             load_dataset, Path(self.spec.dataset), action_horizon=self.spec.action_horizon
         )
-        for job in await self.sched.list_jobs(
+        for orphan in await self.sched.list_jobs(
             self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED]
         ):
-            await self.sched.fail(job.job_id, "producer restarted before the batch was written")
+            await self.sched.fail(orphan.job_id, "producer restarted before the batch was written")
         kv = await self._cursor_kv()
         try:
             cursor = int((await kv.get(self._cursor_key())).value)
@@ -346,7 +346,7 @@ class SFTProducer:
             cursor += self.spec.batch_size
             await kv.put(self._cursor_key(), str(cursor).encode())
             try:
-                items = await asyncio.to_thread(lambda ix=idx: [ds[i] for i in ix])
+                items = await asyncio.to_thread(_take, ds, idx)
                 data = {
                     **{
                         image_field(c): np.stack([it[f"{OBS_IMAGES}.{c}"].numpy() for it in items])
@@ -361,6 +361,10 @@ class SFTProducer:
                 await self.sched.mark(job.job_id, JobState.READY)
             except JoyNexusError as e:
                 await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
+
+
+def _take(ds: Any, idx: list[int]) -> list[dict[str, Any]]:
+    return [ds[i] for i in idx]
 
 
 class ProducerAgent:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.ops.deploy import nats_url
-from joynexus.ops.roles import ROLES, RoleOptions, run_role
+from joynexus.ops.roles import DEPLOYMENT_ROLES, ROLES, RoleOptions, run_role
 
 
 def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
@@ -55,11 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "up",
         help="run a deployment until Ctrl-C (embedded nats-server + agents)",
-        description="Start the embedded nats-server (unless --nats) and the "
-        "scheduler agent, and keep them running until interrupted.",
+        description="Start the embedded nats-server (unless --nats) and one process per "
+        "agent role, and keep them running until interrupted.",
     )
     _common(p, embedded=True)
     p.add_argument("--data-dir", default=".jnx", help="embedded server's store (default: .jnx)")
+    p.add_argument(
+        "--roles",
+        default=",".join(DEPLOYMENT_ROLES),
+        help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)})",
+    )
 
     p = sub.add_parser(
         "server",
@@ -168,13 +173,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     import os
 
     if args.command == "agent":
-        instance = args.instance or f"{args.role}-{os.getpid()}"
+        opts = RoleOptions(
+            instance=args.instance or f"{args.role}-{os.getpid()}",
+            lease_ttl_s=args.lease_ttl,
+            out_dir=Path(args.out),
+            backbone_size=args.backbone,
+            backbone_path=args.backbone_path,
+            max_batch=args.max_batch,
+            max_wait_ms=args.max_wait_ms,
+        )
         asyncio.run(
-            _until_signal(
-                lambda stop: run_agent(
-                    args.role, args.nats, args.namespace, instance, args.lease_ttl, stop
-                )
-            )
+            _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))
         )
         return 0
     if args.command == "server":
@@ -190,16 +199,11 @@ def _dispatch(args: argparse.Namespace) -> int:
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
     if args.command == "up":
+        from joynexus.ops.launcher import launch
+
+        roles = [r.strip() for r in args.roles.split(",") if r.strip()]
         with nats_url(args.nats, args.data_dir) as url:
-            print(f"deployment up on {url}; Ctrl-C stops it", file=sys.stderr, flush=True)
-            asyncio.run(
-                _until_signal(
-                    lambda stop: run_agent(
-                        "scheduler", url, args.namespace, "scheduler-0", 30.0, stop
-                    )
-                )
-            )
-        return 0
+            return launch(url, args.namespace, roles, out_dir=Path(args.data_dir) / "actor")
     if args.command == "status":
         from joynexus.ops.status import status
 

@@ -29,6 +29,17 @@ ROLES = (
     "synthetic",
 )
 
+#: What `joynexus up` starts, in this order (the scheduler first: others call it).
+DEPLOYMENT_ROLES = (
+    "scheduler",
+    "control",
+    "inference",
+    "advantage",
+    "actor",
+    "producer-rl",
+    "producer-sft",
+)
+
 
 @dataclass
 class RoleOptions:
