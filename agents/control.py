@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -133,7 +134,7 @@ class ControlPlane:
                     raise InvalidSpec(
                         f"tenant {tenant!r} already has a workload named {spec.name!r}; pick another name"
                     )
-                if rec.state == "active" and rec.spec.task_type == spec.task_type:
+                if rec.state == "active" and rec.spec.task_type == spec.task_type != "eval":
                     raise InvalidSpec(
                         f"tenant {tenant!r} already runs an active {spec.task_type} workload "
                         f"({rec.spec.name!r}); cancel it first or wait for it to finish"
@@ -142,6 +143,10 @@ class ControlPlane:
                 await self._get(tenant, spec.init_from_workload)
             record = WorkloadRecord(tenant_id=tenant, spec=spec, created_at=time.time())
             signature = await self.init_policy(record)
+            if spec.task_type == "eval":  # no jobs, no training: the evaluator picks it up
+                record = msgspec.structs.replace(record, schema_signature=signature)
+                await self._kv.put(self.n.workload_key(tenant, spec.name), encode(record))
+                return ApiReply(workload=record)
             record = WorkloadRecord(
                 tenant_id=tenant,
                 spec=spec,

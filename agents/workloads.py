@@ -115,6 +115,16 @@ class PolicyInitializer:
     async def __call__(self, record: WorkloadRecord) -> str:
         spec = record.spec
         schema, _ = await asyncio.to_thread(workload_schema, spec)
+        if spec.task_type == "eval":  # evaluates an existing version: check it, publish nothing
+            src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
+            if feature_schema_of(src).backbone_key() != schema.backbone_key() or (
+                src.feature_schema.state_dim, src.feature_schema.action_dim
+            ) != (schema.state_dim, schema.action_dim):
+                raise InvalidSpec(
+                    f"{spec.init_from_workload!r} v{src.version} ({src.schema_signature}) cannot act in "
+                    f"{spec.env} ({schema.signature()}): cameras, image size, state and action dims must match"
+                )
+            return src.schema_signature
         cfg = HeadConfig(
             feature_dim=feature_dim(spec.base_model),
             state_dim=schema.state_dim,

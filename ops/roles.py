@@ -26,6 +26,7 @@ ROLES = (
     "producer-sft",
     "advantage",
     "actor",
+    "evaluator",
     "synthetic",
 )
 
@@ -38,6 +39,7 @@ DEPLOYMENT_ROLES = (
     "actor",
     "producer-rl",
     "producer-sft",
+    "evaluator",
 )
 
 
@@ -106,6 +108,10 @@ async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
             BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
         )
         await Actor(b, backbone, instance=o.instance, out_dir=o.out_dir).run(stop)
+    elif role == "evaluator":
+        from joynexus.agents.evaluator import Evaluator
+
+        await Evaluator(b, instance=o.instance).run(stop)
     elif role == "synthetic":
         from joynexus.agents.synthetic import SyntheticPipeline
 

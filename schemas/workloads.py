@@ -67,6 +67,8 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     image_size: int = 64
     batch_size: int = 32
     learning_rate: float = 1e-3
+    #: eval: episodes to run (the version evaluated is init_from of init_from_workload).
+    episodes: int = 10
     #: Jobs to run (None: until cancelled or the completion target).
     seed: int = 0
     scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
@@ -89,6 +91,13 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                     f"{self.task_type} workload {self.name!r} needs env set to one of {list(RL_ENVS)} "
                     f"(got {self.env!r}; other ManiSkill tasks need asset downloads)"
                 )
+        if self.task_type == "eval" and not self.init_from_workload:
+            raise InvalidSpec(
+                f"eval workload {self.name!r} needs init_from_workload: the workload whose policy "
+                "to evaluate (and init_from: its version; None = latest)"
+            )
+        if self.episodes < 1:
+            raise InvalidSpec(f"episodes must be >= 1, got {self.episodes}")
         if self.task_type == "sft" and not self.dataset:
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
@@ -114,6 +123,9 @@ class WorkloadRecord(Wire, kw_only=True, omit_defaults=True):
     created_at: float = 0.0
     #: The sample layout its jobs carry (from the env or the dataset).
     schema_signature: str = ""
+    #: eval: success_rate, mean_return, episodes, version...
+    result: dict[str, float] = {}
+    finished_at: float = 0.0
 
 
 class CreateWorkload(Wire, kw_only=True):

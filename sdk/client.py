@@ -13,18 +13,29 @@ This module needs only the base install (no torch).
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import Unavailable, error_from_code
+from joynexus.schemas.errors import (
+    InvalidSpec,
+    JoyNexusError,
+    Timeout,
+    Unavailable,
+    error_from_code,
+)
 from joynexus.schemas.jobs import JobEvent, check_name
 from joynexus.schemas.workloads import (
     ApiReply,
@@ -89,6 +100,7 @@ class Client:
         self._b = broker
         self.tenant = tenant
         self.timeout_s = timeout_s
+        self._policies = PolicyStore(broker)
 
     @classmethod
     async def connect(
@@ -173,6 +185,87 @@ class Client:
 
         return self._future(go())
 
+    # ------------------------------------------------------------ policies
+    def latest_version(self, workload: str) -> asyncio.Future[int]:
+        """The newest published version of a workload's policy."""
+
+        async def go() -> int:
+            return (await self._policies.latest(self.tenant, workload)).version
+
+        return self._future(go())
+
+    def evaluate(
+        self,
+        workload: str,
+        *,
+        version: int | None = None,
+        episodes: int = 10,
+        env: str | None = None,
+        num_envs: int = 1,
+        seed: int = 0,
+        timeout_s: float = 900.0,
+    ) -> asyncio.Future[dict[str, float]]:
+        """Evaluate one version (default: the latest) of a workload's policy for
+        ``episodes`` episodes in ``env`` (default: the workload's own task).
+        The version is pinned for the whole run; nothing is trained."""
+
+        async def go() -> dict[str, float]:
+            src = (await self.get_workload(workload)).record.spec
+            task_env = env or src.env
+            if not task_env:
+                raise InvalidSpec(f"workload {workload!r} has no env of its own; pass env=")
+            pinned = version or (await self._policies.latest(self.tenant, workload)).version
+            spec = WorkloadSpec(
+                name=f"eval-{secrets.token_hex(4)}",
+                task_type="eval",
+                env=task_env,
+                base_model=src.base_model,
+                action_module=src.action_module,
+                image_size=src.image_size,
+                action_horizon=src.action_horizon,
+                init_from_workload=workload,
+                init_from=pinned,
+                episodes=episodes,
+                num_envs=num_envs,
+                seed=seed,
+            )
+            wl = await self.create_workload(spec)
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while wl.record.state == "active":
+                if asyncio.get_running_loop().time() > deadline:
+                    raise Timeout(f"evaluation {spec.name} did not finish within {timeout_s:.0f}s")
+                await asyncio.sleep(0.5)
+                wl = await self.get_workload(spec.name)
+            if wl.record.state != "done":
+                raise JoyNexusError(f"evaluation {spec.name} failed; see the evaluator's log")
+            return dict(wl.record.result)
+
+        return self._future(go())
+
+    def export(
+        self, workload: str, path: str | Path, *, version: int | None = None
+    ) -> asyncio.Future[Path]:
+        """Write a version (default: latest) of the action module to ``path``:
+        ``head.safetensors`` plus ``manifest.json`` (base model, schema, version, type)."""
+
+        async def go() -> Path:
+            rec = await self._policies.get(self.tenant, workload, version)
+            data = await self._policies.load_weights(rec)
+            manifest = {
+                "tenant_id": rec.tenant_id,
+                "workload": rec.policy_key,
+                "version": rec.version,
+                "action_module": rec.head_type,
+                "head_config": rec.head_config,
+                "base_model": rec.base_model,
+                "schema_signature": rec.schema_signature,
+                "feature_schema": msgspec.to_builtins(rec.feature_schema),
+                "weights": "head.safetensors",
+            }
+            return await asyncio.to_thread(_write_export, Path(path), data, manifest)
+
+        return self._future(go())
+
     # ------------------------------------------------------------ events
     async def events(
         self, workload: str | None = None, *, from_start: bool = True
@@ -191,3 +284,10 @@ class Client:
                     yield event
         finally:
             await sub.unsubscribe()
+
+
+def _write_export(out: Path, weights: bytes, manifest: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "head.safetensors").write_bytes(weights)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
