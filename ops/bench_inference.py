@@ -1,0 +1,361 @@
+"""Inference Queue benchmark: grouped speedup, request-reply latency, throughput, RSS.
+
+- ``group_speedup``: grouped vs serial shared-forward speedup per ``"TxB"``
+  (T tenants x B samples each), from ``ops.bench_group.bench_group`` ("bench"
+  backbone; "tiny" and a 2x2 grid with ``--quick``).
+- Request-reply through NATS: an engine in its own process (the ``joynexus
+  agent inference`` code path: B=16, T=5 ms) serves 8 tenants; closed-loop
+  clients at rising concurrency report p50/p99 latency, throughput and the
+  mean batch size per level. ``rr_p50_ms``/``rr_p99_ms`` are the lowest load
+  level's; ``throughput_rps`` is the best level's.
+- ``rr_overhead_p50_ms``: request-reply p50 minus the in-process call for the
+  same work (canonicalize + backbone forward + head), both with one request
+  at a time, the engine set to B=1 (no batching wait) and running in this
+  process, so only NATS, the codec and the engine's plumbing differ.
+- ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
+  (same load shape), next to the 7 extra heads' weight bytes.
+
+    .venv/bin/python -m joynexus.ops.bench_inference [--quick] [--nats URL]
+
+prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["bench_inference", "main"]
+
+TENANTS = 8
+SLOTS = ("front", "wrist")
+HW = (56, 56)
+INSTR = ("pick up the red cube", "open the drawer", "push the block left", "stack the cups")
+HEAD_HIDDEN = 256  # heads of a realistic size, so their bytes show next to RSS noise
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def _obs(i: int) -> dict[str, Any]:
+    g = np.random.default_rng(i)
+    return dict(
+        images={s: g.integers(0, 256, (1, 3, *HW), dtype=np.uint8) for s in SLOTS},
+        instruction=INSTR[i % len(INSTR)],
+        state=g.standard_normal((1, 8)).astype(np.float32),
+    )
+
+
+def _schema(base_model: str) -> Any:
+    from joynexus.agents.models.features import FeatureSchema
+
+    return FeatureSchema(SLOTS, HW, 8, 7, 8, base_model=base_model)
+
+
+def _module(tenant: str, i: int, feature_dim: int) -> Any:
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+
+    head = ("oft_mlp", "flow_matching")[i % 2]
+    return TenantModule(tenant, head, HeadConfig(feature_dim, 8, 7, 8, hidden=HEAD_HIDDEN, seed=i))
+
+
+# ---------------------------------------------------------------- the engine process
+
+
+def _serve(url: str, namespace: str, size: str, max_batch: int, max_wait_ms: float, threads: int) -> None:
+    """Body of the engine child process: ``run_inference_agent`` until SIGTERM."""
+    from joynexus.agents.inference import run_inference_agent
+    from joynexus.broker.connection import Broker
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        b = await Broker.connect(url, name="bench-infer-engine", namespace=namespace)
+        try:
+            await run_inference_agent(b, stop, size=size, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                      instance="bench", threads=threads)
+        finally:
+            await b.close()
+
+    asyncio.run(run())
+
+
+async def _wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: float = 120.0) -> None:
+    """Until the engine answers $SRV.PING for the inference service (it joins after loading)."""
+    from nats.micro.service import ServiceVerb, control_subject
+
+    subject = control_subject(ServiceVerb.PING, name=b.names.inference_service)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.returncode is not None:
+            raise RuntimeError(f"engine process exited with {proc.returncode}")
+        try:
+            await b.nc.request(subject, b"", timeout=0.5)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine process not serving after {timeout_s:.0f}s") from None
+            await asyncio.sleep(0.1)
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
+
+
+# ---------------------------------------------------------------- load
+
+
+async def _closed_loop(client: Any, schema: Any, tenants: Sequence[str], concurrency: int,
+                       total: int) -> dict[str, Any]:
+    """``concurrency`` workers each send one request at a time until ``total`` are answered."""
+    lat: list[float] = []
+    sizes: list[int] = []
+    counter = iter(range(total))
+    obs = [_obs(i) for i in range(16)]
+
+    async def worker(w: int) -> None:
+        for j in counter:
+            t0 = time.perf_counter()
+            r = await client.request(tenants[(w + j) % len(tenants)], schema=schema, timeout_s=30,
+                                     **obs[j % len(obs)])
+            lat.append((time.perf_counter() - t0) * 1e3)
+            sizes.append(r.batch.size)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "requests": total,
+        "p50_ms": round(_pct(lat, 50), 2),
+        "p99_ms": round(_pct(lat, 99), 2),
+        "throughput_rps": round(total / elapsed, 1),
+        "mean_batch_size": round(statistics.fmean(sizes), 2),
+    }
+
+
+async def _overhead(b: Any, size: str, repeats: int) -> dict[str, float]:
+    """Request-reply through an in-process engine (B=1: no batching wait) vs the in-process call."""
+    import torch
+
+    from joynexus.agents.inference import InferenceClient, InferenceEngine
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.features import canonicalize_request
+    from joynexus.broker.policy import PolicyStore
+
+    bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
+    schema = _schema(bb.config.base_model)
+    mod = _module("solo", 0, bb.feature_dim)
+    await PolicyStore(b).publish("solo", "default", mod, schema)
+    engine = InferenceEngine(b, bb, max_batch=1, max_wait_ms=0, instance="bench-overhead")
+    await engine.start()
+    client = InferenceClient(b, base_model=bb.config.base_model)
+    obs = _obs(0)
+
+    def inproc() -> None:
+        fb = canonicalize_request(schema, {k: torch.from_numpy(v) for k, v in obs["images"].items()},
+                                  obs["instruction"], obs["state"])
+        mod.act(bb.encode(fb), fb.state_B_S)
+
+    try:
+        for _ in range(3):  # warmup both paths
+            inproc()
+            await client.request("solo", schema=schema, **obs)
+        local, remote = [], []
+        for _ in range(repeats):  # interleaved so machine noise hits both alike
+            t0 = time.perf_counter()
+            inproc()
+            local.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            await client.request("solo", schema=schema, **obs)
+            remote.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        await engine.stop()
+    return {
+        "inproc_p50_ms": round(_pct(local, 50), 3),
+        "rr_p50_ms": round(_pct(remote, 50), 3),
+        "rr_overhead_p50_ms": round(_pct(remote, 50) - _pct(local, 50), 3),
+    }
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def _warmup(threads: int) -> None:
+    import torch
+
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.features import canonicalize_request
+
+    torch.set_num_threads(threads)
+    bb = Backbone.build(BackboneConfig(size="tiny"))
+    schema = _schema(bb.config.base_model)
+    for b in (1, 8, 32):
+        fb = canonicalize_request(schema, {s: torch.zeros(b, 3, *HW, dtype=torch.uint8) for s in SLOTS},
+                                  "warm up", torch.zeros(b, 8))
+        bb.encode(fb)
+
+
+async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
+    """Run every part against the NATS server at ``url``; returns the figures (JSON-ready)."""
+    from joynexus.agents.inference import InferenceClient
+    from joynexus.agents.models.backbone import SIZES, BackboneConfig
+    from joynexus.broker.connection import Broker
+    from joynexus.broker.layout import delete_layout, ensure_layout
+    from joynexus.broker.policy import PolicyStore
+    from joynexus.ops.bench_group import bench_group
+
+    t_start = time.perf_counter()
+    grid_size = "tiny" if quick else "bench"
+    rr_size = "tiny" if quick else "bench"
+    # 1. grouped vs serial shared forward, in this process (before anything else loads the CPUs);
+    # a few throwaway forwards first so torch's first-call costs do not land in the grid.
+    await asyncio.to_thread(_warmup, threads)
+    group = await asyncio.to_thread(bench_group, size=grid_size, quick=quick, threads=threads, rss=False)
+
+    suffix = os.urandom(3).hex()
+    ns_engine, ns_solo = f"bi{suffix}", f"bo{suffix}"
+    b = await Broker.connect(url, name="bench-infer", namespace=ns_engine)
+    solo = await Broker.connect(url, name="bench-infer-solo", namespace=ns_solo)
+    await ensure_layout(b)
+    await ensure_layout(solo)
+    # The engine process builds the same (seeded) backbone; its facts are known from config.
+    feature_dim = int(SIZES[rr_size]["text"]["hidden_size"])
+    base_model = BackboneConfig(size=rr_size).base_model  # type: ignore[arg-type]
+    schema = _schema(base_model)
+    store = PolicyStore(b)
+    tenants = [f"t{i}" for i in range(TENANTS)]
+    mods = [_module(t, i, feature_dim) for i, t in enumerate(tenants)]
+    await store.publish(tenants[0], "default", mods[0], schema)
+
+    max_batch, max_wait_ms = 16, 5.0
+    log = tempfile.NamedTemporaryFile(prefix="bench-infer-engine-", suffix=".log", delete=False)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "joynexus.ops.bench_inference", "--serve", url, "--namespace", ns_engine,
+        "--size", rr_size, "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms),
+        "--threads", str(threads),
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    out: dict[str, Any] = {}
+    try:
+        await _wait_engine(b, proc)
+        client = InferenceClient(b, base_model=base_model)
+        warm_n = 64 if quick else 256
+        # 2. RSS with one tenant, at the load shape used with eight (same batch sizes and rows)
+        await _closed_loop(client, schema, tenants[:1], 16, warm_n)
+        rss_1 = _rss_mb(proc.pid)
+        for i in range(1, TENANTS):
+            await store.publish(tenants[i], "default", mods[i], schema)
+        await _closed_loop(client, schema, tenants, 16, warm_n)
+        rss_8 = _rss_mb(proc.pid)
+        extra_heads_mb = sum(
+            p.numel() * p.element_size() for m in mods[1:] for p in m.head.parameters()
+        ) / 2**20
+
+        # 3. latency and throughput at rising load, 8 tenants
+        levels = (1, 8, 32) if quick else (1, 4, 16, 32, 64)
+        per_level = []
+        for c in levels:
+            n = max(30, 6 * c) if quick else max(200, 20 * c)
+            per_level.append(await _closed_loop(client, schema, tenants, c, n))
+        # 4. request-reply overhead vs in-process (own namespace, engine in this process)
+        overhead = await _overhead(solo, rr_size, 30 if quick else 200)
+
+        out = {
+            "group_speedup": group["group_speedup"],
+            "rr_p50_ms": per_level[0]["p50_ms"],
+            "rr_p99_ms": per_level[0]["p99_ms"],
+            "rr_by_load": per_level,
+            "rr_overhead_p50_ms": overhead["rr_overhead_p50_ms"],
+            "rr_overhead": overhead,
+            "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
+            "rss_mb": {
+                "1_tenant": round(rss_1, 1),
+                "8_tenants": round(rss_8, 1),
+                "extra_7_tenants": round(rss_8 - rss_1, 2),
+                "extra_7_heads_weights": round(extra_heads_mb, 2),
+            },
+            "config": {
+                "quick": quick,
+                "grid_backbone": grid_size,
+                "rr_backbone": rr_size,
+                "tenants": TENANTS,
+                "engine_max_batch": max_batch,
+                "engine_max_wait_ms": max_wait_ms,
+                "head_hidden": HEAD_HIDDEN,
+                "threads": threads,
+                "cpus": os.cpu_count(),
+            },
+            "group": {k: v for k, v in group.items() if k != "group_speedup"},
+        }
+    except BaseException:
+        log.flush()
+        text = await asyncio.to_thread(Path(log.name).read_text, errors="replace")
+        sys.stderr.write("engine process log (tail):\n" + text[-4000:])
+        raise
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)
+        for br in (b, solo):
+            with contextlib.suppress(Exception):
+                await delete_layout(br)
+            await br.close()
+    out["seconds"] = round(time.perf_counter() - t_start, 1)
+    return out
+
+
+async def _with_server(url: str | None, quick: bool) -> dict[str, Any]:
+    if url:
+        return await bench_inference(url, quick=quick)
+    from joynexus.ops.natsserver import EmbeddedNats
+
+    with tempfile.TemporaryDirectory() as d, EmbeddedNats(d) as server:
+        return await bench_inference(server.url, quick=quick)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny backbone, small grid and loads (< 1 min)")
+    ap.add_argument("--nats", default=None, help="NATS URL (default: an embedded nats-server)")
+    # the engine child process (internal)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--namespace", default="jnx", help=argparse.SUPPRESS)
+    ap.add_argument("--size", default="tiny", help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        _serve(a.serve, a.namespace, a.size, a.max_batch, a.max_wait_ms, a.threads)
+        return
+    print(json.dumps(asyncio.run(_with_server(a.nats, a.quick))))
+
+
+if __name__ == "__main__":
+    main()
