@@ -121,8 +121,13 @@ class AdvantageAgent:
         e_idx, rewards, dones = to_trajectories(
             data["env_id"], data["step"], data["rewards"], data["dones"]
         )
-        values = np.zeros_like(rewards)
-        adv, ret = gae(rewards, values, dones, gamma=self.gamma, lam=self.lam)
+        if job.metadata.extra.get("advantage") == "grpo":
+            # Each env's trajectory is one sample of the group; its return, relative
+            # to the group, is the advantage of every step in it.
+            ret = np.repeat(rewards.sum(axis=1, keepdims=True), rewards.shape[1], axis=1)
+            adv = np.repeat(group_relative(rewards.sum(axis=1))[:, None], rewards.shape[1], axis=1)
+        else:
+            adv, ret = gae(rewards, np.zeros_like(rewards), dones, gamma=self.gamma, lam=self.lam)
         step = data["step"].astype(np.int64)
         await self.tq.async_put(
             {"advantages": adv[e_idx, step], "returns": ret[e_idx, step]},

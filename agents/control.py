@@ -27,13 +27,15 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import InvalidSpec, JoyNexusError, UnknownTenant
-from joynexus.schemas.jobs import TenantTaskPolicy
+from joynexus.schemas.errors import InvalidSpec, JoyNexusError, UnknownJob, UnknownTenant
+from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import (
     ApiReply,
+    CloseJob,
     CreateWorkload,
     NamedWorkload,
+    OpenJob,
     WorkloadRecord,
 )
 
@@ -47,6 +49,8 @@ VERBS: dict[str, type[Any]] = {
     "get_workload": NamedWorkload,
     "list_workloads": NamedWorkload,
     "cancel_workload": NamedWorkload,
+    "open_job": OpenJob,
+    "close_job": CloseJob,
 }
 
 
@@ -187,3 +191,43 @@ class ControlPlane:
             )
             await self._kv.put(self.n.workload_key(tenant, req.name), encode(rec))
         return ApiReply(workload=rec)
+
+    async def _open_job(self, tenant: str, req: OpenJob) -> ApiReply:
+        rec = await self._get(tenant, req.workload)
+        spec = rec.spec
+        if spec.source != "tenant" or spec.task_type not in ("rl", "sft"):
+            raise InvalidSpec(
+                f"workload {req.workload!r} is fed by the service ({spec.task_type}, source "
+                f"{spec.source!r}); create one with source='tenant' to submit your own data"
+            )
+        if rec.state != "active":
+            raise InvalidSpec(f"workload {req.workload!r} is {rec.state}; it takes no more data")
+        instruction = spec.instruction
+        if not instruction:
+            from joynexus.agents.workloads import workload_schema
+
+            instruction = (await asyncio.to_thread(workload_schema, spec))[1]
+        job = await self.sched.reserve(
+            tenant,
+            spec.task_type,
+            policy_key=spec.name,
+            domain=spec.env or spec.dataset,
+            sample_count=req.sample_count,
+            behavior_policy_version=req.behavior_policy_version,
+            producer_role="tenant",
+            metadata=JobMetadata(
+                schema_signature=rec.schema_signature,
+                extra={"instruction": instruction, "advantage": spec.advantage},
+            ),
+        )
+        return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
+
+    async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
+        try:
+            job = await self.sched.get_job(req.job_id)
+        except UnknownJob:
+            job = None
+        if job is None or job.tenant_id != tenant:  # never reveal another tenant's job
+            raise UnknownJob(f"tenant {tenant!r} has no job {req.job_id!r}")
+        nxt = JobState.NEEDS_ADVANTAGES if job.task_type == "rl" else JobState.READY
+        return ApiReply(job=await self.sched.mark(job.job_id, nxt))

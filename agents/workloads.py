@@ -73,7 +73,7 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
             action_horizon=spec.action_horizon,
             base_model=spec.base_model,
         )
-        return schema, env.instruction
+        return schema, spec.instruction or env.instruction
     info_path = Path(spec.dataset) / "meta" / "info.json"
     if not info_path.is_file():
         raise InvalidSpec(
@@ -103,7 +103,7 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
         action_horizon=spec.action_horizon,
         base_model=spec.base_model,
     )
-    return schema, instruction
+    return schema, spec.instruction or instruction
 
 
 class PolicyInitializer:
@@ -118,7 +118,8 @@ class PolicyInitializer:
         if spec.task_type == "eval":  # evaluates an existing version: check it, publish nothing
             src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
             if feature_schema_of(src).backbone_key() != schema.backbone_key() or (
-                src.feature_schema.state_dim, src.feature_schema.action_dim
+                src.feature_schema.state_dim,
+                src.feature_schema.action_dim,
             ) != (schema.state_dim, schema.action_dim):
                 raise InvalidSpec(
                     f"{spec.init_from_workload!r} v{src.version} ({src.schema_signature}) cannot act in "
@@ -217,7 +218,8 @@ class RLProducer:
                     sample_count=self.spec.num_envs * self.spec.horizon,
                     behavior_policy_version=version,
                     metadata=JobMetadata(
-                        schema_signature=schema.signature(), extra={"instruction": instruction}
+                        schema_signature=schema.signature(),
+                        extra={"instruction": instruction, "advantage": self.spec.advantage},
                     ),
                 )
                 if job is None:
@@ -403,7 +405,7 @@ class ProducerAgent:
                 except JoyNexusError as e:
                     log.warning("workload %s: %s", entry.key, e)
                     continue
-                if rec.spec.task_type != self.task_type:
+                if rec.spec.task_type != self.task_type or rec.spec.source != "service":
                     continue
                 key = entry.key
                 if rec.state == "active" and key not in self.running:

@@ -15,7 +15,7 @@ import msgspec
 
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.errors import InvalidSpec
-from joynexus.schemas.jobs import TASK_TYPES, TaskType, check_name
+from joynexus.schemas.jobs import TASK_TYPES, TaskType, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 
 #: Base models the service can host, and the backbone size each maps to.
@@ -69,7 +69,13 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     learning_rate: float = 1e-3
     #: eval: episodes to run (the version evaluated is init_from of init_from_workload).
     episodes: int = 10
-    #: Jobs to run (None: until cancelled or the completion target).
+    #: rl: "gae" (per-step, bootstrapped) or "grpo" (trajectory return relative to the job's group).
+    advantage: Literal["gae", "grpo"] = "gae"
+    #: "service": the service's producers make the jobs (rollouts in ManiSkill, batches
+    #: from the dataset); "tenant": the tenant submits rollouts / batches through the SDK.
+    source: Literal["service", "tenant"] = "service"
+    #: The language instruction given to the policy (default: the task's or dataset's own).
+    instruction: str = ""
     seed: int = 0
     scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
 
@@ -136,7 +142,24 @@ class NamedWorkload(Wire, kw_only=True):
     name: str = ""
 
 
+class OpenJob(Wire, kw_only=True):
+    """A tenant-sourced workload asks for a job to put its own batch or rollout into."""
+
+    workload: str
+    sample_count: int
+    behavior_policy_version: int = 0
+
+
+class CloseJob(Wire, kw_only=True):
+    """The batch or rollout is in the job's partition: hand it to training."""
+
+    job_id: str
+
+
 class ApiReply(Wire, kw_only=True, omit_defaults=True):
     workload: WorkloadRecord | None = None
     workloads: list[WorkloadRecord] = []
+    job: TrainingJob | None = None
+    #: Why open_job got no job (admission: limits reached; retry later).
+    refused: str = ""
     error: ErrorBody | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from nats.js.api import DeliverPolicy
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore
+from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
@@ -36,16 +37,21 @@ from joynexus.schemas.errors import (
     Unavailable,
     error_from_code,
 )
-from joynexus.schemas.jobs import JobEvent, check_name
+from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
 from joynexus.schemas.workloads import (
     ApiReply,
+    CloseJob,
     CreateWorkload,
     NamedWorkload,
+    OpenJob,
     WorkloadRecord,
     WorkloadSpec,
 )
 
 T = TypeVar("T")
+
+SFT_FIELDS = ("state", "actions")
+RL_FIELDS = ("state", "actions", "env_id", "step", "rewards", "dones")
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class Client:
         self.tenant = tenant
         self.timeout_s = timeout_s
         self._policies = PolicyStore(broker)
+        self._tq = TrainingQueue(broker)
 
     @classmethod
     async def connect(
@@ -184,6 +191,66 @@ class Client:
             return Workload(self, reply.workload)
 
         return self._future(go())
+
+    # ------------------------------------------------------------ your own data
+    def submit_sft_batch(
+        self, workload: str, batch: Mapping[str, Any]
+    ) -> asyncio.Future[TrainingJob]:
+        """Hand a batch of demonstrations to a ``source="tenant"`` SFT workload.
+
+        ``batch``: ``img_<camera>`` uint8 [B, 3, H, W] per camera slot, ``state``
+        float32 [B, S], ``actions`` float32 [B, horizon, A]. Resolves once the job is
+        ready for training (admission may make it wait: see ``max_in_flight``).
+        """
+        return self._future(self._submit(workload, batch, SFT_FIELDS, behavior_policy_version=0))
+
+    def submit_rollout(
+        self, workload: str, rollout: Mapping[str, Any], *, behavior_policy_version: int
+    ) -> asyncio.Future[TrainingJob]:
+        """Hand a rollout from an environment you run yourself to a ``source="tenant"``
+        RL workload: the SFT fields plus ``env_id`` and ``step`` int64 [M], ``rewards``
+        and ``dones`` float32 [M] (one row per env step). ``behavior_policy_version``
+        is the version whose actions you executed (staleness is judged by it)."""
+        return self._future(
+            self._submit(
+                workload, rollout, RL_FIELDS, behavior_policy_version=behavior_policy_version
+            )
+        )
+
+    async def _submit(
+        self,
+        workload: str,
+        data: Mapping[str, Any],
+        required: tuple[str, ...],
+        *,
+        behavior_policy_version: int,
+    ) -> TrainingJob:
+        missing = [f for f in required if f not in data]
+        if missing or not any(k.startswith("img_") for k in data):
+            raise InvalidSpec(
+                f"batch lacks fields {missing + ([] if any(k.startswith('img_') for k in data) else ['img_<camera>'])}; "
+                f"it needs img_<camera>, {', '.join(required)}"
+            )
+        rows = len(data["state"])
+        delay = 0.05
+        while True:
+            reply = await self._api(
+                "open_job",
+                OpenJob(
+                    workload=workload,
+                    sample_count=rows,
+                    behavior_policy_version=behavior_policy_version,
+                ),
+            )
+            if reply.job is not None:
+                break
+            await asyncio.sleep(delay)  # admission: this workload's jobs in flight are at the limit
+            delay = min(delay * 2, 1.0)
+        job = reply.job
+        await self._tq.async_put(dict(data), tenant_id=self.tenant, partition_id=job.partition_id)
+        closed = await self._api("close_job", CloseJob(job_id=job.job_id))
+        assert closed.job is not None
+        return closed.job
 
     # ------------------------------------------------------------ policies
     def latest_version(self, workload: str) -> asyncio.Future[int]:
