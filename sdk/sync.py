@@ -15,11 +15,27 @@ from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
 from joynexus.schemas.jobs import JobEvent
-from joynexus.schemas.workloads import WorkloadSpec
-from joynexus.sdk.client import Client, Credentials, Workload
+from joynexus.sdk.client import Client, Credentials
 
 T = TypeVar("T")
 _END = object()
+
+#: Methods of Client that return futures; SyncClient offers each with a
+#: concurrent.futures.Future (call .result()).
+FUTURE_METHODS = frozenset(
+    {
+        "create_workload",
+        "get_workload",
+        "list_workloads",
+        "cancel_workload",
+        "submit_sft_batch",
+        "submit_rollout",
+        "latest_version",
+        "evaluate",
+        "export",
+        "act",
+    }
+)
 
 
 class SyncClient:
@@ -61,20 +77,21 @@ class SyncClient:
 
         return asyncio.run_coroutine_threadsafe(go(), self._loop)
 
-    def _call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
-        return self._run(lambda: _awaitable(fn(*args)))
+    def __getattr__(self, name: str) -> Any:
+        """The async client's future-returning methods, as blocking-future ones."""
+        if name not in FUTURE_METHODS:
+            raise AttributeError(f"SyncClient has no attribute {name!r}")
+        fn = getattr(self._client, name)
 
-    def create_workload(self, spec: WorkloadSpec) -> concurrent.futures.Future[Workload]:
-        return self._call(self._client.create_workload, spec)
+        def call(*args: Any, **kw: Any) -> concurrent.futures.Future[Any]:
+            # fn must run on the client's loop (it schedules a task there).
+            return self._run(lambda: _awaitable(fn(*args, **kw)))
 
-    def get_workload(self, name: str) -> concurrent.futures.Future[Workload]:
-        return self._call(self._client.get_workload, name)
+        call.__doc__ = fn.__doc__
+        return call
 
-    def list_workloads(self) -> concurrent.futures.Future[list[Workload]]:
-        return self._call(self._client.list_workloads)
-
-    def cancel_workload(self, name: str) -> concurrent.futures.Future[Workload]:
-        return self._call(self._client.cancel_workload, name)
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *FUTURE_METHODS})
 
     def events(
         self, workload: str | None = None, *, timeout_s: float | None = None

@@ -77,3 +77,42 @@ def test_invalid_specs_say_what_is_wrong(kwargs: dict, message: str) -> None:
 def test_invalid_scheduling_says_which_field() -> None:
     with pytest.raises(InvalidSpec, match=r"scheduling\.max_in_flight must be >= 1"):
         Scheduling(max_in_flight=0)
+
+
+def test_sync_facade_covers_every_future_method() -> None:
+    from joynexus.sdk.sync import FUTURE_METHODS
+
+    assert FUTURE_METHODS <= set(dir(sdk.Client))
+    assert not {"close", "events", "connect"} & FUTURE_METHODS
+
+
+async def test_sync_client_blocks_on_futures_and_raises_typed_errors(broker, tmp_path) -> None:
+    import asyncio
+
+    from joynexus.agents.control import ControlPlane
+    from joynexus.agents.scheduler import SchedulerAgent
+    from joynexus.agents.workloads import PolicyInitializer
+
+    sched = SchedulerAgent(broker)
+    await sched.start()
+    control = ControlPlane(broker, init_policy=PolicyInitializer(broker))
+    await control.start()
+    url = broker.nc.connected_url.netloc
+
+    def use_sync() -> tuple[list, str]:
+        with sdk.SyncClient.connect(f"nats://{url}", tenant="acme", namespace=broker.names.namespace) as c:
+            listed = c.list_workloads().result(10)
+            try:
+                c.create_workload(
+                    sdk.WorkloadSpec(name="demo", task_type="sft", dataset=str(tmp_path))
+                ).result(30)
+            except sdk.InvalidSpec as e:
+                return listed, str(e)
+        return listed, ""
+
+    try:
+        listed, err = await asyncio.to_thread(use_sync)
+        assert listed == [] and "not a LeRobot dataset" in err
+    finally:
+        await control.stop()
+        await sched.stop()
