@@ -59,7 +59,9 @@ def _reach_and_grasp(tcp: np.ndarray, cube: np.ndarray, gain: float) -> tuple[np
         return np.zeros(3), CLOSED  # at the cube: close
     if xy_err < 0.01:
         return _toward(tcp, cube, gain), OPEN  # above it: descend
-    hover = np.array([cube[0], cube[1], max(cube[2] + 0.05, tcp[2] if xy_err < 0.05 else cube[2] + 0.05)])
+    hover = np.array(
+        [cube[0], cube[1], max(cube[2] + 0.05, tcp[2] if xy_err < 0.05 else cube[2] + 0.05)]
+    )
     return _toward(tcp, hover, gain), OPEN  # reach above the cube
 
 
@@ -71,7 +73,7 @@ def _push_cube(sim: Any, gain: float) -> tuple[np.ndarray, float]:
     rel = tcp[:2] - cube[:2]
     along = float(rel @ d)  # < 0: behind the cube (the side away from the goal)
     across = float(abs(rel[0] * d[1] - rel[1] * d[0]))
-    push_z = _HALF * 0.75
+    push_z = _HALF
     if along < -(_HALF + 0.005) and across < 0.012:
         if tcp[2] < cube[2] + _HALF:
             # pushing: drive the gripper along the cube-goal line, a bit past the cube
@@ -119,7 +121,9 @@ class ScriptedExpert:
     def __init__(self, env: ManiSkillEnv, *, gain: float = 1.0) -> None:
         spec = env.spec
         if spec.task not in _POLICIES:
-            raise InvalidSpec(f"no scripted expert for {spec.task}; experts exist for {sorted(_POLICIES)}")
+            raise InvalidSpec(
+                f"no scripted expert for {spec.task}; experts exist for {sorted(_POLICIES)}"
+            )
         if spec.control_mode not in ("pd_ee_delta_pos", "pd_ee_delta_pose"):
             raise InvalidSpec(
                 f"the scripted experts steer the end effector: build the env with "

@@ -202,14 +202,20 @@ def task_spec(
     if num_envs < 1:
         raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
     if not 16 <= image_size <= 512:
-        raise InvalidSpec(f"image_size={image_size}: choose 16..512 pixels (64 renders ~15 steps/s on a CPU)")
+        raise InvalidSpec(
+            f"image_size={image_size}: choose 16..512 pixels (64 renders ~15 steps/s on a CPU)"
+        )
     if control_mode not in _ACTION_DIMS:
         raise InvalidSpec(f"control_mode={control_mode!r}: choose one of {sorted(_ACTION_DIMS)}")
     if obs == "state":
         if cameras:
-            raise InvalidSpec("cameras are only rendered with obs='rgb'; drop cameras= or set obs='rgb'")
+            raise InvalidSpec(
+                "cameras are only rendered with obs='rgb'; drop cameras= or set obs='rgb'"
+            )
         if state_keys:
-            raise InvalidSpec("state_keys applies to obs='rgb'; obs='state' gives ManiSkill's full flat state")
+            raise InvalidSpec(
+                "state_keys applies to obs='rgb'; obs='state' gives ManiSkill's full flat state"
+            )
         cams: tuple[str, ...] = ()
         keys: tuple[str, ...] = ("flat_state",)
         state_dim = info.flat_state_dim
@@ -373,7 +379,9 @@ class ManiSkillEnv:
             info=infos,
         )
 
-    def replace_obs(self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]) -> None:
+    def replace_obs(
+        self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]
+    ) -> None:
         """Write one env's converted observation into row ``index`` of a batch, in place."""
         state_S, images = row
         obs[OBS_STATE][index] = state_S
@@ -391,6 +399,23 @@ class ManiSkillEnv:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_RENDER_KEEPALIVE: list[Any] = []
+
+
+def _keep_renderer_alive() -> None:
+    """Hold one SAPIEN render system for the life of the process.
+
+    SAPIEN tears its Vulkan renderer down when the last env that uses it is
+    closed, and the first picture after a restart compiles every shader
+    pipeline again: ~10 s on lavapipe (30 s on a busy 2-core machine). With
+    this reference alive, later rgb envs start in < 1 s.
+    """
+    if not _RENDER_KEEPALIVE:
+        import sapien
+
+        _RENDER_KEEPALIVE.append(sapien.render.RenderSystem(sapien.Device("cpu")))
 
 
 def make_env(
@@ -437,6 +462,8 @@ def make_env(
     if obs == "rgb":
         kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
         kwargs["human_render_camera_configs"] = dict(width=image_size, height=image_size)
+    if obs == "rgb":
+        _keep_renderer_alive()
     envs: list[Any] = []
     try:
         for _ in range(num_envs):
@@ -469,7 +496,12 @@ def _check_actions(actions: Any, spec: EnvSpec) -> np.ndarray:
     arr = np.asarray(actions, dtype=np.float32)
     if arr.ndim == 2:
         arr = arr[:, None, :]
-    if arr.ndim != 3 or arr.shape[0] != spec.num_envs or arr.shape[2] != spec.action_dim or arr.shape[1] < 1:
+    if (
+        arr.ndim != 3
+        or arr.shape[0] != spec.num_envs
+        or arr.shape[2] != spec.action_dim
+        or arr.shape[1] < 1
+    ):
         raise ShapeMismatch(
             f"act_fn returned shape {tuple(np.shape(actions))}; return float32 "
             f"[{spec.num_envs}, {spec.action_dim}] or a chunk [{spec.num_envs}, H, {spec.action_dim}]"
@@ -632,10 +664,11 @@ async def evaluate(
                     ret_N += np.where(active_N, res.reward_N, 0.0)
                     len_N += active_N
                     ever_N |= active_N & res.success_N
-                    last_N = np.where(active_N, res.success_N, last_N)
-                    active_N &= ~(res.terminated_N | res.truncated_N)
+                    last_N[active_N] = res.success_N[active_N]
+                    ended_N = active_N & (res.terminated_N | res.truncated_N)
+                    active_N &= ~ended_N
                     obs = res.obs
-                    if not active_N.all():
+                    if ended_N.any():  # ask the policy afresh rather than finish the chunk
                         break
             k = len(ids)
             successes += ever_N[:k].tolist()
