@@ -19,8 +19,9 @@ batch falls back to one forward per request, so one request cannot fail others.
 
 Policies: the engine watches the policy KV and loads a new version's weights
 before it becomes the "latest" the engine serves; a request pinned to an older
-retained version is served by that version (loaded on demand, an LRU of
-``retain_versions`` per tenant stays resident).
+retained version is served by that version (loaded on demand). Per tenant
+policy, the latest version plus the most recently used others, at most
+``retain_versions`` in all, stay resident.
 
 :class:`EnginePool` scales engines inside one process (scale_up loads every
 tenant's weights before joining the queue group; scale_down drains: nothing
@@ -142,7 +143,9 @@ class EngineStats:
     batches: int = 0
     rows: int = 0
     fallbacks: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
+    rejected: int = 0
+    #: sizes of the most recent batches (bounded)
+    batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 def _error_of(e: BaseException) -> InferError:
@@ -166,6 +169,7 @@ class InferenceEngine:
         retain_versions: int = 4,
         policies: PolicyStore | None = None,
         load_timeout_s: float = 60.0,
+        max_queue: int = 4096,
     ) -> None:
         if max_batch < 1:
             raise InvalidSpec(f"max_batch={max_batch}: must be >= 1")
@@ -183,10 +187,13 @@ class InferenceEngine:
         self.retain_versions = retain_versions
         self.policies = policies or PolicyStore(broker)
         self.load_timeout_s = load_timeout_s
+        self.max_queue = max_queue
         self.stats = EngineStats()
         self.state = "new"  # new -> prepared -> serving -> draining -> stopped
 
         self._policies: dict[PolicyId, LoadedPolicy] = {}
+        self._used: dict[PolicyId, int] = {}  # last use, for eviction
+        self._uses = itertools.count()
         self._latest: dict[tuple[str, str], int] = {}
         self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
         self._queue: deque[_Pending] = deque()
@@ -208,6 +215,7 @@ class InferenceEngine:
             raise InvalidSpec(f"engine {self.instance} is {self.state}; prepare() runs once")
         ready = asyncio.Event()
         self._watcher = asyncio.create_task(self._watch_loop(ready), name=f"{self.instance}-watch")
+        self._watcher.add_done_callback(self._watch_ended)
         waiter = asyncio.create_task(ready.wait())
         try:
             done, _ = await asyncio.wait(
@@ -293,6 +301,11 @@ class InferenceEngine:
     def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
         return self._latest.get((tenant_id, policy_key))
 
+    def _watch_ended(self, task: asyncio.Task[None]) -> None:
+        if self.state in ("prepared", "serving") and not task.cancelled() and task.exception():
+            log.error("engine %s: policy watch failed, new versions load on demand only: %r",
+                      self.instance, task.exception())
+
     async def _watch_loop(self, ready: asyncio.Event) -> None:
         async for rec in self.policies.watch(ready=ready):
             if rec.base_model != self.base_model:
@@ -317,12 +330,15 @@ class InferenceEngine:
             self._evict(tk)
 
     def _evict(self, tk: tuple[str, str]) -> None:
-        """Keep the newest ``retain_versions`` of a tenant resident (requests hold their own ref)."""
-        versions = sorted(v for (t, k, v) in self._policies if (t, k) == tk)
+        """Keep the latest version and the most recently used others, ``retain_versions`` in all
+        (a request in flight holds its own reference, so eviction never affects it)."""
         latest = self._latest.get(tk)
-        for v in versions[: max(0, len(versions) - self.retain_versions)]:
-            if v != latest:
-                self._policies.pop((*tk, v), None)
+        others = [pid for pid in self._policies if pid[:2] == tk and pid[2] != latest]
+        keep = self.retain_versions - (1 if latest is not None and (*tk, latest) in self._policies else 0)
+        others.sort(key=lambda pid: self._used.get(pid, -1), reverse=True)
+        for pid in others[max(0, keep):]:
+            self._policies.pop(pid, None)
+            self._used.pop(pid, None)
 
     async def _ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
         pid = (rec.tenant_id, rec.policy_key, rec.version)
@@ -352,13 +368,19 @@ class InferenceEngine:
         module = await self.policies.load_module(rec)
         lp = LoadedPolicy(rec, schema, module)
         self._policies[lp.id] = lp
+        self._used[lp.id] = next(self._uses)
         self._evict((rec.tenant_id, rec.policy_key))
         log.info("engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version)
         return lp
 
     def _lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
         v = version or self._latest.get((tenant_id, policy_key))
-        return None if v is None else self._policies.get((tenant_id, policy_key, v))
+        if v is None:
+            return None
+        lp = self._policies.get((tenant_id, policy_key, v))
+        if lp is not None:
+            self._used[lp.id] = next(self._uses)
+        return lp
 
     async def _resolve(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy:
         """The policy a request asks for, loading it from the store when not resident."""
@@ -399,6 +421,12 @@ class InferenceEngine:
             attributes={"joynexus.instance": self.instance},
         )
         try:
+            if len(self._queue) >= self.max_queue:
+                self.stats.rejected += 1
+                raise Unavailable(
+                    f"inference engine {self.instance} has {len(self._queue)} requests queued; "
+                    "retry later or scale up (EnginePool.scale_up / another `joynexus agent inference`)"
+                )
             req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
             span.set_attribute("joynexus.tenant", req.tenant_id)
             lp = self._lookup(req.tenant_id, req.policy_key, req.policy_version)
