@@ -211,7 +211,7 @@ async def test_batches_respect_max_batch_and_max_wait(broker: Broker, make_engin
     lone = await client.request("acme", schema=SCHEMA, **make_obs(99))
     took_ms = (time.perf_counter() - t0) * 1e3
     assert lone.batch.size == 1
-    assert wait_ms * 0.9 <= lone.timings.queue_ms <= wait_ms + 100, lone.timings
+    assert wait_ms * 0.9 <= lone.timings.queue_ms <= wait_ms + 250, lone.timings
     assert took_ms < wait_ms + 1000
 
 
