@@ -12,9 +12,10 @@ place, release) is read off the scene at every call, so one expert object
 serves all N envs of a ``ManiSkillEnv`` and survives resets without hooks.
 An expert is an ``ActFn``: ``await expert(obs)`` returns actions [N, A].
 
-Measured success on this repository's CPU backends (50-step episodes,
-seeds from ``episode_seed``; see tests/test_envs.py):
-PickCube-v1 ~90%, PushCube-v1 ~100%, StackCube-v1 ~60%.
+Measured success (CPU backends, 50 seeded episodes each, episode_seed(100, 0, k);
+identical with pd_ee_delta_pos and pd_ee_delta_pose): PickCube-v1 100%
+(mean 19 steps), PushCube-v1 100% (11 steps), StackCube-v1 96% (27 steps);
+a uniform random policy: 0%, 5%, 0% (20 episodes).
 """
 
 from __future__ import annotations
