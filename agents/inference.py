@@ -38,14 +38,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.micro import add_service
 from nats.micro.request import Request
 from opentelemetry import trace
@@ -62,6 +60,9 @@ from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import TenantModule
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+
+# Re-exported: the client is torch-free and lives in the broker layer (the SDK uses it).
+from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.subjects import model_token
@@ -69,14 +70,12 @@ from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
     ShapeMismatch,
-    Timeout,
     Unavailable,
 )
 from joynexus.schemas.inference import (
     BatchInfo,
     IncompatibleSchema,
     InferError,
-    InferReply,
     InferRequest,
     InferResult,
     InferTimings,
@@ -742,70 +741,3 @@ async def run_inference_agent(
     finally:
         await pool.close()
 
-
-# ---------------------------------------------------------------- the client
-
-
-class _HasSignature(Protocol):
-    def signature(self) -> str: ...
-
-
-class InferenceClient:
-    """Ask the Inference Queue for actions; errors come back as the engine's classes."""
-
-    def __init__(self, broker: Broker, *, base_model: str = "qwen2.5-vl-tiny", timeout_s: float = 10.0) -> None:
-        self.b = broker
-        self.base_model = base_model
-        self.timeout_s = timeout_s
-
-    async def request(
-        self,
-        tenant_id: str,
-        *,
-        schema: str | _HasSignature,
-        images: Mapping[str, Any],
-        instruction: str | Sequence[str],
-        state: Any,
-        history: Any | None = None,
-        policy_key: str = "default",
-        policy_version: int | None = None,
-        session_id: str = "",
-        noise: Any | None = None,
-        timeout_s: float | None = None,
-        base_model: str | None = None,
-    ) -> InferResult:
-        """The full reply (actions, version served, batch info, timings)."""
-        req = InferRequest(
-            tenant_id=tenant_id,
-            policy_key=policy_key,
-            session_id=session_id,
-            schema_signature=schema if isinstance(schema, str) else schema.signature(),
-            policy_version=policy_version,
-            observation=Observation(
-                images={slot: TensorBytes.from_array(x) for slot, x in images.items()},
-                instruction=instruction if isinstance(instruction, str) else list(instruction),
-                state=TensorBytes.from_array(state),
-                history=None if history is None else TensorBytes.from_array(history),
-            ),
-            noise=None if noise is None else TensorBytes.from_array(noise),
-        )
-        model = base_model or self.base_model
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            msg = await self.b.nc.request(
-                self.b.names.infer(model), encode_msgpack(req), timeout=timeout, headers=tracing.inject()
-            )
-        except NoRespondersError as e:
-            raise Unavailable(
-                f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
-            ) from e
-        except (NatsTimeout, TimeoutError) as e:
-            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {timeout:g}s") from e
-        reply: InferReply = decode_msgpack(msg.data, InferReply, what="inference reply")
-        if isinstance(reply, InferError):
-            raise reply.to_exception()
-        return reply
-
-    async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
-        """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""
-        return (await self.request(tenant_id, **kw)).actions.to_array("actions")

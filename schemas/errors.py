@@ -62,6 +62,18 @@ class StaleLease(JoyNexusError, ValueError):
     code = "stale_lease"
 
 
+class UnknownPolicyVersion(JoyNexusError, LookupError):
+    """A pinned policy version that is not published (or no longer retained)."""
+
+    code = "unknown_policy_version"
+
+
+class IncompatibleSchema(InvalidSpec):
+    """A request whose feature schema differs from the one the tenant's policy was trained on."""
+
+    code = "incompatible_schema"
+
+
 class Conflict(JoyNexusError):
     """Someone else changed the job first; re-read and decide again."""
 
@@ -98,6 +110,8 @@ ERRORS_BY_CODE: dict[str, type[JoyNexusError]] = {
         UnknownTenant,
         UnknownJob,
         UnknownPartition,
+        UnknownPolicyVersion,
+        IncompatibleSchema,
         IllegalTransition,
         StaleLease,
         Conflict,

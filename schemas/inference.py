@@ -24,11 +24,13 @@ import numpy as np
 
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.errors import (
+    IncompatibleSchema,
     InvalidMessage,
     InvalidSpec,
     JoyNexusError,
     SchemaVersionError,
     ShapeMismatch,
+    UnknownPolicyVersion,
     error_from_code,
 )
 
@@ -55,28 +57,9 @@ __all__ = [
 # -- errors -------------------------------------------------------------------
 
 
-class UnknownPolicyVersion(JoyNexusError, LookupError):
-    """A pinned policy version that is not published (or no longer retained)."""
-
-    code = "unknown_policy_version"
-
-
-class IncompatibleSchema(InvalidSpec):
-    """A request whose feature schema differs from the one the tenant's policy was trained on."""
-
-    code = "incompatible_schema"
-
-
-_LOCAL_ERRORS: dict[str, type[JoyNexusError]] = {
-    UnknownPolicyVersion.code: UnknownPolicyVersion,
-    IncompatibleSchema.code: IncompatibleSchema,
-}
-
-
 def inference_error_from_code(code: str, message: str) -> JoyNexusError:
-    """Rebuild an error reply: the inference errors above, else the package's by code."""
-    cls = _LOCAL_ERRORS.get(code)
-    return cls(message) if cls is not None else error_from_code(code, message)
+    """Rebuild an error reply by its code (kept for callers; same as error_from_code)."""
+    return error_from_code(code, message)
 
 
 # -- tensors ------------------------------------------------------------------

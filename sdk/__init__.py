@@ -10,11 +10,13 @@ async with await Client.connect(url, tenant="acme") as client:
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
+    IncompatibleSchema,
     InvalidMessage,
     InvalidSpec,
     JoyNexusError,
     Unavailable,
     UnknownJob,
+    UnknownPolicyVersion,
     UnknownTenant,
 )
 from joynexus.schemas.jobs import JobEvent, JobState, TrainingJob
@@ -27,6 +29,7 @@ __all__ = [
     "Conflict",
     "Credentials",
     "IllegalTransition",
+    "IncompatibleSchema",
     "InvalidMessage",
     "InvalidSpec",
     "JobEvent",
@@ -37,6 +40,7 @@ __all__ = [
     "TrainingJob",
     "Unavailable",
     "UnknownJob",
+    "UnknownPolicyVersion",
     "UnknownTenant",
     "Workload",
     "WorkloadRecord",

@@ -15,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.policy import PolicyStore
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
@@ -108,6 +110,8 @@ class Client:
         self.timeout_s = timeout_s
         self._policies = PolicyStore(broker)
         self._tq = TrainingQueue(broker)
+        self._infer = InferenceClient(broker)
+        self._records: dict[str, WorkloadRecord] = {}
 
     @classmethod
     async def connect(
@@ -191,6 +195,47 @@ class Client:
             return Workload(self, reply.workload)
 
         return self._future(go())
+
+    # ------------------------------------------------------------ rollout as a service
+    def act(
+        self,
+        workload: str,
+        *,
+        images: Mapping[str, Any],
+        state: Any,
+        instruction: str | Sequence[str] = "",
+        version: int | None = None,
+        session_id: str = "",
+        timeout_s: float = 10.0,
+    ) -> asyncio.Future[np.ndarray]:
+        """Action chunks [B, horizon, A] for observations of an environment you run
+        yourself, from the workload's policy (``version`` pinned, or the latest).
+
+        ``images``: camera slot -> uint8 [B, 3, H, W] (or one [3, H, W]); ``state``
+        [B, S] (or [S]). One shared backbone forward serves many tenants' requests."""
+
+        async def go() -> np.ndarray:
+            rec = await self._workload_cache(workload)
+            return await self._infer.act(
+                self.tenant,
+                schema=rec.schema_signature,
+                policy_key=workload,
+                policy_version=version,
+                images=images,
+                instruction=instruction or rec.spec.instruction,
+                state=state,
+                session_id=session_id,
+                timeout_s=timeout_s,
+                base_model=rec.spec.base_model,
+            )
+
+        return self._future(go())
+
+    async def _workload_cache(self, name: str) -> WorkloadRecord:
+        rec = self._records.get(name)
+        if rec is None:
+            rec = self._records[name] = (await self.get_workload(name)).record
+        return rec
 
     # ------------------------------------------------------------ your own data
     def submit_sft_batch(

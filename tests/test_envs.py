@@ -30,10 +30,14 @@ from joynexus.agents.envs.maniskill import (
     ObsBatch,
     evaluate,
     make_env,
+    policy_obs,
     random_policy,
     rollout,
+    rollout_fields,
     task_spec,
 )
+from joynexus.broker.connection import Broker
+from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 ALL_TASKS = ["PickCube-v1", "PushCube-v1", "StackCube-v1"]
@@ -105,27 +109,29 @@ async def test_rollout_batches_and_resets() -> None:
         env.close()
     M = 2 * horizon
     assert len(calls) == horizon  # single-step actions: one policy call per step
-    assert (
-        calls[0][OBS_STATE].shape == (2, 42)
-        and calls[0][TASK] == [TASKS["PickCube-v1"].instruction] * 2
-    )
+    assert calls[0][OBS_STATE].shape == (2, 42)
+    assert calls[0][TASK] == [TASKS["PickCube-v1"].instruction] * 2
+    assert set(out) == set(rollout_fields(env.spec))
     for key, arr in out.items():
         assert isinstance(arr, np.ndarray) and arr.dtype != object, key
         assert arr.shape[0] == M, key
-    assert out[OBS_STATE].shape == (M, 42) and out[OBS_STATE].dtype == np.float32
-    assert out[ACTION].shape == (M, 4) and out[ACTION].dtype == np.float32
-    assert out["next.reward"].shape == (M,) and out["next.success"].dtype == bool
+    assert out["obs_state"].shape == (M, 42) and out["obs_state"].dtype == np.float32
+    assert out["actions"].shape == (M, 4) and out["actions"].dtype == np.float32
+    assert out["rewards"].shape == (M,) and out["success"].dtype == bool
     # env-major layout, frame counters restart after each episode
-    assert (out["env_index"][:horizon] == 0).all() and (out["env_index"][horizon:] == 1).all()
-    assert out["next.success"].sum() >= 2  # the expert solved episodes in both envs
-    ends = np.flatnonzero(out["next.done"][:horizon])
+    assert (out["env_id"][:horizon] == 0).all() and (out["env_id"][horizon:] == 1).all()
+    assert (out["step"][:horizon] == np.arange(horizon)).all()
+    assert out["success"].sum() >= 2  # the expert solved episodes in both envs
+    ends = np.flatnonzero(out["dones"][:horizon])
     assert len(ends) >= 1 and out["frame_index"][ends[0] + 1] == 0
     assert out["episode_index"][ends[0] + 1] == out["episode_index"][ends[0]] + 1
     # distinct seeds per env: the two envs start from different states
-    assert not np.allclose(out[OBS_STATE][0], out[OBS_STATE][horizon])
+    assert not np.allclose(out["obs_state"][0], out["obs_state"][horizon])
+    # the recorded observation is the one the policy acted on
+    assert np.array_equal(policy_obs(out, env.spec)[OBS_STATE][:1], calls[0][OBS_STATE][:1])
 
 
-async def test_rollout_rgb_with_action_chunks() -> None:
+async def test_rollout_rgb_with_action_chunks(broker: Broker) -> None:
     env = make_env(
         "PushCube-v1",
         obs="rgb",
@@ -147,9 +153,19 @@ async def test_rollout_rgb_with_action_chunks() -> None:
     finally:
         env.close()
     assert calls == 2  # executed open-loop: 6 steps / chunks of 3
-    assert out["observation.images.render_camera"].shape == (12, 3, 32, 32)
-    assert out["observation.images.base_camera"].dtype == np.uint8
-    assert out[ACTION].shape == (12, 4) and out[OBS_STATE].shape == (12, 9)
+    assert out["obs_image_render_camera"].shape == (12, 3, 32, 32)
+    assert out["obs_image_base_camera"].dtype == np.uint8
+    assert out["actions"].shape == (12, 4) and out["obs_state"].shape == (12, 9)
+    # ready for a Training Queue put: the fields go in and come back bit-exact
+    tq = TrainingQueue(broker)
+    put = await tq.async_put(out, tenant_id="acme", partition_id="rollout1")
+    assert put.rows == list(range(12))
+    meta = await tq.async_get_meta(
+        list(out), 100, tenant_id="acme", partition_id="rollout1", task_name="train"
+    )
+    got = await tq.async_get_data(meta)
+    for key, arr in out.items():
+        assert got[key].dtype == arr.dtype and np.array_equal(got[key], arr), key
 
 
 async def test_expert_beats_random_policy() -> None:

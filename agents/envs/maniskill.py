@@ -513,6 +513,47 @@ def _copy_obs(obs: ObsBatch) -> ObsBatch:
     return {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in obs.items()}
 
 
+_STEP_FIELDS = (
+    "actions",
+    "rewards",
+    "dones",
+    "terminated",
+    "truncated",
+    "success",
+    "env_id",
+    "step",
+    "episode_index",
+    "frame_index",
+    "episode_seed",
+)
+
+
+def tq_field(key: str) -> str:
+    """The Training Queue field name of an observation key.
+
+    "observation.state" -> "obs_state"; "observation.images.<cam>" -> "obs_image_<cam>".
+    (Training Queue fields become subject tokens: no dots.)
+    """
+    if key == OBS_STATE:
+        return "obs_state"
+    prefix = OBS_IMAGES + "."
+    if key.startswith(prefix):
+        return "obs_image_" + key[len(prefix) :].lower()
+    raise InvalidSpec(f"{key!r} is not an observation key: use {OBS_STATE!r} or '{prefix}<camera>'")
+
+
+def rollout_fields(spec: EnvSpec) -> tuple[str, ...]:
+    """Every field ``rollout`` returns for an env of this spec."""
+    return (*(tq_field(k) for k in (*spec.image_keys, OBS_STATE)), *_STEP_FIELDS)
+
+
+def policy_obs(data: Mapping[str, np.ndarray], spec: EnvSpec) -> ObsBatch:
+    """Rollout/Training Queue fields -> the ``ObsBatch`` a policy reads (LeRobot key names)."""
+    obs: ObsBatch = {key: data[tq_field(key)] for key in (*spec.image_keys, OBS_STATE)}
+    obs[TASK] = [spec.instruction] * len(obs[OBS_STATE])
+    return obs
+
+
 async def rollout(
     env: ManiSkillEnv,
     act_fn: ActFn,
@@ -532,16 +573,21 @@ async def rollout(
     env's episode ends (then the policy is asked afresh); with ``chunk="first"``
     only its first step is executed.
 
-    Returned arrays (numeric only, leading dimension M = N * horizon, env-major:
-    sample m is env m // horizon at step m % horizon):
-        "observation.images.<cam>" uint8 [M, 3, H, W]  (obs="rgb")
-        "observation.state" float32 [M, S]   observation the action was taken in
-        "action" float32 [M, A]              the action executed
-        "next.reward" float32 [M]; "next.terminated", "next.truncated", "next.done",
-        "next.success" bool [M]              outcome of that step
-        "env_index", "episode_index", "frame_index" int64 [M]   (episode_index counts
-                                             episodes per env within this rollout)
-        "episode_seed" int64 [M]             the reset seed of the sample's episode
+    Returned arrays: numeric only, leading dimension M = N * horizon, env-major
+    (sample m is env m // horizon at rollout step m % horizon), named as
+    Training Queue fields (lowercase, digits, "_"; see ``ROLLOUT_FIELDS``)
+    and as the advantage agent reads them (env_id, step, rewards, dones):
+        "obs_image_<cam>" uint8 [M, 3, H, W]  (obs="rgb"; one per camera slot)
+        "obs_state"   float32 [M, S]   the observation the action was taken in
+        "actions"     float32 [M, A]   the action executed
+        "rewards"     float32 [M]      reward of that step
+        "dones", "terminated", "truncated", "success"  bool [M]   outcome of that
+                                       step (dones = terminated | truncated)
+        "env_id", "step"  int64 [M]    env index and rollout step (0..horizon-1)
+        "episode_index", "frame_index"  int64 [M]  episode count of that env within
+                                       this rollout, step within the episode
+        "episode_seed" int64 [M]       reset seed of the sample's episode
+    ``policy_obs(data)`` turns the obs fields back into an ``ObsBatch``.
     """
     if horizon < 1:
         raise InvalidSpec(f"horizon={horizon}: must be at least 1")
@@ -552,22 +598,8 @@ async def rollout(
     seeds_N = np.array([episode_seed(seed, i, 0) for i in range(N)], dtype=np.int64)
     obs = await asyncio.to_thread(env.reset, [int(s) for s in seeds_N])
 
-    record: dict[str, list[np.ndarray]] = {k: [] for k in (*spec.image_keys, OBS_STATE)}
-    extra: dict[str, list[np.ndarray]] = {
-        k: []
-        for k in (
-            ACTION,
-            "next.reward",
-            "next.terminated",
-            "next.truncated",
-            "next.done",
-            "next.success",
-            "env_index",
-            "episode_index",
-            "frame_index",
-            "episode_seed",
-        )
-    }
+    obs_fields = {key: tq_field(key) for key in (*spec.image_keys, OBS_STATE)}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in (*obs_fields.values(), *_STEP_FIELDS)}
 
     def _reset_done(done_N: np.ndarray, obs_next: ObsBatch) -> None:
         for i in np.flatnonzero(done_N):
@@ -584,18 +616,19 @@ async def rollout(
             a_N_A = actions_N_H_A[:, h]
             res = await asyncio.to_thread(env.step, a_N_A)
             done_N = res.terminated_N | res.truncated_N
-            for key in record:
-                record[key].append(obs[key])
-            extra[ACTION].append(a_N_A)
-            extra["next.reward"].append(res.reward_N)
-            extra["next.terminated"].append(res.terminated_N)
-            extra["next.truncated"].append(res.truncated_N)
-            extra["next.done"].append(done_N)
-            extra["next.success"].append(res.success_N)
-            extra["env_index"].append(np.arange(N, dtype=np.int64))
-            extra["episode_index"].append(episode_N.copy())
-            extra["frame_index"].append(frame_N.copy())
-            extra["episode_seed"].append(seeds_N.copy())
+            for key, fld in obs_fields.items():
+                cols[fld].append(obs[key])
+            cols["actions"].append(a_N_A)
+            cols["rewards"].append(res.reward_N)
+            cols["dones"].append(done_N)
+            cols["terminated"].append(res.terminated_N)
+            cols["truncated"].append(res.truncated_N)
+            cols["success"].append(res.success_N)
+            cols["env_id"].append(np.arange(N, dtype=np.int64))
+            cols["step"].append(np.full(N, t, dtype=np.int64))
+            cols["episode_index"].append(episode_N.copy())
+            cols["frame_index"].append(frame_N.copy())
+            cols["episode_seed"].append(seeds_N.copy())
             frame_N += 1
             obs = res.obs
             t += 1
@@ -603,7 +636,7 @@ async def rollout(
                 await asyncio.to_thread(_reset_done, done_N, obs)
                 break
     out: dict[str, np.ndarray] = {}
-    for key, steps_T in {**record, **extra}.items():
+    for key, steps_T in cols.items():
         arr_T_N = np.stack(steps_T)  # [T, N, ...]
         arr_N_T = np.swapaxes(arr_T_N, 0, 1)
         out[key] = np.ascontiguousarray(arr_N_T.reshape(N * horizon, *arr_T_N.shape[2:]))
@@ -713,7 +746,10 @@ __all__ = [
     "episode_seed",
     "evaluate",
     "make_env",
+    "policy_obs",
     "random_policy",
     "rollout",
+    "rollout_fields",
     "task_spec",
+    "tq_field",
 ]

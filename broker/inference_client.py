@@ -1,0 +1,95 @@
+"""The Inference Queue's client: ask for actions over NATS request-reply.
+
+Torch-free (numpy and msgpack only), so the tenant SDK can use it; the
+engines that answer live in ``joynexus.agents.inference``. Errors come back
+as the engine's classes (unknown tenant or version, incompatible schema,
+bad shapes or values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from joynexus.broker import tracing
+from joynexus.broker.connection import Broker
+from joynexus.schemas.errors import Timeout, Unavailable
+from joynexus.schemas.inference import (
+    InferError,
+    InferReply,
+    InferRequest,
+    InferResult,
+    Observation,
+    TensorBytes,
+    decode_msgpack,
+    encode_msgpack,
+)
+
+
+class _HasSignature(Protocol):
+    def signature(self) -> str: ...
+
+
+class InferenceClient:
+    """Ask the Inference Queue for actions; errors come back as the engine's classes."""
+
+    def __init__(self, broker: Broker, *, base_model: str = "qwen2.5-vl-tiny", timeout_s: float = 10.0) -> None:
+        self.b = broker
+        self.base_model = base_model
+        self.timeout_s = timeout_s
+
+    async def request(
+        self,
+        tenant_id: str,
+        *,
+        schema: str | _HasSignature,
+        images: Mapping[str, Any],
+        instruction: str | Sequence[str],
+        state: Any,
+        history: Any | None = None,
+        policy_key: str = "default",
+        policy_version: int | None = None,
+        session_id: str = "",
+        noise: Any | None = None,
+        timeout_s: float | None = None,
+        base_model: str | None = None,
+    ) -> InferResult:
+        """The full reply (actions, version served, batch info, timings)."""
+        req = InferRequest(
+            tenant_id=tenant_id,
+            policy_key=policy_key,
+            session_id=session_id,
+            schema_signature=schema if isinstance(schema, str) else schema.signature(),
+            policy_version=policy_version,
+            observation=Observation(
+                images={slot: TensorBytes.from_array(x) for slot, x in images.items()},
+                instruction=instruction if isinstance(instruction, str) else list(instruction),
+                state=TensorBytes.from_array(state),
+                history=None if history is None else TensorBytes.from_array(history),
+            ),
+            noise=None if noise is None else TensorBytes.from_array(noise),
+        )
+        model = base_model or self.base_model
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            msg = await self.b.nc.request(
+                self.b.names.infer(model), encode_msgpack(req), timeout=timeout, headers=tracing.inject()
+            )
+        except NoRespondersError as e:
+            raise Unavailable(
+                f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
+            ) from e
+        except (NatsTimeout, TimeoutError) as e:
+            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {timeout:g}s") from e
+        reply: InferReply = decode_msgpack(msg.data, InferReply, what="inference reply")
+        if isinstance(reply, InferError):
+            raise reply.to_exception()
+        return reply
+
+    async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
+        """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""
+        return (await self.request(tenant_id, **kw)).actions.to_array("actions")
