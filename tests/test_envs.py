@@ -40,6 +40,12 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
+# Library noise under numpy 2 (ManiSkill's action check, datasets' scalar features).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
 ALL_TASKS = ["PickCube-v1", "PushCube-v1", "StackCube-v1"]
 
 
