@@ -116,11 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("scheduler", "full job lifecycles/s and transition latency p50/p99"),
         ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
+        ("inference", "group-batching speedup grid, request-reply latency/throughput, RSS"),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _common(bp, embedded=True)
         bp.add_argument("--seconds", type=float, default=10.0, help="measuring time (default 10)")
         bp.add_argument("--json", action="store_true", help="print only the JSON object")
+        if name == "inference":
+            bp.add_argument(
+                "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
+            )
     return parser
 
 
@@ -221,6 +226,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_scheduler import bench_scheduler
 
                 result = asyncio.run(bench_scheduler(url, args.seconds, progress=not args.json))
+            elif args.bench == "inference":
+                from joynexus.ops.bench_inference import bench_inference
+
+                result = asyncio.run(bench_inference(url, quick=args.quick))
             else:
                 from joynexus.ops.bench_tq import bench_tq
 
