@@ -43,12 +43,18 @@ from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 def configure_cpu_rendering() -> str | None:
     """Point the Vulkan loader at lavapipe (Mesa's CPU driver) if nothing is set.
 
-    Returns the ICD file in use, or None when lavapipe is not installed (then
-    SAPIEN uses whatever Vulkan driver the machine has, e.g. a GPU's).
+    Returns the ICD file in use, or None when lavapipe is not installed or an
+    NVIDIA driver is (then SAPIEN uses whatever Vulkan driver the machine has).
     Idempotent; the caller's own ``VK_ICD_FILENAMES`` always wins.
     """
     if os.environ.get("VK_ICD_FILENAMES") or os.environ.get("VK_DRIVER_FILES"):
         return os.environ.get("VK_ICD_FILENAMES") or os.environ.get("VK_DRIVER_FILES")
+    # A machine with an NVIDIA driver renders on its GPU; leave the loader alone.
+    # (Mesa's other ICDs, intel/radeon, come with lavapipe everywhere, so only
+    # NVIDIA's says that a real device is there.)
+    for icd_dir in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d"):
+        if glob.glob(f"{icd_dir}/nvidia_icd*.json"):
+            return None
     # Mesa 25 names it lvp_icd.json, older packages lvp_icd.<arch>.json.
     for pattern in ("/usr/share/vulkan/icd.d/lvp_icd*.json", "/etc/vulkan/icd.d/lvp_icd*.json"):
         found = sorted(glob.glob(pattern))
@@ -351,7 +357,11 @@ class ManiSkillEnv:
         return self._batch([self.reset_one(i, s) for i, s in enumerate(seeds)])
 
     def step(self, actions_N_A: np.ndarray) -> StepResult:
-        """Step every env once with its row of ``actions_N_A`` (float32 [N, A], in [-1, 1])."""
+        """Step every env once with its row of ``actions_N_A`` (float32 [N, A]).
+
+        Delta controllers take actions normalized to [-1, 1]; pd_joint_pos takes
+        absolute joint angles (radians) and the gripper opening.
+        """
         self._check_open()
         actions_N_A = np.asarray(actions_N_A, dtype=np.float32)
         want = (self.num_envs, self.spec.action_dim)
