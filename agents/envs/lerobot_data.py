@@ -139,7 +139,8 @@ def generate_dataset(
     if fps < 1:
         raise InvalidSpec(f"fps={fps}: must be at least 1")
     attempts_limit = max_attempts if max_attempts is not None else 2 * episodes + 5
-    repo_id = repo_id or f"joynexus/{task.split('-')[0].lower()}_{obs}_{image_size}"
+    suffix = f"rgb{image_size}" if obs == "rgb" else "state"
+    repo_id = repo_id or f"joynexus/{task.split('-')[0].lower()}_{suffix}"
 
     env = make_env(
         task,
