@@ -40,7 +40,7 @@ from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, grouped_train_step, plan_groups
 from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import image_field
+from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
@@ -200,7 +200,7 @@ class Actor:
 
     async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
         schema = feature_schema_of(st.record)
-        fields = ["state", "actions", *[image_field(s) for s in schema.camera_slots]]
+        fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(s) for s in schema.camera_slots]]
         if job.task_type == "rl":
             fields.append("advantages")
         meta = await self.tq.async_get_meta(
@@ -217,9 +217,9 @@ class Actor:
             schema,
             {s: data[image_field(s)] for s in schema.camera_slots},
             job.metadata.extra.get("instruction", ""),
-            data["state"],
+            data[STATE_FIELD],
         )
-        target = torch.from_numpy(np.ascontiguousarray(data["actions"], dtype=np.float32))
+        target = torch.from_numpy(np.ascontiguousarray(data[ACTIONS_FIELD], dtype=np.float32))
         if target.ndim == 2:  # per-step actions: a chunk of one
             target = target[:, None, :]
         weight = None

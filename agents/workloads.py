@@ -51,8 +51,15 @@ EXPLORATION_STD = 0.1
 
 
 def image_field(slot: str) -> str:
-    """Training Queue field of a camera slot (field names are subject tokens)."""
-    return "img_" + slot.replace("-", "_").replace(".", "_").lower()
+    """Training Queue field of a camera slot (the name rollouts use)."""
+    from joynexus.agents.envs.maniskill import tq_field
+
+    return tq_field(f"{OBS_IMAGES}.{slot}")
+
+
+#: Training Queue fields of a training sample besides the images.
+STATE_FIELD = "obs_state"
+ACTIONS_FIELD = "actions"  # the action chunk to learn [M, horizon, A]
 
 
 def feature_dim(base_model: str) -> int:
@@ -235,7 +242,7 @@ class RLProducer:
                         data, tenant_id=self.tenant, partition_id=job.partition_id
                     )
                     await self.sched.mark(
-                        job.job_id, JobState.NEEDS_ADVANTAGES, sample_count=len(data["state"])
+                        job.job_id, JobState.NEEDS_ADVANTAGES, sample_count=len(data[STATE_FIELD])
                     )
                 except JoyNexusError as e:
                     await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
@@ -271,33 +278,24 @@ class RLProducer:
             env, act, horizon=self.spec.horizon, seed=self.spec.seed * 100_003 + self.rollouts
         )
         self.rollouts += 1
-        m = len(out[OBS_STATE])
-        steps = np.tile(np.arange(self.spec.horizon, dtype=np.int64), m // self.spec.horizon)
-        success = float(out["next.success"].mean())
         await metrics.emit(
             self.b,
             "learning",
             self.tenant,
             workload=self.spec.name,
-            rollout_success=success,
+            rollout_success=float(out["success"].mean()),
             behavior_version=version,
-            mean_reward=float(out["next.reward"].mean()),
+            mean_reward=float(out["rewards"].mean()),
         )
-        return {
-            **{image_field(c): out[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
-            "state": out[OBS_STATE],
-            "actions": chunk_targets(
-                out[ACTION],
-                out["env_index"],
-                out["episode_index"],
-                out["frame_index"],
-                schema.action_horizon,
-            ),
-            "env_id": out["env_index"],
-            "step": steps,
-            "rewards": out["next.reward"].astype(np.float32),
-            "dones": out["next.done"].astype(np.float32),
-        }
+        # Learn the chunk of actions executed from each step on (the head predicts chunks).
+        out[ACTIONS_FIELD] = chunk_targets(
+            out["actions"],
+            out["env_id"],
+            out["episode_index"],
+            out["frame_index"],
+            schema.action_horizon,
+        )
+        return out
 
 
 class SFTProducer:
@@ -364,8 +362,10 @@ class SFTProducer:
                         image_field(c): np.stack([it[f"{OBS_IMAGES}.{c}"].numpy() for it in items])
                         for c in schema.camera_slots
                     },
-                    "state": np.stack([it[OBS_STATE].numpy() for it in items]).astype(np.float32),
-                    "actions": np.stack(
+                    STATE_FIELD: np.stack([it[OBS_STATE].numpy() for it in items]).astype(
+                        np.float32
+                    ),
+                    ACTIONS_FIELD: np.stack(
                         [it[ACTION].numpy().reshape(schema.action_horizon, -1) for it in items]
                     ).astype(np.float32),
                 }

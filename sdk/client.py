@@ -52,8 +52,9 @@ from joynexus.schemas.workloads import (
 
 T = TypeVar("T")
 
-SFT_FIELDS = ("state", "actions")
-RL_FIELDS = ("state", "actions", "env_id", "step", "rewards", "dones")
+SFT_FIELDS = ("obs_state", "actions")
+RL_FIELDS = ("obs_state", "actions", "env_id", "step", "rewards", "dones")
+IMAGE_PREFIX = "obs_image_"
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,8 @@ class Client:
     ) -> asyncio.Future[TrainingJob]:
         """Hand a batch of demonstrations to a ``source="tenant"`` SFT workload.
 
-        ``batch``: ``img_<camera>`` uint8 [B, 3, H, W] per camera slot, ``state``
-        float32 [B, S], ``actions`` float32 [B, horizon, A]. Resolves once the job is
+        ``batch``: ``obs_image_<camera>`` uint8 [B, 3, H, W] per camera slot,
+        ``obs_state`` float32 [B, S], ``actions`` float32 [B, horizon, A]. Resolves once the job is
         ready for training (admission may make it wait: see ``max_in_flight``).
         """
         return self._future(self._submit(workload, batch, SFT_FIELDS, behavior_policy_version=0))
@@ -271,12 +272,13 @@ class Client:
         behavior_policy_version: int,
     ) -> TrainingJob:
         missing = [f for f in required if f not in data]
-        if missing or not any(k.startswith("img_") for k in data):
+        if not any(k.startswith(IMAGE_PREFIX) for k in data):
+            missing.append(f"{IMAGE_PREFIX}<camera>")
+        if missing:
             raise InvalidSpec(
-                f"batch lacks fields {missing + ([] if any(k.startswith('img_') for k in data) else ['img_<camera>'])}; "
-                f"it needs img_<camera>, {', '.join(required)}"
+                f"batch lacks fields {missing}; it needs {IMAGE_PREFIX}<camera>, {', '.join(required)}"
             )
-        rows = len(data["state"])
+        rows = len(data["obs_state"])
         delay = 0.05
         while True:
             reply = await self._api(

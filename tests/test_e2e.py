@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -393,3 +394,100 @@ async def test_invalid_workloads_get_clear_errors(
     assert (await acme.get_workload("one")).record.state == "active"
     await acme.cancel_workload("one")
     await acme.close()
+
+
+async def test_rollout_as_a_service_and_tenant_submitted_batches(
+    deployment: Deployment, nats_server: EmbeddedNats, broker: Broker, sft_dataset: Path
+) -> None:
+    """A tenant runs its own environment, asks the Inference Queue for actions,
+    and hands the rollout to training; another submits its own SFT batches."""
+    from joynexus.agents.envs.maniskill import OBS_IMAGES, OBS_STATE, make_env, rollout
+    from joynexus.agents.workloads import chunk_targets
+
+    d = deployment
+    dana = await client(nats_server, broker, "dana")
+    await dana.create_workload(
+        WorkloadSpec(
+            name="own",
+            task_type="rl",
+            env="PickCube-v1",
+            source="tenant",
+            action_horizon=2,
+            scheduling=Scheduling(max_in_flight=2),
+        )
+    )
+    v1 = await dana.latest_version("own")
+    env = await asyncio.to_thread(
+        make_env, "PickCube-v1", obs="rgb", num_envs=1, image_size=64, seed=3
+    )
+    try:
+
+        async def act(obs: dict[str, Any]) -> Any:
+            return await dana.act(
+                "own",
+                images={"base_camera": obs[f"{OBS_IMAGES}.base_camera"]},
+                state=obs[OBS_STATE],
+                version=v1,
+            )
+
+        out = await rollout(env, act, horizon=6, seed=3)
+    finally:
+        await asyncio.to_thread(env.close)
+    # The rollout's fields are Training Queue fields already; learn action chunks.
+    data = dict(out)
+    data["actions"] = chunk_targets(
+        out["actions"], out["env_id"], out["episode_index"], out["frame_index"], 2
+    )
+    job = await dana.submit_rollout("own", data, behavior_policy_version=v1)
+    assert (
+        job.state is S.NEEDS_ADVANTAGES and job.producer_role == "tenant" and job.sample_count == 6
+    )
+
+    eve = await client(nats_server, broker, "eve")
+    await eve.create_workload(
+        WorkloadSpec(
+            name="mine",
+            task_type="sft",
+            dataset=str(sft_dataset),
+            source="tenant",
+            action_horizon=2,
+        )
+    )
+    schema_state = out["obs_state"].shape[1]
+    rng = np.random.default_rng(0)
+    batch = {
+        "obs_image_base_camera": rng.integers(0, 255, (4, 3, 64, 64), dtype=np.uint8),
+        "obs_state": rng.standard_normal((4, schema_state), dtype=np.float32),
+        "actions": rng.uniform(-1, 1, (4, 2, 4)).astype(np.float32),
+    }
+    sft_job = await eve.submit_sft_batch("mine", batch)
+    assert sft_job.state is S.READY
+
+    async def both_trained() -> bool:
+        states = {j.job_id: j.state for j in d.sched.core.jobs.values()}
+        return states.get(job.job_id) is S.COMPLETED and states.get(sft_job.job_id) is S.COMPLETED
+
+    await wait_for(both_trained, 120, "the tenant-submitted jobs to be trained")
+    assert await dana.latest_version("own") == v1 + 1
+    assert await eve.latest_version("mine") == 2
+    # Clear errors: missing fields, a service-fed workload, another tenant's job id.
+    with pytest.raises(InvalidSpec, match="lacks fields"):
+        await eve.submit_sft_batch("mine", {"obs_state": batch["obs_state"]})
+    await eve.create_workload(
+        WorkloadSpec(
+            name="fed",
+            task_type="rl",
+            env="PickCube-v1",
+            scheduling=Scheduling(completion_target=1),
+        )
+    )
+    with pytest.raises(InvalidSpec, match="fed by the service"):
+        await eve.submit_rollout("fed", data, behavior_policy_version=1)
+    msg = await broker.nc.request(
+        broker.names.api("eve", "close_job"), b'{"job_id": "%s"}' % job.job_id.encode(), timeout=10
+    )
+    reply = decode(msg.data, ApiReply)
+    assert reply.error is not None and reply.error.code == "unknown_job"  # dana's job is not eve's
+    await eve.cancel_workload("fed")
+    await dana.close()
+    await eve.close()
