@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from opentelemetry import trace
 
 from joynexus.agents.advantage import awr_weights
 from joynexus.agents.models.backbone import Backbone
@@ -171,16 +172,38 @@ class Actor:
             return
         hb = asyncio.create_task(self._keep_leases([j for j, _, _ in todo]))  # noqa: RUF006
         t0 = time.perf_counter()
+        wall_start = time.time()
+        # One span per job, in that job's trace; the group step links them all.
+        links, job_spans = [], []
         try:
-            with tracing.tracer.start_as_current_span("actor.train_group") as span:
+            for job, _, _ in todo:
+                job_span = tracing.tracer.start_span(
+                    "actor.train",
+                    context=tracing.job_context(job.metadata.extra),
+                    attributes={"job_id": job.job_id, "tenant": job.tenant_id},
+                )
+                links.append(trace.Link(job_span.get_span_context()))
+                job_spans.append(job_span)
+            with tracing.tracer.start_as_current_span("actor.train_group", links=links) as span:
                 span.set_attribute("jobs", len(todo))
                 losses = await asyncio.to_thread(self._step, [it for _, _, it in todo])
         finally:
+            for job_span in job_spans:
+                job_span.end()
             hb.cancel()
             with contextlib.suppress(BaseException):
                 await hb
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+        await metrics.busy(
+            self.b,
+            "train",
+            wall_start,
+            time.time(),
+            instance=self.instance,
+            jobs=len(todo),
+            tenants=sorted({j.tenant_id for j, _, _ in todo}),
+        )
         for (job, st, _), loss in zip(todo, losses, strict=True):
             st.applied[job.job_id] = st.module.version
             while len(st.applied) > KEEP_APPLIED:

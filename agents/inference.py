@@ -58,7 +58,7 @@ from joynexus.agents.models.features import (
 )
 from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import TenantModule
-from joynexus.broker import tracing
+from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 
 # Re-exported: the client is torch-free and lives in the broker layer (the SDK uses it).
@@ -538,6 +538,7 @@ class InferenceEngine:
         batch_id = f"{self.instance}-{next(self._batch_ids)}"
         rows = sum(p.batch.batch_size for p in items)
         started = time.perf_counter()
+        wall_start = time.time()
         links = [trace.Link(p.span.get_span_context()) for p in items]
         with tracing.tracer.start_as_current_span(
             "inference.batch",
@@ -553,6 +554,8 @@ class InferenceEngine:
                 fallback = True
                 self.stats.fallbacks += 1
                 outcomes, forward_ms = await asyncio.to_thread(self._forward_each, items)
+        await metrics.busy(self.b, "infer", wall_start, time.time(), instance=self.instance,
+                           requests=len(items), rows=rows)
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.batch_sizes.append(len(items))

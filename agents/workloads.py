@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 from nats.js.errors import KeyNotFoundError
+from opentelemetry import trace
 
 from joynexus.agents.models.backbone import SIZES
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import metrics
+from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.broker.tq import TrainingQueue
@@ -217,35 +218,47 @@ class RLProducer:
         try:
             while not stop.is_set():
                 version = (await self.policies.latest(self.tenant, self.spec.name)).version
-                job = await self.sched.reserve(
-                    self.tenant,
-                    "rl",
-                    policy_key=self.spec.name,
-                    domain=self.spec.env,
-                    sample_count=self.spec.num_envs * self.spec.horizon,
-                    behavior_policy_version=version,
-                    metadata=JobMetadata(
-                        schema_signature=schema.signature(),
-                        extra={"instruction": instruction, "advantage": self.spec.advantage},
-                    ),
+                span, traceparent = tracing.start_job_trace(
+                    "rl.job", tenant=self.tenant, workload=self.spec.name, behavior_version=version
                 )
+                with trace.use_span(span, end_on_exit=False):
+                    job = await self.sched.reserve(
+                        self.tenant,
+                        "rl",
+                        policy_key=self.spec.name,
+                        domain=self.spec.env,
+                        sample_count=self.spec.num_envs * self.spec.horizon,
+                        behavior_policy_version=version,
+                        metadata=JobMetadata(
+                            schema_signature=schema.signature(),
+                            extra={
+                                "instruction": instruction,
+                                "advantage": self.spec.advantage,
+                                "traceparent": traceparent,
+                            },
+                        ),
+                    )
                 if job is None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
                 backoff = 0.05
-                await self.sched.mark(job.job_id, JobState.PRODUCING)
-                try:
-                    data = await self._rollout(env, schema, instruction, version)
-                    await self.tq.async_put(
-                        data, tenant_id=self.tenant, partition_id=job.partition_id
-                    )
-                    await self.sched.mark(
-                        job.job_id, JobState.NEEDS_ADVANTAGES, sample_count=len(data[STATE_FIELD])
-                    )
-                except JoyNexusError as e:
-                    await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
+                with trace.use_span(span, end_on_exit=True):
+                    span.set_attribute("job_id", job.job_id)
+                    await self.sched.mark(job.job_id, JobState.PRODUCING)
+                    try:
+                        data = await self._rollout(env, schema, instruction, version)
+                        await self.tq.async_put(
+                            data, tenant_id=self.tenant, partition_id=job.partition_id
+                        )
+                        await self.sched.mark(
+                            job.job_id,
+                            JobState.NEEDS_ADVANTAGES,
+                            sample_count=len(data[STATE_FIELD]),
+                        )
+                    except JoyNexusError as e:
+                        await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
         finally:
             await asyncio.to_thread(env.close)
 
@@ -333,17 +346,25 @@ class SFTProducer:
         order = np.random.default_rng(self.spec.seed).permutation(n)
         backoff = 0.05
         while not stop.is_set():
-            job = await self.sched.reserve(
-                self.tenant,
-                "sft",
-                policy_key=self.spec.name,
-                domain=self.spec.dataset,
-                sample_count=self.spec.batch_size,
-                metadata=JobMetadata(
-                    schema_signature=schema.signature(),
-                    extra={"instruction": instruction, "cursor": str(cursor)},
-                ),
+            span, traceparent = tracing.start_job_trace(
+                "sft.job", tenant=self.tenant, workload=self.spec.name
             )
+            with trace.use_span(span, end_on_exit=False):
+                job = await self.sched.reserve(
+                    self.tenant,
+                    "sft",
+                    policy_key=self.spec.name,
+                    domain=self.spec.dataset,
+                    sample_count=self.spec.batch_size,
+                    metadata=JobMetadata(
+                        schema_signature=schema.signature(),
+                        extra={
+                            "instruction": instruction,
+                            "cursor": str(cursor),
+                            "traceparent": traceparent,
+                        },
+                    ),
+                )
             if job is None:
                 if "completion target" in self.sched.last_refusal:
                     return
@@ -351,28 +372,34 @@ class SFTProducer:
                     await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(backoff * 2, 0.5)
                 continue
+            span.set_attribute("job_id", job.job_id)
             backoff = 0.05
             idx = [int(order[(cursor + i) % n]) for i in range(self.spec.batch_size)]
             cursor += self.spec.batch_size
             await kv.put(self._cursor_key(), str(cursor).encode())
-            try:
-                items = await asyncio.to_thread(_take, ds, idx)
-                data = {
-                    **{
-                        image_field(c): np.stack([it[f"{OBS_IMAGES}.{c}"].numpy() for it in items])
-                        for c in schema.camera_slots
-                    },
-                    STATE_FIELD: np.stack([it[OBS_STATE].numpy() for it in items]).astype(
-                        np.float32
-                    ),
-                    ACTIONS_FIELD: np.stack(
-                        [it[ACTION].numpy().reshape(schema.action_horizon, -1) for it in items]
-                    ).astype(np.float32),
-                }
-                await self.tq.async_put(data, tenant_id=self.tenant, partition_id=job.partition_id)
-                await self.sched.mark(job.job_id, JobState.READY)
-            except JoyNexusError as e:
-                await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
+            with trace.use_span(span, end_on_exit=True):
+                try:
+                    items = await asyncio.to_thread(_take, ds, idx)
+                    data = {
+                        **{
+                            image_field(c): np.stack(
+                                [it[f"{OBS_IMAGES}.{c}"].numpy() for it in items]
+                            )
+                            for c in schema.camera_slots
+                        },
+                        STATE_FIELD: np.stack([it[OBS_STATE].numpy() for it in items]).astype(
+                            np.float32
+                        ),
+                        ACTIONS_FIELD: np.stack(
+                            [it[ACTION].numpy().reshape(schema.action_horizon, -1) for it in items]
+                        ).astype(np.float32),
+                    }
+                    await self.tq.async_put(
+                        data, tenant_id=self.tenant, partition_id=job.partition_id
+                    )
+                    await self.sched.mark(job.job_id, JobState.READY)
+                except JoyNexusError as e:
+                    await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
 
 
 def _take(ds: Any, idx: list[int]) -> list[dict[str, Any]]:

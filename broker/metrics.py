@@ -25,3 +25,9 @@ async def emit(b: Broker, kind: str, tenant_id: str = "_", **fields: Any) -> Non
         await b.nc.publish(b.names.metrics(kind, tenant_id), payload, headers=tracing.inject())
     except Exception as e:  # disconnected: drop the metric, keep working
         log.debug("metric %s dropped: %s", kind, e)
+
+
+async def busy(b: Broker, service: str, start: float, end: float, **fields: Any) -> None:
+    """A busy interval (wall-clock seconds) of a service: ``train`` or ``infer``.
+    Utilization timelines and device-time accounting are built from these."""
+    await emit(b, "system", "_", service=service, busy_start=start, busy_end=end, **fields)

@@ -8,6 +8,7 @@ request is one trace across agents.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -31,3 +32,20 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
 
 def traceparent(headers: Mapping[str, str] | None) -> str:
     return (headers or {}).get("traceparent", "")
+
+
+def start_job_trace(name: str, **attributes: Any) -> tuple[trace.Span, str]:
+    """Start the root span of one training job's trace and return it with its
+    ``traceparent``, which the job carries in ``metadata.extra`` so every agent
+    that works on the job (producer, stage workers, actor) joins the same trace.
+    End the span when the producer's part is done; a span never ended (the
+    reserve was refused) is simply not exported."""
+    span = tracer.start_span(name, attributes=attributes)
+    headers: dict[str, str] = {}
+    _propagator.inject(headers, context=trace.set_span_in_context(span))
+    return span, headers.get("traceparent", "")
+
+
+def job_context(extra: Mapping[str, str]) -> otel_context.Context:
+    """The trace context of a job, from its metadata (empty if it has none)."""
+    return extract({"traceparent": extra["traceparent"]} if "traceparent" in extra else {})

@@ -69,3 +69,27 @@ async def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> AsyncIte
     handle = asyncio.get_running_loop().call_later(max(1.0, limit - 5), dump)
     yield
     handle.cancel()
+
+
+@pytest.fixture(scope="session")
+def _span_exporter():  # type: ignore[no-untyped-def]
+    """One SDK tracer provider for the session (OpenTelemetry sets the global one once)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        raise RuntimeError("another tracer provider was set first; use the `spans` fixture")
+    return exporter
+
+
+@pytest.fixture
+def spans(_span_exporter):  # type: ignore[no-untyped-def]
+    """Finished spans of this test (the exporter is emptied before it)."""
+    _span_exporter.clear()
+    return _span_exporter

@@ -137,6 +137,7 @@ def completed_by_tenant(d: Deployment) -> Counter[str]:
 
 
 async def test_two_rl_and_one_sft_tenant_train_end_to_end(
+    spans: Any,
     deployment: Deployment,
     nats_server: EmbeddedNats,
     broker: Broker,
@@ -199,6 +200,15 @@ async def test_two_rl_and_one_sft_tenant_train_end_to_end(
     )
     states = [h.event.job.state for h in await JobEventLog(broker).history("cora", sft_job.job_id)]
     assert states == [S.RESERVED, S.READY, S.LEASED, S.COMPLETED]
+    # One trace per training job, across producer, advantage stage and actor.
+    finished = spans.get_finished_spans()
+    root = next(
+        sp
+        for sp in finished
+        if sp.name == "rl.job" and sp.attributes.get("job_id") == rl_job.job_id
+    )
+    in_trace = {sp.name for sp in finished if sp.context.trace_id == root.context.trace_id}
+    assert {"rl.job", "stage.advantages", "actor.train"} <= in_trace, in_trace
     # The SDK sees its own job events.
     seen = []
     async for ev in acme.events("pick"):

@@ -339,17 +339,11 @@ async def test_partition_bytes_return_to_zero_once_every_job_is_terminal(
     assert await tq.list_partitions() == {}
 
 
-async def test_events_carry_the_callers_trace(broker: Broker, sched: SchedulerAgent) -> None:
+async def test_events_carry_the_callers_trace(broker: Broker, sched: SchedulerAgent, spans) -> None:
     from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    tracer = provider.get_tracer("test")
+    exporter = spans
+    tracer = trace.get_tracer("test")
     c = SchedulerClient(broker, by="t")
     await setup_tenants(c)
     with tracer.start_as_current_span("producer") as span:
