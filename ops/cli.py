@@ -42,15 +42,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="run the main job: a short multi-tenant run, then a report",
-        description="Run the scheduler with synthetic producers, advantage workers "
-        "and an actor for 2 RL tenants and 1 SFT tenant on an embedded JetStream "
-        "(or --nats), showing progress, then print what happened.",
+        help="run the main job: the paper's mixed workload vs its isolated baseline, then a report",
+        description="Run 3 RL tenants (PickCube, PushCube, StackCube) and 1 SFT tenant on one "
+        "deployment (one process per role, an embedded JetStream unless --nats), then the same "
+        "work one tenant at a time; report device time, utilization, memory, loss curves and "
+        "evaluation success (DIR/report.md, DIR/report.json, PNG plots). --synthetic runs a "
+        "short scheduler-only demo with synthetic workers instead.",
     )
     _common(p, embedded=True)
-    p.add_argument("--seconds", type=float, default=20.0, help="how long to run (default 20)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=4.0,
+        help="about how long the whole run takes here; scales the work (default 4)",
+    )
+    p.add_argument("--out", default="runs/demo", help="report directory (default runs/demo)")
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="scheduler-only demo with synthetic workers (seconds, no models)",
+    )
+    p.add_argument("--seconds", type=float, default=20.0, help="--synthetic: how long (default 20)")
     p.add_argument("--data-dir", default=None, help="embedded server's store (default: temporary)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
 
     p = sub.add_parser(
         "up",
@@ -213,12 +227,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         from joynexus.ops.status import status
 
         return asyncio.run(status(args.nats, args.namespace, as_json=args.json))
-    if args.command == "demo":
+    if args.command == "demo" and args.synthetic:
         from joynexus.ops.demo import run_demo
 
         with nats_url(args.nats, args.data_dir, quiet=args.json) as url:
             return asyncio.run(
                 run_demo(url, args.namespace, seconds=args.seconds, as_json=args.json)
+            )
+    if args.command == "demo":
+        from joynexus.ops.paper import main_job
+
+        with nats_url(args.nats, args.data_dir, quiet=args.json) as url:
+            return asyncio.run(
+                main_job(url, Path(args.out), minutes=args.minutes, as_json=args.json)
             )
     if args.command == "bench":
         with nats_url(args.nats, quiet=True) as url:

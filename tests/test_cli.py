@@ -50,7 +50,7 @@ def test_every_subcommand_has_help(cmd: list[str]) -> None:
 
 def test_demo_runs_and_reports_every_job_terminal() -> None:
     before = nats_servers()
-    r = run("demo", "--seconds", "3", "--json", timeout=120)
+    r = run("demo", "--synthetic", "--seconds", "3", "--json", timeout=120)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["tq_bytes_left"] == 0
