@@ -111,6 +111,14 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             history=64,
             replicas=opts.replicas,
         ),
+        KeyValueConfig(
+            bucket=n.health_bucket,
+            description="JoyNexus health: hb.<role>.<instance> heartbeats (per-message TTL; "
+            "the server writes a marker when one expires) and mgr.<instance> supervisor state",
+            history=1,
+            replicas=opts.replicas,
+            limit_marker_ttl=60.0,
+        ),
     ]
 
 

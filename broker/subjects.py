@@ -31,6 +31,7 @@ API = "api"
 TQ_DATA = "d"
 TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
+HEALTH_KIND = "health"
 
 SCHEDULER_VERBS = (
     "reserve",
@@ -203,6 +204,22 @@ class Names:
     @property
     def max_deliveries_advisories(self) -> str:
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.>"
+
+    # -- health: heartbeats and supervisor state in KV <NS>_HEALTH, decisions as metrics
+    @staticmethod
+    def heartbeat_key(role: str, instance: str) -> str:
+        """Key of one agent's heartbeat (per-message TTL): ``hb.<role>.<instance>``."""
+        return f"hb.{role}.{instance}"
+
+    @staticmethod
+    def supervisor_key(instance: str) -> str:
+        """Key of a health manager's state (its slots and recent decisions)."""
+        return f"mgr.{instance}"
+
+    @property
+    def health_events(self) -> str:
+        """Health decisions (restart, give up, ...): metric kind ``health``."""
+        return self.metrics(HEALTH_KIND)
 
 
 def model_token(base_model: str) -> str:

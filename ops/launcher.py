@@ -1,24 +1,36 @@
-"""``joynexus up``: one OS process per agent role against one NATS URL.
+"""``joynexus up``: one OS process per agent role, supervised by the health manager.
 
-Each role is ``python -m joynexus.ops.cli agent <role>``, exactly what an
-operator would run on separate machines. The launcher prints each role's
-state, forwards Ctrl-C as SIGTERM (roles drain and stop), and reports a role
-that exits on its own. Restarting failed roles in place is the health
-manager's job.
+Each role is ``python -m joynexus.ops.cli agent <role> --instance <role>-0``,
+exactly what an operator would run on separate machines. The launcher process
+is the health manager in supervise mode (:class:`joynexus.agents.health.HealthManager`):
+it starts every role, restarts a failed one in place (same instance, same
+arguments) within its restart budget, publishes every decision as a
+``health`` metric event and its state under ``mgr.<instance>`` in the health
+bucket (``joynexus status`` shows both). Ctrl-C stops the roles (SIGTERM:
+they drain and stop; SIGKILL after a grace period).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
-import subprocess
 import sys
-import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from joynexus.ops.roles import ROLES
 
 
-def role_command(role: str, url: str, namespace: str, *, instance: str, out_dir: Path) -> list[str]:
+def role_command(
+    role: str,
+    url: str,
+    namespace: str,
+    *,
+    instance: str,
+    out_dir: Path,
+    extra: list[str] | None = None,
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -34,49 +46,76 @@ def role_command(role: str, url: str, namespace: str, *, instance: str, out_dir:
     ]
     if role == "actor":
         cmd += ["--out", str(out_dir)]
-    return cmd
+    return cmd + list(extra or [])
 
 
-def launch(url: str, namespace: str, roles: list[str], *, out_dir: Path) -> int:
-    bad = [r for r in roles if r not in ROLES]
-    if bad:
-        print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
-        return 2
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = False
+def role_slots(
+    url: str,
+    namespace: str,
+    roles: list[str],
+    *,
+    out_dir: Path,
+    extra: Mapping[str, list[str]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[object]:
+    """One :class:`RoleSlot` per role (instance ``<role>-0``), ``extra`` args by role."""
+    from joynexus.agents.health import RoleSlot
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
+    extra = extra or {}
+    return [
+        RoleSlot(
+            role=r,
+            instance=f"{r}-0",
+            argv=role_command(
+                r, url, namespace, instance=f"{r}-0", out_dir=out_dir, extra=extra.get(r)
+            ),
+            env=env,
+        )
+        for r in roles
+    ]
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+
+async def supervise(
+    url: str, namespace: str, roles: list[str], *, out_dir: Path, stop: asyncio.Event
+) -> None:
+    from joynexus.agents.health import HealthManager, RoleSlot
+    from joynexus.broker.connection import Broker
+    from joynexus.broker.layout import ensure_layout
+
+    b = await Broker.connect(url, name="health-0", namespace=namespace)
     try:
-        for role in roles:
-            procs[role] = subprocess.Popen(
-                role_command(role, url, namespace, instance=f"{role}-0", out_dir=out_dir)
-            )
-            print(f"  started {role:<13} pid {procs[role].pid}", file=sys.stderr, flush=True)
+        await ensure_layout(b)
+        slots = [s for s in role_slots(url, namespace, roles, out_dir=out_dir)]
+        manager = HealthManager(
+            b,
+            [s for s in slots if isinstance(s, RoleSlot)],
+            instance="health-0",
+            log_dir=None,
+        )
         print(
-            f"deployment up on {url} (namespace {namespace}); Ctrl-C stops it; "
-            f"`joynexus status --nats {url}` shows it",
+            f"deployment up on {url} (namespace {namespace}): {', '.join(roles)}, supervised by "
+            f"the health manager; Ctrl-C stops it; `joynexus status --nats {url}` shows it",
             file=sys.stderr,
             flush=True,
         )
-        while not stopping:
-            time.sleep(0.5)
-            for role, p in procs.items():
-                if p.poll() is not None and not getattr(p, "_reported", False):
-                    print(f"  {role} exited with {p.returncode}", file=sys.stderr, flush=True)
-                    p._reported = True  # type: ignore[attr-defined]
-        return 0
+        await manager.run(stop)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await b.close()
+
+
+def launch(url: str, namespace: str, roles: list[str], *, out_dir: Path) -> int:
+    bad = [r for r in roles if r not in ROLES or r == "health"]
+    if bad:
+        print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await supervise(url, namespace, roles, out_dir=out_dir, stop=stop)
+
+    asyncio.run(main())
+    return 0

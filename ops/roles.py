@@ -3,15 +3,31 @@
 ``joynexus agent <role>`` runs one of these per process; the launcher and
 the tests start several in one process. Each role resumes from durable
 state on restart (its durable consumer, the event log, its checkpoint).
+
+Every role beats into the health bucket while it runs
+(``hb.<role>.<instance>``, :class:`joynexus.agents.health.Heartbeater`) and
+counts the errors it logs into its beats. Role ``health`` is the health
+manager in watch mode (heartbeats only: it owns no processes here);
+``joynexus up`` runs it in supervise mode, owning one process per role.
+
+Knobs the CLI has no flags for yet come from the environment (the health
+manager passes them to the processes it restarts unchanged):
+``JOYNEXUS_HEARTBEAT_S`` (heartbeat interval, default 1) and
+``JOYNEXUS_ACK_WAIT_S`` (stage workers' ack wait, default 30),
+``JOYNEXUS_SYNTHETIC_WORK_S`` (role ``synthetic``: seconds each stage lease and
+actor lease is held, as a real step would; default 0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
@@ -28,6 +44,7 @@ ROLES = (
     "actor",
     "evaluator",
     "synthetic",
+    "health",
 )
 
 #: What `joynexus up` starts, in this order (the scheduler first: others call it).
@@ -52,6 +69,28 @@ class RoleOptions:
     backbone_path: str | None = None
     max_batch: int = 16
     max_wait_ms: float = 5.0
+    heartbeat_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_HEARTBEAT_S", "1.0"))
+    )
+    ack_wait_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_ACK_WAIT_S", "30.0"))
+    )
+
+
+#: Modules a role imports, loaded before its first heartbeat: an import of
+#: torch blocks the event loop for seconds and would read as a frozen agent.
+_ROLE_MODULES = {
+    "scheduler": ["joynexus.agents.scheduler"],
+    "control": ["joynexus.agents.control", "joynexus.agents.workloads"],
+    "inference": ["joynexus.agents.inference"],
+    "producer-rl": ["joynexus.agents.workloads", "joynexus.agents.inference"],
+    "producer-sft": ["joynexus.agents.workloads"],
+    "advantage": ["joynexus.agents.advantage"],
+    "actor": ["joynexus.agents.actor", "joynexus.agents.models.backbone"],
+    "evaluator": ["joynexus.agents.evaluator"],
+    "synthetic": ["joynexus.agents.synthetic"],
+    "health": ["joynexus.agents.health"],
+}
 
 
 def _say(msg: str) -> None:
@@ -59,7 +98,19 @@ def _say(msg: str) -> None:
 
 
 async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    """Run ``role`` until ``stop``, beating into the health bucket all along."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+    for module in _ROLE_MODULES.get(role, []):
+        importlib.import_module(module)
     await ensure_layout(b)
+    from joynexus.agents.health import Heartbeater
+
+    async with Heartbeater(b, role, o.instance, interval_s=o.heartbeat_s).running():
+        await _run_role(role, b, stop, o)
+
+
+async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     if role == "scheduler":
         from joynexus.agents.scheduler import SchedulerAgent
 
@@ -98,7 +149,7 @@ async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
     elif role == "advantage":
         from joynexus.agents.advantage import AdvantageAgent
 
-        await AdvantageAgent(b, instance=o.instance).worker.run(stop)
+        await AdvantageAgent(b, instance=o.instance, ack_wait_s=o.ack_wait_s).worker.run(stop)
     elif role == "actor":
         from joynexus.agents.actor import Actor
         from joynexus.agents.models.backbone import Backbone, BackboneConfig
@@ -113,9 +164,49 @@ async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
 
         await Evaluator(b, instance=o.instance).run(stop)
     elif role == "synthetic":
-        from joynexus.agents.synthetic import SyntheticPipeline
+        from joynexus.agents.stage import StageWorker
 
-        pipe = SyntheticPipeline(b, instance=o.instance)
-        await asyncio.gather(pipe.stage_worker().run(stop), pipe.actor(stop=stop))
+        pipe = _paced_pipeline(b, o.instance, float(os.environ.get("JOYNEXUS_SYNTHETIC_WORK_S", 0)))
+        stage = StageWorker(
+            b,
+            pipe.client("advantage-0"),
+            "advantages",
+            pipe.advantage_work,
+            batch=32,
+            ack_wait_s=o.ack_wait_s,
+        )
+        await asyncio.gather(stage.run(stop), pipe.actor(stop=stop))
+    elif role == "health":
+        from joynexus.agents.health import HealthCore, HealthManager
+
+        _say(f"{o.instance}: watching heartbeats in {b.names.health_bucket}")
+        await HealthManager(b, instance=o.instance, core=HealthCore(heartbeat_s=o.heartbeat_s)).run(
+            stop
+        )
     else:
         raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+
+
+def _paced_pipeline(b: Broker, instance: str, work_s: float) -> Any:
+    """A synthetic pipeline whose stage work and actor steps take ``work_s`` each."""
+    from joynexus.agents.synthetic import SyntheticPipeline
+    from joynexus.schemas.jobs import TrainingJob
+
+    class Paced(SyntheticPipeline):
+        async def advantage_work(self, job: TrainingJob) -> int | None:
+            await asyncio.sleep(work_s)
+            return await super().advantage_work(job)
+
+        def client(self, name: str) -> Any:
+            c = super().client(name)
+            if name.startswith("actor") and work_s > 0:
+                complete = c.complete
+
+                async def paced_complete(*a: Any, **kw: Any) -> Any:
+                    await asyncio.sleep(work_s)  # the step, between lease and complete
+                    return await complete(*a, **kw)
+
+                c.complete = paced_complete  # type: ignore[method-assign]
+            return c
+
+    return Paced(b, instance=instance)
