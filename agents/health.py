@@ -188,7 +188,7 @@ class HealthCore:
         s = self.slots[instance]
         s.state, s.started_at, s.last_beat_at, s.suspect = "starting", now, None, False
         s.pid = pid
-        s.beats = 0
+        s.beats = s.errors = 0
         s.error_marks.clear()
 
     def on_beat(self, hb: Heartbeat, now: float) -> list[HealthDecision]:
@@ -205,7 +205,9 @@ class HealthCore:
             out.append(self._d("recovered", s, "heartbeats resumed", now))
         s.suspect = False
         s.state = "running" if s.owned else "watched"
-        s.last_beat_at, s.beats = now, hb.beats
+        # max(): a reconnect grace (a last_beat_at in the future) outlasts early beats.
+        s.last_beat_at = now if s.last_beat_at is None else max(now, s.last_beat_at)
+        s.beats = hb.beats
         if hb.errors > s.errors:
             s.error_marks.append((now, hb.errors - s.errors))
         s.errors, s.last_error = hb.errors, hb.last_error or s.last_error
@@ -406,7 +408,7 @@ class Heartbeater:
             self.subject,
             msgspec.json.encode(hb),
             headers={"Nats-TTL": f"{ttl}s"},
-            timeout=max(1.0, self.interval_s),
+            timeout=max(0.25, 0.9 * self.interval_s),
         )
         if self.errors.count > self._reported:
             await metrics.emit(
@@ -422,14 +424,17 @@ class Heartbeater:
             self._reported = self.errors.count
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            t0 = loop.time()
             try:
                 await self.beat()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # disconnected: the next beat tries again
                 log.debug("heartbeat %s failed: %s", self.key, e)
-            await asyncio.sleep(self.interval_s)
+            # A fixed cadence: a slow publish does not stretch the interval.
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - t0)))
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Heartbeater]:

@@ -164,8 +164,10 @@ class FaultRig:
         heartbeat_s: float = 0.5,
         log_dir: Path | None = None,
         budget: RestartBudget | None = None,
+        tenants: tuple[tuple[str, str], ...] = TENANTS,
     ) -> None:
         self.url, self.namespace = url, namespace
+        self.tenants = tenants
         self.roles = roles
         self.out_dir = out_dir
         self.extra = extra or {}
@@ -203,8 +205,9 @@ class FaultRig:
     async def all_running(self) -> bool:
         return all(s.state == "running" for s in self.manager.core.slots.values() if s.owned)
 
-    async def feed_synthetic(self, tenants: tuple[tuple[str, str], ...] = TENANTS) -> None:
+    async def feed_synthetic(self) -> None:
         """Policies for the tenants and synthetic producers in this process."""
+        tenants = self.tenants
         await self.sched.set_limits(GlobalLimits(max_active_rollouts=4))
         for tenant, task in tenants:
             await self.sched.set_policy(
@@ -220,7 +223,7 @@ class FaultRig:
 
     async def jobs(self) -> list[TrainingJob]:
         out: list[TrainingJob] = []
-        for tenant, _ in TENANTS:
+        for tenant, _ in self.tenants:
             out += await self.sched.list_jobs(tenant)
         return out
 
@@ -270,7 +273,7 @@ class FaultRig:
 
         async def gains() -> dict[str, int] | None:
             now = await self.completed()
-            g = {t: now[t] - before.get(t, 0) for t, _ in TENANTS}
+            g = {t: now[t] - before.get(t, 0) for t, _ in self.tenants}
             return g if all(v > 0 for v in g.values()) else None
 
         return await wait_until(gains, within, "every tenant to complete another job", every=0.2)
