@@ -1,0 +1,384 @@
+"""The benchmark report: plots and tables from plain, JSON-ready results.
+
+Pure functions: they take dicts and lists (what a benchmark writes as JSON)
+and write PNGs (matplotlib, Agg backend) and ``report.md`` / ``report.json``.
+No broker, no clock. The figures follow the JoyNexus paper:
+
+* :func:`plot_utilization_timeline`: Figure 9, busy intervals of the
+  training and inference services over time, shared run vs isolated baseline;
+* :func:`plot_loss_curves`: Figure 12, per-tenant loss, grouped vs serial;
+* :func:`plot_speedup_grid`: Figure 10, grouped shared-forward speedup over
+  tenants x batch size.
+
+The results dict that :func:`write_report` reads (every key optional)::
+
+    {"title": str,
+     "runs": {"shared" | "isolated" | <name>: {
+         "tenants": {tenant: {"updates", "final_version", "dropped_stale", "failed", "eval_success"}},
+         "device_time_s": float, "wall_s": float, "train_util": float (0-1), "infer_util": float (0-1),
+         "peak_memory_mb": {"training": float, "inference": float}}},
+     "ratios": {"device_time_ratio", "train_util_ratio", "infer_util_ratio"},  # else computed
+     "group_speedup": {"TxB": float}, "notes": [str]}
+
+Missing ratios are computed from the ``shared`` and ``isolated`` runs:
+device time isolated / shared, utilization shared / isolated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+#: The paper's measurements (3 RL + 1 SFT tenants on one node).
+PAPER_RATIOS = {"device_time_ratio": 1.39, "train_util_ratio": 1.99, "infer_util_ratio": 1.33}
+PAPER_UTIL = {"train_util": (0.208, 0.413), "infer_util": (0.281, 0.375)}  # (isolated, shared)
+PAPER_GROUP_SPEEDUP_8x4 = {"QwenGR00T": 2.21, "QwenOFT": 3.24, "pi0.5": 1.71}
+
+DPI = 100
+#: Figure sizes in inches; a PNG is these times DPI pixels.
+SIZES: dict[str, tuple[float, float]] = {
+    "utilization": (12.0, 6.0),
+    "loss_curves": (12.0, 7.0),
+    "group_speedup": (8.0, 5.5),
+}
+SERVICE_COLORS = {"training": "tab:blue", "inference": "tab:orange"}
+RATIO_LABELS = {
+    "device_time_ratio": "accelerator time, isolated / shared",
+    "train_util_ratio": "training-service utilization, shared / isolated",
+    "infer_util_ratio": "inference-service utilization, shared / isolated",
+}
+
+
+def figure_pixels(name: str) -> tuple[int, int]:
+    """(width, height) in pixels of the PNG a plot function writes."""
+    w, h = SIZES[name]
+    return round(w * DPI), round(h * DPI)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")  # no bbox "tight": the size stays what SIZES says
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- utilization
+
+
+def merge_intervals(intervals: Sequence[Sequence[float]]) -> list[tuple[float, float]]:
+    """Overlapping or touching (start, end) intervals merged, in order."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted((float(a), float(b)) for a, b in intervals if b > a):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def busy_fraction(intervals: Sequence[Sequence[float]], t0: float, t1: float) -> float:
+    """Share of [t0, t1] covered by the intervals (overlaps counted once)."""
+    if t1 <= t0:
+        return 0.0
+    busy = sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in merge_intervals(intervals))
+    return busy / (t1 - t0)
+
+
+def _run_span(services: Mapping[str, Sequence[Sequence[float]]]) -> tuple[float, float]:
+    starts = [float(s) for iv in services.values() for s, _ in iv]
+    ends = [float(e) for iv in services.values() for _, e in iv]
+    return (min(starts), max(ends)) if starts else (0.0, 1.0)
+
+
+def plot_utilization_timeline(
+    timelines: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], path: Path
+) -> Path:
+    """Figure 9: one panel per run, one row of busy bars per service.
+
+    ``timelines[run][service]`` is a list of (t_start, t_end) in seconds (any
+    origin: each run is shifted to start at 0). The row label gives the busy
+    fraction over the run's span; panels share the time axis, so a shorter
+    shared run shows as a shorter bar row.
+    """
+    runs = list(timelines)
+    fig, axes = plt.subplots(
+        max(1, len(runs)), 1, figsize=SIZES["utilization"], sharex=True, squeeze=False
+    )
+    palette = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"][2:])
+    colors = dict(SERVICE_COLORS)
+    for ax, run in zip(axes[:, 0], runs, strict=False):
+        services = timelines[run]
+        t0, t1 = _run_span(services)
+        labels = []
+        for row, (service, intervals) in enumerate(services.items()):
+            color = colors.setdefault(service, next(palette, "tab:gray"))
+            merged = merge_intervals(intervals)
+            ax.broken_barh(
+                [(s - t0, e - s) for s, e in merged], (row - 0.35, 0.7), facecolors=color
+            )
+            labels.append(f"{service}\n{busy_fraction(merged, t0, t1):.1%} busy")
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_ylim(-0.6, len(labels) - 0.4)
+        ax.invert_yaxis()
+        ax.set_title(f"{run}: {t1 - t0:.1f} s", loc="left", fontsize=11)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("time since run start (s)")
+    axes[-1, 0].set_xlim(left=0)
+    fig.suptitle("Service utilization over time (busy intervals), shared vs isolated", fontsize=13)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- loss curves
+
+
+def plot_loss_curves(
+    curves: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], path: Path
+) -> Path:
+    """Figure 12: one panel per tenant, one line per mode (e.g. grouped vs serial).
+
+    ``curves[tenant][mode]`` is a list of (step, loss).
+    """
+    tenants = list(curves)
+    n = max(1, len(tenants))
+    cols = min(n, 2 if n <= 4 else 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=SIZES["loss_curves"], squeeze=False)
+    styles = {"grouped": ("tab:blue", "-"), "serial": ("tab:red", "--")}
+    for i, ax in enumerate(axes.flat):
+        if i >= len(tenants):
+            ax.axis("off")
+            continue
+        tenant = tenants[i]
+        for mode, pts in curves[tenant].items():
+            if not pts:
+                continue
+            color, ls = styles.get(mode, (None, ":"))
+            xs, ys = zip(*((float(s), float(v)) for s, v in pts), strict=True)
+            ax.plot(
+                xs,
+                ys,
+                ls,
+                color=color,
+                label=mode,
+                linewidth=1.6,
+                marker="." if len(xs) < 40 else None,
+            )
+        ax.set_title(f"tenant {tenant}", fontsize=11)
+        ax.set_xlabel("optimizer step (policy version)")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    fig.suptitle("Per-tenant loss: grouped shared forward vs serial", fontsize=13)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- speedup grid
+
+_TXB = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
+
+
+def parse_grid(
+    group_speedup: Mapping[str, float],
+) -> tuple[list[int], list[int], list[list[float]]]:
+    """``{"TxB": speedup}`` -> (tenant counts, batch sizes, speedup[t][b], NaN where absent)."""
+    cells: dict[tuple[int, int], float] = {}
+    for key, v in group_speedup.items():
+        m = _TXB.match(key)
+        if not m:
+            raise ValueError(f"group_speedup key {key!r} is not 'TxB' (e.g. '8x4')")
+        cells[int(m[1]), int(m[2])] = float(v)
+    ts = sorted({t for t, _ in cells})
+    bs = sorted({b for _, b in cells})
+    return ts, bs, [[cells.get((t, b), math.nan) for b in bs] for t in ts]
+
+
+def plot_speedup_grid(group_speedup: Mapping[str, float], path: Path) -> Path:
+    """Figure 10: heatmap of grouped speedup, tenants (rows) x batch size (columns),
+    with the number in every cell."""
+    ts, bs, grid = parse_grid(group_speedup)
+    fig, ax = plt.subplots(figsize=SIZES["group_speedup"])
+    finite = [v for row in grid for v in row if not math.isnan(v)]
+    vmax = max([*finite, 1.0])
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgray")
+    im = ax.imshow(
+        grid, cmap=cmap, vmin=min([*finite, 1.0]), vmax=vmax, origin="lower", aspect="auto"
+    )
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            text = "n/a" if math.isnan(v) else f"{v:.2f}x"
+            light = not math.isnan(v) and v < 0.6 * vmax + 0.4 * min([*finite, 1.0])
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=12,
+                color="white" if light else "black",
+            )
+    ax.set_xticks(range(len(bs)), [str(b) for b in bs])
+    ax.set_yticks(range(len(ts)), [str(t) for t in ts])
+    ax.set_xlabel("batch size per tenant (B, observations)")
+    ax.set_ylabel("tenants in the group (T)")
+    ax.set_title("Grouped shared-forward speedup over per-tenant forwards")
+    fig.colorbar(im, ax=ax, label="speedup (x)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- report.md
+
+
+def _fmt(v: Any, kind: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if kind == "ratio":
+        return f"{float(v):.2f}x"
+    if kind == "pct":
+        return f"{float(v):.1%}"
+    if kind == "mb":
+        return f"{float(v):.0f}"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def compute_ratios(results: Mapping[str, Any]) -> dict[str, float | None]:
+    """The three headline ratios: given in ``results["ratios"]``, else from the runs."""
+    given = dict(results.get("ratios") or {})
+    runs = results.get("runs") or {}
+    shared, isolated = runs.get("shared") or {}, runs.get("isolated") or {}
+
+    def ratio(num: Any, den: Any) -> float | None:
+        try:
+            return float(num) / float(den) if num is not None and den else None
+        except (TypeError, ValueError):
+            return None
+
+    computed = {
+        "device_time_ratio": ratio(isolated.get("device_time_s"), shared.get("device_time_s")),
+        "train_util_ratio": ratio(shared.get("train_util"), isolated.get("train_util")),
+        "infer_util_ratio": ratio(shared.get("infer_util"), isolated.get("infer_util")),
+    }
+    return {k: given.get(k, computed[k]) for k in PAPER_RATIOS}
+
+
+def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, Path]) -> Path:
+    """Write ``report.md`` (tables, embedded plots) and ``report.json`` (``results``
+    as given) into ``out_dir``; returns the path of report.md."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: Mapping[str, Any] = results.get("runs") or {}
+    parts = [f"# {results.get('title') or 'JoyNexus benchmark report'}"]
+
+    ratios = compute_ratios(results)
+    parts.append("## Headline ratios vs the paper\n")
+    parts.append(
+        _table(
+            ["ratio", "what", "measured", "paper"],
+            [
+                [k, RATIO_LABELS[k], _fmt(ratios[k], "ratio"), _fmt(PAPER_RATIOS[k], "ratio")]
+                for k in PAPER_RATIOS
+            ],
+        )
+    )
+
+    if runs:
+        parts.append("## Runs\n")
+        rows = []
+        for name, run in runs.items():
+            mem = run.get("peak_memory_mb") or {}
+            rows.append(
+                [
+                    name,
+                    _fmt(run.get("device_time_s")),
+                    _fmt(run.get("wall_s")),
+                    _fmt(run.get("train_util"), "pct"),
+                    _fmt(run.get("infer_util"), "pct"),
+                    _fmt(mem.get("training"), "mb"),
+                    _fmt(mem.get("inference"), "mb"),
+                ]
+            )
+        parts.append(
+            _table(
+                [
+                    "run",
+                    "device time (s)",
+                    "wall (s)",
+                    "training util",
+                    "inference util",
+                    "peak mem training (MiB)",
+                    "peak mem inference (MiB)",
+                ],
+                rows,
+            )
+        )
+        parts.append(
+            f"\nPaper: training utilization {PAPER_UTIL['train_util'][0]:.1%} -> "
+            f"{PAPER_UTIL['train_util'][1]:.1%}, inference {PAPER_UTIL['infer_util'][0]:.1%} -> "
+            f"{PAPER_UTIL['infer_util'][1]:.1%} (isolated -> shared)."
+        )
+        cols = ["updates", "final_version", "dropped_stale", "failed", "eval_success"]
+        for name, run in runs.items():
+            tenants = run.get("tenants") or {}
+            if not tenants:
+                continue
+            parts.append(f"## Tenants, {name} run\n")
+            parts.append(
+                _table(
+                    ["tenant", *cols],
+                    [[t, *(_fmt(row.get(c)) for c in cols)] for t, row in tenants.items()],
+                )
+            )
+
+    speedup = results.get("group_speedup") or {}
+    if speedup:
+        ts, bs, grid = parse_grid(speedup)
+        parts.append("## Grouped shared-forward speedup (tenants x batch)\n")
+        parts.append(
+            _table(
+                ["T \\ B", *(str(b) for b in bs)],
+                [
+                    [str(t), *(_fmt(v, "ratio") for v in row)]
+                    for t, row in zip(ts, grid, strict=True)
+                ],
+            )
+        )
+        paper = ", ".join(f"{k} {v:.2f}x" for k, v in PAPER_GROUP_SPEEDUP_8x4.items())
+        parts.append(f"\nPaper at 8 tenants x batch 4: {paper}.")
+
+    if plots:
+        parts.append("## Plots\n")
+        for name, p in plots.items():
+            p = Path(p)
+            rel = p.relative_to(out_dir) if p.is_relative_to(out_dir) else p
+            parts.append(f"![{name}]({rel.as_posix()})\n")
+
+    notes = results.get("notes") or []
+    if notes:
+        parts.append("## Notes\n")
+        parts.append("\n".join(f"- {n}" for n in notes))
+
+    md = out_dir / "report.md"
+    md.write_text("\n\n".join(parts).rstrip() + "\n", encoding="utf-8")
+    (out_dir / "report.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return md
