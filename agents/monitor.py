@@ -25,8 +25,9 @@ Metric kinds it understands (any other kind is kept generically):
 ``learning`` (``loss`` + ``version``; ``rollout_success``/``mean_reward`` +
 ``behavior_version``; ``eval_success`` + ``version``), ``control`` (numeric
 fields, one level of nested dicts flattened as ``a.b``), ``system``
-(``utilization``/``busy_s``/... numeric fields; ``event`` marks a health
-event), ``health`` (every message is a health event).
+(``service`` + ``busy_start``/``busy_end``: a busy interval of the training or
+inference service, ``broker.metrics.busy``; other numeric fields as series;
+``event`` marks a health event), ``health`` (every message is a health event).
 """
 
 from __future__ import annotations
@@ -159,6 +160,21 @@ class TenantAggregates:
     latest: dict[str, float] = field(default_factory=dict)
     health: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: service ("train", "infer") -> busy (start, end) intervals in epoch seconds.
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+
+    def busy_summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for service, iv in self.busy.items():
+            t0, t1 = min(s for s, _ in iv), max(e for _, e in iv)
+            total = sum(e - s for s, e in iv)
+            out[service] = {
+                "intervals": len(iv),
+                "busy_s": total,
+                "span_s": t1 - t0,
+                "utilization": total / (t1 - t0) if t1 > t0 else 0.0,
+            }
+        return out
 
     def summary(self) -> dict[str, Any]:
         successes = [
@@ -178,6 +194,7 @@ class TenantAggregates:
             "latest": dict(self.latest),
             "health_events": list(self.health),
             "counts": dict(self.counts),
+            "busy": self.busy_summary(),
         }
 
 
@@ -259,6 +276,14 @@ class MetricAggregates:
                 if rw is not None:
                     out.append(Scalar("mean_reward", tenant, rw, n))
                 handled.update(("rollout_success", "mean_reward"))
+        start, end = _number(f.get("busy_start")), _number(f.get("busy_end"))
+        if start is not None and end is not None and end >= start:
+            service = str(f.get("service") or "service")
+            t.busy[service].append((start, end))
+            self._keep(t.busy[service])
+            n = len(t.busy[service]) - 1
+            out.append(Scalar("busy_ms", service, (end - start) * 1e3, n))
+            handled.update(("busy_start", "busy_end"))
         if m.kind == "health" or isinstance(f.get("event"), str):
             t.health.append({"at": m.at, "kind": m.kind, **f})
             self._keep(t.health)
@@ -272,6 +297,15 @@ class MetricAggregates:
             self._keep(s)
             out.append(Scalar(key, tenant, value, self._tick(key, tenant)))
         return out
+
+    def timelines(self) -> dict[str, list[tuple[float, float]]]:
+        """Busy intervals per service, every tenant merged: what
+        ``report.plot_utilization_timeline`` draws for one run."""
+        out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for t in self.tenants.values():
+            for service, iv in t.busy.items():
+                out[service].extend(iv)
+        return {k: sorted(v) for k, v in out.items()}
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -38,6 +38,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 #: The paper's measurements (3 RL + 1 SFT tenants on one node).
 PAPER_RATIOS = {"device_time_ratio": 1.39, "train_util_ratio": 1.99, "infer_util_ratio": 1.33}
@@ -52,6 +53,8 @@ SIZES: dict[str, tuple[float, float]] = {
     "group_speedup": (8.0, 5.5),
 }
 SERVICE_COLORS = {"training": "tab:blue", "inference": "tab:orange"}
+#: Short service names (``broker.metrics.busy``) as the plots and tables spell them.
+SERVICE_NAMES = {"train": "training", "infer": "inference"}
 RATIO_LABELS = {
     "device_time_ratio": "accelerator time, isolated / shared",
     "train_util_ratio": "training-service utilization, shared / isolated",
@@ -121,7 +124,8 @@ def plot_utilization_timeline(
         services = timelines[run]
         t0, t1 = _run_span(services)
         labels = []
-        for row, (service, intervals) in enumerate(services.items()):
+        for row, (key, intervals) in enumerate(services.items()):
+            service = SERVICE_NAMES.get(key, key)
             color = colors.setdefault(service, next(palette, "tab:gray"))
             merged = merge_intervals(intervals)
             ax.broken_barh(
@@ -155,7 +159,7 @@ def plot_loss_curves(
     cols = min(n, 2 if n <= 4 else 3)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=SIZES["loss_curves"], squeeze=False)
-    styles = {"grouped": ("tab:blue", "-"), "serial": ("tab:red", "--")}
+    styles = {"grouped": ("tab:blue", "-"), "serial": ("tab:red", "--")}  # by mode prefix
     for i, ax in enumerate(axes.flat):
         if i >= len(tenants):
             ax.axis("off")
@@ -164,7 +168,7 @@ def plot_loss_curves(
         for mode, pts in curves[tenant].items():
             if not pts:
                 continue
-            color, ls = styles.get(mode, (None, ":"))
+            color, ls = next((v for k, v in styles.items() if mode.startswith(k)), (None, ":"))
             xs, ys = zip(*((float(s), float(v)) for s, v in pts), strict=True)
             ax.plot(
                 xs,
@@ -178,6 +182,7 @@ def plot_loss_curves(
         ax.set_title(f"tenant {tenant}", fontsize=11)
         ax.set_xlabel("optimizer step (policy version)")
         ax.set_ylabel("training loss")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     fig.suptitle("Per-tenant loss: grouped shared forward vs serial", fontsize=13)
@@ -262,6 +267,44 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def normalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
+    """The results of ``ops/paper.py`` (top-level ``shared``/``isolated`` phases,
+    ``utilization``/``peak_rss_mb`` keyed ``train``/``infer``, ``tenants`` of the
+    shared run with an ``isolated`` entry each) in this module's shape; results
+    already in this shape pass through."""
+    out = dict(results)
+    if "runs" not in out and isinstance(out.get("shared"), Mapping):
+        runs: dict[str, Any] = {}
+        tenants = out.get("tenants") or {}
+        for name in ("shared", "isolated"):
+            phase = out.get(name)
+            if not isinstance(phase, Mapping):
+                continue
+            util = phase.get("utilization") or {}
+            rss = phase.get("peak_rss_mb") or {}
+            if name == "shared":
+                rows = {
+                    t: {k: v for k, v in r.items() if k != "isolated"} for t, r in tenants.items()
+                }
+            else:
+                rows = {t: r["isolated"] for t, r in tenants.items() if r.get("isolated")}
+            runs[name] = {
+                "device_time_s": phase.get("device_time_s"),
+                "wall_s": phase.get("wall_s"),
+                "train_util": util.get("train"),
+                "infer_util": util.get("infer"),
+                "peak_memory_mb": {"training": rss.get("train"), "inference": rss.get("infer")},
+                "tenants": rows,
+            }
+        out["runs"] = runs
+    ratios = dict(out.get("ratios") or {})
+    for k in (*PAPER_RATIOS, "device_busy_ratio"):
+        if k not in ratios and out.get(k) is not None:
+            ratios[k] = out[k]
+    out["ratios"] = ratios
+    return out
+
+
 def compute_ratios(results: Mapping[str, Any]) -> dict[str, float | None]:
     """The three headline ratios: given in ``results["ratios"]``, else from the runs."""
     given = dict(results.get("ratios") or {})
@@ -287,20 +330,26 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
     as given) into ``out_dir``; returns the path of report.md."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    given, results = results, normalize_results(results)
     runs: Mapping[str, Any] = results.get("runs") or {}
     parts = [f"# {results.get('title') or 'JoyNexus benchmark report'}"]
 
     ratios = compute_ratios(results)
-    parts.append("## Headline ratios vs the paper\n")
-    parts.append(
-        _table(
-            ["ratio", "what", "measured", "paper"],
+    rows = [
+        [k, RATIO_LABELS[k], _fmt(ratios[k], "ratio"), _fmt(PAPER_RATIOS[k], "ratio")]
+        for k in PAPER_RATIOS
+    ]
+    if results["ratios"].get("device_busy_ratio") is not None:
+        rows.append(
             [
-                [k, RATIO_LABELS[k], _fmt(ratios[k], "ratio"), _fmt(PAPER_RATIOS[k], "ratio")]
-                for k in PAPER_RATIOS
-            ],
+                "device_busy_ratio",
+                "busy accelerator time, isolated / shared",
+                _fmt(results["ratios"]["device_busy_ratio"], "ratio"),
+                "-",
+            ]
         )
-    )
+    parts.append("## Headline ratios vs the paper\n")
+    parts.append(_table(["ratio", "what", "measured", "paper"], rows))
 
     if runs:
         parts.append("## Runs\n")
@@ -380,5 +429,25 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
 
     md = out_dir / "report.md"
     md.write_text("\n\n".join(parts).rstrip() + "\n", encoding="utf-8")
-    (out_dir / "report.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out_dir / "report.json").write_text(json.dumps(given, indent=2, default=str) + "\n")
     return md
+
+
+def write_paper_report(out_dir: Path, results: Mapping[str, Any]) -> Path:
+    """Plots for whatever ``results`` holds (``timelines``, ``loss_curves``,
+    ``group_speedup``) under ``<out_dir>/plots/``, then :func:`write_report`."""
+    out_dir = Path(out_dir)
+    plots: dict[str, Path] = {}
+    if results.get("timelines"):
+        plots["utilization"] = plot_utilization_timeline(
+            results["timelines"], out_dir / "plots" / "utilization.png"
+        )
+    if results.get("loss_curves"):
+        plots["loss_curves"] = plot_loss_curves(
+            results["loss_curves"], out_dir / "plots" / "loss_curves.png"
+        )
+    if results.get("group_speedup"):
+        plots["group_speedup"] = plot_speedup_grid(
+            results["group_speedup"], out_dir / "plots" / "group_speedup.png"
+        )
+    return write_report(out_dir, results, plots)

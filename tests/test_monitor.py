@@ -79,6 +79,19 @@ def test_aggregates_fold() -> None:
         ("control/pending.actor", 2.0),
     }
     agg.apply(decode_metric("n.metrics.system.a", b'{"event": "restart", "role": "actor"}'))
+    s = agg.apply(
+        decode_metric(
+            "n.metrics.system._", b'{"service": "train", "busy_start": 10, "busy_end": 10.5}'
+        )
+    )
+    assert [(x.title, x.series, x.value) for x in s] == [("busy_ms", "train", 500.0)]
+    agg.apply(
+        decode_metric(
+            "n.metrics.system._", b'{"service": "train", "busy_start": 11, "busy_end": 12}'
+        )
+    )
+    assert agg.timelines() == {"train": [(10.0, 10.5), (11.0, 12.0)]}
+    assert agg.summary()["tenants"]["_"]["busy"]["train"]["utilization"] == pytest.approx(0.75)
     out = agg.summary()["tenants"]
     assert out["a"]["updates"] == 1 and out["a"]["last_version"] == 3
     assert out["a"]["health_events"][0]["role"] == "actor"
@@ -148,6 +161,7 @@ async def test_monitor_polls_queue_depths(broker: Broker, tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # clearml's bundled pyhocon
 async def test_monitor_clearml_offline(
     broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -338,3 +352,51 @@ def test_report_plots_and_markdown(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "report.json").read_text()) == res
     # The utilization fraction the timeline shows is the merged busy time over the span.
     assert report.busy_fraction([(0, 1), (0.5, 2), (3, 4)], 0, 4) == pytest.approx(0.75)
+
+
+def test_paper_results_shape(tmp_path: Path) -> None:
+    """The shape ops/paper.py writes: phases at the top level, train/infer keys."""
+    syn = synthetic_results()
+
+    def phase(wall: float, tu: float, iu: float, rss: float) -> dict[str, Any]:
+        return {
+            "wall_s": wall,
+            "device_time_s": 2 * wall,
+            "utilization": {"train": tu, "infer": iu},
+            "peak_rss_mb": {"train": rss, "infer": rss / 2},
+        }
+
+    row = {"task_type": "rl", "updates": 7, "final_version": 8, "dropped_stale": 1, "failed": 0}
+    res = {
+        "device_time_ratio": 1.5,
+        "device_busy_ratio": 1.1,
+        "train_util_ratio": 2.0,
+        "infer_util_ratio": 1.25,
+        "shared": phase(50.0, 0.4, 0.3, 3000.0),
+        "isolated": phase(75.0, 0.2, 0.24, 2900.0),
+        "tenants": {"acme": {**row, "eval_success": 0.5, "isolated": {**row, "updates": 6}}},
+        "loss_curves": {
+            t: {"grouped (shared run)": c["grouped"], "serial (isolated run)": c["serial"]}
+            for t, c in syn["loss_curves"].items()
+        },
+        "timelines": {
+            run: {"train" if k == "training" else "infer": v for k, v in services.items()}
+            for run, services in syn["timelines"].items()
+        },
+    }
+    md = report.write_paper_report(tmp_path, res).read_text()
+    for must in (
+        "1.50x",
+        "1.10x",
+        "2.00x",
+        "1.25x",
+        "3000",
+        "1450",
+        "40.0%",
+        "| acme | 7 | 8 | 1 | 0 | 0.5 |",
+        "| acme | 6 |",
+    ):
+        assert must in md, must
+    assert "![utilization](plots/utilization.png)" in md and "group_speedup" not in md
+    assert png_size(tmp_path / "plots" / "loss_curves.png") == report.figure_pixels("loss_curves")
+    assert json.loads((tmp_path / "report.json").read_text()) == res
