@@ -15,7 +15,7 @@ restarted monitor resumes where it stopped, and
   Without a configured server (``CLEARML_API_HOST`` or a clearml.conf) the
   task runs offline and its session lands in
   ``<out_dir>/clearml/offline/<task_id>/`` plus ``<task_id>.zip`` on close
-  (``clearml-task --import-offline-session <zip>`` uploads it later);
+  (``clearml.Task.import_offline_session(<zip>)`` uploads it later);
 * polls JetStream every ``control_poll_s`` for queue depths (pending and
   ack-pending of every consumer of the job log, Training Queue bytes and
   messages, the scheduler's jobs per tenant and state) and emits them as
