@@ -416,6 +416,23 @@ class ProducerAgent:
         self.running: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.task_type == "rl":
+            # The first rgb env of a process starts the CPU renderer (10-30 s): pay it
+            # now, before taking workloads, not inside the first tenant's rollout.
+            from joynexus.agents.envs.maniskill import make_env
+
+            env = await asyncio.to_thread(
+                make_env, "PickCube-v1", obs="rgb", num_envs=1, image_size=64
+            )
+            await asyncio.to_thread(env.reset, 0)
+            await asyncio.to_thread(env.close)
+        await metrics.emit(
+            self.b,
+            "system",
+            service=f"producer-{self.task_type}",
+            ready=True,
+            instance=self.instance,
+        )
         kv = await self.b.js.key_value(self.b.names.workloads_bucket)
         watcher = await kv.watchall()
         try:

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=30.0, help="scheduler: lease TTL in seconds")
     p.add_argument("--out", default=".jnx/actor", help="actor: per-tenant checkpoint directory")
     p.add_argument(
+        "--data-dir",
+        default=".jnx",
+        help="local output: traces (traces/traces.jsonl unless OTEL_EXPORTER_OTLP_ENDPOINT "
+        "is set), monitor data and ClearML offline sessions (default .jnx)",
+    )
+    p.add_argument(
         "--backbone",
         default="tiny",
         choices=("tiny", "bench"),
@@ -164,6 +170,9 @@ async def run_agent(
     role: str, url: str, namespace: str, opts: RoleOptions, stop: asyncio.Event
 ) -> None:
     from joynexus.broker.connection import Broker
+    from joynexus.ops.telemetry import setup_tracing
+
+    setup_tracing(f"joynexus-{role}", out_dir=opts.data_dir / "traces")
 
     b = await Broker.connect(url, name=opts.instance, namespace=namespace)
     try:
@@ -200,6 +209,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             backbone_path=args.backbone_path,
             max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms,
+            data_dir=Path(args.data_dir),
         )
         asyncio.run(
             _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))

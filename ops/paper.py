@@ -7,8 +7,11 @@ service), under the paper's admission: at most 2 outstanding training jobs
 per RL tenant, 1 active rollout per tenant and 3 globally, SFT prefetch up
 to 16, ready RL before SFT at the actor, a staleness bound.
 
-Isolated baseline: the same work, one tenant at a time, each on a fresh
-deployment (its own namespace), as if each tenant had the services alone.
+Isolated baseline: the same work, one tenant at a time on a deployment of
+its own (a fresh namespace), as if each tenant had the services alone; each
+tenant's window is measured alone and the windows are added up. Both runs
+start measuring only once every role is up and warm (backbones built, the
+CPU renderer started), so start-up costs are in neither.
 
 Measured from the event stream, not guessed: the training service reports a
 busy interval per training step and the inference service one per batch
@@ -60,6 +63,7 @@ ROLES = (
     "producer-rl",
     "producer-sft",
     "evaluator",
+    "monitor",
 )
 RL_TASKS = (("acme", "PickCube-v1"), ("bolt", "PushCube-v1"), ("cora", "StackCube-v1"))
 SFT_TENANT = "dana"
@@ -166,6 +170,7 @@ class Deployment:
                 instance=f"{role}-0",
                 out_dir=self.out / "checkpoints" / self.namespace,
             )
+            cmd += ["--data-dir", str(self.out)]
             self.procs[role] = subprocess.Popen(
                 cmd,
                 stdout=log,
@@ -205,22 +210,35 @@ class Deployment:
 
 
 async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 180.0) -> None:
-    """Until the scheduler, the control plane and an inference engine answer."""
-    await SchedulerClient(b, by="paper", call_timeout_s=2, deadline_s=timeout_s).snapshot()
-    deadline = time.monotonic() + timeout_s
-    pending = {b.names.control_service, b.names.inference_service}
-    while pending:
-        dep.check_alive()
-        if time.monotonic() > deadline:
-            raise JoyNexusError(
-                f"{sorted(pending)} did not come up within {timeout_s:.0f}s; see the role logs"
-            )
-        for service in list(pending):
-            with contextlib.suppress(Exception):
-                await b.nc.request(f"$SRV.PING.{service}", b"", timeout=1)
-                pending.discard(service)
-        if pending:
+    """Until the scheduler, the control plane and an inference engine answer and
+    both producers are warm (they announce it with a ``ready`` system metric)."""
+    ready: set[str] = set()
+
+    async def on_metric(msg: Any) -> None:
+        with contextlib.suppress(Exception):
+            m = orjson.loads(msg.data)
+            if m.get("ready"):
+                ready.add(m.get("service", ""))
+
+    sub = await b.nc.subscribe(b.names.metrics("system"), cb=on_metric)
+    try:
+        await SchedulerClient(b, by="paper", call_timeout_s=2, deadline_s=timeout_s).snapshot()
+        deadline = time.monotonic() + timeout_s
+        pending = {b.names.control_service, b.names.inference_service}
+        while pending or not {"producer-rl", "producer-sft"} <= ready:
+            dep.check_alive()
+            if time.monotonic() > deadline:
+                raise JoyNexusError(
+                    f"the deployment is not up after {timeout_s:.0f}s (waiting for "
+                    f"{sorted(pending) or 'warm producers'}); see the role logs"
+                )
+            for service in list(pending):
+                with contextlib.suppress(Exception):
+                    await b.nc.request(f"$SRV.PING.{service}", b"", timeout=1)
+                    pending.discard(service)
             await asyncio.sleep(0.5)
+    finally:
+        await sub.unsubscribe()
 
 
 async def _run_tenants(
@@ -347,28 +365,35 @@ async def run_phase(
     cfg: PaperConfig,
     progress: bool,
 ) -> PhaseResult:
+    """One warm deployment per phase: shared runs every tenant at once; isolated
+    runs them one at a time (each window measured alone, laid end to end)."""
     result = PhaseResult(name)
-    groups = [[p] for p in tenants] if isolated else [tenants]
+    ns = f"{name[:4]}{uuid.uuid4().hex[:6]}"
+    dep = Deployment(url, ns, out)
+    b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)
     windows: list[tuple[float, float]] = []
-    for i, group in enumerate(groups):
-        ns = f"{name[:4]}{i}{uuid.uuid4().hex[:4]}"
-        dep = Deployment(url, ns, out)
-        b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)
-        try:
-            await ensure_layout(b)
-            dep.start()
-            await _wait_ready(b, dep)
-            await SchedulerClient(b, by="paper").set_limits(GlobalLimits(max_active_rollouts=3))
+    try:
+        await ensure_layout(b)
+        # The producers announce readiness on the metrics subject: listen before they start.
+        ready_wait = asyncio.ensure_future(_wait_ready(b, dep))
+        await asyncio.sleep(0.2)
+        dep.start()
+        await ready_wait
+        await SchedulerClient(b, by="paper").set_limits(GlobalLimits(max_active_rollouts=3))
+        groups = [[p] for p in tenants] if isolated else [tenants]
+        for group in groups:
             label = f"{name}:{group[0].tenant}" if isolated else name
             windows.append(await _run_tenants(b, dep, group, label, cfg.phase_timeout_s, progress))
-            offset = sum(w1 - w0 for w0, w1 in windows[:-1])
-            _account(result, await _metrics(b), windows[-1], offset)
-            await _tenant_outcomes(b, dep, group, cfg.eval_episodes, result)
-        finally:
-            dep.stop()
-            await b.close()
-        for k in ("train", "infer"):
-            result.peak_rss_mb[k] = max(result.peak_rss_mb[k], round(dep.peak_rss_mb[k], 1))
+        metrics = await _metrics(b)
+        offset = 0.0
+        for w in windows:
+            _account(result, metrics, w, offset)
+            offset += w[1] - w[0]
+        await _tenant_outcomes(b, dep, tenants, cfg.eval_episodes, result)
+    finally:
+        dep.stop()
+        await b.close()
+    result.peak_rss_mb = {k: round(v, 1) for k, v in dep.peak_rss_mb.items()}
     result.wall_s = sum(w1 - w0 for w0, w1 in windows)
     return result
 

@@ -43,6 +43,7 @@ ROLES = (
     "advantage",
     "actor",
     "evaluator",
+    "monitor",
     "synthetic",
     "health",
 )
@@ -57,6 +58,7 @@ DEPLOYMENT_ROLES = (
     "producer-rl",
     "producer-sft",
     "evaluator",
+    "monitor",
 )
 
 
@@ -69,6 +71,8 @@ class RoleOptions:
     backbone_path: str | None = None
     max_batch: int = 16
     max_wait_ms: float = 5.0
+    #: Where roles write local output (monitor report data, traces).
+    data_dir: Path = Path(".jnx")
     heartbeat_s: float = field(
         default_factory=lambda: float(os.environ.get("JOYNEXUS_HEARTBEAT_S", "1.0"))
     )
@@ -163,6 +167,10 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
         from joynexus.agents.evaluator import Evaluator
 
         await Evaluator(b, instance=o.instance).run(stop)
+    elif role == "monitor":
+        from joynexus.agents.monitor import MonitorAgent
+
+        await MonitorAgent(b, out_dir=o.data_dir / "monitor", instance=o.instance).run(stop)
     elif role == "synthetic":
         from joynexus.agents.stage import StageWorker
 
