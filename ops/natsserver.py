@@ -43,12 +43,16 @@ def nats_server_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
+def die_with_parent() -> None:
+    """preexec_fn for children: SIGTERM them when this process dies (PR_SET_PDEATHSIG)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+_die_with_parent = die_with_parent  # older name, still imported by agents/health.py
 
 
 class EmbeddedNats:
@@ -104,7 +108,7 @@ class EmbeddedNats:
             [nats_server_binary(), "-c", str(self.config_path)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         ready = threading.Event()
         url: list[str] = []

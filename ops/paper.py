@@ -49,6 +49,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 from joynexus.ops.launcher import role_command
+from joynexus.ops.natsserver import die_with_parent
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -176,6 +177,7 @@ class Deployment:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=die_with_parent,
             )
 
     def poll_rss(self) -> None:
