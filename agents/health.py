@@ -44,6 +44,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -82,6 +83,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     state: Literal["running", "stopped", "crashed"] = "running"
     errors: int = 0
     last_error: str = ""
+    #: How long the agent's event loop has not run (0: responsive).
+    loop_lag_s: float = 0.0
 
 
 class HealthDecision(msgspec.Struct, kw_only=True):
@@ -169,6 +172,8 @@ class HealthCore:
     burst_errors: int = 20
     burst_window_s: float = 10.0
     coord_lost_s: float = 30.0
+    #: An agent whose event loop has not run for this long is hung (beats still come).
+    hang_after_s: float = 120.0
     #: After the manager's own reconnect, missing beats are not acted on for this long.
     reconnect_grace_s: float = 10.0
     budget: RestartBudget = field(default_factory=RestartBudget)
@@ -213,6 +218,10 @@ class HealthCore:
         s.errors, s.last_error = hb.errors, hb.last_error or s.last_error
         while s.error_marks and s.error_marks[0][0] < now - self.burst_window_s:
             s.error_marks.popleft()
+        if s.owned and hb.loop_lag_s > self.hang_after_s:
+            return out + self._restart(
+                s, f"event loop frozen for {hb.loop_lag_s:.1f}s (> {self.hang_after_s:g}s)", now
+            )
         burst = sum(n for _, n in s.error_marks)
         if s.owned and burst >= self.burst_errors:
             out += self._restart(
@@ -372,7 +381,14 @@ def ttl_for(heartbeat_s: float, miss_after: float = MISS_AFTER) -> int:
 
 
 class Heartbeater:
-    """Beats for one agent process from its event loop (a frozen loop stops the beats)."""
+    """Beats for one agent process from a thread with its own NATS connection.
+
+    A thread, so that an agent that blocks its event loop for a while (a
+    simulator step, an import) is not taken for dead; the beat carries the
+    event loop's lag (``loop_lag_s``), and the manager restarts an agent
+    whose loop stays frozen past ``HealthCore.hang_after_s``. SIGSTOP or a
+    crash stops the thread too.
+    """
 
     def __init__(
         self, b: Broker, role: str, instance: str, *, interval_s: float = HEARTBEAT_S
@@ -386,9 +402,11 @@ class Heartbeater:
         self.beats = 0
         self.errors = _ErrorCounter()
         self._reported = 0
-        self._task: asyncio.Task[None] | None = None
+        self._loop_seen = time.monotonic()
+        self._done = threading.Event()
+        self._final_state = "stopped"
 
-    async def beat(self, state: str = "running", ttl_s: int | None = None) -> None:
+    async def beat(self, b: Broker, state: str = "running", ttl_s: int | None = None) -> None:
         self.beats += 1
         hb = Heartbeat(
             role=self.role,
@@ -402,9 +420,10 @@ class Heartbeater:
             state=state,  # type: ignore[arg-type]
             errors=self.errors.count,
             last_error=self.errors.last,
+            loop_lag_s=round(max(0.0, time.monotonic() - self._loop_seen - self.interval_s), 3),
         )
         ttl = ttl_s or ttl_for(self.interval_s)
-        await self.b.js.publish(
+        await b.js.publish(
             self.subject,
             msgspec.json.encode(hb),
             headers={"Nats-TTL": f"{ttl}s"},
@@ -412,7 +431,7 @@ class Heartbeater:
         )
         if self.errors.count > self._reported:
             await metrics.emit(
-                self.b,
+                b,
                 "system",
                 event="error",
                 role=self.role,
@@ -423,38 +442,59 @@ class Heartbeater:
             )
             self._reported = self.errors.count
 
-    async def _loop(self) -> None:
+    async def _beat_forever(self, servers: list[str]) -> None:
+        b = await Broker.connect(
+            servers, name=f"{self.instance}-heartbeat", namespace=self.b.names.namespace
+        )
         loop = asyncio.get_running_loop()
+        try:
+            while not self._done.is_set():
+                t0 = loop.time()
+                try:
+                    await self.beat(b)
+                except Exception as e:  # disconnected: the next beat tries again
+                    log.debug("heartbeat %s failed: %s", self.key, e)
+                # A fixed cadence: a slow publish does not stretch the interval.
+                await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - t0)))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.beat(b, self._final_state, ttl_s=60), 2.0)
+        finally:
+            await b.close()
+
+    def _thread(self, servers: list[str]) -> None:
+        try:
+            asyncio.run(self._beat_forever(servers))
+        except Exception as e:
+            log.warning("heartbeat thread of %s ended: %s", self.key, e)
+
+    async def _tick(self) -> None:
         while True:
-            t0 = loop.time()
-            try:
-                await self.beat()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # disconnected: the next beat tries again
-                log.debug("heartbeat %s failed: %s", self.key, e)
-            # A fixed cadence: a slow publish does not stretch the interval.
-            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - t0)))
+            self._loop_seen = time.monotonic()
+            await asyncio.sleep(self.interval_s / 2)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Heartbeater]:
+        servers = [u.geturl() for u in self.b.nc.servers] or ["nats://127.0.0.1:4222"]
         logging.getLogger().addHandler(self.errors)
-        self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self.key}")
-        state = "stopped"
+        tick = asyncio.create_task(self._tick(), name=f"heartbeat-tick-{self.key}")
+        thread = threading.Thread(
+            target=self._thread, args=(servers,), name=f"heartbeat-{self.key}", daemon=True
+        )
+        thread.start()
         try:
             yield self
         except BaseException as e:
-            state = "crashed"
+            self._final_state = "crashed"
             self.errors.count += 1
             self.errors.last = f"{type(e).__name__}: {e}"[:500]
             raise
         finally:
-            self._task.cancel()
+            tick.cancel()
             with contextlib.suppress(BaseException):
-                await self._task
+                await tick
             logging.getLogger().removeHandler(self.errors)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.beat(state, ttl_s=60), 2.0)
+            self._done.set()
+            await asyncio.to_thread(thread.join, 5.0)
 
 
 # ---------------------------------------------------------------- the manager
