@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -111,14 +111,17 @@ class ControlPlane:
             await request.respond(encode(reply))
 
     async def _records(self, tenant: str) -> list[WorkloadRecord]:
-        try:
-            keys = await self._kv.keys(filters=[f"{tenant}."])
-        except (NoKeysError, NotFoundError):
-            return []
+        """The tenant's workload records: one watch over ``<tenant>.*`` (current values only)."""
+        watcher = await self._kv.watch(f"{tenant}.*", ignore_deletes=True)
         out = []
-        for key in keys:
-            if key.startswith(f"{tenant}."):
-                out.append(decode((await self._kv.get(key)).value, WorkloadRecord))
+        try:
+            async for entry in watcher:
+                if entry is None:  # the current values have all been delivered
+                    break
+                if entry.value:
+                    out.append(decode(entry.value, WorkloadRecord))
+        finally:
+            await watcher.stop()
         return out
 
     async def _get(self, tenant: str, name: str) -> WorkloadRecord:
