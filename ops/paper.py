@@ -86,11 +86,14 @@ class PaperConfig:
 
     @classmethod
     def for_minutes(cls, minutes: float) -> PaperConfig:
-        """Scale the work with the time asked for (the default ~4 minutes here)."""
-        k = max(1.0, minutes / 4.0)
+        """Scale the work with the time asked for (4 minutes: 3 RL updates per RL
+        tenant and 6 SFT updates; the fixed costs, starting two deployments and
+        evaluating, add about two minutes here)."""
+        k = max(0.1, minutes / 4.0)
         return cls(
-            rl_updates=max(2, round(3 * k)),
-            sft_updates=max(4, round(6 * k)),
+            rl_updates=max(1, round(3 * k)),
+            sft_updates=max(2, round(6 * k)),
+            eval_episodes=1 if minutes < 2 else 2,
             phase_timeout_s=max(600.0, 300.0 * minutes),
         )
 
@@ -317,21 +320,26 @@ async def _metrics(b: Broker) -> list[dict[str, Any]]:
 
 
 def _account(
-    result: PhaseResult, metrics: list[dict[str, Any]], window: tuple[float, float], offset: float
+    result: PhaseResult, metrics: list[dict[str, Any]], windows: list[tuple[float, float]]
 ) -> None:
-    """Busy time inside ``window``; intervals kept relative to the phase's
-    timeline (isolated windows laid end to end from ``offset``)."""
-    w0, w1 = window
+    """Busy time inside the measured windows, with intervals on the phase's
+    timeline (isolated windows laid end to end), and each tenant's losses."""
+    offset = 0.0
+    for w0, w1 in windows:
+        for m in metrics:
+            if m.get("kind") == "system" and m.get("service") in ("train", "infer"):
+                lo, hi = max(float(m["busy_start"]), w0), min(float(m["busy_end"]), w1)
+                if hi > lo:
+                    result.busy[m["service"]] += hi - lo
+                    result.intervals[m["service"]].append(
+                        (round(lo - w0 + offset, 3), round(hi - w0 + offset, 3))
+                    )
+        offset += w1 - w0
     for m in metrics:
-        if m.get("kind") == "system" and m.get("service") in ("train", "infer"):
-            lo, hi = max(float(m["busy_start"]), w0), min(float(m["busy_end"]), w1)
-            if hi > lo:
-                result.busy[m["service"]] += hi - lo
-                result.intervals[m["service"]].append(
-                    (round(lo - w0 + offset, 3), round(hi - w0 + offset, 3))
-                )
-        elif m.get("kind") == "learning" and "loss" in m:
+        if m.get("kind") == "learning" and "loss" in m:
             result.losses[m["tenant_id"]].append((int(m["version"]), float(m["loss"])))
+    for curve in result.losses.values():
+        curve.sort()
 
 
 async def _tenant_outcomes(
@@ -386,12 +394,10 @@ async def run_phase(
         for group in groups:
             label = f"{name}:{group[0].tenant}" if isolated else name
             windows.append(await _run_tenants(b, dep, group, label, cfg.phase_timeout_s, progress))
-        metrics = await _metrics(b)
-        offset = 0.0
-        for w in windows:
-            _account(result, metrics, w, offset)
-            offset += w[1] - w[0]
-        await _tenant_outcomes(b, dep, tenants, cfg.eval_episodes, result)
+        _account(result, await _metrics(b), windows)
+        # Final policies are evaluated once, after the shared run (same seeds, same work:
+        # the isolated run trains the same versions).
+        await _tenant_outcomes(b, dep, tenants, 0 if isolated else cfg.eval_episodes, result)
     finally:
         dep.stop()
         await b.close()
@@ -459,6 +465,16 @@ async def run_paper(
     )
     results = summarize(shared, isolated)
     results["config"] = asdict(cfg)
+    if progress:
+        print(
+            "  measuring the shared-forward speedup grid (Figure 10) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    from joynexus.ops.bench_group import bench_group
+
+    grid = await asyncio.to_thread(bench_group, quick=True, rss=False)
+    results["group_speedup"] = grid["group_speedup"]
     results["loss_curves"] = {
         t: {
             "grouped (shared run)": shared.losses.get(t, []),

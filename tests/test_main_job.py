@@ -1,0 +1,57 @@
+"""The README's main command at its smallest: the paper's mixed workload and
+its isolated baseline, one process per role, report written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "joynexus.ops.cli",
+            "demo",
+            "--minutes",
+            "0.4",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((out / "report.json").read_text())
+    for key in ("device_time_ratio", "train_util_ratio", "infer_util_ratio"):
+        assert isinstance(results[key], float) and results[key] > 0, key
+    assert results["shared"]["busy_s"]["train"] > 0 and results["shared"]["busy_s"]["infer"] > 0
+    assert (
+        results["shared"]["peak_rss_mb"]["train"] > 100
+        and results["isolated"]["peak_rss_mb"]["infer"] > 100
+    )
+    tenants = results["tenants"]
+    assert set(tenants) == {"acme", "bolt", "cora", "dana"}
+    for t, v in tenants.items():
+        assert v["updates"] >= 1 and v["final_version"] == 1 + v["updates"], (t, v)
+        assert v["failed"] == 0 and v["dropped_stale"] >= 0
+        assert (v["eval_success"] is None) == (v["task_type"] == "sft")
+        assert v["isolated"]["updates"] == v["updates"]
+    assert set(results["group_speedup"]) and all(x > 0 for x in results["group_speedup"].values())
+    report = (out / "report.md").read_text()
+    assert "device_time_ratio" in report and "1.39x" in report
+    for png in out.glob("plots/*.png"):
+        assert png.stat().st_size > 10_000
+    assert len(list(out.glob("plots/*.png"))) == 3
+    assert (out / "traces" / "traces.jsonl").stat().st_size > 0
+    assert any((out / "monitor" / "clearml").rglob("*")), "ClearML offline session missing"
