@@ -173,6 +173,7 @@ class Actor:
         hb = asyncio.create_task(self._keep_leases([j for j, _, _ in todo]))  # noqa: RUF006
         t0 = time.perf_counter()
         wall_start = time.time()
+        cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
         # One span per job, in that job's trace; the group step links them all.
         links, job_spans = [], []
         try:
@@ -200,6 +201,7 @@ class Actor:
             "train",
             wall_start,
             time.time(),
+            cpu_s=time.process_time() - cpu_start,
             instance=self.instance,
             jobs=len(todo),
             tenants=sorted({j.tenant_id for j, _, _ in todo}),

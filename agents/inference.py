@@ -302,8 +302,11 @@ class InferenceEngine:
 
     def _watch_ended(self, task: asyncio.Task[None]) -> None:
         if self.state in ("prepared", "serving") and not task.cancelled() and task.exception():
-            log.error("engine %s: policy watch failed, new versions load on demand only: %r",
-                      self.instance, task.exception())
+            log.error(
+                "engine %s: policy watch failed, new versions load on demand only: %r",
+                self.instance,
+                task.exception(),
+            )
 
     async def _watch_loop(self, ready: asyncio.Event) -> None:
         async for rec in self.policies.watch(ready=ready):
@@ -316,8 +319,12 @@ class InferenceEngine:
                     raise  # a current version that does not load fails prepare()
                 log.warning(
                     "engine %s: version %d of %s.%s does not load, keeps serving v%s: %s",
-                    self.instance, rec.version, rec.tenant_id, rec.policy_key,
-                    self._latest.get((rec.tenant_id, rec.policy_key)), e,
+                    self.instance,
+                    rec.version,
+                    rec.tenant_id,
+                    rec.policy_key,
+                    self._latest.get((rec.tenant_id, rec.policy_key)),
+                    e,
                 )
                 continue
             self._advance_latest(rec)
@@ -333,9 +340,11 @@ class InferenceEngine:
         (a request in flight holds its own reference, so eviction never affects it)."""
         latest = self._latest.get(tk)
         others = [pid for pid in self._policies if pid[:2] == tk and pid[2] != latest]
-        keep = self.retain_versions - (1 if latest is not None and (*tk, latest) in self._policies else 0)
+        keep = self.retain_versions - (
+            1 if latest is not None and (*tk, latest) in self._policies else 0
+        )
         others.sort(key=lambda pid: self._used.get(pid, -1), reverse=True)
-        for pid in others[max(0, keep):]:
+        for pid in others[max(0, keep) :]:
             self._policies.pop(pid, None)
             self._used.pop(pid, None)
 
@@ -369,7 +378,9 @@ class InferenceEngine:
         self._policies[lp.id] = lp
         self._used[lp.id] = next(self._uses)
         self._evict((rec.tenant_id, rec.policy_key))
-        log.info("engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version)
+        log.info(
+            "engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version
+        )
         return lp
 
     def _lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
@@ -386,7 +397,9 @@ class InferenceEngine:
         lp = self._lookup(tenant_id, policy_key, version)
         if lp is not None:
             return lp
-        rec = await self.policies.get(tenant_id, policy_key, version)  # UnknownTenant / UnknownPolicyVersion
+        rec = await self.policies.get(
+            tenant_id, policy_key, version
+        )  # UnknownTenant / UnknownPolicyVersion
         lp = await self._ensure_loaded(rec)
         if not version:
             self._advance_latest(rec)
@@ -436,7 +449,9 @@ class InferenceEngine:
         except Exception as e:
             self._spawn(self._reply_error(request, e, span))
 
-    async def _admit_later(self, request: Request, req: InferRequest, span: Any, received: float) -> None:
+    async def _admit_later(
+        self, request: Request, req: InferRequest, span: Any, received: float
+    ) -> None:
         try:
             lp = await self._resolve(req.tenant_id, req.policy_key, req.policy_version)
             self._admit(request, req, lp, span, received)
@@ -539,6 +554,7 @@ class InferenceEngine:
         rows = sum(p.batch.batch_size for p in items)
         started = time.perf_counter()
         wall_start = time.time()
+        cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
         links = [trace.Link(p.span.get_span_context()) for p in items]
         with tracing.tracer.start_as_current_span(
             "inference.batch",
@@ -549,18 +565,31 @@ class InferenceEngine:
             try:
                 outcomes, forward_ms = await asyncio.to_thread(self._forward_grouped, items)
             except Exception as e:
-                log.warning("engine %s: shared forward of %s failed (%s); serving each request alone",
-                            self.instance, batch_id, e)
+                log.warning(
+                    "engine %s: shared forward of %s failed (%s); serving each request alone",
+                    self.instance,
+                    batch_id,
+                    e,
+                )
                 fallback = True
                 self.stats.fallbacks += 1
                 outcomes, forward_ms = await asyncio.to_thread(self._forward_each, items)
-        await metrics.busy(self.b, "infer", wall_start, time.time(), instance=self.instance,
-                           requests=len(items), rows=rows)
+        await metrics.busy(
+            self.b,
+            "infer",
+            wall_start,
+            time.time(),
+            instance=self.instance,
+            requests=len(items),
+            rows=rows,
+            cpu_s=time.process_time() - cpu_start,
+        )
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.batch_sizes.append(len(items))
-        info = BatchInfo(batch_id=batch_id, size=len(items), rows=rows, instance=self.instance,
-                         fallback=fallback)
+        info = BatchInfo(
+            batch_id=batch_id, size=len(items), rows=rows, instance=self.instance, fallback=fallback
+        )
         for p, out in zip(items, outcomes, strict=True):
             p.span.set_attribute("joynexus.batch_id", batch_id)
             p.answered = True
@@ -620,7 +649,10 @@ class InferenceEngine:
 
 
 def _canonical(schema: FeatureSchema, obs: Observation) -> FeatureBatch:
-    images = {slot: torch.from_numpy(t.to_array(f"images[{slot!r}]").copy()) for slot, t in obs.images.items()}
+    images = {
+        slot: torch.from_numpy(t.to_array(f"images[{slot!r}]").copy())
+        for slot, t in obs.images.items()
+    }
     state = obs.state.to_array("state").copy()
     history = None if obs.history is None else obs.history.to_array("history").copy()
     return canonicalize_request(schema, images, obs.instruction, state, history)
@@ -671,8 +703,12 @@ class EnginePool:
     ) -> None:
         self.b = broker
         self.backbone = backbone
-        self.kw: dict[str, Any] = dict(base_model=base_model, max_batch=max_batch,
-                                       max_wait_ms=max_wait_ms, retain_versions=retain_versions)
+        self.kw: dict[str, Any] = dict(
+            base_model=base_model,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            retain_versions=retain_versions,
+        )
         self.instance_prefix = instance_prefix
         self.engines: list[InferenceEngine] = []
         self._lock = asyncio.Lock()
@@ -683,8 +719,12 @@ class EnginePool:
 
     async def scale_up(self) -> InferenceEngine:
         async with self._lock:
-            engine = InferenceEngine(self.b, self.backbone,
-                                     instance=f"{self.instance_prefix}-{next(self._seq)}", **self.kw)
+            engine = InferenceEngine(
+                self.b,
+                self.backbone,
+                instance=f"{self.instance_prefix}-{next(self._seq)}",
+                **self.kw,
+            )
             try:
                 await engine.prepare()
                 await engine.join()
@@ -733,14 +773,25 @@ async def run_inference_agent(
     await ensure_layout(broker, layout)
     cfg = BackboneConfig(size=size, path=backbone_path, threads=threads)  # type: ignore[arg-type]
     backbone = await asyncio.to_thread(Backbone.build, cfg)
-    pool = EnginePool(broker, backbone, base_model=base_model, max_batch=max_batch,
-                      max_wait_ms=max_wait_ms, instance_prefix=instance)
+    pool = EnginePool(
+        broker,
+        backbone,
+        base_model=base_model,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        instance_prefix=instance,
+    )
     try:
         await pool.scale_to(engines)
-        log.info("inference %s serving %s on %s (B=%d, T=%gms, %d engine(s))", instance,
-                 pool.engines[0].base_model, broker.names.infer(pool.engines[0].base_model),
-                 max_batch, max_wait_ms, engines)
+        log.info(
+            "inference %s serving %s on %s (B=%d, T=%gms, %d engine(s))",
+            instance,
+            pool.engines[0].base_model,
+            broker.names.infer(pool.engines[0].base_model),
+            max_batch,
+            max_wait_ms,
+            engines,
+        )
         await stop.wait()
     finally:
         await pool.close()
-

@@ -29,5 +29,8 @@ async def emit(b: Broker, kind: str, tenant_id: str = "_", **fields: Any) -> Non
 
 async def busy(b: Broker, service: str, start: float, end: float, **fields: Any) -> None:
     """A busy interval (wall-clock seconds) of a service: ``train`` or ``infer``.
-    Utilization timelines and device-time accounting are built from these."""
+    Utilization timelines and device-time accounting are built from these; pass
+    ``cpu_s`` (the process's CPU seconds in the interval) where the "device" is a
+    CPU shared with other services, whose wall-clock intervals stretch under
+    contention."""
     await emit(b, "system", "_", service=service, busy_start=start, busy_end=end, **fields)
