@@ -168,10 +168,12 @@ class HealthCore:
 
     heartbeat_s: float = HEARTBEAT_S
     miss_after: float = MISS_AFTER
-    start_grace_s: float = 60.0
+    start_grace_s: float = 180.0
     burst_errors: int = 20
     burst_window_s: float = 10.0
     coord_lost_s: float = 30.0
+    #: Late beats of a process the kernel shows runnable: busy until this, then dead.
+    busy_miss_s: float = 30.0
     #: An agent whose event loop has not run for this long is hung (beats still come).
     hang_after_s: float = 120.0
     #: After the manager's own reconnect, missing beats are not acted on for this long.
@@ -237,6 +239,8 @@ class HealthCore:
         s = self.slots.get(instance)
         if s is None or s.state not in ("running", "watched") or self.disconnected_at is not None:
             return []
+        if s.owned:
+            return []  # supervise mode: check() knows the process state and decides
         return self._missing(s, "heartbeat key expired (TTL marker)", now)
 
     def on_exit(self, instance: str, code: int, now: float) -> list[HealthDecision]:
@@ -265,21 +269,37 @@ class HealthCore:
             )
         return []
 
-    def check(self, now: float) -> list[HealthDecision]:
-        """Periodic: missing heartbeats."""
+    def check(self, now: float, runnable: Mapping[str, bool] | None = None) -> list[HealthDecision]:
+        """Periodic: missing heartbeats.
+
+        ``runnable`` (supervise mode) says which owned processes the kernel
+        shows as running or sleeping: one of those whose beats are late is
+        busy (a simulator step can hold the GIL for seconds), and is
+        restarted only past ``busy_miss_s``; a stopped, zombie or vanished
+        one is restarted at ``miss_after`` intervals.
+        """
         if self.disconnected_at is not None:
             return []
+        runnable = runnable or {}
         out: list[HealthDecision] = []
         for s in list(self.slots.values()):
             if s.state in ("running", "watched") and s.last_beat_at is not None:
-                if now - s.last_beat_at > self.missing_after_s and not s.suspect:
-                    out += self._missing(
-                        s,
-                        f"no heartbeat for {now - s.last_beat_at:.1f}s "
-                        f"(> {self.miss_after:g} x {self.heartbeat_s:g}s)",
-                        now,
-                        detect_s=now - s.last_beat_at,
-                    )
+                late = now - s.last_beat_at
+                if late <= self.missing_after_s or s.suspect:
+                    continue
+                if s.owned and runnable.get(s.instance) and late <= self.busy_miss_s:
+                    continue
+                out += self._missing(
+                    s,
+                    f"no heartbeat for {late:.1f}s "
+                    + (
+                        f"(> {self.miss_after:g} x {self.heartbeat_s:g}s)"
+                        if late <= self.busy_miss_s
+                        else f"(> {self.busy_miss_s:g}s while runnable)"
+                    ),
+                    now,
+                    detect_s=late,
+                )
             elif s.owned and s.state == "starting" and now - s.started_at > self.start_grace_s:
                 out += self._restart(
                     s, f"no heartbeat within {self.start_grace_s:g}s of start", now
@@ -620,6 +640,17 @@ class HealthManager:
             elif d.action == "give_up" and d.instance in self.slots:
                 await self._kill(d.instance, graceful=False)
 
+    def _runnable(self) -> dict[str, bool]:
+        """Owned processes the kernel shows running or sleeping (not stopped, not zombie)."""
+        out = {}
+        for instance, proc in self.procs.items():
+            try:
+                stat = Path(f"/proc/{proc.pid}/stat").read_text()
+                out[instance] = stat.rsplit(")", 1)[1].split()[0] in ("R", "S", "D")
+            except (OSError, IndexError):
+                out[instance] = False
+        return out
+
     def state(self) -> SupervisorState:
         now = self._clock()
         slots = []
@@ -708,7 +739,7 @@ class HealthManager:
                     self.core.on_disconnect(now)
                 elif self.core.disconnected_at is not None:
                     decisions += self.core.on_reconnect(now)
-                decisions += self.core.check(now)
+                decisions += self.core.check(now, self._runnable())
                 await self._carry_out(decisions)
                 if now - last_state >= self.core.heartbeat_s and connected:
                     last_state = now

@@ -194,13 +194,13 @@ class FaultRig:
             self.b,
             slots,  # type: ignore[arg-type]
             instance="health-rig",
-            core=HealthCore(heartbeat_s=self.heartbeat_s, budget=self.budget),
+            core=HealthCore(heartbeat_s=self.heartbeat_s, budget=self.budget, start_grace_s=300),
             log_dir=self.log_dir,
             kill_grace_s=5.0,
         )
         self.tasks.append(asyncio.create_task(self.manager.run(self.stop)))
         self.sched = SchedulerClient(self.b, by="fault-rig", call_timeout_s=2.0, deadline_s=90)
-        await wait_until(self.all_running, 120, "every role's first heartbeat", every=0.2)
+        await wait_until(self.all_running, 300, "every role's first heartbeat", every=0.2)
 
     async def all_running(self) -> bool:
         return all(s.state == "running" for s in self.manager.core.slots.values() if s.owned)

@@ -292,6 +292,7 @@ async def _at_least(s: set[str], n: int) -> bool:
 # ---------------------------------------------------------------- real workloads
 
 
+@pytest.mark.timeout(600)
 async def test_real_producer_and_inference_killed_mid_work(
     nats_server: EmbeddedNats, namespace: str, tmp_path: Path
 ) -> None:
