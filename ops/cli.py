@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=None,
+        help="seconds between heartbeats (default $JOYNEXUS_HEARTBEAT_S or 1)",
+    )
+    p.add_argument(
+        "--ack-wait",
+        type=float,
+        default=None,
+        help="stage workers: JetStream ack_wait in seconds (default $JOYNEXUS_ACK_WAIT_S or 30)",
+    )
 
     p = sub.add_parser(
         "status",
@@ -137,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("scheduler", "full job lifecycles/s and transition latency p50/p99"),
         ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
         ("inference", "group-batching speedup grid, request-reply latency/throughput, RSS"),
+        (
+            "faults",
+            "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
+        ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _common(bp, embedded=True)
@@ -211,6 +227,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             max_wait_ms=args.max_wait_ms,
             data_dir=Path(args.data_dir),
         )
+        if args.heartbeat is not None:
+            opts.heartbeat_s = args.heartbeat
+        if args.ack_wait is not None:
+            opts.ack_wait_s = args.ack_wait
         asyncio.run(
             _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))
         )
@@ -257,6 +277,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_scheduler import bench_scheduler
 
                 result = asyncio.run(bench_scheduler(url, args.seconds, progress=not args.json))
+            elif args.bench == "faults":
+                from joynexus.ops.bench_faults import bench_faults
+
+                result = asyncio.run(bench_faults(args.nats))
             elif args.bench == "inference":
                 from joynexus.ops.bench_inference import bench_inference
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -45,7 +48,67 @@ async def collect(b: Broker) -> dict[str, Any]:
         out["scheduler"] = msgspec.to_builtins(snap)
     except Unavailable as e:
         out["scheduler"] = {"error": str(e)}
+    out["inference_engines"] = [
+        {
+            "instance": r.get("metadata", {}).get("instance") or r.get("id", ""),
+            "endpoints": [
+                {
+                    "subject": e.get("subject"),
+                    "requests": e.get("num_requests", 0),
+                    "errors": e.get("num_errors", 0),
+                }
+                for e in r.get("endpoints", [])
+            ],
+        }
+        for r in await _gather_replies(b, f"$SRV.STATS.{b.names.inference_service}")
+    ]
+    out["agents"] = await _heartbeats(b)
     return out
+
+
+async def _gather_replies(b: Broker, subject: str, wait_s: float = 0.4) -> list[dict[str, Any]]:
+    """Every responder's reply to one request (micro services answer $SRV.* each)."""
+    inbox = b.nc.new_inbox()
+    replies: list[dict[str, Any]] = []
+
+    async def on_reply(msg: Any) -> None:
+        with contextlib.suppress(ValueError):
+            replies.append(json.loads(msg.data))
+
+    sub = await b.nc.subscribe(inbox, cb=on_reply)
+    try:
+        await b.nc.publish(subject, b"", reply=inbox)
+        await asyncio.sleep(wait_s)
+    finally:
+        await sub.unsubscribe()
+    return replies
+
+
+async def _heartbeats(b: Broker) -> dict[str, Any]:
+    """Each agent's last heartbeat and each health manager's state (KV ``<NS>_HEALTH``)."""
+    try:
+        kv = await b.js.key_value(b.names.health_bucket)
+        watcher = await kv.watch(">", ignore_deletes=True)
+    except Exception:  # no health bucket: no health manager in this deployment
+        return {"heartbeats": [], "managers": []}
+    out: list[dict[str, Any]] = []
+    managers: list[dict[str, Any]] = []
+    now = time.time()
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            with contextlib.suppress(ValueError):
+                value = json.loads(entry.value)
+                if entry.key.startswith("mgr."):  # a health manager: its slots and decisions
+                    managers.append(value)
+                    continue
+                value["age_s"] = round(now - float(value.get("at", now)), 1)
+                out.append(value)
+    finally:
+        await watcher.stop()
+    beats = sorted(out, key=lambda h: (h.get("role", ""), h.get("instance", "")))
+    return {"heartbeats": beats, "managers": managers}
 
 
 def render(s: dict[str, Any]) -> str:
@@ -103,6 +166,65 @@ def render(s: dict[str, Any]) -> str:
             f"active rollouts: {sched.get('active_rollouts', 0)} "
             f"(global max {sched.get('limits', {}).get('max_active_rollouts', 3)}), "
             f"leases held: {sched.get('leases', 0)}"
+        )
+    engines = s.get("inference_engines", [])
+    if engines:
+        erows = [
+            [e["instance"], ep["subject"], ep["requests"], ep["errors"]]
+            for e in engines
+            for ep in e["endpoints"]
+        ]
+        parts.append(
+            "Inference engines\n" + table(erows, ["engine", "endpoint", "requests", "errors"])
+        )
+    else:
+        parts.append("Inference engines: none answering")
+    health = s.get("agents", {})
+    agents = health.get("heartbeats", [])
+    for mgr in health.get("managers", []):
+        srows = [
+            [
+                sl.get("role"),
+                sl.get("instance"),
+                sl.get("state"),
+                sl.get("pid"),
+                sl.get("restarts", 0),
+                (sl.get("last_reason") or "")[:50],
+            ]
+            for sl in mgr.get("slots", [])
+        ]
+        parts.append(
+            f"Health manager {mgr.get('instance')} ({mgr.get('mode')}), "
+            f"global restarts {mgr.get('global_restarts', 0)}\n"
+            + table(srows, ["role", "instance", "state", "pid", "restarts", "last reason"])
+        )
+        drows = [
+            [d.get("decision"), d.get("role"), d.get("instance"), (d.get("reason") or "")[:60]]
+            for d in mgr.get("decisions", [])[-8:]
+        ]
+        if drows:
+            parts.append(
+                "Recent health decisions\n"
+                + table(drows, ["decision", "role", "instance", "reason"])
+            )
+    if agents:
+        arows = [
+            [
+                a.get("role"),
+                a.get("instance"),
+                a.get("pid"),
+                a.get("state"),
+                f"{a.get('age_s')}s",
+                a.get("errors", 0),
+                (a.get("last_error") or "")[:40],
+            ]
+            for a in agents
+        ]
+        parts.append(
+            "Agents (heartbeats)\n"
+            + table(
+                arows, ["role", "instance", "pid", "state", "last beat", "errors", "last error"]
+            )
         )
     srows = [[k, v["messages"], f"{v['bytes'] / 1e6:.2f} MB"] for k, v in s["streams"].items()]
     parts.append("Streams\n" + table(srows, ["stream", "messages", "bytes"]))

@@ -400,6 +400,13 @@ async def test_invalid_workloads_get_clear_errors(
         and reply.error.code == "invalid_message"
         and "name" in reply.error.message
     )
+    # `joynexus status` sees the tenant, its policy and the inference engine.
+    from joynexus.ops.status import collect, render
+
+    state = await collect(broker)
+    assert state["scheduler"]["policies"][0]["tenant_id"] == "acme"
+    assert state["inference_engines"] and state["inference_engines"][0]["endpoints"]
+    assert "Inference engines" in render(state) and "acme" in render(state)
     # Nothing else broke: the valid workload is registered and admitted.
     assert (await acme.get_workload("one")).record.state == "active"
     await acme.cancel_workload("one")
