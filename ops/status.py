@@ -199,7 +199,7 @@ def render(s: dict[str, Any]) -> str:
             + table(srows, ["role", "instance", "state", "pid", "restarts", "last reason"])
         )
         drows = [
-            [d.get("decision"), d.get("role"), d.get("instance"), (d.get("reason") or "")[:60]]
+            [d.get("action"), d.get("role"), d.get("instance"), (d.get("reason") or "")[:60]]
             for d in mgr.get("decisions", [])[-8:]
         ]
         if drows:
