@@ -36,7 +36,7 @@ async def evaluate_record(b: Broker, rec: WorkloadRecord) -> dict[str, float]:
     src = await PolicyStore(b).get(rec.tenant_id, spec.init_from_workload, spec.init_from)
     schema = feature_schema_of(src)
     _, instruction = workload_schema(spec)
-    infer = InferenceClient(b, base_model=src.base_model, timeout_s=30.0)
+    infer = InferenceClient(b, base_model=src.base_model, timeout_s=15.0, retry_for_s=90.0)
 
     async def act(obs: dict[str, Any]) -> np.ndarray:
         return await infer.act(

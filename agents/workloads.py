@@ -197,7 +197,10 @@ class RLProducer:
         self.sched = SchedulerClient(broker, by=instance)
         self.tq = TrainingQueue(broker)
         self.policies = PolicyStore(broker)
-        self.infer = InferenceClient(broker, base_model=self.spec.base_model, timeout_s=30.0)
+        # A restarted engine (health manager) is waited for instead of failing the rollout.
+        self.infer = InferenceClient(
+            broker, base_model=self.spec.base_model, timeout_s=15.0, retry_for_s=90.0
+        )
         self.rng = np.random.default_rng(self.spec.seed)
         self.rollouts = 0
 

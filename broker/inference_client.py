@@ -8,6 +8,7 @@ bad shapes or values).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -37,10 +38,21 @@ class _HasSignature(Protocol):
 class InferenceClient:
     """Ask the Inference Queue for actions; errors come back as the engine's classes."""
 
-    def __init__(self, broker: Broker, *, base_model: str = "qwen2.5-vl-tiny", timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        base_model: str = "qwen2.5-vl-tiny",
+        timeout_s: float = 10.0,
+        retry_for_s: float = 0.0,
+    ) -> None:
+        """``retry_for_s``: keep retrying a request that found no engine, that an
+        engine dropped (it died mid-batch) or that its engine refused as
+        overloaded, for up to this long (inference is idempotent); 0 = fail at once."""
         self.b = broker
         self.base_model = base_model
         self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s
 
     async def request(
         self,
@@ -75,16 +87,32 @@ class InferenceClient:
         )
         model = base_model or self.base_model
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        payload = encode_msgpack(req)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.retry_for_s
+        delay = 0.1
+        while True:
+            try:
+                return await self._once(model, payload, tenant_id, timeout)
+            except Unavailable:  # no engine, a dropped request (Timeout), or an overloaded engine
+                if loop.time() + delay > give_up_at:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _once(
+        self, model: str, payload: bytes, tenant_id: str, wait_s: float
+    ) -> InferResult:
         try:
             msg = await self.b.nc.request(
-                self.b.names.infer(model), encode_msgpack(req), timeout=timeout, headers=tracing.inject()
+                self.b.names.infer(model), payload, timeout=wait_s, headers=tracing.inject()
             )
         except NoRespondersError as e:
             raise Unavailable(
                 f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
             ) from e
         except (NatsTimeout, TimeoutError) as e:
-            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {timeout:g}s") from e
+            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {wait_s:g}s") from e
         reply: InferReply = decode_msgpack(msg.data, InferReply, what="inference reply")
         if isinstance(reply, InferError):
             raise reply.to_exception()

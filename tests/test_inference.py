@@ -428,6 +428,21 @@ async def test_no_engine_is_a_clear_unavailable(broker: Broker) -> None:
         await InferenceClient(broker).request("a", schema=SCHEMA, timeout_s=2, **make_obs(0))
 
 
+async def test_a_request_waits_for_an_engine_that_comes_back(
+    broker: Broker, make_engine: Callable[..., Any]
+) -> None:
+    """With retry_for_s, a request made while no engine runs (one died, the health
+    manager is restarting it) is answered once an engine joins."""
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    client = InferenceClient(broker, retry_for_s=20.0)
+    pending = asyncio.ensure_future(client.request("acme", schema=SCHEMA, timeout_s=2, **make_obs(0)))
+    await asyncio.sleep(0.5)
+    assert not pending.done()
+    await make_engine()
+    reply = await asyncio.wait_for(pending, 20)
+    assert reply.policy_version == 1
+
+
 # -- the micro service, traces --------------------------------------------------
 
 
