@@ -198,8 +198,13 @@ async def test_monitor_clearml_offline(
 
 @pytest.mark.timeout(30)
 async def test_traces_cross_nats_under_one_trace_id(broker: Broker, tmp_path: Path) -> None:
-    provider_a = telemetry.setup_tracing("agent-a", out_dir=tmp_path)
-    assert telemetry.setup_tracing("agent-a", out_dir=tmp_path) is provider_a  # no stacking
+    # The global provider is installed once per process (and maybe by another test
+    # first): setup_tracing returns the same one each time; the two "agents" here
+    # get providers of their own, as two processes would.
+    assert telemetry.setup_tracing("agent-a", out_dir=tmp_path / "g") is telemetry.setup_tracing(
+        "agent-a", out_dir=tmp_path / "g"
+    )
+    provider_a = telemetry.build_provider("agent-a", out_dir=tmp_path)
     provider_b = telemetry.build_provider("agent-b", out_dir=tmp_path)
     tracer_a, tracer_b = provider_a.get_tracer("test.a"), provider_b.get_tracer("test.b")
     subject = f"{broker.names.namespace}.test.echo"
