@@ -20,7 +20,7 @@ import numpy as np
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
-from joynexus.schemas.base import decode, encode
+from joynexus.schemas.base import encode
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.workloads import WorkloadRecord
 
@@ -69,41 +69,28 @@ class Evaluator:
         self.done = 0
 
     async def run(self, stop: asyncio.Event) -> None:
+        from joynexus.agents.workloads import watch_workloads
+
         kv = await self.b.js.key_value(self.b.names.workloads_bucket)
-        watcher = await kv.watchall()
-        try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=0.5)
-                except Exception:  # nothing new
-                    continue
-                if entry is None or not entry.value or entry.key.startswith("cursor."):
-                    continue
-                try:
-                    rec = decode(entry.value, WorkloadRecord)
-                except JoyNexusError as e:
-                    log.warning("workload %s: %s", entry.key, e)
-                    continue
-                if rec.spec.task_type != "eval" or rec.state != "active":
-                    continue
-                try:
-                    result = await evaluate_record(self.b, rec)
-                    state = "done"
-                except JoyNexusError as e:
-                    result, state = {"error_code": 1.0}, "cancelled"
-                    log.warning("eval %s failed: %s", entry.key, e)
-                finished = msgspec.structs.replace(
-                    rec, state=state, result=result, finished_at=time.time()
-                )
-                await kv.put(entry.key, encode(finished))
-                self.done += 1
-                await metrics.emit(
-                    self.b,
-                    "learning",
-                    rec.tenant_id,
-                    workload=rec.spec.init_from_workload,
-                    eval_success=result.get("success_rate", 0.0),
-                    version=result.get("version", 0.0),
-                )
-        finally:
-            await watcher.stop()
+        async for key, rec in watch_workloads(self.b, stop):
+            if rec.spec.task_type != "eval" or rec.state != "active":
+                continue
+            try:
+                result = await evaluate_record(self.b, rec)
+                state = "done"
+            except JoyNexusError as e:
+                result, state = {"error_code": 1.0}, "cancelled"
+                log.warning("eval %s failed: %s", key, e)
+            finished = msgspec.structs.replace(
+                rec, state=state, result=result, finished_at=time.time()
+            )
+            await kv.put(key, encode(finished))
+            self.done += 1
+            await metrics.emit(
+                self.b,
+                "learning",
+                rec.tenant_id,
+                workload=rec.spec.init_from_workload,
+                eval_success=result.get("success_rate", 0.0),
+                version=result.get("version", 0.0),
+            )

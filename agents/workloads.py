@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +328,7 @@ class SFTProducer:
         return await self.b.js.key_value(self.b.names.workloads_bucket)
 
     def _cursor_key(self) -> str:
-        return f"cursor.{self.tenant}.{self.spec.name}"
+        return f"{CURSOR_PREFIX}{self.tenant}.{self.spec.name}"
 
     async def run(self, stop: asyncio.Event) -> None:
         from joynexus.agents.envs.lerobot_data import load_dataset
@@ -409,6 +410,36 @@ def _take(ds: Any, idx: list[int]) -> list[dict[str, Any]]:
     return [ds[i] for i in idx]
 
 
+CURSOR_PREFIX = "cursor."
+
+
+async def watch_workloads(
+    b: Broker, stop: asyncio.Event, *, idle: Any = None
+) -> AsyncIterator[tuple[str, WorkloadRecord]]:
+    """Every workload record as it is written (the current ones first) until
+    ``stop``; ``idle()`` is called whenever nothing changed for half a second."""
+    kv = await b.js.key_value(b.names.workloads_bucket)
+    watcher = await kv.watchall()
+    try:
+        while not stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except Exception:  # nothing new within the timeout
+                entry = None
+            if entry is None or not entry.value or entry.key.startswith(CURSOR_PREFIX):
+                if idle is not None:
+                    idle()
+                continue
+            try:
+                rec = decode(entry.value, WorkloadRecord)
+            except JoyNexusError as e:
+                log.warning("workload %s: %s", entry.key, e)
+                continue
+            yield entry.key, rec
+    finally:
+        await watcher.stop()
+
+
 class ProducerAgent:
     """Runs a producer for every active workload of ``task_type`` (rl or sft)."""
 
@@ -436,25 +467,10 @@ class ProducerAgent:
             ready=True,
             instance=self.instance,
         )
-        kv = await self.b.js.key_value(self.b.names.workloads_bucket)
-        watcher = await kv.watchall()
         try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=0.5)
-                except Exception:  # timeout: nothing changed
-                    entry = None
-                if entry is None or not entry.value or entry.key.startswith("cursor."):
-                    self._reap()
-                    continue
-                try:
-                    rec = decode(entry.value, WorkloadRecord)
-                except JoyNexusError as e:
-                    log.warning("workload %s: %s", entry.key, e)
-                    continue
+            async for key, rec in watch_workloads(self.b, stop, idle=self._reap):
                 if rec.spec.task_type != self.task_type or rec.spec.source != "service":
                     continue
-                key = entry.key
                 if rec.state == "active" and key not in self.running:
                     ev = asyncio.Event()
                     cls = RLProducer if self.task_type == "rl" else SFTProducer
@@ -469,7 +485,6 @@ class ProducerAgent:
             for _task, ev in self.running.values():
                 ev.set()
             await asyncio.gather(*(t for t, _ in self.running.values()), return_exceptions=True)
-            await watcher.stop()
 
     async def _guard(self, coro: Any, key: str) -> None:
         try:

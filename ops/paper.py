@@ -55,22 +55,13 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 from joynexus.ops.launcher import role_command
 from joynexus.ops.natsserver import die_with_parent
+from joynexus.ops.roles import DEPLOYMENT_ROLES
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 
-ROLES = (
-    "scheduler",
-    "control",
-    "inference",
-    "advantage",
-    "actor",
-    "producer-rl",
-    "producer-sft",
-    "evaluator",
-    "monitor",
-)
+ROLES = DEPLOYMENT_ROLES  # the same deployment `joynexus up` starts
 RL_TASKS = (("acme", "PickCube-v1"), ("bolt", "PushCube-v1"), ("cora", "StackCube-v1"))
 SFT_TENANT = "dana"
 PAPER = {"device_time_ratio": 1.39, "train_util_ratio": 1.99, "infer_util_ratio": 1.33}
