@@ -414,7 +414,7 @@ def test_otlp_endpoint_receives_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     received: list[tuple[str, bytes]] = []
 
     class Collector(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             received.append((self.path, body))
             self.send_response(200)
