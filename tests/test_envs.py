@@ -13,9 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("mani_skill")
-pytest.importorskip("lerobot")
-
 from joynexus.agents.envs.experts import ScriptedExpert
 from joynexus.agents.envs.lerobot_data import (
     DatasetInfo,
