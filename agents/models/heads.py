@@ -20,6 +20,7 @@ and a safetensors export of the head weights.
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from collections.abc import Callable
@@ -68,8 +69,8 @@ class HeadConfig:
             raise InvalidSpec(f"HeadConfig.loss={self.loss!r}: choose 'l1' or 'mse'")
 
 
-class ActionHead(nn.Module):
-    """Base of tenant heads: ``loss`` for training, ``act`` for decoding."""
+class ActionHead(nn.Module, abc.ABC):
+    """Base of tenant heads: ``loss`` for training, ``act`` for decoding (both abstract)."""
 
     type_name: str = ""
 
@@ -91,13 +92,14 @@ class ActionHead(nn.Module):
         if tuple(target.shape) != shape:
             raise ShapeMismatch(f"{self.type_name}: target must be {list(shape)}, got {list(target.shape)}")
 
+    @abc.abstractmethod
     def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
         """Mean loss over the batch; ``weight_B`` weighs samples (advantage-weighted RL)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """Actions (or values) for a batch of features and robot states."""
 
 
 HEADS: dict[str, type[ActionHead]] = {}
