@@ -46,6 +46,8 @@ def role_command(
     ]
     if role == "actor":
         cmd += ["--out", str(out_dir)]
+    # Local output (traces, monitor data) beside the checkpoints: <data-dir>/actor.
+    cmd += ["--data-dir", str(out_dir.parent)]
     return cmd + list(extra or [])
 
 

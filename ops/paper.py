@@ -176,7 +176,7 @@ class Deployment:
                 instance=f"{role}-0",
                 out_dir=self.out / "checkpoints" / self.namespace,
             )
-            cmd += ["--data-dir", str(self.out)]
+            cmd += ["--data-dir", str(self.out)]  # argparse: the last one wins
             self.procs[role] = subprocess.Popen(
                 cmd,
                 stdout=log,
