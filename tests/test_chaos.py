@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from joynexus.agents.health import HealthCore, Heartbeat, RestartBudget
 from joynexus.broker.connection import Broker
@@ -267,9 +268,26 @@ async def test_cluster_node_kill_loses_no_acknowledged_event(tmp_path: Path) -> 
             await asyncio.gather(*writers)
             # Everything acknowledged is in the stream (read from a survivor).
             seen: set[str] = set()
-            sub = await b.js.pull_subscribe(
-                b.names.all_jobs, stream=b.names.jobs_stream, durable=None
-            )
+            # An R1 in-memory reader: an R3 consumer would need a third live peer,
+            # and its creation waits until the dead node is declared offline.
+            sub = None
+
+            async def reader_created() -> bool:
+                nonlocal sub
+                try:
+                    sub = await b.js.pull_subscribe(
+                        b.names.all_jobs,
+                        stream=b.names.jobs_stream,
+                        config=ConsumerConfig(
+                            num_replicas=1, mem_storage=True, ack_policy=AckPolicy.NONE
+                        ),
+                    )
+                    return True
+                except Exception:
+                    return False  # the meta leader may still be moving after the kill
+
+            await wait_until(reader_created, 60, "a reader on a survivor", every=0.5)
+            assert sub is not None
             while len(seen) < len(acked):
                 try:
                     msgs = await sub.fetch(500, timeout=5.0)
@@ -277,7 +295,6 @@ async def test_cluster_node_kill_loses_no_acknowledged_event(tmp_path: Path) -> 
                     break
                 for m in msgs:
                     seen.add(m.data.decode())
-                    await m.ack()
             missing = acked - seen
             assert not missing, f"{len(missing)} acknowledged appends lost: {sorted(missing)[:5]}"
             assert len(acked) >= n_at_kill + 200
