@@ -34,3 +34,16 @@ async def busy(b: Broker, service: str, start: float, end: float, **fields: Any)
     CPU shared with other services, whose wall-clock intervals stretch under
     contention."""
     await emit(b, "system", "_", service=service, busy_start=start, busy_end=end, **fields)
+
+
+async def security(
+    b: Broker, tenant_id: str, *, action: str, subject: str, reason: str, source: str
+) -> None:
+    """A refused attempt (kind ``security``): who (``tenant_id``, ``_`` when
+    unknown), what they tried (``action``: publish, subscribe, connect,
+    claim_tenant, ...), on which subject, why it was refused and who saw it
+    (``source``: nats-server, control, inference)."""
+    log.warning("security: %s refused %s %s of tenant %s: %s", source, action, subject,
+                tenant_id, reason)
+    await emit(b, "security", tenant_id, action=action, subject=subject, reason=reason,
+               source=source)

@@ -8,6 +8,7 @@ other. With the default namespace an operator sees::
     nats stream ls        -> JNX_JOBS, JNX_TQ, JNX_METRICS, JNX_ADVISORIES
     nats kv ls            -> JNX_TENANTS, JNX_WORKLOADS, JNX_POLICY, JNX_HEALTH
     nats object ls        -> JNX_WEIGHTS
+    nats kv ls            -> ... JNX_IDENTITIES (tenant users, with authorization on)
     nats micro ls         -> jnx-sched, jnx-control, jnx-infer
 """
 
@@ -28,6 +29,7 @@ SCHED = "sched"
 METRICS = "metrics"
 INFER = "infer"
 API = "api"
+ADMIN = "admin"
 TQ_DATA = "d"
 TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
@@ -119,6 +121,36 @@ class Names:
     def all_api(self) -> str:
         return f"{self.namespace}.{API}.*.*"
 
+    # -- the operator API (tenant slots and their credentials); only the admin identity
+    def admin(self, verb: str) -> str:
+        return f"{self.namespace}.{ADMIN}.{verb}"
+
+    @property
+    def all_admin(self) -> str:
+        return f"{self.namespace}.{ADMIN}.*"
+
+    # -- identities on the server (authorization on)
+    @property
+    def identities_bucket(self) -> str:
+        return self._upper("IDENTITIES")
+
+    def tenant_user(self, tenant_id: str) -> str:
+        """The NATS user of a tenant: ``<ns>.<tenant>`` (the server's log names it)."""
+        return f"{self.namespace}.{tenant_id}"
+
+    @property
+    def service_user(self) -> str:
+        return f"{self.namespace}-service"
+
+    @property
+    def admin_user(self) -> str:
+        return f"{self.namespace}-admin"
+
+    def inbox_prefix(self, tenant_id: str) -> str:
+        """Where a tenant's replies arrive (``_INBOX.<ns>.<tenant>.>``): it may
+        subscribe there and nowhere else."""
+        return f"_INBOX.{self.namespace}.{tenant_id}"
+
     @staticmethod
     def workload_key(tenant_id: str, name: str) -> str:
         return f"{tenant_id}.{name}"
@@ -128,9 +160,12 @@ class Names:
         return f"{self.namespace}-infer"
 
     # -- the Inference Queue (request-reply) and policy publication
-    def infer(self, base_model: str) -> str:
-        """Endpoint subject of one base model, e.g. ``jnx.infer.qwen2_5-vl-tiny``."""
-        return f"{self.namespace}.{INFER}.{model_token(base_model)}"
+    def infer(self, base_model: str, tenant_id: str = "*") -> str:
+        """Inference subject of one base model and tenant, e.g.
+        ``jnx.infer.qwen2_5-vl-tiny.acme``; the engines serve ``tenant_id="*"``.
+        The tenant is a subject token so the broker can fence it: a tenant may
+        publish only to its own, and the engine checks the payload against it."""
+        return f"{self.namespace}.{INFER}.{model_token(base_model)}.{tenant_id}"
 
     @staticmethod
     def policy_key(tenant_id: str, policy_key: str) -> str:

@@ -89,6 +89,13 @@ class ShapeMismatch(JoyNexusError, ValueError):
     code = "shape_mismatch"
 
 
+class PermissionDenied(JoyNexusError, PermissionError):
+    """The caller's identity may not do this: another tenant's subject, a payload
+    that claims another tenant, revoked credentials. Never retried."""
+
+    code = "permission_denied"
+
+
 class Unavailable(JoyNexusError, ConnectionError):
     """A service did not answer in time; the call may be retried."""
 
@@ -117,6 +124,7 @@ ERRORS_BY_CODE: dict[str, type[JoyNexusError]] = {
         Conflict,
         PayloadTooLarge,
         ShapeMismatch,
+        PermissionDenied,
         Unavailable,
         Timeout,
     )

@@ -28,6 +28,7 @@ def test_names_are_tokens() -> None:
     from joynexus.broker.subjects import Names
 
     n = Names()
-    assert n.infer("qwen2.5-vl-tiny") == "jnx.infer.qwen2_5-vl-tiny"
+    assert n.infer("qwen2.5-vl-tiny") == "jnx.infer.qwen2_5-vl-tiny.*"
+    assert n.infer("qwen2.5-vl-tiny", "acme") == "jnx.infer.qwen2_5-vl-tiny.acme"
     assert n.job_subject("acme", "j1", "ready") == "jnx.job.acme.j1.ready"
     assert n.jobs_in_state("needs_advantages") == "jnx.job.*.*.needs_advantages"
