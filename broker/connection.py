@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,9 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from joynexus.broker.credentials import Credentials
 from joynexus.broker.subjects import Names
-from joynexus.schemas.errors import Unavailable
+from joynexus.schemas.errors import PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ class Broker:
     nc: NATS
     js: JetStreamContext
     names: Names = field(default_factory=Names)
+    #: Called with every asynchronous error the server reports on this
+    #: connection (permission violations, authorization violations...).
+    error_listeners: list[Callable[[Exception], None]] = field(default_factory=list)
 
     @classmethod
     async def connect(
@@ -41,16 +46,32 @@ class Broker:
         namespace: str = "jnx",
         connect_timeout: float = 5.0,
         initial_timeout_s: float = 10.0,
+        credentials: Credentials | None = None,
         **auth: Any,
     ) -> Broker:
-        """Connect with reconnects that never give up (an agent outlives server restarts)."""
+        """Connect with reconnects that never give up (an agent outlives server restarts).
+
+        ``credentials`` authenticate (see :mod:`joynexus.broker.credentials`); a
+        tenant's connection gets its own inbox prefix, the only subjects it may
+        subscribe to. Other keyword arguments go to ``nats.connect``."""
 
         conn: list[NATS] = []
+        names = Names(namespace)
+        listeners: list[Callable[[Exception], None]] = []
+        if credentials is not None:
+            auth = {**credentials.connect_options(), **auth}
+            if credentials.kind == "tenant" and credentials.tenant:
+                auth.setdefault("inbox_prefix", names.inbox_prefix(credentials.tenant))
 
         async def on_error(e: Exception) -> None:
             # Before the first connect succeeds every refused attempt lands here;
             # the final error says it once.
             log.log(logging.WARNING if conn else logging.DEBUG, "nats connection %s: %s", name, e)
+            for listener in list(listeners):
+                try:
+                    listener(e)
+                except Exception:  # a listener's bug must not break the connection
+                    log.exception("error listener of %s failed", name)
 
         async def on_disconnect() -> None:
             if conn and not (conn[0].is_closed or conn[0].is_draining):
@@ -76,12 +97,19 @@ class Broker:
             nc = await asyncio.wait_for(connecting, initial_timeout_s)
         except Exception as e:  # nats raises several unrelated types here
             why = "no answer" if isinstance(e, TimeoutError) else str(e)
+            if "authorization violation" in why.lower():
+                who = credentials.user if credentials and credentials.user else "anonymous"
+                raise PermissionDenied(
+                    f"the NATS server at {url} refused the credentials of {who!r} "
+                    "(wrong or revoked; an operator issues them with `joynexus tenant add`, "
+                    "agents use <data-dir>/credentials/service.json)"
+                ) from e
             raise Unavailable(
                 f"cannot connect to NATS at {url} within {initial_timeout_s:.0f}s ({why}); "
                 "is the server running? (`joynexus up` or `joynexus server` start one)"
             ) from e
         conn.append(nc)
-        return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=Names(namespace))
+        return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=names, error_listeners=listeners)
 
     @property
     def max_payload(self) -> int:

@@ -21,7 +21,6 @@ direct get per subject; chunks are fetched concurrently by sequence.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -34,6 +33,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.direct import read_subject
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     Conflict,
@@ -208,11 +208,6 @@ class TrainingQueue:
     @property
     def stream(self) -> str:
         return self.broker.names.tq_stream
-
-    @property
-    def _direct_get_subject(self) -> str:
-        prefix = getattr(self.broker.js, "_prefix", "$JS.API")
-        return self.broker.names.direct_get(self.stream, prefix)
 
     # -- put
 
@@ -575,43 +570,10 @@ class TrainingQueue:
         return _Partition([(s, decode(d, TqIndexRecord)) for s, d in recs.items], recs.last_seq)
 
     async def _read_records(self, subject: str, start_seq: int) -> _Records:
-        """Every message on ``subject`` from ``start_seq`` on: batched direct gets, one
-        round trip per READ_BATCH records."""
-        nc = self.broker.nc
-        items: list[tuple[int, bytes]] = []
-        last = start_seq - 1
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        try:
-            while True:
-                req = json.dumps({"seq": last + 1, "next_by_subj": subject,
-                                  "batch": READ_BATCH}).encode()
-                await nc.publish(self._direct_get_subject, req, reply=inbox)
-                more = False
-                while True:
-                    try:
-                        msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
-                    except TimeoutError as e:
-                        raise Unavailable(
-                            f"reading {subject} from {self.stream} timed out") from e
-                    hdrs = msg.headers or {}
-                    status = hdrs.get("Status")
-                    if status == "404":
-                        break
-                    if status == "204":  # end of batch: more may remain
-                        more = int(hdrs.get("Nats-Num-Pending", "0")) > 0
-                        break
-                    if status is not None:
-                        raise Unavailable(f"direct get on {self.stream} failed: {status} "
-                                          f"{hdrs.get('Description', '')}")
-                    seq = int(hdrs["Nats-Sequence"])
-                    items.append((seq, msg.data))
-                    last = seq
-                if not more:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return _Records(items, max(last, start_seq - 1, 0))
+        """Every message on ``subject`` from ``start_seq`` on (batched direct gets)."""
+        items, last = await read_subject(self.broker, self.stream, subject, start_seq,
+                                         batch=READ_BATCH)
+        return _Records(items, last)
 
     async def _publish(self, subject: str, payload: bytes | memoryview,
                        headers: dict[str, str] | None = None,
