@@ -1,12 +1,26 @@
-"""The control plane: validates tenants' workload specs and allocates their slots.
+"""The control plane: tenant slots and credentials, workload specs, and the
+tenant's only door to its own data.
 
-Serves ``<ns>.api.<tenant>.<verb>`` as the micro service ``<ns>-control``.
-The tenant is taken from the subject (the third token), never from the
-payload: once the broker fences tenants to their own API subjects, a tenant
-cannot act for another. Creating a workload registers its admission policy
-with the scheduler, publishes the first version of its action module (fresh
-weights, or a copy of another of the tenant's versions) and stores the
-workload record, which the producer agents watch.
+Serves the micro service ``<ns>-control`` on two endpoints:
+
+- ``<ns>.api.<tenant>.<verb>`` (tenants): the tenant is taken from the
+  subject (the third token), never from the payload; the broker lets a tenant
+  publish only on its own. Creating a workload registers its admission policy
+  with the scheduler, publishes the first version of its action module (fresh
+  weights, or a copy of another of the tenant's versions) and stores the
+  workload record, which the producer agents watch. Since a tenant has no
+  JetStream access, the control plane also reads and writes the tenant's own
+  data for it: its job events (``read_events``, paged by stream sequence,
+  long-polled), rows of its open jobs' Training Queue partitions
+  (``put_data``) and its policy versions and weights (``get_policy``).
+- ``<ns>.admin.<verb>`` (the admin identity only): ``tenant_add`` issues a
+  tenant its NATS user (a generated password, stored only as a bcrypt hash in
+  the identities bucket), ``tenant_remove`` revokes it (and cancels its active
+  workloads), ``tenant_list``. The server's auth sync applies the change
+  without a restart; the reply waits until it has.
+
+A request that reaches for another tenant's job is refused like an unknown
+one (nothing is revealed) and reported as a ``security`` metric event.
 """
 
 from __future__ import annotations
@@ -24,18 +38,35 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import tracing
+from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.direct import read_subject
+from joynexus.broker.permissions import hash_password, new_password
+from joynexus.broker.policy import PolicyStore
+from joynexus.broker.subjects import parse_job_subject
+from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError, UnknownJob, UnknownTenant
-from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy
+from joynexus.schemas.identities import (
+    APPLIED_KEY,
+    AdminReply,
+    AuthApplied,
+    TenantIdentity,
+    TenantInfo,
+    TenantRequest,
+)
+from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import (
     ApiReply,
     CloseJob,
     CreateWorkload,
+    EventEntry,
     NamedWorkload,
     OpenJob,
+    PolicyQuery,
+    PutData,
+    ReadEvents,
     WorkloadRecord,
 )
 
@@ -51,7 +82,16 @@ VERBS: dict[str, type[Any]] = {
     "cancel_workload": NamedWorkload,
     "open_job": OpenJob,
     "close_job": CloseJob,
+    "read_events": ReadEvents,
+    "put_data": PutData,
+    "get_policy": PolicyQuery,
 }
+
+ADMIN_VERBS = ("tenant_add", "tenant_remove", "tenant_list")
+
+#: Longest long-poll of read_events (the SDK's request timeout must exceed it).
+MAX_EVENTS_WAIT_S = 20.0
+MAX_EVENTS_PAGE = 1000
 
 
 class ControlPlane:
@@ -67,9 +107,18 @@ class ControlPlane:
         self._kv: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()  # one create at a time: slot allocation is check-then-write
+        self._ids: Any = None
+        self._policies = PolicyStore(broker)
+        self._tq = TrainingQueue(broker)
+        # Job events seen per tenant (a core subscription): wakes read_events long-polls.
+        self._ticks: dict[str, int] = {}
+        self._tick = asyncio.Condition()
+        self._job_sub: Any = None
 
     async def start(self) -> None:
         self._kv = await self.b.js.key_value(self.n.workloads_bucket)
+        self._ids = await self.b.js.key_value(self.n.identities_bucket)
+        self._job_sub = await self.b.nc.subscribe(self.n.all_jobs, cb=self._on_job_event)
         self._service = await add_service(
             self.b.nc,
             name=self.n.control_service,
@@ -77,8 +126,23 @@ class ControlPlane:
             description="JoyNexus control plane: tenants' workload specs and slots",
         )
         await self._service.add_endpoint(name="api", subject=self.n.all_api, handler=self._handle)
+        await self._service.add_endpoint(
+            name="admin", subject=self.n.all_admin, handler=self._handle_admin
+        )
+
+    async def _on_job_event(self, msg: Any) -> None:
+        try:
+            tenant = parse_job_subject(msg.subject)[0]
+        except InvalidSpec:
+            return
+        async with self._tick:
+            self._ticks[tenant] = self._ticks.get(tenant, 0) + 1
+            self._tick.notify_all()
 
     async def stop(self) -> None:
+        if self._job_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._job_sub.unsubscribe()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -87,7 +151,13 @@ class ControlPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _handle(self, request: Request) -> None:
-        task = asyncio.ensure_future(self._serve(request))
+        self._spawn(self._serve(request))
+
+    async def _handle_admin(self, request: Request) -> None:
+        self._spawn(self._serve_admin(request))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -234,3 +304,188 @@ class ControlPlane:
             raise UnknownJob(f"tenant {tenant!r} has no job {req.job_id!r}")
         nxt = JobState.NEEDS_ADVANTAGES if job.task_type == "rl" else JobState.READY
         return ApiReply(job=await self.sched.mark(job.job_id, nxt))
+
+    # ------------------------------------------------------------ the tenant's own data
+    async def _tenant_job(self, tenant: str, job_id: str, verb: str) -> TrainingJob:
+        """One of the tenant's jobs; another tenant's is refused like an unknown one."""
+        try:
+            job = await self.sched.get_job(job_id)
+        except UnknownJob:
+            job = None
+        if job is not None and job.tenant_id != tenant:
+            await metrics.security(
+                self.b,
+                tenant,
+                action=verb,
+                subject=self.n.api(tenant, verb),
+                reason=f"tenant {tenant!r} named job {job_id!r} of tenant {job.tenant_id!r}",
+                source="control",
+            )
+        if job is None or job.tenant_id != tenant:  # never reveal another tenant's job
+            raise UnknownJob(f"tenant {tenant!r} has no job {job_id!r}")
+        return job
+
+    async def _read_events(self, tenant: str, req: ReadEvents) -> ApiReply:
+        if req.after_seq < 0:  # from now on: where the log ends
+            info = await self.b.js.stream_info(self.n.jobs_stream)
+            return ApiReply(last_seq=info.state.last_seq)
+        limit = max(1, min(req.limit, MAX_EVENTS_PAGE))
+        deadline = asyncio.get_running_loop().time() + min(max(req.wait_s, 0.0), MAX_EVENTS_WAIT_S)
+        while True:
+            tick = self._ticks.get(tenant, 0)
+            items, last = await read_subject(
+                self.b, self.n.jobs_stream, self.n.tenant_jobs(tenant), req.after_seq + 1,
+                limit=limit,
+            )
+            left = deadline - asyncio.get_running_loop().time()
+            if items or left <= 0:
+                break
+            # Wait for one of this tenant's events (re-read at least every second:
+            # a core message can be seen just before the stream has stored it).
+            with contextlib.suppress(TimeoutError):
+                async with self._tick:
+                    await asyncio.wait_for(
+                        self._tick.wait_for(lambda t=tick: self._ticks.get(tenant, 0) != t),
+                        min(left, 1.0),
+                    )
+        return ApiReply(
+            events=[EventEntry(seq=seq, event=msgspec.Raw(data)) for seq, data in items],
+            last_seq=last,
+        )
+
+    async def _put_data(self, tenant: str, req: PutData) -> ApiReply:
+        job = await self._tenant_job(tenant, req.job_id, "put_data")
+        if job.producer_role != "tenant" or job.state != JobState.RESERVED:
+            raise InvalidSpec(
+                f"job {req.job_id!r} takes no data from you (state {job.state.value}, produced "
+                f"by {job.producer_role!r}); open one with open_job and put before close_job"
+            )
+        if not req.fields:
+            raise InvalidSpec("put_data got no fields")
+        data = {name: t.to_array(name) for name, t in req.fields.items()}
+        meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
+        return ApiReply(job=job, rows=len(meta.rows))
+
+    async def _get_policy(self, tenant: str, req: PolicyQuery) -> ApiReply:
+        check_name("workload", req.workload)
+        rec = await self._policies.get(tenant, req.workload, req.version)
+        if req.limit <= 0:
+            return ApiReply(policy=rec)
+        if req.offset < 0:
+            raise InvalidSpec(f"offset must be >= 0, got {req.offset}")
+        # Replies are JSON (bytes as base64): keep a slice well under max_payload.
+        limit = min(req.limit, self.b.max_payload // 2)
+        weights = await self._policies.load_weights(rec)
+        return ApiReply(policy=rec, data=weights[req.offset : req.offset + limit])
+
+    # ------------------------------------------------------------ the operator API
+    async def _serve_admin(self, request: Request) -> None:
+        verb = request.subject.split(".")[-1]
+        try:
+            if verb not in ADMIN_VERBS:
+                raise InvalidSpec(f"unknown admin verb {verb!r}; verbs are {list(ADMIN_VERBS)}")
+            req = decode(request.data or b"{}", TenantRequest, what=f"{verb} request")
+            with tracing.tracer.start_as_current_span(
+                f"control.{verb}", context=tracing.extract(request.headers)
+            ):
+                reply = await getattr(self, f"_{verb}")(req)
+        except JoyNexusError as e:
+            reply = AdminReply(error=ErrorBody(code=e.code, message=str(e)))
+        except Exception as e:  # a bug: say so, keep serving
+            log.exception("admin request %s failed", request.subject)
+            reply = AdminReply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))
+
+    async def _identity(self, tenant: str) -> TenantIdentity | None:
+        try:
+            entry = await self._ids.get(tenant)
+        except KeyNotFoundError:
+            return None
+        return decode(entry.value, TenantIdentity) if entry.value else None
+
+    async def _wait_applied(self, revision: int, wait_s: float) -> str:
+        """'yes' once the server's auth sync applied ``revision``; 'off' when no
+        auth sync runs (authorization off); 'pending' if it did not in time."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        seen_sync = False
+        while True:
+            try:
+                entry = await self._ids.get(APPLIED_KEY)
+                seen_sync = True
+                if decode(entry.value, AuthApplied).revision >= revision:
+                    return "yes"
+            except KeyNotFoundError:
+                pass
+            if asyncio.get_running_loop().time() >= deadline:
+                return "pending" if seen_sync else "off"
+            await asyncio.sleep(0.05)
+
+    async def _tenant_info(self, ident: TenantIdentity) -> TenantInfo:
+        return TenantInfo(
+            tenant_id=ident.tenant_id,
+            user=ident.user,
+            created_at=ident.created_at,
+            rotated_at=ident.rotated_at,
+            workloads=len(await self._records(ident.tenant_id)),
+        )
+
+    async def _tenant_add(self, req: TenantRequest) -> AdminReply:
+        tenant = check_name("tenant", req.tenant)
+        async with self._lock:
+            old = await self._identity(tenant)
+            if old is not None and not req.rotate:
+                raise InvalidSpec(
+                    f"tenant {tenant!r} already has credentials; rotate them "
+                    f"(`joynexus tenant add {tenant} --rotate`) to issue new ones"
+                )
+            password = new_password()
+            now = time.time()
+            ident = TenantIdentity(
+                tenant_id=tenant,
+                user=self.n.tenant_user(tenant),
+                password_hash=await asyncio.to_thread(hash_password, password),
+                created_at=old.created_at if old else now,
+                rotated_at=now if old else 0.0,
+            )
+            revision = await self._ids.put(tenant, encode(ident))
+        applied = await self._wait_applied(revision, req.wait_s)
+        return AdminReply(tenant=await self._tenant_info(ident), password=password, applied=applied)  # type: ignore[arg-type]
+
+    async def _tenant_remove(self, req: TenantRequest) -> AdminReply:
+        tenant = check_name("tenant", req.tenant)
+        async with self._lock:
+            ident = await self._identity(tenant)
+            if ident is None:
+                raise UnknownTenant(f"tenant {tenant!r} has no credentials to revoke")
+            await self._ids.delete(tenant)
+            # The delete marker's revision, or a later one: applying either applies ours.
+            entry_rev = await self._last_revision()
+        cancelled = []
+        if req.cancel_workloads:
+            for rec in await self._records(tenant):
+                if rec.state == "active":
+                    await self._cancel_workload(tenant, NamedWorkload(name=rec.spec.name))
+                    cancelled.append(rec.spec.name)
+        applied = await self._wait_applied(entry_rev, req.wait_s)
+        return AdminReply(tenant=await self._tenant_info(ident), applied=applied, cancelled=cancelled)  # type: ignore[arg-type]
+
+    async def _last_revision(self) -> int:
+        info = await self.b.js.stream_info(f"KV_{self.n.identities_bucket}")
+        return int(info.state.last_seq)
+
+    async def _tenant_list(self, _req: TenantRequest) -> AdminReply:
+        infos = []
+        for key in await self._identity_keys():
+            ident = await self._identity(key)
+            if ident is not None:
+                infos.append(await self._tenant_info(ident))
+        return AdminReply(tenants=infos)
+
+    async def _identity_keys(self) -> list[str]:
+        try:
+            keys = await self._ids.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+        return sorted(k for k in keys if k != APPLIED_KEY)
+

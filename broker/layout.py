@@ -112,6 +112,14 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             replicas=opts.replicas,
         ),
         KeyValueConfig(
+            bucket=n.identities_bucket,
+            description="JoyNexus tenant identities: <tenant> -> NATS user and bcrypt password "
+            "hash (the control plane writes, the server's auth sync renders them into its "
+            "authorization; _applied = the revision it applied)",
+            history=8,
+            replicas=opts.replicas,
+        ),
+        KeyValueConfig(
             bucket=n.health_bucket,
             description="JoyNexus health: hb.<role>.<instance> heartbeats (per-message TTL; "
             "the server writes a marker when one expires) and mgr.<instance> supervisor state",

@@ -15,6 +15,7 @@ import msgspec
 
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.inference import PolicyRecord, TensorBytes
 from joynexus.schemas.jobs import TASK_TYPES, TaskType, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 
@@ -156,10 +157,51 @@ class CloseJob(Wire, kw_only=True):
     job_id: str
 
 
+class ReadEvents(Wire, kw_only=True, omit_defaults=True):
+    """Page through the tenant's own job events (the SDK's ``events()``): those
+    after stream sequence ``after_seq`` (``-1``: only events from now on), at
+    most ``limit``, waiting up to ``wait_s`` for the first one."""
+
+    after_seq: int = 0
+    limit: int = 256
+    wait_s: float = 0.0
+
+
+class PutData(Wire, kw_only=True):
+    """Rows for the Training Queue partition of one of the tenant's open jobs
+    (``open_job``); the control plane writes them, the tenant has no JetStream access."""
+
+    job_id: str
+    fields: dict[str, TensorBytes]
+
+
+class PolicyQuery(Wire, kw_only=True, omit_defaults=True):
+    """A version (default: latest) of a workload's policy; with ``limit`` > 0 also
+    ``limit`` bytes of its weights from ``offset`` (``export``)."""
+
+    workload: str
+    version: int | None = None
+    offset: int = 0
+    limit: int = 0
+
+
+class EventEntry(Wire, kw_only=True):
+    seq: int
+    event: msgspec.Raw
+
+
 class ApiReply(Wire, kw_only=True, omit_defaults=True):
     workload: WorkloadRecord | None = None
     workloads: list[WorkloadRecord] = []
     job: TrainingJob | None = None
+    #: read_events: the page, and the stream sequence to continue after.
+    events: list[EventEntry] = []
+    last_seq: int = 0
+    #: get_policy: the version's record and a slice of its weights.
+    policy: PolicyRecord | None = None
+    data: bytes = b""
+    #: put_data: rows now in the partition.
+    rows: int = 0
     #: Why open_job got no job (admission: limits reached; retry later).
     refused: str = ""
     error: ErrorBody | None = None

@@ -1,0 +1,234 @@
+"""Authorization on the embedded server: bootstrap identities and the auth sync.
+
+The process that owns the embedded nats-server (``joynexus up``, ``joynexus
+server``, ``joynexus demo``, the tests) runs it with authorization on:
+
+1. :func:`bootstrap` generates the admin and service identities into
+   ``<data-dir>/credentials/{admin,service}.json`` (owner-only) on first start
+   and writes ``<data-dir>/auth.conf`` (users with bcrypt hashes and
+   permissions, included by the server's config) if it does not exist yet.
+2. :class:`AuthSync` (connected as admin) watches the identities bucket, which
+   the control plane writes when an operator adds or removes a tenant, renders
+   it into ``auth.conf`` and reloads the server (SIGHUP: no restart, live
+   connections of a removed tenant are closed), then records the revision it
+   applied under ``_applied``, which the control plane waits for.
+3. It turns the server's refusals (permission violations, failed
+   authentications, from its log) into ``security`` metric events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError
+
+from joynexus.broker import metrics
+from joynexus.broker.connection import Broker
+from joynexus.broker.credentials import Credentials
+from joynexus.broker.permissions import (
+    User,
+    hash_password,
+    new_password,
+    parse_refusal,
+    render_authorization,
+    service_permissions,
+    tenant_permissions,
+)
+from joynexus.broker.subjects import Names
+from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.identities import APPLIED_KEY, AuthApplied, TenantIdentity
+
+log = logging.getLogger(__name__)
+
+AUTH_FILE = "auth.conf"
+CREDS_DIR = "credentials"
+
+
+def credentials_path(data_dir: str | os.PathLike[str], kind: str) -> Path:
+    return Path(data_dir) / CREDS_DIR / f"{kind}.json"
+
+
+def bootstrap(
+    data_dir: str | os.PathLike[str], names: Names, *, ca_file: str | None = None
+) -> tuple[Credentials, Credentials]:
+    """The (admin, service) credentials of this data dir, generated on first use,
+    and an ``auth.conf`` holding at least them."""
+    out = []
+    for kind, user in (("admin", names.admin_user), ("service", names.service_user)):
+        path = credentials_path(data_dir, kind)
+        if path.exists():
+            creds = Credentials.load(path)
+        else:
+            creds = Credentials(
+                kind=kind,  # type: ignore[arg-type]
+                user=user,
+                password=new_password(),
+                namespace=names.namespace,
+                ca_file=ca_file,
+            )
+            creds.save(path)
+        out.append(creds)
+    admin, service = out
+    conf = Path(data_dir) / AUTH_FILE
+    if not conf.exists():
+        write_auth(conf, names, admin, service, [])
+    return admin, service
+
+
+def _bootstrap_users(names: Names, admin: Credentials, service: Credentials) -> list[User]:
+    assert admin.user and admin.password and service.user and service.password
+    return [
+        User(admin.user, _hash_cached(admin.password)),
+        User(service.user, _hash_cached(service.password), service_permissions(names)),
+    ]
+
+
+_hashes: dict[str, str] = {}
+
+
+def _hash_cached(password: str) -> str:
+    if password not in _hashes:
+        _hashes[password] = hash_password(password)
+    return _hashes[password]
+
+
+def write_auth(
+    path: Path,
+    names: Names,
+    admin: Credentials,
+    service: Credentials,
+    tenants: list[TenantIdentity],
+) -> None:
+    users = _bootstrap_users(names, admin, service) + [
+        User(t.user, t.password_hash, tenant_permissions(names, t.tenant_id))
+        for t in sorted(tenants, key=lambda t: t.tenant_id)
+    ]
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(render_authorization(users))
+    os.replace(tmp, path)
+
+
+def secured_server(
+    data_dir: str | os.PathLike[str], names: Names, **server_kw: Any
+) -> tuple[EmbeddedNats, Credentials, Credentials]:
+    """An embedded server (not started yet) with authorization on, and the
+    (admin, service) credentials to reach it."""
+    tls = server_kw.get("tls")
+    admin, service = bootstrap(data_dir, names, ca_file=getattr(tls, "ca_file", None))
+    server = EmbeddedNats(data_dir, auth_include=AUTH_FILE, **server_kw)
+    return server, admin, service
+
+
+class AuthSync:
+    """Keeps the server's authorization equal to the identities bucket, and
+    reports the server's refusals as security events."""
+
+    def __init__(
+        self,
+        b: Broker,
+        server: EmbeddedNats,
+        admin: Credentials,
+        service: Credentials,
+        *,
+        debounce_s: float = 0.05,
+    ) -> None:
+        self.b = b
+        self.n = b.names
+        self.server = server
+        self.admin = admin
+        self.service = service
+        self.debounce_s = debounce_s
+        self.applied_revision = 0
+        self.reloads = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lines: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
+
+    # -- the server's log (called from its pump thread)
+    def on_log_line(self, line: str) -> None:
+        if self._loop is None or parse_refusal(line) is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._loop.call_soon_threadsafe(self._enqueue, line)
+
+    def _enqueue(self, line: str) -> None:
+        with contextlib.suppress(asyncio.QueueFull):  # a flood of refusals: drop the excess
+            self._lines.put_nowait(line)
+
+    async def _report_refusals(self) -> None:
+        while True:
+            line = await self._lines.get()
+            r = parse_refusal(line)
+            if r is None:
+                continue
+            await metrics.security(
+                self.b,
+                r.tenant(self.n),
+                action=r.action,
+                subject=r.subject,
+                reason=f"{r.reason} (user {r.user!r})",
+                source="nats-server",
+            )
+
+    # -- the identities bucket -> auth.conf -> reload
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        reporter = asyncio.ensure_future(self._report_refusals())
+        kv = await self.b.js.key_value(self.n.identities_bucket)
+        tenants: dict[str, TenantIdentity] = {}
+        watcher = await kv.watchall()
+        dirty_rev = 0
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=self.debounce_s if dirty_rev else 1.0)
+                except TimeoutError:
+                    entry = None
+                    if dirty_rev:  # quiet for debounce_s: apply what changed
+                        await self.apply(tenants, dirty_rev, kv)
+                        dirty_rev = 0
+                    continue
+                if entry is None:  # end of the initial values: apply them
+                    await self.apply(tenants, max(dirty_rev, 1), kv)
+                    dirty_rev = 0
+                    continue
+                if entry.key == APPLIED_KEY:
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    tenants.pop(entry.key, None)
+                else:
+                    tenants[entry.key] = decode(entry.value, TenantIdentity)
+                dirty_rev = max(dirty_rev, entry.revision or 0)
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def apply(self, tenants: dict[str, TenantIdentity], revision: int, kv: Any) -> None:
+        conf = self.server.data_dir / AUTH_FILE
+        await asyncio.to_thread(
+            write_auth, conf, self.n, self.admin, self.service, list(tenants.values())
+        )
+        await asyncio.to_thread(self.server.reload)
+        self.reloads += 1
+        self.applied_revision = revision
+        mark = AuthApplied(revision=revision, tenants=sorted(tenants), at=time.time())
+        await kv.put(APPLIED_KEY, encode(mark))
+        log.info("authorization applied: %d tenants (identities revision %d)", len(tenants), revision)
+
+
+async def applied_revision(kv: Any) -> int | None:
+    """The identities revision the server's auth sync applied last (None: no auth sync)."""
+    try:
+        entry = await kv.get(APPLIED_KEY)
+    except KeyNotFoundError:
+        return None
+    return decode(entry.value, AuthApplied).revision

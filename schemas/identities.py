@@ -1,0 +1,67 @@
+"""Tenant identities: the NATS users the control plane issues, and the operator API.
+
+A tenant slot is allocated by an operator (``joynexus tenant add acme``, the
+admin identity, subject ``<ns>.admin.tenant_add``). The control plane
+generates a password, stores only its bcrypt hash in the identities bucket
+(``<NS>_IDENTITIES``, key = tenant) and returns the password once, in the
+reply; the CLI writes it to an owner-only credentials file. The server's auth
+sync renders the bucket into the server's authorization and reloads it, then
+records the bucket revision it applied under ``_applied``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from joynexus.schemas.base import Wire
+from joynexus.schemas.scheduler import ErrorBody
+
+#: Key in the identities bucket where the auth sync records what it applied.
+APPLIED_KEY = "_applied"
+
+
+class TenantIdentity(Wire, kw_only=True, omit_defaults=True):
+    tenant_id: str
+    user: str
+    #: bcrypt hash of the password (the password itself is never stored).
+    password_hash: str
+    created_at: float = 0.0
+    rotated_at: float = 0.0
+
+
+class AuthApplied(Wire, kw_only=True):
+    """What the server's authorization was last rendered from."""
+
+    revision: int
+    tenants: list[str]
+    at: float
+
+
+class TenantRequest(Wire, kw_only=True, omit_defaults=True):
+    tenant: str = ""
+    #: tenant_add of an existing tenant: issue a new password (the old one stops working).
+    rotate: bool = False
+    #: tenant_remove: also cancel the tenant's active workloads.
+    cancel_workloads: bool = True
+    #: How long to wait for the server to apply the change.
+    wait_s: float = 10.0
+
+
+class TenantInfo(Wire, kw_only=True, omit_defaults=True):
+    tenant_id: str
+    user: str
+    created_at: float = 0.0
+    rotated_at: float = 0.0
+    workloads: int = 0
+
+
+class AdminReply(Wire, kw_only=True, omit_defaults=True):
+    tenant: TenantInfo | None = None
+    tenants: list[TenantInfo] = []
+    #: tenant_add: the new password, returned once.
+    password: str = ""
+    #: Whether the server applied the change before the reply (``pending``: no
+    #: auth sync acknowledged it in time, e.g. an external server or authorization off).
+    applied: Literal["yes", "pending", "off"] = "yes"
+    cancelled: list[str] = []
+    error: ErrorBody | None = None
