@@ -2,8 +2,12 @@
 
 An :class:`InferenceEngine` holds the shared frozen backbone and the heads of
 the tenants it serves. It is the NATS micro service ``<ns>-infer`` with one
-endpoint per base model on ``Names.infer(base_model)``, in a queue group, so
-several engines (in one process or many) share the load.
+endpoint per base model on ``Names.infer(base_model)`` (``<ns>.infer.<model>.*``),
+in a queue group, so several engines (in one process or many) share the load.
+A tenant asks on ``<ns>.infer.<model>.<tenant>``: the broker lets a tenant
+publish only to its own subject, and the engine serves only the tenant the
+subject names. A request whose payload claims another tenant gets a
+``PermissionDenied`` reply (to it alone) and a ``security`` metric event.
 
 Path of a request::
 
@@ -65,10 +69,11 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.policy import PolicyStore, feature_schema_of
-from joynexus.broker.subjects import model_token
+from joynexus.broker.subjects import check_token, model_token
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
+    PermissionDenied,
     ShapeMismatch,
     Unavailable,
 )
@@ -145,6 +150,10 @@ class EngineStats:
     rejected: int = 0
     #: sizes of the most recent batches (bounded)
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+#: ``Nats-Service-Error-Code`` of an error reply (micro-service convention: HTTP-like).
+_STATUS_BY_CODE = {PermissionDenied.code: "403"}
 
 
 def _error_of(e: BaseException) -> InferError:
@@ -440,6 +449,7 @@ class InferenceEngine:
                     "retry later or scale up (EnginePool.scale_up / another `joynexus agent inference`)"
                 )
             req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
+            self._check_tenant(request.subject, req)
             span.set_attribute("joynexus.tenant", req.tenant_id)
             lp = self._lookup(req.tenant_id, req.policy_key, req.policy_version)
             if lp is None:
@@ -448,6 +458,40 @@ class InferenceEngine:
             self._admit(request, req, lp, span, received)
         except Exception as e:
             self._spawn(self._reply_error(request, e, span))
+
+    def _check_tenant(self, subject: str, req: InferRequest) -> None:
+        """The tenant is the subject's last token (the broker fences who may publish
+        there); a payload that claims another tenant is refused, to its requester
+        alone, and reported as a security event (never awaited here)."""
+        tenant = subject.rsplit(".", 1)[-1]
+        try:
+            check_token("tenant", tenant)
+        except InvalidSpec:
+            tenant = "_"  # no tenant's subject (a literal wildcard token): nobody to serve
+        else:
+            if req.tenant_id == tenant:
+                return
+        if tenant == "_":
+            reason = (
+                f"request on {subject} names no tenant (claims tenant {req.tenant_id!r}): "
+                f"ask on {self.b.names.infer(self.base_model, req.tenant_id)}"
+            )
+        else:
+            reason = (
+                f"request on {subject} claims tenant {req.tenant_id!r}: a tenant may ask only "
+                f"for its own policies (this subject is tenant {tenant!r}'s)"
+            )
+        self._spawn(
+            metrics.security(
+                self.b,
+                tenant,
+                action="claim_tenant",
+                subject=subject,
+                reason=reason,
+                source="inference",
+            )
+        )
+        raise PermissionDenied(reason)
 
     async def _admit_later(
         self, request: Request, req: InferRequest, span: Any, received: float
@@ -500,7 +544,7 @@ class InferenceEngine:
             headers = tracing.inject()
         if isinstance(reply, InferError):
             headers["Nats-Service-Error"] = reply.message[:200]
-            headers["Nats-Service-Error-Code"] = "400"
+            headers["Nats-Service-Error-Code"] = _STATUS_BY_CODE.get(reply.code, "400")
         try:
             await request.respond(encode_msgpack(reply), headers=headers)
         except Exception as e:  # the caller is gone or the connection dropped

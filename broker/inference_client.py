@@ -1,9 +1,11 @@
 """The Inference Queue's client: ask for actions over NATS request-reply.
 
 Torch-free (numpy and msgpack only), so the tenant SDK can use it; the
-engines that answer live in ``joynexus.agents.inference``. Errors come back
-as the engine's classes (unknown tenant or version, incompatible schema,
-bad shapes or values).
+engines that answer live in ``joynexus.agents.inference``. A tenant's request
+travels on its own subject, ``<ns>.infer.<model>.<tenant>`` (the only inference
+subject its NATS user may publish to). Errors come back as the engine's
+classes (unknown tenant or version, incompatible schema, bad shapes or
+values, permission denied).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.subjects import check_token
 from joynexus.schemas.errors import Timeout, Unavailable
 from joynexus.schemas.inference import (
     InferError,
@@ -71,6 +74,7 @@ class InferenceClient:
         base_model: str | None = None,
     ) -> InferResult:
         """The full reply (actions, version served, batch info, timings)."""
+        check_token("tenant", tenant_id)  # a subject token: fail here, not at the broker
         req = InferRequest(
             tenant_id=tenant_id,
             policy_key=policy_key,
@@ -105,7 +109,10 @@ class InferenceClient:
     ) -> InferResult:
         try:
             msg = await self.b.nc.request(
-                self.b.names.infer(model), payload, timeout=wait_s, headers=tracing.inject()
+                self.b.names.infer(model, tenant_id),
+                payload,
+                timeout=wait_s,
+                headers=tracing.inject(),
             )
         except NoRespondersError as e:
             raise Unavailable(

@@ -32,6 +32,7 @@ from joynexus.schemas.errors import (
     InvalidMessage,
     InvalidSpec,
     JoyNexusError,
+    PermissionDenied,
     ShapeMismatch,
     Unavailable,
     UnknownTenant,
@@ -40,7 +41,10 @@ from joynexus.schemas.inference import (
     IncompatibleSchema,
     InferError,
     InferReply,
+    InferRequest,
     InferResult,
+    Observation,
+    TensorBytes,
     UnknownPolicyVersion,
     decode_msgpack,
     encode_msgpack,
@@ -53,6 +57,7 @@ CAMS = ("front", "wrist")
 HW = (56, 56)
 SCHEMA = FeatureSchema(CAMS, HW, 8, 7, 8)
 INSTR = ("pick up the red cube", "open the drawer", "push the block left", "stack the cups")
+MODEL = "qwen2.5-vl-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,16 @@ def expected(backbone: Backbone, module: TenantModule, obs: dict[str, Any], nois
     n = None if noise is None else torch.from_numpy(noise)
     (a,) = serial_forward(backbone, [ActRequest(module, fb, n)])
     return a.numpy()
+
+
+def raw_request(tenant: str, obs: dict[str, Any], schema: FeatureSchema = SCHEMA) -> bytes:
+    """An encoded inference request as a tenant's SDK builds it (to send on any subject)."""
+    return encode_msgpack(InferRequest(
+        tenant_id=tenant, schema_signature=schema.signature(),
+        observation=Observation(images={k: TensorBytes.from_array(v) for k, v in obs["images"].items()},
+                                instruction=obs["instruction"],
+                                state=TensorBytes.from_array(obs["state"])),
+    ))
 
 
 @pytest.fixture
@@ -377,10 +392,120 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
     assert engine.stats.errors == 7
 
     # Bytes that are not an inference request, and tensor bytes that do not fit their shape.
-    msg = await broker.nc.request(broker.names.infer("qwen2.5-vl-tiny"), b"\x01garbage", timeout=5)
+    msg = await broker.nc.request(broker.names.infer(MODEL, "a"), b"\x01garbage", timeout=5)
     err = decode_msgpack(msg.data, InferReply)
     assert isinstance(err, InferError) and isinstance(err.to_exception(), InvalidMessage)
     assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
+
+
+async def security_events(broker: Broker, tenant: str, n: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The first ``n`` security events of ``tenant``, read back from the metrics stream."""
+    sub = await broker.js.subscribe(broker.names.metrics("security", tenant),
+                                    stream=broker.names.metrics_stream, ordered_consumer=True)
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{len(out)} of {n} security event(s) of {tenant!r} within {timeout_s}s: {out}")
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:
+                continue
+            out.append(json.loads(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def test_payload_claiming_another_tenant_is_refused_and_reported(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    """A request on tenant a's subject whose payload claims tenant b: a PermissionDenied
+    reply to it alone (b's policy never serves it), a security event for a, and the
+    good requests of the same batch window are served as usual."""
+    store = PolicyStore(broker)
+    ma, mb = make_module("a", seed=1), make_module("b", seed=2)
+    await store.publish("a", "default", ma, SCHEMA)
+    await store.publish("b", "default", mb, SCHEMA)
+    engine = await make_engine(max_batch=8, max_wait_ms=300)
+    client = InferenceClient(broker)
+    oa, ob, forged = make_obs(1), make_obs(2), make_obs(3)
+    subject_a = broker.names.infer(MODEL, "a")
+
+    good_a, bad, good_b = await asyncio.gather(
+        client.request("a", schema=SCHEMA, **oa),
+        broker.nc.request(subject_a, raw_request("b", forged), timeout=5),
+        client.request("b", schema=SCHEMA, **ob),
+    )
+    reply = decode_msgpack(bad.data, InferReply)
+    assert isinstance(reply, InferError) and reply.code == "permission_denied"
+    err = reply.to_exception()
+    assert isinstance(err, PermissionDenied) and err.permanent
+    assert subject_a in str(err) and "claims tenant 'b'" in str(err) and "tenant 'a'" in str(err)
+    assert bad.headers and bad.headers.get("Nats-Service-Error-Code") == "403"
+    # The batch-mates: one shared forward of the two good requests, each with its own head.
+    assert isinstance(good_a, InferResult) and isinstance(good_b, InferResult)
+    assert good_a.batch.batch_id == good_b.batch.batch_id and good_a.batch.size == 2
+    np.testing.assert_allclose(good_a.actions.to_array(), expected(backbone, ma, oa), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(good_b.actions.to_array(), expected(backbone, mb, ob), atol=ATOL, rtol=0)
+    assert engine.stats.errors == 1
+
+    (event,) = await security_events(broker, "a")
+    assert event["kind"] == "security" and event["tenant_id"] == "a"
+    assert (event["action"], event["source"], event["subject"]) == ("claim_tenant", "inference", subject_a)
+    assert "claims tenant 'b'" in event["reason"] and "tenant 'a'" in event["reason"]
+
+    # Through the client too: the error comes back as its class.
+    with pytest.raises(PermissionDenied, match="claims tenant 'b'"):
+        await client._once(MODEL, raw_request("b", forged), "a", 5)
+    # A subject that names no tenant (a literal wildcard token) serves nobody.
+    msg = await broker.nc.request(broker.names.infer(MODEL), raw_request("a", oa), timeout=5)
+    nobody = decode_msgpack(msg.data, InferReply)
+    assert isinstance(nobody, InferError) and nobody.code == "permission_denied"
+    assert "names no tenant" in nobody.message
+    (event,) = await security_events(broker, "_")
+    assert event["action"] == "claim_tenant" and event["subject"] == broker.names.infer(MODEL)
+    assert len(await security_events(broker, "a", n=2)) == 2
+    # One event per refusal, each on the subject's tenant: b (whose policy was claimed) is not blamed.
+    info = await broker.js.stream_info(broker.names.metrics_stream,
+                                       subjects_filter=broker.names.metrics("security", "*"))
+    assert info.state.subjects == {broker.names.metrics("security", "a"): 2,
+                                   broker.names.metrics("security", "_"): 1}
+
+
+async def test_client_asks_on_the_tenants_own_subject(
+    broker: Broker, make_engine: Callable[..., Any]
+) -> None:
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    await PolicyStore(broker).publish("bolt", "default", make_module("bolt", seed=4), SCHEMA)
+    await make_engine(max_wait_ms=1)
+    seen: list[tuple[str, str]] = []
+
+    async def spy(msg: Any) -> None:  # a plain subscriber (no queue group) sees every request
+        seen.append((msg.subject, decode_msgpack(msg.data, InferRequest).tenant_id))
+
+    sub = await broker.nc.subscribe(broker.names.infer(MODEL), cb=spy)
+    exact = await broker.nc.subscribe(broker.names.infer(MODEL, "acme"))
+    try:
+        client = InferenceClient(broker)
+        r = await client.request("acme", schema=SCHEMA, **make_obs(0))
+        assert isinstance(r, InferResult) and r.policy_version == 1
+        await client.request("bolt", schema=SCHEMA, **make_obs(1))
+        msg = await exact.next_msg(timeout=5)
+        assert msg.subject == broker.names.infer(MODEL, "acme") == f"{broker.names.namespace}.infer.qwen2_5-vl-tiny.acme"
+        assert decode_msgpack(msg.data, InferRequest).tenant_id == "acme"
+        await broker.nc.flush()
+        assert seen == [(broker.names.infer(MODEL, "acme"), "acme"), (broker.names.infer(MODEL, "bolt"), "bolt")]
+        # A tenant id that cannot be a subject token never reaches the wire.
+        with pytest.raises(InvalidSpec, match=r"tenant 'a\.b' is not a valid name"):
+            await client.request("a.b", schema=SCHEMA, **make_obs(2))
+        await broker.nc.flush()
+        assert len(seen) == 2
+    finally:
+        await sub.unsubscribe()
+        await exact.unsubscribe()
 
 
 class FlakyBackbone:
@@ -457,19 +582,13 @@ async def test_visible_as_micro_service_and_reply_continues_the_trace(
     assert info["name"] == broker.names.inference_service
     assert info["metadata"]["instance"] == engine.instance
     (ep,) = info["endpoints"]
-    assert ep["subject"] == broker.names.infer("qwen2.5-vl-tiny")
+    # One endpoint for every tenant of the model: the tenant is the subject's last token.
+    assert ep["subject"] == f"{broker.names.namespace}.infer.qwen2_5-vl-tiny.*" == broker.names.infer(MODEL)
     assert ep["queue_group"] == broker.names.inference_service
 
-    from joynexus.schemas.inference import InferRequest, Observation, TensorBytes
-
-    o = make_obs(0)
-    req = InferRequest(
-        tenant_id="acme", schema_signature=SCHEMA.signature(),
-        observation=Observation(images={k: TensorBytes.from_array(v) for k, v in o["images"].items()},
-                                instruction="go", state=TensorBytes.from_array(o["state"])),
-    )
+    o = dict(make_obs(0), instruction="go")
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    msg = await broker.nc.request(broker.names.infer("qwen2.5-vl-tiny"), encode_msgpack(req), timeout=5,
+    msg = await broker.nc.request(broker.names.infer(MODEL, "acme"), raw_request("acme", o), timeout=5,
                                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
     assert isinstance(decode_msgpack(msg.data, InferReply), InferResult)
     assert msg.headers is not None and msg.headers["traceparent"].split("-")[1] == trace_id
