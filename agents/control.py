@@ -343,15 +343,16 @@ class ControlPlane:
             # Wait for one of this tenant's events (re-read at least every second:
             # a core message can be seen just before the stream has stored it).
             with contextlib.suppress(TimeoutError):
-                async with self._tick:
-                    await asyncio.wait_for(
-                        self._tick.wait_for(lambda t=tick: self._ticks.get(tenant, 0) != t),
-                        min(left, 1.0),
-                    )
+                await asyncio.wait_for(self._wait_tick(tenant, tick), min(left, 1.0))
         return ApiReply(
             events=[EventEntry(seq=seq, event=msgspec.Raw(data)) for seq, data in items],
             last_seq=last,
         )
+
+    async def _wait_tick(self, tenant: str, tick: int) -> None:
+        async with self._tick:
+            while self._ticks.get(tenant, 0) == tick:
+                await self._tick.wait()
 
     async def _put_data(self, tenant: str, req: PutData) -> ApiReply:
         job = await self._tenant_job(tenant, req.job_id, "put_data")

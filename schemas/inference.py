@@ -67,7 +67,10 @@ def inference_error_from_code(code: str, message: str) -> JoyNexusError:
 #: dtypes a tensor may carry on the wire (little-endian).
 DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name).newbyteorder("<")
-    for name in ("uint8", "int8", "int32", "int64", "float16", "float32", "float64")
+    for name in (
+        "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64",
+    )
 }
 
 

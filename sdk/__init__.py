@@ -1,6 +1,6 @@
 """The JoyNexus tenant SDK: the whole public surface is listed in ``__all__``.
 
-async with await Client.connect(url, tenant="acme") as client:
+async with await Client.connect(credentials="acme.json") as client:  # from `joynexus tenant add`
     wl = await client.create_workload(WorkloadSpec(name="pick", task_type="sft",
                                                    dataset="/data/acme_pick"))
     async for event in wl.events():
@@ -14,6 +14,7 @@ from joynexus.schemas.errors import (
     InvalidMessage,
     InvalidSpec,
     JoyNexusError,
+    PermissionDenied,
     Unavailable,
     UnknownJob,
     UnknownPolicyVersion,
@@ -35,6 +36,7 @@ __all__ = [
     "JobEvent",
     "JobState",
     "JoyNexusError",
+    "PermissionDenied",
     "Scheduling",
     "SyncClient",
     "TrainingJob",

@@ -1,11 +1,15 @@
 """The tenant's client: declare workloads, watch their jobs, fetch policies.
 
-Everything goes over NATS with the tenant's own identity: API calls are
-requests on ``<ns>.api.<tenant>.<verb>`` (the control plane takes the tenant
-from the subject), job events are read from the tenant's own subjects of the
-job event log. Methods that talk to the service return futures: ``await``
-them in async code, or use :class:`joynexus.sdk.SyncClient`, whose futures
-have a blocking ``.result()``.
+Everything goes over NATS with the tenant's own identity (the credentials
+file an operator issued with ``joynexus tenant add``): every call is a
+request on ``<ns>.api.<tenant>.<verb>`` (the control plane takes the tenant
+from the subject) or, for actions, on the tenant's own inference subject.
+The broker lets a tenant publish nowhere else, and it has no JetStream
+access: its job events, Training Queue rows and policy weights go through
+the control plane. A refused attempt fails the call with
+:class:`PermissionDenied`. Methods that talk to the service return futures:
+``await`` them in async code, or use :class:`joynexus.sdk.SyncClient`, whose
+futures have a blocking ``.result()``.
 
 This module needs only the base install (no torch).
 """
@@ -13,32 +17,33 @@ This module needs only the base install (no torch).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import DeliverPolicy
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.credentials import Credentials
 from joynexus.broker.inference_client import InferenceClient
-from joynexus.broker.policy import PolicyStore
-from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
+    PermissionDenied,
     Timeout,
     Unavailable,
     error_from_code,
 )
+from joynexus.schemas.inference import PolicyRecord, TensorBytes
 from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
 from joynexus.schemas.workloads import (
     ApiReply,
@@ -46,6 +51,9 @@ from joynexus.schemas.workloads import (
     CreateWorkload,
     NamedWorkload,
     OpenJob,
+    PolicyQuery,
+    PutData,
+    ReadEvents,
     WorkloadRecord,
     WorkloadSpec,
 )
@@ -55,26 +63,13 @@ T = TypeVar("T")
 SFT_FIELDS = ("obs_state", "actions")
 RL_FIELDS = ("obs_state", "actions", "env_id", "step", "rewards", "dones")
 IMAGE_PREFIX = "obs_image_"
+#: Raw bytes per put_data request (JSON carries them as base64, under max_payload).
+PUT_CHUNK_BYTES = 2 * 1024 * 1024
+#: How long one read_events request waits for new events.
+EVENTS_WAIT_S = 5.0
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
-
-@dataclass(frozen=True)
-class Credentials:
-    """How the tenant authenticates to NATS (user/password, token or a creds file)."""
-
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-
-    def connect_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {}
-        if self.user is not None:
-            opts["user"], opts["password"] = self.user, self.password
-        if self.token is not None:
-            opts["token"] = self.token
-        if self.creds_file is not None:
-            opts["user_credentials"] = self.creds_file
-        return opts
+__all__ = ["Client", "Credentials", "Workload"]
 
 
 class Workload:
@@ -109,27 +104,47 @@ class Client:
         self._b = broker
         self.tenant = tenant
         self.timeout_s = timeout_s
-        self._policies = PolicyStore(broker)
-        self._tq = TrainingQueue(broker)
         self._infer = InferenceClient(broker)
         self._records: dict[str, WorkloadRecord] = {}
+        # Refusals the server reports asynchronously, matched to the calls waiting on them.
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._revoked: PermissionDenied | None = None
+        self._closing: asyncio.Future[None] | None = None
+        broker.error_listeners.append(self._on_server_error)
 
     @classmethod
     async def connect(
         cls,
-        url: str | list[str],
+        url: str | list[str] | None = None,
         *,
-        tenant: str,
-        credentials: Credentials | None = None,
-        namespace: str = "jnx",
+        tenant: str | None = None,
+        credentials: Credentials | str | Path | None = None,
+        namespace: str | None = None,
         timeout_s: float = 30.0,
     ) -> Client:
+        """Connect as ``tenant``. ``credentials``: the file (or its loaded
+        :class:`Credentials`) an operator issued with ``joynexus tenant add``;
+        it names the tenant, the namespace and the server, so
+        ``Client.connect(credentials="acme.json")`` is enough."""
+        creds = Credentials.load(credentials) if isinstance(credentials, str | Path) else credentials
+        if creds is not None and creds.tenant and tenant and creds.tenant != tenant:
+            raise InvalidSpec(
+                f"the credentials are tenant {creds.tenant!r}'s, not {tenant!r}'s"
+            )
+        tenant = tenant or (creds.tenant if creds else None)
+        if tenant is None:
+            raise InvalidSpec("connect needs tenant= (or credentials that name the tenant)")
         check_name("tenant", tenant)
+        url = url or (creds.url if creds else None)
+        if not url:
+            raise InvalidSpec("connect needs the server's url (or credentials that name it)")
+        namespace = namespace or (creds.namespace if creds and creds.namespace else "jnx")
         broker = await Broker.connect(
             url,
             name=f"sdk-{tenant}",
             namespace=namespace,
-            **(credentials.connect_options() if credentials else {}),
+            credentials=creds,
+            inbox_prefix=f"_INBOX.{namespace}.{tenant}",
         )
         return cls(broker, tenant, timeout_s=timeout_s)
 
@@ -147,11 +162,73 @@ class Client:
     def _future(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         return asyncio.ensure_future(coro)
 
-    async def _api(self, verb: str, req: Any) -> ApiReply:
+    def _on_server_error(self, e: Exception) -> None:
+        text = str(e)
+        m = _VIOLATION.search(text.lower())
+        if m:
+            subject = m.group(2)
+            err = PermissionDenied(
+                f"the server refused tenant {self.tenant!r} {m.group(1)} to {subject!r}: a "
+                "tenant may use only its own API and inference subjects"
+            )
+            for fut in self._waiting.pop(subject, set()):
+                if not fut.done():
+                    fut.set_exception(err)
+        elif "authorization violation" in text.lower():
+            self._revoked = PermissionDenied(
+                f"the server refused tenant {self.tenant!r}'s credentials (revoked or "
+                "rotated: ask the operator for new ones)"
+            )
+            for futs in self._waiting.values():
+                for fut in futs:
+                    if not fut.done():
+                        fut.set_exception(self._revoked)
+            self._waiting.clear()
+            # Reconnecting with refused credentials would retry forever.
+            self._closing = asyncio.ensure_future(self._b.close())
+
+    async def _guarded(self, subject: str, call: Coroutine[Any, Any, T]) -> T:
+        """``call`` (which publishes on ``subject``), failed at once with
+        PermissionDenied if the server refuses that publish."""
+        if self._revoked is not None:
+            call.close()
+            raise self._revoked
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(subject.lower(), set()).add(refused)
+        task = asyncio.ensure_future(call)
+        try:
+            pending: set[asyncio.Future[Any]] = {task, refused}
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if refused.done() and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                refused.result()  # raises PermissionDenied
+            return task.result()
+        except ConnectionClosedError as e:
+            raise self._revoked or Unavailable("the connection to NATS is closed") from e
+        finally:
+            if not task.done():
+                task.cancel()
+            futs = self._waiting.get(subject.lower())
+            if futs is not None:
+                futs.discard(refused)
+                if not futs:
+                    self._waiting.pop(subject.lower(), None)
+            if refused.done() and not refused.cancelled():
+                refused.exception()  # retrieved: no "never retrieved" warning
+
+    async def _api(self, verb: str, req: Any, *, timeout_s: float | None = None) -> ApiReply:
         subject = self._b.names.api(self.tenant, verb)
         try:
-            msg = await self._b.nc.request(
-                subject, encode(req), timeout=self.timeout_s, headers=tracing.inject()
+            msg = await self._guarded(
+                subject,
+                self._b.nc.request(
+                    subject,
+                    encode(req),
+                    timeout=timeout_s or self.timeout_s,
+                    headers=tracing.inject(),
+                ),
             )
         except (NoRespondersError, NatsTimeout, TimeoutError) as e:
             raise Unavailable(
@@ -217,17 +294,20 @@ class Client:
 
         async def go() -> np.ndarray:
             rec = await self._workload_cache(workload)
-            return await self._infer.act(
-                self.tenant,
-                schema=rec.schema_signature,
-                policy_key=workload,
-                policy_version=version,
-                images=images,
-                instruction=instruction or rec.spec.instruction,
-                state=state,
-                session_id=session_id,
-                timeout_s=timeout_s,
-                base_model=rec.spec.base_model,
+            return await self._guarded(
+                self._b.names.infer(rec.spec.base_model, self.tenant),
+                self._infer.act(
+                    self.tenant,
+                    schema=rec.schema_signature,
+                    policy_key=workload,
+                    policy_version=version,
+                    images=images,
+                    instruction=instruction or rec.spec.instruction,
+                    state=state,
+                    session_id=session_id,
+                    timeout_s=timeout_s,
+                    base_model=rec.spec.base_model,
+                ),
             )
 
         return self._future(go())
@@ -294,7 +374,12 @@ class Client:
             await asyncio.sleep(delay)  # admission: this workload's jobs in flight are at the limit
             delay = min(delay * 2, 1.0)
         job = reply.job
-        await self._tq.async_put(dict(data), tenant_id=self.tenant, partition_id=job.partition_id)
+        arrays = {k: np.ascontiguousarray(v) for k, v in data.items()}
+        row_bytes = sum(a[0].nbytes for a in arrays.values() if len(a)) or 1
+        step = max(1, PUT_CHUNK_BYTES // row_bytes)
+        for start in range(0, rows, step):  # rows in requests under the payload limit
+            fields = {k: TensorBytes.from_array(a[start : start + step]) for k, a in arrays.items()}
+            await self._api("put_data", PutData(job_id=job.job_id, fields=fields))
         closed = await self._api("close_job", CloseJob(job_id=job.job_id))
         assert closed.job is not None
         return closed.job
@@ -304,7 +389,7 @@ class Client:
         """The newest published version of a workload's policy."""
 
         async def go() -> int:
-            return (await self._policies.latest(self.tenant, workload)).version
+            return (await self._policy(workload)).version
 
         return self._future(go())
 
@@ -328,7 +413,7 @@ class Client:
             task_env = env or src.env
             if not task_env:
                 raise InvalidSpec(f"workload {workload!r} has no env of its own; pass env=")
-            pinned = version or (await self._policies.latest(self.tenant, workload)).version
+            pinned = version or (await self._policy(workload)).version
             spec = WorkloadSpec(
                 name=f"eval-{secrets.token_hex(4)}",
                 task_type="eval",
@@ -363,8 +448,8 @@ class Client:
         ``head.safetensors`` plus ``manifest.json`` (base model, schema, version, type)."""
 
         async def go() -> Path:
-            rec = await self._policies.get(self.tenant, workload, version)
-            data = await self._policies.load_weights(rec)
+            rec = await self._policy(workload, version)
+            data = await self._weights(rec)
             manifest = {
                 "tenant_id": rec.tenant_id,
                 "workload": rec.policy_key,
@@ -381,23 +466,56 @@ class Client:
         return self._future(go())
 
     # ------------------------------------------------------------ events
+    async def _policy(self, workload: str, version: int | None = None) -> PolicyRecord:
+        reply = await self._api("get_policy", PolicyQuery(workload=workload, version=version))
+        assert reply.policy is not None
+        return reply.policy
+
+    async def _weights(self, rec: PolicyRecord) -> bytes:
+        """The weights of one version, in slices under the payload limit."""
+        out = bytearray()
+        while True:
+            reply = await self._api(
+                "get_policy",
+                PolicyQuery(
+                    workload=rec.policy_key,
+                    version=rec.version,
+                    offset=len(out),
+                    limit=self._b.max_payload // 2,
+                ),
+            )
+            out += reply.data
+            if not reply.data or (rec.size_bytes and len(out) >= rec.size_bytes):
+                return bytes(out)
+
+    # ------------------------------------------------------------ events
     async def events(
         self, workload: str | None = None, *, from_start: bool = True
     ) -> AsyncIterator[JobEvent]:
-        """The tenant's job events in log order (optionally of one workload), live."""
-        n = self._b.names
-        sub = await self._b.js.subscribe(
-            n.tenant_jobs(self.tenant),
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
-        )
-        try:
-            async for msg in sub.messages:
-                event: JobEvent = decode(msg.data, JobEvent, what="job event")  # type: ignore[arg-type]
+        """The tenant's job events in log order (optionally of one workload), live.
+
+        Pages through the control plane by stream sequence (no server-side
+        consumer to leak), so a reconnect or a control plane restart neither
+        skips nor repeats an event."""
+        after = 0 if from_start else -1
+        if after < 0:
+            after = (await self._api("read_events", ReadEvents(after_seq=-1))).last_seq
+        while True:
+            try:
+                reply = await self._api(
+                    "read_events",
+                    ReadEvents(after_seq=after, wait_s=EVENTS_WAIT_S),
+                    timeout_s=max(self.timeout_s, EVENTS_WAIT_S + 10),
+                )
+            except Unavailable:
+                await asyncio.sleep(0.5)  # control plane restarting: resume from `after`
+                continue
+            for entry in reply.events:
+                event: JobEvent = decode(bytes(entry.event), JobEvent, what="job event")  # type: ignore[arg-type]
+                after = entry.seq
                 if workload is None or event.job.policy_key == workload:
                     yield event
-        finally:
-            await sub.unsubscribe()
+            after = max(after, reply.last_seq)
 
 
 def _write_export(out: Path, weights: bytes, manifest: dict[str, Any]) -> Path:

@@ -12,6 +12,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Awaitable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from joynexus.schemas.jobs import JobEvent
@@ -50,15 +51,16 @@ class SyncClient:
     @classmethod
     def connect(
         cls,
-        url: str | list[str],
+        url: str | list[str] | None = None,
         *,
-        tenant: str,
-        credentials: Credentials | None = None,
-        namespace: str = "jnx",
+        tenant: str | None = None,
+        credentials: Credentials | str | Path | None = None,
+        namespace: str | None = None,
     ) -> SyncClient:
+        """Same arguments as :meth:`Client.connect`."""
         loop = asyncio.new_event_loop()
         thread = threading.Thread(
-            target=loop.run_forever, name=f"joynexus-sdk-{tenant}", daemon=True
+            target=loop.run_forever, name=f"joynexus-sdk-{tenant or 'tenant'}", daemon=True
         )
         thread.start()
         fut = asyncio.run_coroutine_threadsafe(

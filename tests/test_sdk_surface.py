@@ -22,6 +22,7 @@ PUBLIC = {
     "JobEvent",
     "JobState",
     "JoyNexusError",
+    "PermissionDenied",
     "Scheduling",
     "SyncClient",
     "TrainingJob",
