@@ -4,11 +4,18 @@ The launcher, the benchmarks and the tests run one when no ``--nats URL`` is
 given. Readiness and the chosen port come from the server's own log, so a
 random port (``-1``) works and nobody sleeps. The child gets SIGTERM if this
 process dies, so nothing is left running.
+
+Optionally the server requires TLS from clients (:class:`TlsFiles`), joins a
+cluster whose routes may use TLS (:class:`ClusterOptions`), includes an
+authorization file written by someone else, and reloads its configuration on
+demand (:meth:`EmbeddedNats.reload`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
 import re
 import shutil
@@ -18,14 +25,65 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from joynexus.schemas.errors import JoyNexusError
 
+log = logging.getLogger(__name__)
+
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
+_ROUTE_LISTEN = re.compile(r"Listening for route connections on (\S+):(\d+)")
 _READY = "Server is ready"
+# nats-server 2.15 after SIGHUP, at INF / ERR level:
+#   "Reloaded server configuration (sha256:...)"
+#   "Failed to reload server configuration: <why>"
+_RELOADED = "Reloaded server configuration"
+_RELOAD_FAILED = "Failed to reload server configuration"
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def _q(value: str) -> str:
+    """A double-quoted string for the nats-server config (JSON escapes are accepted)."""
+    return json.dumps(value)
+
+
+def _abs(path: str) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS listener.
+
+    Relative paths are taken against the current directory of this process
+    (they are made absolute in the config). ``ca_file`` verifies peers'
+    certificates; ``verify_clients`` makes the client listener demand one.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    verify_clients: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """A ``cluster {}`` block: the route listener and the routes to other nodes.
+
+    ``routes`` are URLs such as another node's :attr:`EmbeddedNats.route_url`
+    (``nats-route://host:port``; nats-server uses that scheme with and without
+    TLS on routes). With ``tls`` the routes use TLS; when it has a ``ca_file``
+    the nodes also verify each other's certificates against it (``verify: true``).
+    """
+
+    name: str
+    host: str = "127.0.0.1"
+    port: int = -1
+    routes: tuple[str, ...] = ()
+    tls: TlsFiles | None = None
 
 
 def nats_server_binary() -> str:
@@ -56,7 +114,29 @@ _die_with_parent = die_with_parent  # older name, still imported by agents/healt
 
 
 class EmbeddedNats:
-    """A nats-server child process with JetStream and a file store under ``data_dir``."""
+    """A nats-server child process with JetStream and a file store under ``data_dir``.
+
+    ``tls``: clients must connect with TLS; :attr:`url` is then ``tls://host:port``.
+    ``cluster``: a cluster block; the route listener's URL is :attr:`route_url`.
+    ``auth_include``: the config gets ``include "<file>"``, so an authorization
+    block written by someone else into that file is loaded (and re-read on
+    :meth:`reload`). nats-server resolves an include relative to the config
+    file's directory (``data_dir``) and refuses absolute paths (it joins them
+    onto that directory), so a bare name means a file in ``data_dir`` and an
+    absolute path is rewritten here as a path relative to ``data_dir``.
+    ``on_log_line``: called from the log pump thread with every server log line,
+    after it is in :meth:`log_tail` and before :meth:`start` / :meth:`reload`
+    act on it (it may also be assigned after construction); its exceptions are
+    logged at debug and otherwise ignored.
+    ``extra_config`` is appended to the config as is.
+    ``jetstream=False`` leaves JetStream off. A clustered JetStream server
+    refuses to start without configured routes ("JetStream cluster requires
+    configured routes or solicited leafnode for the system account"), so the
+    first node of a cluster whose route ports are random (``-1``) has to run
+    without it.
+
+    The config file is written with mode 0600 (it may name secrets).
+    """
 
     def __init__(
         self,
@@ -67,6 +147,11 @@ class EmbeddedNats:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         name: str = "jnx",
         extra_config: str = "",
+        tls: TlsFiles | None = None,
+        cluster: ClusterOptions | None = None,
+        auth_include: str | None = None,
+        on_log_line: Callable[[str], None] | None = None,
+        jetstream: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
@@ -74,9 +159,22 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.name = name
         self.extra_config = extra_config
+        self.tls = tls
+        self.cluster = cluster
+        self.auth_include = auth_include
+        self.on_log_line = on_log_line
+        self.jetstream = jetstream
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: deque[str] = deque(maxlen=200)
         self.url = ""
+        self._route: tuple[str, int] | None = None  # (host, port) of the route listener
+        self._route_port: int | None = None  # kept across restarts, like self.port
+        # Reload bookkeeping, updated by the pump thread.
+        self._cond = threading.Condition()
+        self._reloads = 0
+        self._reload_failures = 0
+        self._last_reload_failure = ""
+        self._reload_lock = threading.Lock()  # one SIGHUP (and one confirmation) at a time
 
     @property
     def config_path(self) -> Path:
@@ -86,18 +184,87 @@ class EmbeddedNats:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def _write_config(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    @property
+    def route_url(self) -> str:
+        """``nats-route://host:port`` of the route listener (after :meth:`start`)."""
+        with self._cond:
+            route = self._route
+        if route is None:
+            raise JoyNexusError(
+                f"nats-server {self.name} has no route listener "
+                "(not started, or no cluster configured)"
+            )
+        return f"nats-route://{route[0]}:{route[1]}"
+
+    @staticmethod
+    def _tls_block(tls: TlsFiles, indent: str, *, verify: bool) -> str:
+        inner = indent + "  "
+        lines = [
+            f"{indent}tls {{",
+            f"{inner}cert_file: {_q(_abs(tls.cert_file))}",
+            f"{inner}key_file: {_q(_abs(tls.key_file))}",
+        ]
+        if tls.ca_file:
+            lines.append(f"{inner}ca_file: {_q(_abs(tls.ca_file))}")
+        if verify:
+            lines.append(f"{inner}verify: true")
+        lines += [f"{inner}timeout: 5", f"{indent}}}"]
+        return "\n".join(lines) + "\n"
+
+    def _include_path(self, name: str) -> str:
+        if not os.path.isabs(name):
+            return name
+        # nats-server joins every include onto the config file's directory and
+        # cleans the result lexically (no symlinks resolved), as relpath does.
+        return os.path.relpath(name, os.path.abspath(self.data_dir))
+
+    def render_config(self) -> str:
+        """The config file's text for the current options."""
         store = (self.data_dir / "jetstream").resolve()
-        self.config_path.write_text(
+        text = (
             f"server_name: {self.name}\n"
             f"host: {self.host}\n"
             f"port: {self.port}\n"
             f"max_payload: {self.max_payload}\n"
-            "jetstream {\n"
-            f'  store_dir: "{store}"\n'
-            "}\n" + self.extra_config
         )
+        if self.jetstream:
+            text += f"jetstream {{\n  store_dir: {_q(str(store))}\n}}\n"
+        if self.tls is not None:
+            text += self._tls_block(self.tls, "", verify=self.tls.verify_clients)
+        if self.cluster is not None:
+            c = self.cluster
+            port = c.port if c.port != -1 or self._route_port is None else self._route_port
+            routes = ", ".join(_q(r) for r in c.routes)
+            text += (
+                "cluster {\n"
+                f"  name: {_q(c.name)}\n"
+                f"  listen: {_q(f'{c.host}:{port}')}\n"
+                f"  routes: [{routes}]\n"
+            )
+            if c.tls is not None:
+                # Routes authenticate each other with the CA when one is given.
+                text += self._tls_block(c.tls, "  ", verify=c.tls.ca_file is not None)
+            text += "}\n"
+        if self.auth_include is not None:
+            text += f"include {_q(self._include_path(self.auth_include))}\n"
+        return text + self.extra_config
+
+    def _write_config(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        text = self.render_config()
+        # Written beside and renamed over, so a reload never reads half a file;
+        # 0600 from creation on, since the config may reference secrets.
+        tmp = self.config_path.with_name(self.config_path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # an older tmp file may have kept other bits
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                fd = -1
+                f.write(text)
+        finally:
+            if fd != -1:
+                os.close(fd)
+        os.replace(tmp, self.config_path)
 
     def start(self, timeout: float = 20.0) -> str:
         """Start and wait until the server logs that it is ready; returns its URL."""
@@ -114,27 +281,115 @@ class EmbeddedNats:
         url: list[str] = []
         assert self._proc.stderr is not None
         stderr = self._proc.stderr
+        scheme = "tls" if self.tls is not None else "nats"
+        with self._cond:
+            self._route = None
+            self._reloads = self._reload_failures = 0
+            self._last_reload_failure = ""
 
         def pump() -> None:
             for raw in iter(stderr.readline, b""):
                 line = raw.decode(errors="replace").rstrip()
                 self._log.append(line)
+                # Before the line updates any state, so that once start() or
+                # reload() returns the callback has seen the line it waited for.
+                callback = self.on_log_line
+                if callback is not None:
+                    try:
+                        callback(line)
+                    except Exception:
+                        log.debug("nats-server %s: on_log_line failed", self.name, exc_info=True)
                 m = _LISTEN.search(line)
                 if m:
-                    url.append(f"nats://{m.group(1)}:{m.group(2)}")
+                    url.append(f"{scheme}://{m.group(1)}:{m.group(2)}")
                 if _READY in line:
                     ready.set()
+                r = _ROUTE_LISTEN.search(line)
+                if r:
+                    with self._cond:
+                        self._route = (r.group(1), int(r.group(2)))
+                        self._cond.notify_all()
+                if _RELOADED in line:
+                    with self._cond:
+                        self._reloads += 1
+                        self._cond.notify_all()
+                elif _RELOAD_FAILED in line:
+                    with self._cond:
+                        self._reload_failures += 1
+                        self._last_reload_failure = line
+                        self._cond.notify_all()
+            with self._cond:
+                self._cond.notify_all()  # the server is gone: wake reload() waiters
 
         threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
         deadline = time.monotonic() + timeout
-        while not ready.wait(0.05):
+
+        def started() -> bool:
+            # The route listener is announced after "Server is ready".
+            if not ready.is_set():
+                return False
+            if self.cluster is None:
+                return True
+            with self._cond:
+                return self._route is not None
+
+        while not started():
+            if not ready.is_set():
+                ready.wait(0.05)
+            else:  # the pump notifies when the route listener is up
+                with self._cond:
+                    self._cond.wait_for(lambda: self._route is not None, 0.05)
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                log = "\n".join(self._log)
+                server_log = "\n".join(self._log)
                 self.stop()
-                raise JoyNexusError(f"nats-server did not become ready; its log:\n{log}")
+                raise JoyNexusError(f"nats-server did not become ready; its log:\n{server_log}")
         self.url = url[0]
         self.port = int(self.url.rsplit(":", 1)[1])
+        with self._cond:
+            if self._route is not None:
+                self._route_port = self._route[1]
         return self.url
+
+    def reload(self, timeout: float = 10.0) -> None:
+        """Rewrite the config from the current options and make the server reload it.
+
+        Sends SIGHUP and blocks until the server logs a new "Reloaded server
+        configuration" line. Raises :class:`JoyNexusError` if it logs "Failed to
+        reload server configuration" instead, if it exits, or after ``timeout``.
+        Blocking; async callers run it with ``asyncio.to_thread``.
+        """
+        with self._reload_lock:
+            self._reload(timeout)
+
+    def _reload(self, timeout: float) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise JoyNexusError(f"nats-server {self.name} is not running; cannot reload")
+        with self._cond:
+            done, failed = self._reloads, self._reload_failures
+        self._write_config()
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._reload_failures > failed:
+                    why = self._last_reload_failure
+                    break
+                if self._reloads > done:
+                    return
+                if proc.poll() is not None:
+                    why = f"nats-server exited with {proc.returncode} during reload"
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = f"no reload confirmation within {timeout:.1f}s"
+                    break
+                # Short waits: a process exit is noticed even if the pump is slow.
+                self._cond.wait(min(left, 0.1))
+        raise JoyNexusError(
+            f"nats-server {self.name}: configuration reload failed: {why}\n"
+            f"its log:\n{self.log_tail()}"
+        )
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(list(self._log)[-n:])
