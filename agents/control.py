@@ -46,7 +46,13 @@ from joynexus.broker.policy import PolicyStore
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import InvalidSpec, JoyNexusError, UnknownJob, UnknownTenant
+from joynexus.schemas.errors import (
+    InvalidSpec,
+    JoyNexusError,
+    ShapeMismatch,
+    UnknownJob,
+    UnknownTenant,
+)
 from joynexus.schemas.identities import (
     APPLIED_KEY,
     AdminReply,
@@ -55,6 +61,7 @@ from joynexus.schemas.identities import (
     TenantInfo,
     TenantRequest,
 )
+from joynexus.schemas.inference import FeatureSchemaSpec
 from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import (
@@ -296,12 +303,7 @@ class ControlPlane:
         return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
 
     async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
-        try:
-            job = await self.sched.get_job(req.job_id)
-        except UnknownJob:
-            job = None
-        if job is None or job.tenant_id != tenant:  # never reveal another tenant's job
-            raise UnknownJob(f"tenant {tenant!r} has no job {req.job_id!r}")
+        job = await self._tenant_job(tenant, req.job_id, "close_job")
         nxt = JobState.NEEDS_ADVANTAGES if job.task_type == "rl" else JobState.READY
         return ApiReply(job=await self.sched.mark(job.job_id, nxt))
 
@@ -363,8 +365,15 @@ class ControlPlane:
             )
         if not req.fields:
             raise InvalidSpec("put_data got no fields")
-        data = {name: t.to_array(name) for name, t in req.fields.items()}
-        meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
+        try:
+            data = {name: t.to_array(name) for name, t in req.fields.items()}
+            fs = (await self._policies.latest(tenant, job.policy_key)).feature_schema
+            _check_rows(data, fs, job.policy_key)
+            meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
+        except (InvalidSpec, ShapeMismatch) as e:
+            # Bad rows: the job will never be closed; end it now so it holds no slot.
+            await self.sched.fail(job.job_id, f"refused data: {e}")
+            raise
         return ApiReply(job=job, rows=len(meta.rows))
 
     async def _get_policy(self, tenant: str, req: PolicyQuery) -> ApiReply:
@@ -407,8 +416,11 @@ class ControlPlane:
 
     async def _wait_applied(self, revision: int, wait_s: float) -> str:
         """'yes' once the server's auth sync applied ``revision``; 'off' when no
-        auth sync runs (authorization off); 'pending' if it did not in time."""
-        deadline = asyncio.get_running_loop().time() + wait_s
+        auth sync answers for this namespace (authorization off, or an external
+        server); 'pending' if it did not apply it in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        discover_deadline = loop.time() + min(wait_s, 2.0)  # the sync finds new buckets in 0.5 s
         seen_sync = False
         while True:
             try:
@@ -418,8 +430,10 @@ class ControlPlane:
                     return "yes"
             except KeyNotFoundError:
                 pass
-            if asyncio.get_running_loop().time() >= deadline:
-                return "pending" if seen_sync else "off"
+            if not seen_sync and loop.time() >= discover_deadline:
+                return "off"
+            if loop.time() >= deadline:
+                return "pending"
             await asyncio.sleep(0.05)
 
     async def _tenant_info(self, ident: TenantIdentity) -> TenantInfo:
@@ -489,4 +503,22 @@ class ControlPlane:
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
         return sorted(k for k in keys if k != APPLIED_KEY)
+
+
+def _check_rows(data: dict[str, Any], fs: FeatureSchemaSpec, workload: str) -> None:
+    """Rows the tenant hands in must fit its workload's schema (else its jobs would
+    fail at training time, far from the mistake)."""
+    h, w = fs.image_hw
+    want = {f"obs_image_{slot}": (fs.channels, h, w) for slot in fs.camera_slots}
+    want["obs_state"] = (fs.state_dim,)
+    want["actions"] = (fs.action_horizon, fs.action_dim)
+    for name, shape in want.items():
+        arr = data.get(name)
+        if arr is None:
+            raise InvalidSpec(f"workload {workload!r} needs field {name!r} of shape [B, {', '.join(map(str, shape))}]")
+        if tuple(arr.shape[1:]) != shape:
+            raise ShapeMismatch(
+                f"field {name!r} of workload {workload!r}: expected [B, "
+                f"{', '.join(map(str, shape))}], got {list(arr.shape)}"
+            )
 

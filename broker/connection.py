@@ -8,16 +8,17 @@ multi-MB Training Queue partitions needs neither limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from joynexus.broker.credentials import Credentials
+from joynexus.broker.credentials import Credentials, from_env_or_file
 from joynexus.broker.subjects import Names
 from joynexus.schemas.errors import PermissionDenied, Unavailable
 
@@ -46,27 +47,36 @@ class Broker:
         namespace: str = "jnx",
         connect_timeout: float = 5.0,
         initial_timeout_s: float = 10.0,
-        credentials: Credentials | None = None,
+        credentials: Credentials | Literal["env"] | None = "env",
         **auth: Any,
     ) -> Broker:
         """Connect with reconnects that never give up (an agent outlives server restarts).
 
         ``credentials`` authenticate (see :mod:`joynexus.broker.credentials`); a
         tenant's connection gets its own inbox prefix, the only subjects it may
-        subscribe to. Other keyword arguments go to ``nats.connect``."""
+        subscribe to. By default (``"env"``) they come from the file named by
+        ``$JOYNEXUS_CREDS`` if set (how agents get the service identity and
+        operator commands the admin one); ``None``: no credentials. Other keyword
+        arguments go to ``nats.connect``."""
 
         conn: list[NATS] = []
         names = Names(namespace)
         listeners: list[Callable[[Exception], None]] = []
+        if credentials == "env":
+            credentials = from_env_or_file(None)
         if credentials is not None:
             auth = {**credentials.connect_options(), **auth}
             if credentials.kind == "tenant" and credentials.tenant:
                 auth.setdefault("inbox_prefix", names.inbox_prefix(credentials.tenant))
 
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
         async def on_error(e: Exception) -> None:
             # Before the first connect succeeds every refused attempt lands here;
             # the final error says it once.
             log.log(logging.WARNING if conn else logging.DEBUG, "nats connection %s: %s", name, e)
+            if not conn and "authorization violation" in str(e).lower() and not refused.done():
+                refused.set_result(e)  # refused credentials: retrying will not help
             for listener in list(listeners):
                 try:
                     listener(e)
@@ -93,8 +103,17 @@ class Broker:
                 reconnected_cb=on_reconnect,
                 **auth,
             )
-            # Reconnects never give up once connected; the first connect does.
-            nc = await asyncio.wait_for(connecting, initial_timeout_s)
+            # Reconnects never give up once connected; the first connect does,
+            # at once if the server refuses the credentials.
+            task = asyncio.ensure_future(connecting)
+            first: set[asyncio.Future[Any]] = {task, refused}
+            await asyncio.wait(first, timeout=initial_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise refused.result() if refused.done() else TimeoutError()
+            nc = task.result()
         except Exception as e:  # nats raises several unrelated types here
             why = "no answer" if isinstance(e, TimeoutError) else str(e)
             if "authorization violation" in why.lower():

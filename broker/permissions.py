@@ -10,7 +10,7 @@ Three kinds of identity (see :mod:`joynexus.broker.credentials`):
   control plane reads and writes those for it, taking the tenant from the
   subject the server let it publish on.
 - the **service** identity (every agent) may do anything except call the
-  operator API (``<ns>.admin.*``).
+  operator API (``<ns>.admin.*``) of any namespace.
 - the **admin** identity (operators, the ``nats`` CLI) may do anything.
 
 The server's refusals are in its log; :func:`parse_refusal` turns such a line
@@ -39,9 +39,10 @@ def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
     }
 
 
-def service_permissions(names: Names) -> dict[str, Any]:
+def service_permissions() -> dict[str, Any]:
+    """Everything but the operator API of any deployment namespace on the server."""
     return {
-        "publish": {"allow": [">"], "deny": [f"{names.namespace}.admin.>"]},
+        "publish": {"allow": [">"], "deny": ["*.admin.>"]},
         "subscribe": {"allow": [">"]},
     }
 

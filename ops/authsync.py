@@ -86,7 +86,7 @@ def _bootstrap_users(names: Names, admin: Credentials, service: Credentials) -> 
     assert admin.user and admin.password and service.user and service.password
     return [
         User(admin.user, _hash_cached(admin.password)),
-        User(service.user, _hash_cached(service.password), service_permissions(names)),
+        User(service.user, _hash_cached(service.password), service_permissions()),
     ]
 
 
@@ -104,11 +104,13 @@ def write_auth(
     names: Names,
     admin: Credentials,
     service: Credentials,
-    tenants: list[TenantIdentity],
+    tenants: list[tuple[TenantIdentity, Names]],
 ) -> None:
+    """auth.conf: the bootstrap users, then each tenant user with the permissions
+    of its deployment's namespace."""
     users = _bootstrap_users(names, admin, service) + [
-        User(t.user, t.password_hash, tenant_permissions(names, t.tenant_id))
-        for t in sorted(tenants, key=lambda t: t.tenant_id)
+        User(t.user, t.password_hash, tenant_permissions(ns, t.tenant_id))
+        for t, ns in sorted(tenants, key=lambda x: x[0].user)
     ]
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -129,8 +131,9 @@ def secured_server(
 
 
 class AuthSync:
-    """Keeps the server's authorization equal to the identities bucket, and
-    reports the server's refusals as security events."""
+    """Keeps the server's authorization equal to the identities buckets of every
+    deployment namespace on it (each ``<NS>_IDENTITIES``, discovered as they are
+    created), and reports the server's refusals as security events."""
 
     def __init__(
         self,
@@ -140,6 +143,7 @@ class AuthSync:
         service: Credentials,
         *,
         debounce_s: float = 0.05,
+        discover_s: float = 0.5,
     ) -> None:
         self.b = b
         self.n = b.names
@@ -147,10 +151,15 @@ class AuthSync:
         self.admin = admin
         self.service = service
         self.debounce_s = debounce_s
-        self.applied_revision = 0
+        self.discover_s = discover_s
         self.reloads = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lines: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
+        # bucket -> tenant -> identity; bucket -> revision seen but not yet applied
+        self._tenants: dict[str, dict[str, TenantIdentity]] = {}
+        self._dirty: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self._kvs: dict[str, Any] = {}
 
     # -- the server's log (called from its pump thread)
     def on_log_line(self, line: str) -> None:
@@ -169,60 +178,122 @@ class AuthSync:
             r = parse_refusal(line)
             if r is None:
                 continue
+            names = self._names_of_user(r.user)
             await metrics.security(
-                self.b,
-                r.tenant(self.n),
+                Broker(nc=self.b.nc, js=self.b.js, names=names),
+                r.tenant(names),
                 action=r.action,
                 subject=r.subject,
                 reason=f"{r.reason} (user {r.user!r})",
                 source="nats-server",
             )
 
-    # -- the identities bucket -> auth.conf -> reload
+    def _names_of_user(self, user: str) -> Names:
+        """The deployment a tenant user belongs to (``<ns>.<tenant>``)."""
+        ns = user.split(".", 1)[0] if "." in user else self.n.namespace
+        try:
+            return Names(ns)
+        except Exception:
+            return self.n
+
+    # -- identities buckets -> auth.conf -> reload
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        reporter = asyncio.ensure_future(self._report_refusals())
-        kv = await self.b.js.key_value(self.n.identities_bucket)
-        tenants: dict[str, TenantIdentity] = {}
-        watcher = await kv.watchall()
-        dirty_rev = 0
+        tasks = [
+            asyncio.ensure_future(self._report_refusals()),
+            asyncio.ensure_future(self._apply_loop()),
+        ]
+        watchers: dict[str, asyncio.Task[None]] = {}
         try:
             while not stop.is_set():
+                for bucket in await self._identity_buckets():
+                    if bucket not in watchers or watchers[bucket].done():
+                        watchers[bucket] = asyncio.ensure_future(self._watch(bucket))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.discover_s)
+        finally:
+            for t in [*tasks, *watchers.values()]:
+                t.cancel()
+            await asyncio.gather(*tasks, *watchers.values(), return_exceptions=True)
+
+    async def _identity_buckets(self) -> list[str]:
+        try:
+            infos = await self.b.js.streams_info()
+        except Exception as e:  # disconnected for a moment: try again later
+            log.debug("listing streams failed: %s", e)
+            return []
+        suffix = "_IDENTITIES"
+        return [
+            i.config.name[3:]
+            for i in infos
+            if i.config.name and i.config.name.startswith("KV_") and i.config.name.endswith(suffix)
+        ]
+
+    async def _watch(self, bucket: str) -> None:
+        kv = self._kvs[bucket] = await self.b.js.key_value(bucket)
+        tenants = self._tenants.setdefault(bucket, {})
+        watcher = await kv.watchall()
+        last = 0
+        try:
+            while True:
                 try:
-                    entry = await watcher.updates(timeout=self.debounce_s if dirty_rev else 1.0)
+                    entry = await watcher.updates(timeout=5.0)
                 except TimeoutError:
-                    entry = None
-                    if dirty_rev:  # quiet for debounce_s: apply what changed
-                        await self.apply(tenants, dirty_rev, kv)
-                        dirty_rev = 0
                     continue
-                if entry is None:  # end of the initial values: apply them
-                    await self.apply(tenants, max(dirty_rev, 1), kv)
-                    dirty_rev = 0
+                if entry is None:  # the current values are all in: apply them
+                    self._mark(bucket, max(last, 1))
                     continue
+                last = max(last, entry.revision or 0)
                 if entry.key == APPLIED_KEY:
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     tenants.pop(entry.key, None)
                 else:
                     tenants[entry.key] = decode(entry.value, TenantIdentity)
-                dirty_rev = max(dirty_rev, entry.revision or 0)
+                self._mark(bucket, last)
         finally:
-            reporter.cancel()
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
-    async def apply(self, tenants: dict[str, TenantIdentity], revision: int, kv: Any) -> None:
+    def _mark(self, bucket: str, revision: int) -> None:
+        self._dirty[bucket] = max(self._dirty.get(bucket, 0), revision)
+        self._changed.set()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._changed.wait()
+            await asyncio.sleep(self.debounce_s)  # let a burst of changes land together
+            self._changed.clear()
+            dirty, self._dirty = self._dirty, {}
+            try:
+                await self.apply()
+            except Exception:
+                log.exception("applying the authorization failed; retrying")
+                for bucket, rev in dirty.items():
+                    self._mark(bucket, rev)
+                await asyncio.sleep(1.0)
+                continue
+            for bucket, rev in dirty.items():
+                mark = AuthApplied(
+                    revision=rev, tenants=sorted(self._tenants.get(bucket, {})), at=time.time()
+                )
+                with contextlib.suppress(Exception):
+                    await self._kvs[bucket].put(APPLIED_KEY, encode(mark))
+
+    async def apply(self) -> None:
+        """Render every namespace's tenants into auth.conf and reload the server."""
         conf = self.server.data_dir / AUTH_FILE
-        await asyncio.to_thread(
-            write_auth, conf, self.n, self.admin, self.service, list(tenants.values())
-        )
+        tenants = [(ident, _bucket_names(bucket)) for bucket, ts in self._tenants.items()
+                   for ident in ts.values()]
+        await asyncio.to_thread(write_auth, conf, self.n, self.admin, self.service, tenants)
         await asyncio.to_thread(self.server.reload)
         self.reloads += 1
-        self.applied_revision = revision
-        mark = AuthApplied(revision=revision, tenants=sorted(tenants), at=time.time())
-        await kv.put(APPLIED_KEY, encode(mark))
-        log.info("authorization applied: %d tenants (identities revision %d)", len(tenants), revision)
+        log.info("authorization applied: %d tenant users", len(tenants))
+
+
+def _bucket_names(bucket: str) -> Names:
+    """``JNX_IDENTITIES`` -> ``Names("jnx")``."""
+    return Names(bucket.removesuffix("_IDENTITIES").lower())
 
 
 async def applied_revision(kv: Any) -> int | None:

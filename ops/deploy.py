@@ -1,30 +1,179 @@
-"""Where a command's NATS comes from: ``--nats URL``, or an embedded server."""
+"""Where a command's NATS comes from: ``--nats URL``, or an embedded server.
+
+The embedded server runs with authorization on unless ``auth=False``: the
+admin and service identities are generated into ``<data-dir>/credentials/``,
+an auth sync (in a thread of this process, which owns the server) keeps the
+server's users equal to the tenants the control plane issued, and this
+process acts as the operator (``$JOYNEXUS_CREDS`` = the admin credentials,
+which every :meth:`Broker.connect` without explicit credentials uses).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.broker.credentials import CREDS_ENV, Credentials
+from joynexus.broker.subjects import Names
+from joynexus.ops.natsserver import EmbeddedNats, TlsFiles
+from joynexus.schemas.errors import JoyNexusError
+
+
+@dataclass
+class Endpoint:
+    """A running deployment's server: where it is and who may use it."""
+
+    url: str
+    data_dir: Path | None = None
+    admin: Credentials | None = None
+    service: Credentials | None = None
+    server: EmbeddedNats | None = None
+    sync: object | None = field(default=None, repr=False)
+
+    @property
+    def admin_path(self) -> Path | None:
+        from joynexus.ops.authsync import credentials_path
+
+        return credentials_path(self.data_dir, "admin") if self.admin and self.data_dir else None
+
+    @property
+    def service_path(self) -> Path | None:
+        from joynexus.ops.authsync import credentials_path
+
+        return credentials_path(self.data_dir, "service") if self.service and self.data_dir else None
+
+
+class AuthSyncThread:
+    """The auth sync of a server this process owns, on its own event loop, so
+    that synchronous commands (and their asyncio.run) need not host it."""
+
+    def __init__(
+        self, server: EmbeddedNats, admin: Credentials, service: Credentials, names: Names
+    ) -> None:
+        self.server, self.admin, self.service, self.names = server, admin, service, names
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="joynexus-auth-sync", daemon=True)
+        self.sync: object | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise JoyNexusError("the auth sync did not connect to the embedded server")
+        if self._error is not None:
+            raise JoyNexusError(f"the auth sync failed to start: {self._error}") from self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as e:  # reported by start() if it happens before ready
+            self._error = e
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from joynexus.broker.connection import Broker
+        from joynexus.broker.layout import ensure_layout
+        from joynexus.ops.authsync import AuthSync
+
+        self._stop = asyncio.Event()
+        b = await Broker.connect(
+            self.server.url, name="auth-sync", namespace=self.names.namespace,
+            credentials=self.admin,
+        )
+        try:
+            await ensure_layout(b)
+            sync = AuthSync(b, self.server, self.admin, self.service)
+            self.sync = sync
+            self.server.on_log_line = sync.on_log_line
+            self._ready.set()
+            await sync.run(self._stop)
+        finally:
+            self.server.on_log_line = None
+            await b.close()
+
+    def stop(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@contextlib.contextmanager
+def embedded(
+    data_dir: str | Path | None = None,
+    *,
+    namespace: str = "jnx",
+    auth: bool = True,
+    port: int = -1,
+    host: str = "127.0.0.1",
+    tls: TlsFiles | None = None,
+    act_as_admin: bool = True,
+) -> Iterator[Endpoint]:
+    """An embedded nats-server (a temporary store if ``data_dir`` is None), with
+    authorization on and its auth sync running unless ``auth=False``; with
+    ``act_as_admin`` this process's connections use the admin identity."""
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jnx-nats-"))
+        data = Path(data_dir)
+        if not auth:
+            server = stack.enter_context(EmbeddedNats(data, port=port, host=host, tls=tls))
+            yield Endpoint(server.url, data, server=server)
+            return
+        from joynexus.ops.authsync import secured_server
+
+        names = Names(namespace)
+        server, admin, service = secured_server(data, names, port=port, host=host, tls=tls)
+        stack.enter_context(server)
+        admin, service = admin.with_url(server.url), service.with_url(server.url)
+        sync = AuthSyncThread(server, admin, service, names)
+        sync.start()
+        stack.callback(sync.stop)
+        if act_as_admin:
+            from joynexus.ops.authsync import credentials_path
+
+            old = os.environ.get(CREDS_ENV)
+            os.environ[CREDS_ENV] = str(credentials_path(data, "admin"))
+            stack.callback(_restore_env, old)
+        yield Endpoint(server.url, data, admin, service, server, sync)
+
+
+def _restore_env(old: str | None) -> None:
+    if old is None:
+        os.environ.pop(CREDS_ENV, None)
+    else:
+        os.environ[CREDS_ENV] = old
 
 
 @contextlib.contextmanager
 def nats_url(
-    url: str | None, data_dir: str | Path | None = None, *, quiet: bool = False
+    url: str | None,
+    data_dir: str | Path | None = None,
+    *,
+    quiet: bool = False,
+    auth: bool = True,
+    namespace: str = "jnx",
 ) -> Iterator[str]:
-    """Yield ``url`` as given, or start an embedded nats-server (JetStream,
-    file store under ``data_dir``, a temporary one if None) and stop it after."""
+    """Yield ``url`` as given, or start an embedded nats-server (see :func:`embedded`)
+    and stop it after."""
     if url:
         yield url
         return
-    with contextlib.ExitStack() as stack:
-        if data_dir is None:
-            data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jnx-nats-"))
-        server = stack.enter_context(EmbeddedNats(data_dir))
+    with embedded(data_dir, auth=auth, namespace=namespace) as ep:
         if not quiet:
-            import sys
-
-            print(f"embedded nats-server at {server.url} (store: {data_dir})", file=sys.stderr)
-        yield server.url
+            how = (
+                f"authorization on; admin credentials {ep.admin_path}" if auth
+                else "authorization OFF"
+            )
+            print(f"embedded nats-server at {ep.url} ({how}; store: {ep.data_dir})",
+                  file=sys.stderr)
+        yield ep.url

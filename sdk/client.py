@@ -32,7 +32,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
-from joynexus.broker.credentials import Credentials
+from joynexus.broker.credentials import Credentials, from_env_or_file
 from joynexus.broker.inference_client import InferenceClient
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
@@ -127,6 +127,9 @@ class Client:
         it names the tenant, the namespace and the server, so
         ``Client.connect(credentials="acme.json")`` is enough."""
         creds = Credentials.load(credentials) if isinstance(credentials, str | Path) else credentials
+        if creds is None:  # $JOYNEXUS_CREDS, if it names a tenant's file
+            env = from_env_or_file(None)
+            creds = env if env is not None and env.kind == "tenant" else None
         if creds is not None and creds.tenant and tenant and creds.tenant != tenant:
             raise InvalidSpec(
                 f"the credentials are tenant {creds.tenant!r}'s, not {tenant!r}'s"

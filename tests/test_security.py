@@ -1,0 +1,419 @@
+"""Tenants fenced by the broker, on a real nats-server with authorization on.
+
+One secured deployment per module (scheduler, control plane, inference
+engine, actor in this process, all as the service identity; an operator
+issues tenants their credentials through the admin API). Tenant ``acme``
+tries everything it must not do to tenant ``bolt``: each attempt is refused,
+reaches acme as a clear error, lands in the metrics stream as a security
+event, and neither tenant's training stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import numpy as np
+import pytest
+import torch
+
+from joynexus.agents.actor import Actor
+from joynexus.agents.control import ControlPlane
+from joynexus.agents.inference import EnginePool
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.scheduler import SchedulerAgent
+from joynexus.agents.workloads import PolicyInitializer
+from joynexus.broker.connection import Broker
+from joynexus.broker.credentials import Credentials
+from joynexus.broker.permissions import parse_refusal, render_authorization, tenant_permissions
+from joynexus.broker.subjects import Names
+from joynexus.ops.deploy import Endpoint, embedded
+from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant
+from joynexus.schemas.errors import InvalidSpec, PermissionDenied, ShapeMismatch, UnknownJob
+from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
+from joynexus.schemas.jobs import JobState
+from joynexus.schemas.workloads import CloseJob, WorkloadSpec
+from joynexus.sdk import Client
+
+pytestmark = [pytest.mark.security, pytest.mark.timeout(300)]
+NS = "jnx"
+MODEL = "qwen2.5-vl-tiny"
+
+
+# ---------------------------------------------------------------- pure parts
+def test_tenant_permissions_name_only_its_own_subjects() -> None:
+    p = tenant_permissions(Names("jnx"), "acme")
+    assert p == {
+        "publish": {"allow": ["jnx.api.acme.*", "jnx.infer.*.acme"]},
+        "subscribe": {"allow": ["_INBOX.jnx.acme.>"]},
+    }
+    conf = render_authorization([])
+    assert "authorization" in conf and "users = [" in conf
+
+
+def test_server_refusal_lines_parse() -> None:
+    pub = parse_refusal(
+        '[ERR] 127.0.0.1:52604 - cid:6 - "v2.16.0:python3" - "$G/user:jnx.acme" - '
+        'Publish Violation - Subject "jnx.api.bolt.x"'
+    )
+    assert pub is not None and (pub.user, pub.action, pub.subject) == (
+        "jnx.acme",
+        "publish",
+        "jnx.api.bolt.x",
+    )
+    assert pub.tenant(Names("jnx")) == "acme"
+    sub = parse_refusal(
+        '[ERR] 1.2.3.4:5 - cid:6 - "x" - "$G/user:jnx.acme" - Subscription Violation - '
+        'Subject "jnx.job.bolt.>", SID 2'
+    )
+    assert sub is not None and sub.action == "subscribe" and sub.subject == "jnx.job.bolt.>"
+    auth = parse_refusal('[ERR] 127.0.0.1:5 - cid:7 - authentication error - User "jnx.cora"')
+    assert auth is not None and auth.action == "connect" and auth.tenant(Names("jnx")) == "cora"
+    assert parse_refusal("[INF] Server is ready") is None
+
+
+# ---------------------------------------------------------------- a secured deployment
+@dataclass
+class Secure:
+    ep: Endpoint
+    admin: Broker
+    service: Broker
+    data: Path
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    creds: dict[str, Credentials] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.ep.url
+
+    async def issue(self, tenant: str) -> Credentials:
+        creds, reply = await add_tenant(self.admin, tenant, url=self.url)
+        assert reply.applied == "yes", reply
+        self.creds[tenant] = creds
+        return creds
+
+    async def security_events(self, tenant: str) -> list[dict[str, Any]]:
+        """Every security event of ``tenant`` in the metrics stream so far."""
+        js = self.admin.js
+        sub = await js.subscribe(
+            self.admin.names.metrics("security", tenant), ordered_consumer=True
+        )
+        out = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except TimeoutError:
+                    return out
+                out.append(json.loads(msg.data))
+        finally:
+            await sub.unsubscribe()
+
+    async def wait_security(
+        self, tenant: str, pred: Any, what: str, within: float = 15.0
+    ) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + within
+        while True:
+            for e in await self.security_events(tenant):
+                if pred(e):
+                    return e
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"no security event: {what}")
+            await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def sft_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from joynexus.agents.envs.lerobot_data import generate_dataset
+
+    root = tmp_path_factory.mktemp("data") / "pick"
+    generate_dataset("PickCube-v1", root, episodes=2, obs="rgb", image_size=64, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    with embedded(tmp_path_factory.mktemp("secure"), namespace=NS, act_as_admin=False) as ep:
+        yield ep
+
+
+@pytest.fixture(scope="module")
+async def secure(endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secure]:
+    assert endpoint.admin is not None and endpoint.service is not None
+    admin = await Broker.connect(endpoint.url, name="admin", namespace=NS, credentials=endpoint.admin)
+    service = await Broker.connect(
+        endpoint.url, name="service", namespace=NS, credentials=endpoint.service
+    )
+    torch.manual_seed(0)
+    backbone = Backbone.build(BackboneConfig(size="tiny"))
+    s = Secure(endpoint, admin, service, tmp_path_factory.mktemp("actor"))
+    sched = SchedulerAgent(service, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
+    await sched.start()
+    control = ControlPlane(service, init_policy=PolicyInitializer(service), instance="control")
+    await control.start()
+    pool = EnginePool(service, backbone, max_batch=8, max_wait_ms=5)
+    await pool.scale_to(1)
+    actor = Actor(service, backbone, instance="actor", out_dir=s.data, lease_wait_s=0.5)
+    s.tasks.append(asyncio.create_task(actor.run(s.stop)))
+    yield s
+    s.stop.set()
+    await asyncio.wait(s.tasks, timeout=30)
+    await pool.close()
+    await control.stop()
+    await sched.stop()
+    await service.close()
+    await admin.close()
+
+
+def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "obs_image_base_camera": rng.integers(0, 255, (rows, 3, 64, 64), dtype=np.uint8),
+        "obs_state": rng.standard_normal((rows, 12), dtype=np.float32),
+        "actions": rng.uniform(-1, 1, (rows, 2, 4)).astype(np.float32),
+    }
+
+
+async def raw_tenant(s: Secure, tenant: str) -> tuple[nats.NATS, list[str]]:
+    """A bare nats-py connection with the tenant's credentials, collecting server errors."""
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    creds = s.creds[tenant]
+    nc = await nats.connect(
+        s.url,
+        user=creds.user,
+        password=creds.password,
+        inbox_prefix=Names(NS).inbox_prefix(tenant),
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+    )
+    return nc, errors
+
+
+async def until(pred: Any, within: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# ---------------------------------------------------------------- the tests
+async def test_anonymous_and_wrong_password_connections_are_refused(secure: Secure) -> None:
+    with pytest.raises(PermissionDenied, match="refused the credentials"):
+        await Broker.connect(secure.url, name="anon", credentials=None, initial_timeout_s=5)
+    with pytest.raises(PermissionDenied, match=r"refused the credentials of 'jnx\.nobody'"):
+        await Broker.connect(
+            secure.url,
+            name="guess",
+            credentials=Credentials(user="jnx.nobody", password="guess"),
+            initial_timeout_s=5,
+        )
+    await secure.wait_security(
+        "nobody", lambda e: e["action"] == "connect", "the failed login of jnx.nobody"
+    )
+
+
+async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
+    secure: Secure, sft_dataset: Path
+) -> None:
+    n = Names(NS)
+    acme_creds, bolt_creds = await secure.issue("acme"), await secure.issue("bolt")
+    assert acme_creds.user == "jnx.acme" and acme_creds.password
+    acme = await Client.connect(credentials=acme_creds)
+    bolt = await Client.connect(credentials=bolt_creds)
+    spec = WorkloadSpec(name="pick", task_type="sft", dataset=str(sft_dataset), source="tenant",
+                        action_horizon=2)
+    await acme.create_workload(spec)
+    await bolt.create_workload(spec)
+    # bolt watches its own events through the control plane (no JetStream access).
+    bolt_events: list[Any] = []
+
+    async def watch() -> None:
+        async for ev in bolt.events("pick"):
+            bolt_events.append(ev)
+
+    watcher = asyncio.create_task(watch())
+    bolt_job = await bolt.submit_sft_batch("pick", batch(4, 1))
+    acme_job = await acme.submit_sft_batch("pick", batch(4, 2))
+    await until(lambda: any(e.job.state is JobState.COMPLETED for e in bolt_events), 120,
+                "bolt's first job to be trained")
+    assert await acme.latest_version("pick") >= 1
+    wrong = batch(4, 9)
+    wrong["obs_state"] = wrong["obs_state"][:, :9]
+    with pytest.raises(ShapeMismatch, match=r"obs_state.*expected \[B, 12\], got \[4, 9\]"):
+        await acme.submit_sft_batch("pick", wrong)
+
+    nc, errors = await raw_tenant(secure, "acme")
+    try:
+        # 1. Publish a job event for bolt: refused, the log has nothing from acme.
+        forged = n.job_subject("bolt", bolt_job.job_id, "completed")
+        await nc.publish(forged, b'{"forged": true}')
+        # 2. Subscribe to bolt's job events: refused, nothing arrives.
+        spied: list[Any] = []
+
+        async def on_spied(msg: Any) -> None:
+            spied.append(msg)
+
+        await nc.subscribe(n.tenant_jobs("bolt"), cb=on_spied)
+        # 3. Read bolt's Training Queue partition and weights through the JetStream API.
+        get = json.dumps({"seq": 1, "next_by_subj": n.tq_partition("bolt", bolt_job.partition_id)})
+        await nc.publish(n.direct_get(n.tq_stream), get.encode(), reply=nc.new_inbox())
+        with pytest.raises(Exception):  # noqa: B017 (refused: no JetStream API at all)
+            await nc.jetstream().object_store(n.weights_store)
+        # 4. Register a workload as bolt.
+        await nc.publish(n.api("bolt", "create_workload"), b"{}")
+        await nc.flush()
+        await until(lambda: len(errors) >= 5, 10, "the server's refusals")
+        text = "\n".join(errors)
+        for subject in (forged, n.tenant_jobs("bolt"), n.direct_get(n.tq_stream),
+                        n.api("bolt", "create_workload")):
+            assert f'"{subject.lower()}"' in text, (subject, text)
+        assert "$js.api.stream.info.obj_jnx_weights" in text
+        assert nc.is_connected  # a refusal does not cost the connection
+        # 5. An inference request claiming to be bolt: on bolt's subject it is refused by
+        # the server; on acme's own subject with bolt in the payload, by the engine.
+        obs = Observation(
+            images={"base_camera": TensorBytes.from_array(np.zeros((1, 3, 64, 64), np.uint8))},
+            instruction="pick",
+            state=TensorBytes.from_array(np.zeros((1, 12), np.float32)),
+        )
+        wl = (await acme.get_workload("pick")).record
+        claim = encode_msgpack(InferRequest(tenant_id="bolt", policy_key="pick",
+                                            schema_signature=wl.schema_signature,
+                                            observation=obs))
+        await nc.publish(n.infer(MODEL, "bolt"), claim, reply=nc.new_inbox())
+        reply = await nc.request(n.infer(MODEL, "acme"), claim, timeout=10)
+        assert b"permission_denied" in reply.data and b"bolt" in reply.data
+        await until(lambda: f'"{n.infer(MODEL, "bolt")}"' in "\n".join(errors), 10,
+                    "the refusal of bolt's inference subject")
+        # bolt's job events go on; acme's refused subscription sees none of them.
+        seen = len(bolt_events)
+        bolt2 = await bolt.submit_sft_batch("pick", batch(4, 3))
+        await until(lambda: len(bolt_events) > seen, 10, "bolt's new events")
+        await nc.flush()
+        assert spied == []
+    finally:
+        await nc.close()
+
+    # Through the SDK every attempt is a clear, immediate error.
+    as_bolt = Client(acme._b, "bolt")  # acme's connection pretending to be bolt
+    with pytest.raises(PermissionDenied, match=r"jnx\.api\.bolt\.create_workload"):
+        await as_bolt.create_workload(WorkloadSpec(name="x", task_type="sft",
+                                                   dataset=str(sft_dataset)))
+    with pytest.raises(InvalidSpec, match="credentials are tenant 'acme'"):
+        await Client.connect(tenant="bolt", credentials=acme_creds)
+    with pytest.raises(UnknownJob):  # bolt's job through acme's own API: not revealed
+        await acme._api("close_job", CloseJob(job_id=bolt_job.job_id))
+    assert await bolt.latest_version("pick") >= 2  # acme's API never reaches bolt's policy
+
+    # Every refusal is a security event of acme in the metrics stream.
+    for action, subject, source in (
+        ("publish", forged, "nats-server"),
+        ("subscribe", n.tenant_jobs("bolt"), "nats-server"),
+        ("publish", n.api("bolt", "create_workload"), "nats-server"),
+        ("claim_tenant", n.infer(MODEL, "acme"), "inference"),
+        ("close_job", n.api("acme", "close_job"), "control"),
+    ):
+        await secure.wait_security(
+            "acme",
+            lambda e, a=action, sj=subject, so=source: (
+                e["action"] == a and e["subject"].lower() == sj.lower() and e["source"] == so
+            ),
+            f"{action} {subject} by {source}",
+        )
+    assert not await secure.security_events("bolt")  # bolt did nothing wrong
+
+    # Nothing of acme's reached bolt's job log, and both tenants keep training.
+    async with asyncio.timeout(5):
+        js_msg = await secure.admin.js.get_last_msg(n.jobs_stream, n.job_filter("bolt", bolt_job.job_id))
+    assert b"forged" not in js_msg.data
+    acme2 = await acme.submit_sft_batch("pick", batch(4, 4))
+    await until(
+        lambda: {e.job.job_id for e in bolt_events if e.job.state is JobState.COMPLETED}
+        >= {bolt_job.job_id, bolt2.job_id},
+        120,
+        "bolt's jobs after the attacks",
+    )
+    assert all(e.job.tenant_id == "bolt" for e in bolt_events)
+    acme_done: set[str] = set()
+
+    async def acme_trained() -> None:
+        async for ev in acme.events("pick"):
+            if ev.job.state is JobState.COMPLETED:
+                acme_done.add(ev.job.job_id)
+            if {acme_job.job_id, acme2.job_id} <= acme_done:
+                return
+
+    await asyncio.wait_for(acme_trained(), 120)
+    assert await acme.latest_version("pick") == 3 and await bolt.latest_version("pick") == 3
+    watcher.cancel()
+    await acme.close()
+    await bolt.close()
+
+
+async def test_revoked_tenant_loses_access(secure: Secure, sft_dataset: Path) -> None:
+    creds = await secure.issue("cora")
+    cora = await Client.connect(credentials=creds)
+    await cora.create_workload(WorkloadSpec(name="pick", task_type="sft",
+                                            dataset=str(sft_dataset), source="tenant",
+                                            action_horizon=2))
+    assert [w.name for w in await cora.list_workloads()] == ["pick"]
+    assert "cora" in [t.tenant_id for t in await list_tenants(secure.admin)]
+
+    reply = await remove_tenant(secure.admin, "cora")
+    assert reply.applied == "yes" and reply.cancelled == ["pick"]
+    # The live connection is closed by the server's reload; the next call says why.
+    with pytest.raises(PermissionDenied, match="revoked"):
+        for _ in range(50):
+            await cora.list_workloads()
+            await asyncio.sleep(0.1)
+    with pytest.raises(PermissionDenied, match=r"refused the credentials of 'jnx\.cora'"):
+        await Client.connect(credentials=creds)
+    assert "cora" not in [t.tenant_id for t in await list_tenants(secure.admin)]
+    await secure.wait_security("cora", lambda e: e["action"] == "connect",
+                               "the refused login of the revoked tenant")
+    # A new slot issues new credentials; the revoked password stays refused.
+    fresh = await secure.issue("cora")
+    assert fresh.password != creds.password
+    again = await Client.connect(credentials=fresh)
+    assert [w.record.state for w in await again.list_workloads()] == ["cancelled"]
+    await again.close()
+    with pytest.raises(PermissionDenied):
+        await Client.connect(credentials=creds)
+
+
+async def test_rotation_and_the_operator_api(secure: Secure) -> None:
+    old = await secure.issue("dora")
+    with pytest.raises(InvalidSpec, match="--rotate"):
+        await add_tenant(secure.admin, "dora", url=secure.url)
+    new, reply = await add_tenant(secure.admin, "dora", url=secure.url, rotate=True)
+    assert reply.applied == "yes" and reply.tenant is not None and reply.tenant.rotated_at > 0
+    with pytest.raises(PermissionDenied):
+        await Client.connect(credentials=old)
+    dora = await Client.connect(credentials=new)
+    # The service identity may not use the operator API (tenants have no way to it at all).
+    svc_errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        svc_errors.append(str(e))
+
+    assert secure.ep.service is not None
+    svc = await nats.connect(secure.url, user=secure.ep.service.user,
+                             password=secure.ep.service.password, error_cb=on_error)
+    await svc.publish(Names(NS).admin("tenant_add"), b'{"tenant": "evil"}')
+    await svc.flush()
+    await until(lambda: any("jnx.admin.tenant_add" in e for e in svc_errors), 10,
+                "the service identity's refusal on the operator API")
+    await svc.close()
+    assert "evil" not in [t.tenant_id for t in await list_tenants(secure.admin)]
+    await dora.close()
