@@ -509,7 +509,9 @@ def _check_rows(data: dict[str, Any], fs: FeatureSchemaSpec, workload: str) -> N
     """Rows the tenant hands in must fit its workload's schema (else its jobs would
     fail at training time, far from the mistake)."""
     h, w = fs.image_hw
-    want = {f"obs_image_{slot}": (fs.channels, h, w) for slot in fs.camera_slots}
+    want: dict[str, tuple[int, ...]] = {
+        f"obs_image_{slot}": (fs.channels, h, w) for slot in fs.camera_slots
+    }
     want["obs_state"] = (fs.state_dim,)
     want["actions"] = (fs.action_horizon, fs.action_dim)
     for name, shape in want.items():
