@@ -120,8 +120,10 @@ class Broker:
                 who = credentials.user if credentials and credentials.user else "anonymous"
                 raise PermissionDenied(
                     f"the NATS server at {url} refused the credentials of {who!r} "
-                    "(wrong or revoked; an operator issues them with `joynexus tenant add`, "
-                    "agents use <data-dir>/credentials/service.json)"
+                    "(wrong, revoked or none: tenants use the file `joynexus tenant add` "
+                    "wrote, agents <data-dir>/credentials/service.json, operators "
+                    "<data-dir>/credentials/admin.json; pass it with --creds FILE or "
+                    "$JOYNEXUS_CREDS)"
                 ) from e
             raise Unavailable(
                 f"cannot connect to NATS at {url} within {initial_timeout_s:.0f}s ({why}); "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -65,6 +66,9 @@ def bootstrap(
         path = credentials_path(data_dir, kind)
         if path.exists():
             creds = Credentials.load(path)
+            if ca_file and creds.ca_file != ca_file:  # TLS turned on since: trust its CA
+                creds = dataclasses.replace(creds, ca_file=ca_file)
+                creds.save(path)
         else:
             creds = Credentials(
                 kind=kind,  # type: ignore[arg-type]

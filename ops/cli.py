@@ -30,7 +30,33 @@ def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
     p.add_argument(
         "--namespace", default="jnx", help="prefix of every stream/subject (default: jnx)"
     )
+    p.add_argument(
+        "--creds",
+        metavar="FILE",
+        default=None,
+        help="credentials file to connect with (default: $JOYNEXUS_CREDS, else "
+        "<data-dir>/credentials/admin.json (service.json for `agent`) if it exists)",
+    )
+    if embedded:
+        _server_security(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _server_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="embedded server: authorization OFF (anyone who reaches the port is trusted); "
+        "by default every connection authenticates and tenants are fenced",
+    )
+    p.add_argument("--tls-cert", metavar="PEM", default=None, help="embedded server: TLS certificate")
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="embedded server: TLS key")
+    p.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=None,
+        help="CA that signed the certificate (clients and cluster peers verify against it)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +113,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data-dir", default=".jnx", help="store directory (default: .jnx)")
     p.add_argument("--port", type=int, default=4222, help="client port (-1: random; default 4222)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--namespace", default="jnx", help="deployment namespace of the bootstrap identities"
+    )
+    _server_security(p)
+    p.add_argument("--cluster", metavar="NAME", default=None, help="join a cluster of this name")
+    p.add_argument("--cluster-port", type=int, default=6222, help="route port (default 6222)")
+    p.add_argument(
+        "--routes",
+        default="",
+        help="comma-separated nats-route://host:port of the cluster's nodes (give every node "
+        "the same list); routes use TLS when --tls-cert is given",
+    )
+
+    p = sub.add_parser(
+        "tenant",
+        help="operator: issue, revoke and list tenants' credentials",
+        description="Tenant slots (admin identity). `add` issues a tenant its NATS user and "
+        "writes its credentials file (owner-only) for you to hand over; the server applies it "
+        "without a restart. `rm` revokes it (the tenant's connections are closed) and cancels "
+        "its active workloads.",
+    )
+    tsub = p.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
+    for action, text in (
+        ("add", "issue credentials to a new tenant (or new ones with --rotate)"),
+        ("rm", "revoke a tenant's credentials and cancel its active workloads"),
+        ("ls", "list tenants"),
+    ):
+        tp = tsub.add_parser(action, help=text, description=text)
+        _common(tp, embedded=False)
+        tp.add_argument(
+            "--data-dir",
+            default=".jnx",
+            help="where the deployment keeps credentials (default .jnx): admin credentials "
+            "are read from <data-dir>/credentials/admin.json, tenants' written to "
+            "<data-dir>/tenants/<namespace>/<tenant>.json",
+        )
+        if action != "ls":
+            tp.add_argument("tenant", help="tenant name")
+        if action == "add":
+            tp.add_argument("--rotate", action="store_true", help="issue new credentials")
+            tp.add_argument("--out", default=None, help="credentials file to write instead")
+        if action == "rm":
+            tp.add_argument(
+                "--keep-workloads", action="store_true", help="do not cancel its workloads"
+            )
+        if action == "ls":
+            tp.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser(
         "agent",
@@ -138,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p, embedded=False)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument(
+        "--data-dir",
+        default=".jnx",
+        help="deployment directory whose credentials/admin.json to use (default .jnx)",
+    )
 
     p = sub.add_parser(
         "bench",
@@ -213,9 +292,110 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _use_credentials(args: argparse.Namespace) -> None:
+    """Make ``--creds`` (or the data dir's own identity, when connecting to an
+    existing server) this process's identity: every connection without explicit
+    credentials uses ``$JOYNEXUS_CREDS``."""
+    import os
+
+    from joynexus.broker.credentials import CREDS_ENV
+
+    path = getattr(args, "creds", None)
+    if not path and not os.environ.get(CREDS_ENV) and getattr(args, "nats", None):
+        kind = "service" if args.command == "agent" else "admin"
+        candidate = Path(getattr(args, "data_dir", None) or ".jnx") / "credentials" / f"{kind}.json"
+        if candidate.exists():
+            path = str(candidate)
+    if path:
+        if not Path(path).exists():
+            from joynexus.schemas.errors import InvalidSpec
+
+            raise InvalidSpec(f"--creds {path}: no such file")
+        os.environ[CREDS_ENV] = str(path)
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    from joynexus.ops.natsserver import TlsFiles
+    from joynexus.schemas.errors import InvalidSpec
+
+    cert = getattr(args, "tls_cert", None)
+    if not cert:
+        if getattr(args, "tls_key", None) or getattr(args, "tls_ca", None):
+            raise InvalidSpec("--tls-key/--tls-ca need --tls-cert")
+        return None
+    if not args.tls_key:
+        raise InvalidSpec("--tls-cert needs --tls-key")
+    if args.no_auth:
+        raise InvalidSpec(
+            "TLS needs authorization on: the agents' credentials files carry the CA to trust"
+        )
+    return TlsFiles(cert_file=cert, key_file=args.tls_key, ca_file=args.tls_ca)
+
+
+def _embedded_opts(args: argparse.Namespace) -> dict[str, Any]:
+    return {"auth": not args.no_auth, "tls": _tls(args), "namespace": args.namespace}
+
+
+async def _tenant_command(args: argparse.Namespace) -> int:
+    from joynexus.broker.connection import Broker
+    from joynexus.broker.credentials import from_env_or_file
+    from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant, tenant_creds_path
+
+    b = await Broker.connect(args.nats, name="joynexus-tenant", namespace=args.namespace)
+    try:
+        if args.tenant_command == "add":
+            me = from_env_or_file(None)
+            creds, reply = await add_tenant(
+                b, args.tenant, url=args.nats, rotate=args.rotate,
+                ca_file=me.ca_file if me else None,
+            )
+            path = creds.save(
+                Path(args.out) if args.out
+                else tenant_creds_path(args.data_dir, args.namespace, args.tenant)
+            )
+            print(
+                f"tenant {args.tenant}: NATS user {creds.user}; credentials written to {path} "
+                "(owner-only). Hand them to the tenant: Client.connect(credentials=<file>)."
+            )
+        elif args.tenant_command == "rm":
+            reply = await remove_tenant(b, args.tenant, cancel_workloads=not args.keep_workloads)
+            print(
+                f"tenant {args.tenant}: credentials revoked; its connections are closed"
+                + (f"; cancelled workloads: {', '.join(reply.cancelled)}" if reply.cancelled else "")
+            )
+        else:
+            tenants = await list_tenants(b)
+            if args.json:
+                import msgspec
+
+                print(json.dumps([msgspec.to_builtins(t) for t in tenants]))
+            elif not tenants:
+                print("no tenants (add one: joynexus tenant add NAME --nats URL)")
+            else:
+                import time as _time
+
+                print(f"{'TENANT':<20} {'USER':<28} {'WORKLOADS':>9}  CREATED")
+                for t in tenants:
+                    created = _time.strftime("%Y-%m-%d %H:%M", _time.localtime(t.created_at))
+                    print(f"{t.tenant_id:<20} {t.user:<28} {t.workloads:>9}  {created}")
+            return 0
+        if reply.applied == "pending":
+            print("warning: the server's auth sync did not confirm the change in time; "
+                  "check the process that owns the server", file=sys.stderr)
+        elif reply.applied == "off":
+            print("note: no auth sync answered: the server runs without authorization "
+                  "(or is not a joynexus embedded server); anyone can connect", file=sys.stderr)
+        return 0
+    finally:
+        await b.close()
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     import os
 
+    _use_credentials(args)
+    if args.command == "tenant":
+        return asyncio.run(_tenant_command(args))
     if args.command == "agent":
         opts = RoleOptions(
             instance=args.instance or f"{args.role}-{os.getpid()}",
@@ -236,14 +416,31 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return 0
     if args.command == "server":
-        from joynexus.ops.natsserver import EmbeddedNats
+        from joynexus.ops.deploy import embedded
+        from joynexus.ops.natsserver import ClusterOptions
 
-        with EmbeddedNats(args.data_dir, port=args.port) as server:
-            print(
-                f"nats-server ready at {server.url} (store: {Path(args.data_dir).resolve()}); "
-                "Ctrl-C stops it",
-                flush=True,
+        tls = _tls(args)
+        cluster = None
+        if args.cluster:
+            routes = tuple(r.strip() for r in args.routes.split(",") if r.strip())
+            cluster = ClusterOptions(
+                name=args.cluster, host=args.host, port=args.cluster_port, routes=routes, tls=tls
             )
+        with embedded(
+            args.data_dir, namespace=args.namespace, auth=not args.no_auth, port=args.port,
+            host=args.host, tls=tls, cluster=cluster, act_as_admin=False,
+        ) as ep:
+            print(f"nats-server ready at {ep.url} (store: {Path(args.data_dir).resolve()})")
+            if ep.admin_path:
+                print(
+                    f"authorization on. agents: --creds {ep.service_path}; operators: --creds "
+                    f"{ep.admin_path} (the nats CLI: --user {ep.admin.user if ep.admin else ''} "
+                    "--password <password in that file>); tenants: `joynexus tenant add NAME "
+                    f"--nats {ep.url}`"
+                )
+            else:
+                print("authorization OFF (--no-auth): anyone who reaches the port is trusted")
+            print("Ctrl-C stops it", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
@@ -251,7 +448,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from joynexus.ops.launcher import launch
 
         roles = [r.strip() for r in args.roles.split(",") if r.strip()]
-        with nats_url(args.nats, args.data_dir) as url:
+        with nats_url(args.nats, args.data_dir, **_embedded_opts(args)) as url:
             return launch(url, args.namespace, roles, out_dir=Path(args.data_dir) / "actor")
     if args.command == "status":
         from joynexus.ops.status import status
@@ -260,19 +457,19 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo" and args.synthetic:
         from joynexus.ops.demo import run_demo
 
-        with nats_url(args.nats, args.data_dir, quiet=args.json) as url:
+        with nats_url(args.nats, args.data_dir, quiet=args.json, **_embedded_opts(args)) as url:
             return asyncio.run(
                 run_demo(url, args.namespace, seconds=args.seconds, as_json=args.json)
             )
     if args.command == "demo":
         from joynexus.ops.paper import main_job
 
-        with nats_url(args.nats, args.data_dir, quiet=args.json) as url:
+        with nats_url(args.nats, args.data_dir, quiet=args.json, **_embedded_opts(args)) as url:
             return asyncio.run(
                 main_job(url, Path(args.out), minutes=args.minutes, as_json=args.json)
             )
     if args.command == "bench":
-        with nats_url(args.nats, quiet=True) as url:
+        with nats_url(args.nats, quiet=True, **_embedded_opts(args)) as url:
             if args.bench == "scheduler":
                 from joynexus.ops.bench_scheduler import bench_scheduler
 

@@ -22,8 +22,19 @@ from pathlib import Path
 
 from joynexus.broker.credentials import CREDS_ENV, Credentials
 from joynexus.broker.subjects import Names
-from joynexus.ops.natsserver import EmbeddedNats, TlsFiles
+from joynexus.ops.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
 from joynexus.schemas.errors import JoyNexusError
+
+#: Set while this process owns a secured embedded server: the service identity's
+#: file, handed to the agent processes it starts (as their $JOYNEXUS_CREDS).
+SERVICE_CREDS_ENV = "JOYNEXUS_SERVICE_CREDS"
+
+
+def role_env() -> dict[str, str]:
+    """Environment for an agent process this process starts: the service identity
+    when it owns a secured server, else whatever identity it has itself."""
+    service = os.environ.get(SERVICE_CREDS_ENV)
+    return {CREDS_ENV: service} if service else {}
 
 
 @dataclass
@@ -116,6 +127,7 @@ def embedded(
     port: int = -1,
     host: str = "127.0.0.1",
     tls: TlsFiles | None = None,
+    cluster: ClusterOptions | None = None,
     act_as_admin: bool = True,
 ) -> Iterator[Endpoint]:
     """An embedded nats-server (a temporary store if ``data_dir`` is None), with
@@ -126,13 +138,17 @@ def embedded(
             data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jnx-nats-"))
         data = Path(data_dir)
         if not auth:
-            server = stack.enter_context(EmbeddedNats(data, port=port, host=host, tls=tls))
+            server = stack.enter_context(
+                EmbeddedNats(data, port=port, host=host, tls=tls, cluster=cluster)
+            )
             yield Endpoint(server.url, data, server=server)
             return
         from joynexus.ops.authsync import secured_server
 
         names = Names(namespace)
-        server, admin, service = secured_server(data, names, port=port, host=host, tls=tls)
+        server, admin, service = secured_server(
+            data, names, port=port, host=host, tls=tls, cluster=cluster
+        )
         stack.enter_context(server)
         admin, service = admin.with_url(server.url), service.with_url(server.url)
         sync = AuthSyncThread(server, admin, service, names)
@@ -141,17 +157,17 @@ def embedded(
         if act_as_admin:
             from joynexus.ops.authsync import credentials_path
 
-            old = os.environ.get(CREDS_ENV)
-            os.environ[CREDS_ENV] = str(credentials_path(data, "admin"))
-            stack.callback(_restore_env, old)
+            for var, kind in ((CREDS_ENV, "admin"), (SERVICE_CREDS_ENV, "service")):
+                stack.callback(_restore_env, var, os.environ.get(var))
+                os.environ[var] = str(credentials_path(data, kind))
         yield Endpoint(server.url, data, admin, service, server, sync)
 
 
-def _restore_env(old: str | None) -> None:
+def _restore_env(var: str, old: str | None) -> None:
     if old is None:
-        os.environ.pop(CREDS_ENV, None)
+        os.environ.pop(var, None)
     else:
-        os.environ[CREDS_ENV] = old
+        os.environ[var] = old
 
 
 @contextlib.contextmanager
@@ -162,13 +178,15 @@ def nats_url(
     quiet: bool = False,
     auth: bool = True,
     namespace: str = "jnx",
+    tls: TlsFiles | None = None,
+    port: int = -1,
 ) -> Iterator[str]:
     """Yield ``url`` as given, or start an embedded nats-server (see :func:`embedded`)
     and stop it after."""
     if url:
         yield url
         return
-    with embedded(data_dir, auth=auth, namespace=namespace) as ep:
+    with embedded(data_dir, auth=auth, namespace=namespace, tls=tls, port=port) as ep:
         if not quiet:
             how = (
                 f"authorization on; admin credentials {ep.admin_path}" if auth

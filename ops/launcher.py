@@ -87,7 +87,10 @@ async def supervise(
     b = await Broker.connect(url, name="health-0", namespace=namespace)
     try:
         await ensure_layout(b)
-        slots = [s for s in role_slots(url, namespace, roles, out_dir=out_dir)]
+        from joynexus.ops.deploy import role_env
+
+        env = role_env()
+        slots = [s for s in role_slots(url, namespace, roles, out_dir=out_dir, env=env or None)]
         manager = HealthManager(
             b,
             [s for s in slots if isinstance(s, RoleSlot)],

@@ -52,10 +52,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
+from joynexus.broker.credentials import Credentials
 from joynexus.broker.layout import ensure_layout
+from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
 from joynexus.ops.natsserver import die_with_parent
 from joynexus.ops.roles import DEPLOYMENT_ROLES
+from joynexus.ops.tenants import add_tenant
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -162,6 +165,13 @@ class Deployment:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.peak_rss_mb = {"train": 0.0, "infer": 0.0}
         self._logs: list[Any] = []
+        self.creds: dict[str, Credentials] = {}
+
+    async def tenant(self, b: Broker, tenant: str) -> Client:
+        """A client of ``tenant`` with credentials the operator (this process) issues."""
+        if tenant not in self.creds:
+            self.creds[tenant], _ = await add_tenant(b, tenant, url=self.url)
+        return await Client.connect(credentials=self.creds[tenant])
 
     def start(self) -> None:
         logs = self.out / "logs"
@@ -181,7 +191,7 @@ class Deployment:
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **role_env(), "PYTHONUNBUFFERED": "1"},
                 preexec_fn=die_with_parent,
             )
 
@@ -258,7 +268,7 @@ async def _run_tenants(
 ) -> tuple[float, float]:
     """Create the workloads, wait until each reached its updates; returns the window."""
     clients = {
-        p.tenant: await Client.connect(dep.url, tenant=p.tenant, namespace=dep.namespace)
+        p.tenant: await dep.tenant(b, p.tenant)
         for p in tenants
     }
     sched = SchedulerClient(b, by="paper")
@@ -353,7 +363,7 @@ async def _tenant_outcomes(
     snap = await SchedulerClient(b, by="paper").snapshot()
     for p in tenants:
         states = snap.jobs_by_tenant_state.get(p.tenant, {})
-        async with await Client.connect(dep.url, tenant=p.tenant, namespace=dep.namespace) as c:
+        async with await dep.tenant(b, p.tenant) as c:
             version = await c.latest_version(p.spec.name)
             eval_success = None
             if p.spec.task_type == "rl" and eval_episodes:
