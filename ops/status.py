@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import msgspec
+import orjson
 from nats.js.errors import NotFoundError
 
 from joynexus.agents.scheduler_client import SchedulerClient
@@ -63,6 +64,23 @@ async def collect(b: Broker) -> dict[str, Any]:
         for r in await _gather_replies(b, f"$SRV.STATS.{b.names.inference_service}")
     ]
     out["agents"] = await _heartbeats(b)
+    out["security"] = await _refusals(b)
+    return out
+
+
+async def _refusals(b: Broker) -> list[dict[str, Any]]:
+    """Refused attempts per tenant (security metric events) and the last one of each."""
+    stream, subject = b.names.metrics_stream, b.names.metrics("security", "*")
+    try:
+        info = await b.js.stream_info(stream, subjects_filter=subject)
+    except NotFoundError:
+        return []
+    out = []
+    for subj, count in sorted((info.state.subjects or {}).items()):
+        last: dict[str, Any] = {}
+        with contextlib.suppress(Exception):
+            last = orjson.loads((await b.js.get_last_msg(stream, subj)).data or b"{}")
+        out.append({"tenant": subj.rsplit(".", 1)[-1], "refusals": count, "last": last})
     return out
 
 
@@ -225,6 +243,22 @@ def render(s: dict[str, Any]) -> str:
             + table(
                 arows, ["role", "instance", "pid", "state", "last beat", "errors", "last error"]
             )
+        )
+    if s.get("security"):
+        now = time.time()
+        rrows = [
+            [
+                r["tenant"],
+                r["refusals"],
+                f"{now - r['last'].get('at', now):.0f}s ago",
+                f"{r['last'].get('source', '')}: {r['last'].get('action', '')} "
+                f"{r['last'].get('subject', '')}"[:70],
+            ]
+            for r in s["security"]
+        ]
+        parts.append(
+            "Refused attempts (security events; tenant _ = not a tenant)\n"
+            + table(rrows, ["tenant", "refusals", "last", "last refusal"])
         )
     srows = [[k, v["messages"], f"{v['bytes'] / 1e6:.2f} MB"] for k, v in s["streams"].items()]
     parts.append("Streams\n" + table(srows, ["stream", "messages", "bytes"]))

@@ -417,3 +417,21 @@ async def test_rotation_and_the_operator_api(secure: Secure) -> None:
     await svc.close()
     assert "evil" not in [t.tenant_id for t in await list_tenants(secure.admin)]
     await dora.close()
+
+
+async def test_status_shows_refused_attempts(secure: Secure) -> None:
+    from joynexus.ops.status import collect, render
+
+    await secure.issue("erin")
+    nc, errors = await raw_tenant(secure, "erin")
+    await nc.publish(Names(NS).api("someone", "list_workloads"), b"{}")
+    await nc.flush()
+    await until(lambda: bool(errors), 10, "the refusal")
+    await nc.close()
+    await secure.wait_security("erin", lambda e: e["action"] == "publish", "erin's refusal")
+    s = await collect(secure.admin)
+    erin = [r for r in s["security"] if r["tenant"] == "erin"]
+    assert erin and erin[0]["refusals"] == 1
+    assert erin[0]["last"]["subject"] == "jnx.api.someone.list_workloads"
+    text = render(s)
+    assert "Refused attempts" in text and "jnx.api.someone.list_workloads" in text

@@ -471,3 +471,42 @@ def test_on_log_line_sees_every_line_and_survives_errors(tmp_path: Path) -> None
         assert any("Reloaded server configuration" in line for line in seen)
         assert seen == server.log_tail(len(seen)).splitlines()
         assert any("Server is ready" in line for line in seen)
+
+
+async def test_secured_deployment_over_tls(tmp_path: Path, pki: Pki) -> None:
+    """Authorization and TLS together, as `joynexus up --tls-cert ...` runs them: the
+    generated credentials files carry the CA, so agents, operators and tenants
+    connect with TLS without further options; a client that does not trust the CA
+    cannot connect."""
+    from joynexus.agents.control import ControlPlane
+    from joynexus.broker.credentials import Credentials
+    from joynexus.ops.deploy import embedded
+    from joynexus.ops.tenants import add_tenant, list_tenants
+    from joynexus.schemas.errors import Unavailable
+    from joynexus.sdk import Client
+
+    async def no_init(record: object) -> str:
+        raise AssertionError("no workload is created here")
+
+    with embedded(tmp_path / "d", tls=pki.server_files(), act_as_admin=False) as ep:
+        assert ep.url.startswith("tls://") and ep.admin and ep.service
+        saved = Credentials.load(tmp_path / "d" / "credentials" / "service.json")
+        assert saved.ca_file == str(pki.ca) and ep.admin.ca_file == str(pki.ca)
+        service = await Broker.connect(ep.url, name="svc", credentials=ep.service)
+        admin = await Broker.connect(ep.url, name="op", credentials=ep.admin)
+        control = ControlPlane(service, init_policy=no_init)  # type: ignore[arg-type]
+        await control.start()
+        try:
+            creds, reply = await add_tenant(admin, "acme", url=ep.url, ca_file=ep.admin.ca_file)
+            assert reply.applied == "yes" and creds.ca_file == str(pki.ca)
+            acme = await Client.connect(credentials=creds)
+            assert await acme.list_workloads() == []
+            assert [t.tenant_id for t in await list_tenants(admin)] == ["acme"]
+            await acme.close()
+            untrusted = Credentials(user=ep.admin.user, password=ep.admin.password)
+            with pytest.raises(Unavailable):
+                await Broker.connect(ep.url, name="x", credentials=untrusted, initial_timeout_s=2)
+        finally:
+            await control.stop()
+            await service.close()
+            await admin.close()
