@@ -61,10 +61,12 @@ from joynexus.schemas.identities import (
     TenantInfo,
     TenantRequest,
 )
-from joynexus.schemas.inference import FeatureSchemaSpec
+from joynexus.schemas.inference import FeatureSchemaSpec, decode_msgpack
 from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import (
+    CONTENT_TYPE,
+    MSGPACK,
     ApiReply,
     CloseJob,
     CreateWorkload,
@@ -172,9 +174,13 @@ class ControlPlane:
         parts = request.subject.split(".")
         tenant, verb = parts[2], parts[3]
         try:
+            check_name("tenant", tenant)  # a token, never a wildcard
             if verb not in VERBS:
                 raise InvalidSpec(f"unknown API verb {verb!r}; verbs are {sorted(VERBS)}")
-            req = decode(request.data or b"{}", VERBS[verb], what=f"{verb} request")
+            if (request.headers or {}).get(CONTENT_TYPE) == MSGPACK:
+                req = decode_msgpack(request.data, VERBS[verb], what=f"{verb} request")
+            else:
+                req = decode(request.data or b"{}", VERBS[verb], what=f"{verb} request")
             with tracing.tracer.start_as_current_span(
                 f"control.{verb}", context=tracing.extract(request.headers)
             ):

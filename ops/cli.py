@@ -232,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
             "faults",
             "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
         ),
+        (
+            "fencing",
+            "tenant fencing's cost on its own secured server: tenant add, connect, data relayed "
+            "through the control plane vs direct, event latency",
+        ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _common(bp, embedded=True)
@@ -478,6 +483,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_faults import bench_faults
 
                 result = asyncio.run(bench_faults(args.nats))
+            elif args.bench == "fencing":
+                from joynexus.ops.bench_fencing import bench_fencing
+
+                result = asyncio.run(bench_fencing())
             elif args.bench == "inference":
                 from joynexus.ops.bench_inference import bench_inference
 

@@ -157,6 +157,12 @@ class CloseJob(Wire, kw_only=True):
     job_id: str
 
 
+#: Header of an API request whose body is msgpack (put_data: tensors stay raw bytes)
+#: instead of JSON.
+CONTENT_TYPE = "Content-Type"
+MSGPACK = "application/msgpack"
+
+
 class ReadEvents(Wire, kw_only=True, omit_defaults=True):
     """Page through the tenant's own job events (the SDK's ``events()``): those
     after stream sequence ``after_seq`` (``-1``: only events from now on), at

@@ -43,9 +43,11 @@ from joynexus.schemas.errors import (
     Unavailable,
     error_from_code,
 )
-from joynexus.schemas.inference import PolicyRecord, TensorBytes
+from joynexus.schemas.inference import PolicyRecord, TensorBytes, encode_msgpack
 from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
 from joynexus.schemas.workloads import (
+    CONTENT_TYPE,
+    MSGPACK,
     ApiReply,
     CloseJob,
     CreateWorkload,
@@ -63,8 +65,8 @@ T = TypeVar("T")
 SFT_FIELDS = ("obs_state", "actions")
 RL_FIELDS = ("obs_state", "actions", "env_id", "step", "rewards", "dones")
 IMAGE_PREFIX = "obs_image_"
-#: Raw bytes per put_data request (JSON carries them as base64, under max_payload).
-PUT_CHUNK_BYTES = 2 * 1024 * 1024
+#: Raw bytes per put_data request at most (msgpack, under 3/4 of max_payload).
+PUT_CHUNK_BYTES = 6 * 1024 * 1024
 #: How long one read_events request waits for new events.
 EVENTS_WAIT_S = 5.0
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
@@ -221,16 +223,22 @@ class Client:
             if refused.done() and not refused.cancelled():
                 refused.exception()  # retrieved: no "never retrieved" warning
 
-    async def _api(self, verb: str, req: Any, *, timeout_s: float | None = None) -> ApiReply:
+    async def _api(
+        self, verb: str, req: Any, *, timeout_s: float | None = None, binary: bool = False
+    ) -> ApiReply:
+        """One control plane request; ``binary``: msgpack (tensors stay raw bytes)."""
         subject = self._b.names.api(self.tenant, verb)
+        headers = tracing.inject()
+        if binary:
+            headers[CONTENT_TYPE] = MSGPACK
         try:
             msg = await self._guarded(
                 subject,
                 self._b.nc.request(
                     subject,
-                    encode(req),
+                    encode_msgpack(req) if binary else encode(req),
                     timeout=timeout_s or self.timeout_s,
-                    headers=tracing.inject(),
+                    headers=headers,
                 ),
             )
         except (NoRespondersError, NatsTimeout, TimeoutError) as e:
@@ -379,10 +387,10 @@ class Client:
         job = reply.job
         arrays = {k: np.ascontiguousarray(v) for k, v in data.items()}
         row_bytes = sum(a[0].nbytes for a in arrays.values() if len(a)) or 1
-        step = max(1, PUT_CHUNK_BYTES // row_bytes)
+        step = max(1, min(PUT_CHUNK_BYTES, self._b.max_payload * 3 // 4) // row_bytes)
         for start in range(0, rows, step):  # rows in requests under the payload limit
             fields = {k: TensorBytes.from_array(a[start : start + step]) for k, a in arrays.items()}
-            await self._api("put_data", PutData(job_id=job.job_id, fields=fields))
+            await self._api("put_data", PutData(job_id=job.job_id, fields=fields), binary=True)
         closed = await self._api("close_job", CloseJob(job_id=job.job_id))
         assert closed.job is not None
         return closed.job
