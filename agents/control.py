@@ -173,7 +173,8 @@ class ControlPlane:
     async def _serve(self, request: Request) -> None:
         parts = request.subject.split(".")
         tenant, verb = parts[2], parts[3]
-        try:
+
+        async def call() -> Any:
             check_name("tenant", tenant)  # a token, never a wildcard
             if verb not in VERBS:
                 raise InvalidSpec(f"unknown API verb {verb!r}; verbs are {sorted(VERBS)}")
@@ -181,15 +182,29 @@ class ControlPlane:
                 req = decode_msgpack(request.data, VERBS[verb], what=f"{verb} request")
             else:
                 req = decode(request.data or b"{}", VERBS[verb], what=f"{verb} request")
+            return await getattr(self, f"_{verb}")(tenant, req)
+
+        await self._answer(request, verb, ApiReply, call)
+
+    async def _answer(
+        self,
+        request: Request,
+        verb: str,
+        reply_type: type[ApiReply] | type[AdminReply],
+        call: Callable[[], Awaitable[Any]],
+    ) -> None:
+        """Run ``call`` in a span continuing the caller's trace; answer its reply, or
+        the error as ``reply_type(error=...)``; keep serving whatever happens."""
+        try:
             with tracing.tracer.start_as_current_span(
                 f"control.{verb}", context=tracing.extract(request.headers)
             ):
-                reply = await getattr(self, f"_{verb}")(tenant, req)
+                reply = await call()
         except JoyNexusError as e:
-            reply = ApiReply(error=ErrorBody(code=e.code, message=str(e)))
+            reply = reply_type(error=ErrorBody(code=e.code, message=str(e)))
         except Exception as e:  # a bug: say so, keep serving
             log.exception("control request %s failed", request.subject)
-            reply = ApiReply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
+            reply = reply_type(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
         with contextlib.suppress(Exception):
             await request.respond(encode(reply))
 
@@ -397,21 +412,14 @@ class ControlPlane:
     # ------------------------------------------------------------ the operator API
     async def _serve_admin(self, request: Request) -> None:
         verb = request.subject.split(".")[-1]
-        try:
+
+        async def call() -> Any:
             if verb not in ADMIN_VERBS:
                 raise InvalidSpec(f"unknown admin verb {verb!r}; verbs are {list(ADMIN_VERBS)}")
             req = decode(request.data or b"{}", TenantRequest, what=f"{verb} request")
-            with tracing.tracer.start_as_current_span(
-                f"control.{verb}", context=tracing.extract(request.headers)
-            ):
-                reply = await getattr(self, f"_{verb}")(req)
-        except JoyNexusError as e:
-            reply = AdminReply(error=ErrorBody(code=e.code, message=str(e)))
-        except Exception as e:  # a bug: say so, keep serving
-            log.exception("admin request %s failed", request.subject)
-            reply = AdminReply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
-        with contextlib.suppress(Exception):
-            await request.respond(encode(reply))
+            return await getattr(self, f"_{verb}")(req)
+
+        await self._answer(request, verb, AdminReply, call)
 
     async def _identity(self, tenant: str) -> TenantIdentity | None:
         try:
