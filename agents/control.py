@@ -138,6 +138,7 @@ class ControlPlane:
         await self._service.add_endpoint(
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
+        await self.b.nc.flush()  # subscribed on the server before start() returns
 
     async def _on_job_event(self, msg: Any) -> None:
         try:
