@@ -27,7 +27,9 @@ Metric kinds it understands (any other kind is kept generically):
 fields, one level of nested dicts flattened as ``a.b``), ``system``
 (``service`` + ``busy_start``/``busy_end``: a busy interval of the training or
 inference service, ``broker.metrics.busy``; other numeric fields as series;
-``event`` marks a health event), ``health`` (every message is a health event).
+``event`` marks a health event), ``health`` (every message is a health event),
+``security`` (a refused attempt: counted per tenant as ``refusals``, the last
+ones kept with action, subject, reason and source).
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ class TenantAggregates:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     latest: dict[str, float] = field(default_factory=dict)
     health: list[dict[str, Any]] = field(default_factory=list)
+    #: Refused attempts (security events), the newest last.
+    refusals: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: service ("train", "infer") -> busy (start, end) intervals in epoch seconds.
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
@@ -193,6 +197,8 @@ class TenantAggregates:
             "series": {k: list(v) for k, v in self.series.items()},
             "latest": dict(self.latest),
             "health_events": list(self.health),
+            "refusals": self.counts.get("security", 0),
+            "last_refusals": list(self.refusals),
             "counts": dict(self.counts),
             "busy": self.busy_summary(),
         }
@@ -284,6 +290,11 @@ class MetricAggregates:
             n = len(t.busy[service]) - 1
             out.append(Scalar("busy_ms", service, (end - start) * 1e3, n))
             handled.update(("busy_start", "busy_end"))
+        if m.kind == "security":
+            t.refusals.append({"at": m.at, **f})
+            self._keep(t.refusals)
+            n = t.counts["security"]
+            out.append(Scalar("refusals", tenant, float(n), n - 1))
         if m.kind == "health" or isinstance(f.get("event"), str):
             t.health.append({"at": m.at, "kind": m.kind, **f})
             self._keep(t.health)

@@ -41,9 +41,9 @@ async def security(
 ) -> None:
     """A refused attempt (kind ``security``): who (``tenant_id``, ``_`` when
     unknown), what they tried (``action``: publish, subscribe, connect,
-    claim_tenant, ...), on which subject, why it was refused and who saw it
-    (``source``: nats-server, control, inference)."""
+    claim_tenant, ...), on which subject (field ``target``), why it was refused
+    and who saw it (``source``: nats-server, control, inference)."""
     log.warning("security: %s refused %s %s of tenant %s: %s", source, action, subject,
                 tenant_id, reason)
-    await emit(b, "security", tenant_id, action=action, subject=subject, reason=reason,
+    await emit(b, "security", tenant_id, action=action, target=subject, reason=reason,
                source=source)

@@ -252,7 +252,7 @@ def render(s: dict[str, Any]) -> str:
                 r["refusals"],
                 f"{now - r['last'].get('at', now):.0f}s ago",
                 f"{r['last'].get('source', '')}: {r['last'].get('action', '')} "
-                f"{r['last'].get('subject', '')}"[:70],
+                f"{r['last'].get('target', '')}"[:70],
             ]
             for r in s["security"]
         ]

@@ -454,7 +454,7 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
 
     (event,) = await security_events(broker, "a")
     assert event["kind"] == "security" and event["tenant_id"] == "a"
-    assert (event["action"], event["source"], event["subject"]) == ("claim_tenant", "inference", subject_a)
+    assert (event["action"], event["source"], event["target"]) == ("claim_tenant", "inference", subject_a)
     assert "claims tenant 'b'" in event["reason"] and "tenant 'a'" in event["reason"]
 
     # Through the client too: the error comes back as its class.
@@ -466,7 +466,7 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
     assert isinstance(nobody, InferError) and nobody.code == "permission_denied"
     assert "names no tenant" in nobody.message
     (event,) = await security_events(broker, "_")
-    assert event["action"] == "claim_tenant" and event["subject"] == broker.names.infer(MODEL)
+    assert event["action"] == "claim_tenant" and event["target"] == broker.names.infer(MODEL)
     assert len(await security_events(broker, "a", n=2)) == 2
     # One event per refusal, each on the subject's tenant: b (whose policy was claimed) is not blamed.
     info = await broker.js.stream_info(broker.names.metrics_stream,

@@ -96,6 +96,16 @@ def test_aggregates_fold() -> None:
     assert out["a"]["updates"] == 1 and out["a"]["last_version"] == 3
     assert out["a"]["health_events"][0]["role"] == "actor"
     assert out["_"]["latest"]["pending.actor"] == 2.0
+    for _ in range(2):
+        s = agg.apply(
+            decode_metric(
+                "n.metrics.security.a",
+                b'{"action": "publish", "target": "n.api.b.x", "reason": "r", "source": "nats-server"}',
+            )
+        )
+    assert [(x.title, x.series, x.value) for x in s] == [("refusals", "a", 2.0)]
+    a = agg.summary()["tenants"]["a"]
+    assert a["refusals"] == 2 and a["last_refusals"][-1]["target"] == "n.api.b.x"
 
 
 @pytest.mark.timeout(60)

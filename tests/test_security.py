@@ -327,7 +327,7 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
         await secure.wait_security(
             "acme",
             lambda e, a=action, sj=subject, so=source: (
-                e["action"] == a and e["subject"].lower() == sj.lower() and e["source"] == so
+                e["action"] == a and e["target"].lower() == sj.lower() and e["source"] == so
             ),
             f"{action} {subject} by {source}",
         )
@@ -432,6 +432,6 @@ async def test_status_shows_refused_attempts(secure: Secure) -> None:
     s = await collect(secure.admin)
     erin = [r for r in s["security"] if r["tenant"] == "erin"]
     assert erin and erin[0]["refusals"] == 1
-    assert erin[0]["last"]["subject"] == "jnx.api.someone.list_workloads"
+    assert erin[0]["last"]["target"] == "jnx.api.someone.list_workloads"
     text = render(s)
     assert "Refused attempts" in text and "jnx.api.someone.list_workloads" in text
