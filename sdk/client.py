@@ -173,8 +173,8 @@ class Client:
         if m:
             subject = m.group(2)
             err = PermissionDenied(
-                f"the server refused tenant {self.tenant!r} {m.group(1)} to {subject!r}: a "
-                "tenant may use only its own API and inference subjects"
+                f"the server refused this connection's {m.group(1)} to {subject!r}: the "
+                "credentials of a tenant cover only its own API and inference subjects"
             )
             for fut in self._waiting.pop(subject, set()):
                 if not fut.done():

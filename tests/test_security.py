@@ -435,3 +435,39 @@ async def test_status_shows_refused_attempts(secure: Secure) -> None:
     assert erin[0]["last"]["target"] == "jnx.api.someone.list_workloads"
     text = render(s)
     assert "Refused attempts" in text and "jnx.api.someone.list_workloads" in text
+
+
+async def test_operator_cli_issues_lists_and_revokes(secure: Secure, tmp_path: Path) -> None:
+    """`joynexus tenant add/ls/rm` as an operator runs them, against the live server."""
+    import os
+    import sys
+
+    assert secure.ep.admin_path is not None
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "joynexus.ops.cli", "tenant", *args, "--nats", secure.url,
+            "--creds", str(secure.ep.admin_path), "--data-dir", str(tmp_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    rc, out, err = await cli("add", "gina")
+    assert rc == 0, err
+    path = tmp_path / "tenants" / NS / "gina.json"
+    assert str(path) in out and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    creds = Credentials.load(path)
+    assert (creds.kind, creds.tenant, creds.url) == ("tenant", "gina", secure.url)
+    gina = await Client.connect(credentials=path)  # the file is all a tenant needs
+    assert await gina.list_workloads() == []
+    rc, out, _ = await cli("ls")
+    assert rc == 0 and "gina" in out and "jnx.gina" in out
+    rc, _, err = await cli("add", "gina")
+    assert rc == 2 and "--rotate" in err  # a clear error, not a traceback
+    rc, out, err = await cli("rm", "gina")
+    assert rc == 0 and "revoked" in out, err
+    with pytest.raises(PermissionDenied):
+        for _ in range(50):
+            await gina.list_workloads()
+            await asyncio.sleep(0.1)
