@@ -91,6 +91,7 @@ VERBS: dict[str, type[Any]] = {
     "cancel_workload": NamedWorkload,
     "open_job": OpenJob,
     "close_job": CloseJob,
+    "abort_job": CloseJob,
     "read_events": ReadEvents,
     "put_data": PutData,
     "get_policy": PolicyQuery,
@@ -105,7 +106,12 @@ MAX_EVENTS_PAGE = 1000
 
 class ControlPlane:
     def __init__(
-        self, broker: Broker, *, init_policy: InitPolicy, instance: str = "control-0"
+        self,
+        broker: Broker,
+        *,
+        init_policy: InitPolicy,
+        instance: str = "control-0",
+        open_job_ttl_s: float = 600.0,
     ) -> None:
         self.b = broker
         self.n = broker.names
@@ -123,6 +129,10 @@ class ControlPlane:
         self._ticks: dict[str, int] = {}
         self._tick = asyncio.Condition()
         self._job_sub: Any = None
+        # Jobs a tenant opened and has not closed: job id -> when (monotonic). A job
+        # still open after open_job_ttl_s (its client died) is failed: it holds a slot.
+        self.open_job_ttl_s = open_job_ttl_s
+        self._opened: dict[str, float] = {}
 
     async def start(self) -> None:
         self._kv = await self.b.js.key_value(self.n.workloads_bucket)
@@ -139,6 +149,7 @@ class ControlPlane:
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
         await self.b.nc.flush()  # subscribed on the server before start() returns
+        self._spawn(self._expire_open_jobs())
 
     async def _on_job_event(self, msg: Any) -> None:
         try:
@@ -322,12 +333,46 @@ class ControlPlane:
                 extra={"instruction": instruction, "advantage": spec.advantage},
             ),
         )
+        if job is not None:
+            self._opened[job.job_id] = asyncio.get_running_loop().time()
         return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
 
     async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
         job = await self._tenant_job(tenant, req.job_id, "close_job")
         nxt = JobState.NEEDS_ADVANTAGES if job.task_type == "rl" else JobState.READY
-        return ApiReply(job=await self.sched.mark(job.job_id, nxt))
+        job = await self.sched.mark(job.job_id, nxt)
+        self._opened.pop(job.job_id, None)
+        return ApiReply(job=job)
+
+    async def _abort_job(self, tenant: str, req: CloseJob) -> ApiReply:
+        job = await self._tenant_job(tenant, req.job_id, "abort_job")
+        self._opened.pop(job.job_id, None)
+        if job.state != JobState.RESERVED or job.producer_role != "tenant":
+            return ApiReply(job=job)  # closed already (or not the tenant's to give up)
+        why = f"aborted by the tenant: {req.reason}" if req.reason else "aborted by the tenant"
+        return ApiReply(job=await self.sched.fail(job.job_id, why))
+
+    async def _expire_open_jobs(self) -> None:
+        """Fail the jobs tenants opened and never closed (their client died mid-submit)."""
+        every = max(0.2, min(30.0, self.open_job_ttl_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            now = asyncio.get_running_loop().time()
+            for job_id, opened in list(self._opened.items()):
+                if now - opened < self.open_job_ttl_s:
+                    continue
+                self._opened.pop(job_id, None)
+                try:
+                    job = await self.sched.get_job(job_id)
+                    if job.state == JobState.RESERVED:
+                        await self.sched.fail(
+                            job_id,
+                            f"the tenant did not close it within {self.open_job_ttl_s:.0f}s "
+                            "of open_job (its client stopped mid-submit?)",
+                        )
+                except Exception as e:  # the scheduler restarting: try again next round
+                    log.warning("expiring open job %s failed: %s", job_id, e)
+                    self._opened[job_id] = opened
 
     # ------------------------------------------------------------ the tenant's own data
     async def _tenant_job(self, tenant: str, job_id: str, verb: str) -> TrainingJob:

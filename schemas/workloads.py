@@ -151,10 +151,12 @@ class OpenJob(Wire, kw_only=True):
     behavior_policy_version: int = 0
 
 
-class CloseJob(Wire, kw_only=True):
-    """The batch or rollout is in the job's partition: hand it to training."""
+class CloseJob(Wire, kw_only=True, omit_defaults=True):
+    """close_job: the batch or rollout is in the job's partition, hand it to
+    training. abort_job: give the job up (it is failed with ``reason``)."""
 
     job_id: str
+    reason: str = ""
 
 
 #: Header of an API request whose body is msgpack (put_data: tensors stay raw bytes)

@@ -388,10 +388,21 @@ class Client:
         arrays = {k: np.ascontiguousarray(v) for k, v in data.items()}
         row_bytes = sum(a[0].nbytes for a in arrays.values() if len(a)) or 1
         step = max(1, min(PUT_CHUNK_BYTES, self._b.max_payload * 3 // 4) // row_bytes)
-        for start in range(0, rows, step):  # rows in requests under the payload limit
-            fields = {k: TensorBytes.from_array(a[start : start + step]) for k, a in arrays.items()}
-            await self._api("put_data", PutData(job_id=job.job_id, fields=fields), binary=True)
-        closed = await self._api("close_job", CloseJob(job_id=job.job_id))
+        try:
+            for start in range(0, rows, step):  # rows in requests under the payload limit
+                fields = {
+                    k: TensorBytes.from_array(a[start : start + step]) for k, a in arrays.items()
+                }
+                await self._api("put_data", PutData(job_id=job.job_id, fields=fields), binary=True)
+            closed = await self._api("close_job", CloseJob(job_id=job.job_id))
+        except BaseException as e:
+            # Give the job up so it holds no admission slot (the control plane also
+            # fails jobs left open too long, should this process die here).
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self._api("abort_job", CloseJob(job_id=job.job_id, reason=repr(e)[:200]))
+                )
+            raise
         assert closed.job is not None
         return closed.job
 

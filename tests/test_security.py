@@ -155,7 +155,9 @@ async def secure(endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory) -
     s = Secure(endpoint, admin, service, tmp_path_factory.mktemp("actor"))
     sched = SchedulerAgent(service, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
     await sched.start()
-    control = ControlPlane(service, init_policy=PolicyInitializer(service), instance="control")
+    control = ControlPlane(
+        service, init_policy=PolicyInitializer(service), instance="control", open_job_ttl_s=8.0
+    )
     await control.start()
     pool = EnginePool(service, backbone, max_batch=8, max_wait_ms=5)
     await pool.scale_to(1)
@@ -471,3 +473,33 @@ async def test_operator_cli_issues_lists_and_revokes(secure: Secure, tmp_path: P
         for _ in range(50):
             await gina.list_workloads()
             await asyncio.sleep(0.1)
+
+
+async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset: Path) -> None:
+    """A client that dies between open_job and close_job must not hold an admission
+    slot forever; one that gives up (an exception mid-submit) aborts at once."""
+    from joynexus.agents.scheduler_client import SchedulerClient
+    from joynexus.schemas.workloads import OpenJob
+
+    hana = await Client.connect(credentials=await secure.issue("hana"))
+    await hana.create_workload(WorkloadSpec(name="pick", task_type="sft", source="tenant",
+                                            dataset=str(sft_dataset), action_horizon=2))
+    sched = SchedulerClient(secure.service, by="test")
+    left = (await hana._api("open_job", OpenJob(workload="pick", sample_count=4))).job
+    given_up = (await hana._api("open_job", OpenJob(workload="pick", sample_count=4))).job
+    assert left is not None and given_up is not None
+    aborted = (await hana._api("abort_job", CloseJob(job_id=given_up.job_id, reason="oops"))).job
+    assert aborted is not None and aborted.state is JobState.FAILED and "oops" in aborted.reason
+
+    async def expired() -> bool:
+        return (await sched.get_job(left.job_id)).state is JobState.FAILED
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await expired():
+        assert asyncio.get_running_loop().time() < deadline, "the open job was never failed"
+        await asyncio.sleep(0.5)
+    assert "did not close it within 8s" in (await sched.get_job(left.job_id)).reason
+    # The slots are free again: a whole submission goes through.
+    job = await hana.submit_sft_batch("pick", batch(4, 5))
+    assert job.state is JobState.READY
+    await hana.close()
