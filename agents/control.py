@@ -149,6 +149,7 @@ class ControlPlane:
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
         await self.b.nc.flush()  # subscribed on the server before start() returns
+        self._spawn(self._adopt_open_jobs())
         self._spawn(self._expire_open_jobs())
 
     async def _on_job_event(self, msg: Any) -> None:
@@ -351,6 +352,30 @@ class ControlPlane:
             return ApiReply(job=job)  # closed already (or not the tenant's to give up)
         why = f"aborted by the tenant: {req.reason}" if req.reason else "aborted by the tenant"
         return ApiReply(job=await self.sched.fail(job.job_id, why))
+
+    async def _adopt_open_jobs(self) -> None:
+        """Start the clock for tenant jobs opened before this control plane started
+        (a restart must not let a dead client's job hold its slot forever)."""
+        try:
+            keys = await self._kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return
+        now = asyncio.get_running_loop().time()
+        for key in keys:
+            try:
+                entry = await self._kv.get(key)
+                rec = decode(entry.value, WorkloadRecord)
+                if rec.spec.source != "tenant" or rec.spec.task_type not in ("rl", "sft"):
+                    continue
+                jobs = await self.sched.list_jobs(
+                    rec.tenant_id, policy_key=rec.spec.name, states=[JobState.RESERVED]
+                )
+            except Exception as e:  # one unreadable record must not stop the others
+                log.warning("adopting open jobs of %s failed: %s", key, e)
+                continue
+            for job in jobs:
+                if job.producer_role == "tenant":
+                    self._opened.setdefault(job.job_id, now)
 
     async def _expire_open_jobs(self) -> None:
         """Fail the jobs tenants opened and never closed (their client died mid-submit)."""

@@ -499,6 +499,20 @@ async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset:
         assert asyncio.get_running_loop().time() < deadline, "the open job was never failed"
         await asyncio.sleep(0.5)
     assert "did not close it within 8s" in (await sched.get_job(left.job_id)).reason
+    # A control plane that starts later adopts the jobs opened before it.
+    orphan = (await hana._api("open_job", OpenJob(workload="pick", sample_count=4))).job
+    assert orphan is not None
+    later = ControlPlane(secure.service, init_policy=PolicyInitializer(secure.service),
+                         instance="control-later", open_job_ttl_s=2.0)
+    await later.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await sched.get_job(orphan.job_id)).state is not JobState.FAILED:
+            assert asyncio.get_running_loop().time() < deadline, "the adopted job was never failed"
+            await asyncio.sleep(0.3)
+        assert "within 2s" in (await sched.get_job(orphan.job_id)).reason
+    finally:
+        await later.stop()
     # The slots are free again: a whole submission goes through.
     job = await hana.submit_sft_batch("pick", batch(4, 5))
     assert job.state is JobState.READY
