@@ -42,6 +42,26 @@ def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="NAME", default=None, help="join a cluster of this name")
+    p.add_argument("--cluster-port", type=int, default=6222, help="route port (default 6222)")
+    p.add_argument(
+        "--routes",
+        default="",
+        help="comma-separated nats-route://host:port of the cluster's nodes (give every node "
+        "the same list); routes use TLS when --tls-cert is given. Give every node a copy of "
+        "the first node's <data-dir>/credentials/ so that the identities are the same",
+    )
+    p.add_argument(
+        "--config",
+        metavar="TOML",
+        default=None,
+        help="launcher config: a [server] table with any of these options by name "
+        "(port, host, tls_cert, tls_key, tls_ca, cluster, cluster_port, routes, no_auth, "
+        "namespace, data_dir); flags given on the command line win",
+    )
+
+
 def _server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-auth",
@@ -65,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="JoyNexus: multi-tenant post-training of VLA policies on NATS JetStream.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launchers: dict[str, argparse.ArgumentParser] = {}
+    parser.set_defaults(_launchers=launchers)
 
     p = sub.add_parser(
         "demo",
@@ -101,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, embedded=True)
     p.add_argument("--data-dir", default=".jnx", help="embedded server's store (default: .jnx)")
     p.add_argument(
+        "--port", type=int, default=-1, help="embedded server's client port (default: random)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    _cluster_flags(p)
+    launchers["up"] = p
+    p.add_argument(
         "--roles",
         default=",".join(DEPLOYMENT_ROLES),
         help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)})",
@@ -117,15 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--namespace", default="jnx", help="deployment namespace of the bootstrap identities"
     )
+    launchers["server"] = p
     _server_security(p)
-    p.add_argument("--cluster", metavar="NAME", default=None, help="join a cluster of this name")
-    p.add_argument("--cluster-port", type=int, default=6222, help="route port (default 6222)")
-    p.add_argument(
-        "--routes",
-        default="",
-        help="comma-separated nats-route://host:port of the cluster's nodes (give every node "
-        "the same list); routes use TLS when --tls-cert is given",
-    )
+    _cluster_flags(p)
 
     p = sub.add_parser(
         "tenant",
@@ -281,8 +303,49 @@ async def run_agent(
         await b.close()
 
 
+def _apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``up``/``server --config FILE``: the file's [server] table becomes that
+    command's defaults (so flags on the command line still win)."""
+    if not argv or argv[0] not in ("up", "server"):
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv[1:])
+    if not known.config:
+        return
+    import tomllib
+
+    from joynexus.schemas.errors import InvalidSpec
+
+    try:
+        with open(known.config, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise InvalidSpec(f"--config {known.config}: {e}") from e
+    table = raw.get("server", raw)
+    sub = parser.get_default("_launchers")[argv[0]]
+    dests = {a.dest for a in sub._actions} - {"help", "config"}
+    cfg = {str(k).replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(cfg) - dests)
+    if unknown:
+        raise InvalidSpec(
+            f"--config {known.config}: unknown options {unknown} for `{argv[0]}`; "
+            f"known: {sorted(dests)}"
+        )
+    if isinstance(cfg.get("routes"), list):
+        cfg["routes"] = ",".join(cfg["routes"])
+    sub.set_defaults(**cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _apply_config(parser, argv)
+    except Exception as e:
+        print(f"joynexus: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:
         return _dispatch(args)
@@ -319,6 +382,18 @@ def _use_credentials(args: argparse.Namespace) -> None:
         os.environ[CREDS_ENV] = str(path)
 
 
+def _wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM, then return (so context managers clean up:
+    the auth sync stops, the server gets its SIGTERM and flushes its store)."""
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
 def _tls(args: argparse.Namespace) -> Any:
     from joynexus.ops.natsserver import TlsFiles
     from joynexus.schemas.errors import InvalidSpec
@@ -337,8 +412,23 @@ def _tls(args: argparse.Namespace) -> Any:
     return TlsFiles(cert_file=cert, key_file=args.tls_key, ca_file=args.tls_ca)
 
 
+def _cluster(args: argparse.Namespace, tls: Any) -> Any:
+    if not getattr(args, "cluster", None):
+        return None
+    from joynexus.ops.natsserver import ClusterOptions
+
+    routes = tuple(r.strip() for r in args.routes.split(",") if r.strip())
+    return ClusterOptions(
+        name=args.cluster, host=args.host, port=args.cluster_port, routes=routes, tls=tls
+    )
+
+
 def _embedded_opts(args: argparse.Namespace) -> dict[str, Any]:
-    return {"auth": not args.no_auth, "tls": _tls(args), "namespace": args.namespace}
+    tls = _tls(args)
+    opts = {"auth": not args.no_auth, "tls": tls, "namespace": args.namespace}
+    if args.command == "up":
+        opts.update(port=args.port, host=args.host, cluster=_cluster(args, tls))
+    return opts
 
 
 async def _tenant_command(args: argparse.Namespace) -> int:
@@ -422,15 +512,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "server":
         from joynexus.ops.deploy import embedded
-        from joynexus.ops.natsserver import ClusterOptions
 
         tls = _tls(args)
-        cluster = None
-        if args.cluster:
-            routes = tuple(r.strip() for r in args.routes.split(",") if r.strip())
-            cluster = ClusterOptions(
-                name=args.cluster, host=args.host, port=args.cluster_port, routes=routes, tls=tls
-            )
+        cluster = _cluster(args, tls)
         with embedded(
             args.data_dir, namespace=args.namespace, auth=not args.no_auth, port=args.port,
             host=args.host, tls=tls, cluster=cluster, act_as_admin=False,
@@ -446,8 +530,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             else:
                 print("authorization OFF (--no-auth): anyone who reaches the port is trusted")
             print("Ctrl-C stops it", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
-                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            _wait_for_signal()
         return 0
     if args.command == "up":
         from joynexus.ops.launcher import launch

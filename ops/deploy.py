@@ -180,13 +180,17 @@ def nats_url(
     namespace: str = "jnx",
     tls: TlsFiles | None = None,
     port: int = -1,
+    host: str = "127.0.0.1",
+    cluster: ClusterOptions | None = None,
 ) -> Iterator[str]:
     """Yield ``url`` as given, or start an embedded nats-server (see :func:`embedded`)
     and stop it after."""
     if url:
         yield url
         return
-    with embedded(data_dir, auth=auth, namespace=namespace, tls=tls, port=port) as ep:
+    with embedded(
+        data_dir, auth=auth, namespace=namespace, tls=tls, port=port, host=host, cluster=cluster
+    ) as ep:
         if not quiet:
             how = (
                 f"authorization on; admin credentials {ep.admin_path}" if auth

@@ -510,3 +510,49 @@ async def test_secured_deployment_over_tls(tmp_path: Path, pki: Pki) -> None:
             await control.stop()
             await service.close()
             await admin.close()
+
+
+async def test_launcher_config_file_turns_tls_on(tmp_path: Path, pki: Pki) -> None:
+    """`joynexus server --config launcher.toml`: TLS from the launcher's config; the
+    credentials it generates reach it over TLS; a bad key is a clear error."""
+    import asyncio
+    import signal
+    import sys
+
+    from joynexus.broker.credentials import Credentials
+
+    cfg = tmp_path / "launcher.toml"
+    cfg.write_text(
+        "[server]\n"
+        "port = -1\n"
+        f'tls_cert = "{pki.cert}"\n'
+        f'tls_key = "{pki.key}"\n'
+        f'tls_ca = "{pki.ca}"\n'
+    )
+    data = tmp_path / "d"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "joynexus.ops.cli", "server", "--config", str(cfg),
+        "--data-dir", str(data), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("nats-server ready at tls://127.0.0.1:"), line
+        url = line.split()[3]
+        admin = Credentials.load(data / "credentials" / "admin.json")
+        assert admin.ca_file == str(pki.ca)
+        b = await Broker.connect(url, name="op", credentials=admin)
+        assert (await b.js.account_info()) is not None
+        await b.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+    assert proc.returncode == 0  # SIGTERM stops it cleanly (auth sync, then the server)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\ntls_certificate = 'x'\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "joynexus.ops.cli", "server", "--config", str(bad),
+        "--data-dir", str(data), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2 and "unknown options ['tls_certificate']" in err.decode()
