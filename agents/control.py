@@ -505,7 +505,8 @@ class ControlPlane:
         server); 'pending' if it did not apply it in time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        discover_deadline = loop.time() + min(wait_s, 2.0)  # the sync finds new buckets in 0.5 s
+        # The auth sync finds a new bucket at once (an advisory) or within 0.5 s.
+        discover_deadline = loop.time() + min(wait_s, 5.0)
         seen_sync = False
         while True:
             try:

@@ -49,6 +49,8 @@ from joynexus.schemas.identities import APPLIED_KEY, AuthApplied, TenantIdentity
 log = logging.getLogger(__name__)
 
 AUTH_FILE = "auth.conf"
+#: JetStream's advisory when a stream (e.g. ``KV_<NS>_IDENTITIES``) is created.
+STREAM_CREATED = "$JS.EVENT.ADVISORY.STREAM.CREATED.*"
 CREDS_DIR = "credentials"
 
 
@@ -208,14 +210,29 @@ class AuthSync:
             asyncio.ensure_future(self._apply_loop()),
         ]
         watchers: dict[str, asyncio.Task[None]] = {}
+        # A new identities bucket (a deployment's ensure_layout) is found at once from
+        # JetStream's stream-created advisory; the periodic listing is the fallback.
+        wake = asyncio.Event()
+
+        async def on_created(msg: Any) -> None:
+            if msg.subject.endswith("_IDENTITIES"):
+                wake.set()
+
+        created = await self.b.nc.subscribe(STREAM_CREATED, cb=on_created)
         try:
             while not stop.is_set():
+                wake.clear()
                 for bucket in await self._identity_buckets():
                     if bucket not in watchers or watchers[bucket].done():
                         watchers[bucket] = asyncio.ensure_future(self._watch(bucket))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.discover_s)
+                waits = [asyncio.ensure_future(e.wait()) for e in (stop, wake)]
+                await asyncio.wait(waits, timeout=self.discover_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
         finally:
+            with contextlib.suppress(Exception):
+                await created.unsubscribe()
             for t in [*tasks, *watchers.values()]:
                 t.cancel()
             await asyncio.gather(*tasks, *watchers.values(), return_exceptions=True)
