@@ -60,6 +60,7 @@ from joynexus.schemas.identities import (
     TenantIdentity,
     TenantInfo,
     TenantRequest,
+    is_applied_key,
 )
 from joynexus.schemas.inference import FeatureSchemaSpec, decode_msgpack
 from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob, check_name
@@ -500,27 +501,33 @@ class ControlPlane:
         return decode(entry.value, TenantIdentity) if entry.value else None
 
     async def _wait_applied(self, revision: int, wait_s: float) -> str:
-        """'yes' once the server's auth sync applied ``revision``; 'off' when no
-        auth sync answers for this namespace (authorization off, or an external
-        server); 'pending' if it did not apply it in time."""
+        """'yes' once every server's auth sync (one per node) applied ``revision``;
+        'off' when none answers for this namespace (authorization off, or an
+        external server); 'pending' if one did not apply it in time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        # The auth sync finds a new bucket at once (an advisory) or within 0.5 s.
+        # An auth sync finds a new bucket at once (an advisory) or within 0.5 s.
         discover_deadline = loop.time() + min(wait_s, 5.0)
-        seen_sync = False
-        while True:
-            try:
-                entry = await self._ids.get(APPLIED_KEY)
-                seen_sync = True
-                if decode(entry.value, AuthApplied).revision >= revision:
+        applied: dict[str, int] = {}
+        watcher = await self._ids.watch(f"{APPLIED_KEY}.>")
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    entry = await watcher.updates(timeout=0.25)
+                    if entry is not None and entry.operation in ("DEL", "PURGE"):
+                        applied.pop(entry.key, None)
+                    elif entry is not None and entry.value:
+                        applied[entry.key] = decode(entry.value, AuthApplied).revision
+                if applied and all(r >= revision for r in applied.values()):
                     return "yes"
-            except KeyNotFoundError:
-                pass
-            if not seen_sync and loop.time() >= discover_deadline:
-                return "off"
-            if loop.time() >= deadline:
-                return "pending"
-            await asyncio.sleep(0.05)
+                now = loop.time()
+                if not applied and now >= discover_deadline:
+                    return "off"
+                if now >= deadline:
+                    return "pending"
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
 
     async def _tenant_info(self, ident: TenantIdentity) -> TenantInfo:
         return TenantInfo(
@@ -588,7 +595,7 @@ class ControlPlane:
             keys = await self._ids.keys()
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
-        return sorted(k for k in keys if k != APPLIED_KEY)
+        return sorted(k for k in keys if not is_applied_key(k))
 
 
 def _check_rows(data: dict[str, Any], fs: FeatureSchemaSpec, workload: str) -> None:

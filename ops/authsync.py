@@ -11,7 +11,8 @@ server``, ``joynexus demo``, the tests) runs it with authorization on:
    the control plane writes when an operator adds or removes a tenant, renders
    it into ``auth.conf`` and reloads the server (SIGHUP: no restart, live
    connections of a removed tenant are closed), then records the revision it
-   applied under ``_applied``, which the control plane waits for.
+   applied under ``_applied.<server name>`` (one key per node of a cluster),
+   which the control plane waits for.
 3. It turns the server's refusals (permission violations, failed
    authentications, from its log) into ``security`` metric events.
 """
@@ -26,8 +27,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-
-from nats.js.errors import KeyNotFoundError
 
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
@@ -44,7 +43,12 @@ from joynexus.broker.permissions import (
 from joynexus.broker.subjects import Names
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.identities import APPLIED_KEY, AuthApplied, TenantIdentity
+from joynexus.schemas.identities import (
+    AuthApplied,
+    TenantIdentity,
+    applied_key,
+    is_applied_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +240,10 @@ class AuthSync:
             for t in [*tasks, *watchers.values()]:
                 t.cancel()
             await asyncio.gather(*tasks, *watchers.values(), return_exceptions=True)
+            # This server stops applying: nobody should wait for it any more.
+            for kv in self._kvs.values():
+                with contextlib.suppress(Exception):
+                    await kv.delete(applied_key(self.server.name))
 
     async def _identity_buckets(self) -> list[str]:
         try:
@@ -265,7 +273,7 @@ class AuthSync:
                     self._mark(bucket, max(last, 1))
                     continue
                 last = max(last, entry.revision or 0)
-                if entry.key == APPLIED_KEY:
+                if is_applied_key(entry.key):
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     tenants.pop(entry.key, None)
@@ -299,7 +307,7 @@ class AuthSync:
                     revision=rev, tenants=sorted(self._tenants.get(bucket, {})), at=time.time()
                 )
                 with contextlib.suppress(Exception):
-                    await self._kvs[bucket].put(APPLIED_KEY, encode(mark))
+                    await self._kvs[bucket].put(applied_key(self.server.name), encode(mark))
 
     async def apply(self) -> None:
         """Render every namespace's tenants into auth.conf and reload the server."""
@@ -315,12 +323,3 @@ class AuthSync:
 def _bucket_names(bucket: str) -> Names:
     """``JNX_IDENTITIES`` -> ``Names("jnx")``."""
     return Names(bucket.removesuffix("_IDENTITIES").lower())
-
-
-async def applied_revision(kv: Any) -> int | None:
-    """The identities revision the server's auth sync applied last (None: no auth sync)."""
-    try:
-        entry = await kv.get(APPLIED_KEY)
-    except KeyNotFoundError:
-        return None
-    return decode(entry.value, AuthApplied).revision

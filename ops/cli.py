@@ -423,11 +423,22 @@ def _cluster(args: argparse.Namespace, tls: Any) -> Any:
     )
 
 
+def _server_name(args: argparse.Namespace) -> str:
+    """Unique per node of a cluster (nats-server requires it): host and route port."""
+    if not getattr(args, "cluster", None):
+        return "jnx"
+    import socket
+
+    return f"jnx-{socket.gethostname()}-{args.cluster_port}"
+
+
 def _embedded_opts(args: argparse.Namespace) -> dict[str, Any]:
     tls = _tls(args)
     opts = {"auth": not args.no_auth, "tls": tls, "namespace": args.namespace}
     if args.command == "up":
-        opts.update(port=args.port, host=args.host, cluster=_cluster(args, tls))
+        opts.update(
+            port=args.port, host=args.host, cluster=_cluster(args, tls), name=_server_name(args)
+        )
     return opts
 
 
@@ -517,7 +528,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         cluster = _cluster(args, tls)
         with embedded(
             args.data_dir, namespace=args.namespace, auth=not args.no_auth, port=args.port,
-            host=args.host, tls=tls, cluster=cluster, act_as_admin=False,
+            host=args.host, tls=tls, cluster=cluster, name=_server_name(args), act_as_admin=False,
         ) as ep:
             print(f"nats-server ready at {ep.url} (store: {Path(args.data_dir).resolve()})")
             if ep.admin_path:

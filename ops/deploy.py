@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -24,6 +25,8 @@ from joynexus.broker.credentials import CREDS_ENV, Credentials
 from joynexus.broker.subjects import Names
 from joynexus.ops.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
 from joynexus.schemas.errors import JoyNexusError
+
+log = logging.getLogger(__name__)
 
 #: Set while this process owns a secured embedded server: the service identity's
 #: file, handed to the agent processes it starts (as their $JOYNEXUS_CREDS).
@@ -102,11 +105,18 @@ class AuthSyncThread:
             credentials=self.admin,
         )
         try:
-            await ensure_layout(b)
             sync = AuthSync(b, self.server, self.admin, self.service)
             self.sync = sync
             self.server.on_log_line = sync.on_log_line
-            self._ready.set()
+            self._ready.set()  # connected: the rest may wait for a cluster's JetStream
+            while not self._stop.is_set():
+                try:
+                    await ensure_layout(b)
+                    break
+                except Exception as e:  # no JetStream meta leader yet (a cluster forming)
+                    log.info("auth sync: JetStream not ready yet (%s); retrying", e)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), 1.0)
             await sync.run(self._stop)
         finally:
             self.server.on_log_line = None
@@ -128,6 +138,7 @@ def embedded(
     host: str = "127.0.0.1",
     tls: TlsFiles | None = None,
     cluster: ClusterOptions | None = None,
+    name: str = "jnx",
     act_as_admin: bool = True,
 ) -> Iterator[Endpoint]:
     """An embedded nats-server (a temporary store if ``data_dir`` is None), with
@@ -139,7 +150,7 @@ def embedded(
         data = Path(data_dir)
         if not auth:
             server = stack.enter_context(
-                EmbeddedNats(data, port=port, host=host, tls=tls, cluster=cluster)
+                EmbeddedNats(data, port=port, host=host, tls=tls, cluster=cluster, name=name)
             )
             yield Endpoint(server.url, data, server=server)
             return
@@ -147,7 +158,7 @@ def embedded(
 
         names = Names(namespace)
         server, admin, service = secured_server(
-            data, names, port=port, host=host, tls=tls, cluster=cluster
+            data, names, port=port, host=host, tls=tls, cluster=cluster, name=name
         )
         stack.enter_context(server)
         admin, service = admin.with_url(server.url), service.with_url(server.url)
@@ -182,6 +193,7 @@ def nats_url(
     port: int = -1,
     host: str = "127.0.0.1",
     cluster: ClusterOptions | None = None,
+    name: str = "jnx",
 ) -> Iterator[str]:
     """Yield ``url`` as given, or start an embedded nats-server (see :func:`embedded`)
     and stop it after."""
@@ -189,7 +201,8 @@ def nats_url(
         yield url
         return
     with embedded(
-        data_dir, auth=auth, namespace=namespace, tls=tls, port=port, host=host, cluster=cluster
+        data_dir, auth=auth, namespace=namespace, tls=tls, port=port, host=host,
+        cluster=cluster, name=name,
     ) as ep:
         if not quiet:
             how = (

@@ -4,9 +4,9 @@ A tenant slot is allocated by an operator (``joynexus tenant add acme``, the
 admin identity, subject ``<ns>.admin.tenant_add``). The control plane
 generates a password, stores only its bcrypt hash in the identities bucket
 (``<NS>_IDENTITIES``, key = tenant) and returns the password once, in the
-reply; the CLI writes it to an owner-only credentials file. The server's auth
-sync renders the bucket into the server's authorization and reloads it, then
-records the bucket revision it applied under ``_applied``.
+reply; the CLI writes it to an owner-only credentials file. Each server's auth
+sync renders the bucket into that server's authorization and reloads it, then
+records the bucket revision it applied under ``_applied.<server name>``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from typing import Literal
 from joynexus.schemas.base import Wire
 from joynexus.schemas.scheduler import ErrorBody
 
-#: Key in the identities bucket where the auth sync records what it applied.
+#: Keys in the identities bucket where each server's auth sync records what it
+#: applied: ``_applied.<server name>`` (one per node of a cluster).
 APPLIED_KEY = "_applied"
+
+
+def applied_key(server_name: str) -> str:
+    return f"{APPLIED_KEY}.{server_name}"
+
+
+def is_applied_key(key: str) -> bool:
+    return key == APPLIED_KEY or key.startswith(APPLIED_KEY + ".")
 
 
 class TenantIdentity(Wire, kw_only=True, omit_defaults=True):

@@ -517,3 +517,95 @@ async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset:
     job = await hana.submit_sft_batch("pick", batch(4, 5))
     assert job.state is JobState.READY
     await hana.close()
+
+
+@pytest.mark.timeout(180)
+async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> None:
+    """Three nodes with authorization on and the same bootstrap identities (copied
+    from the first): a tenant issued through one node can connect to every node
+    as soon as tenant_add answers, and a revocation reaches every node."""
+    import contextlib
+    import shutil
+    import socket
+
+    from joynexus.ops.authsync import CREDS_DIR, bootstrap
+    from joynexus.ops.natsserver import ClusterOptions
+    from joynexus.schemas.identities import APPLIED_KEY
+
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    names = Names(NS)
+    dirs = [tmp_path / f"n{i}" for i in range(3)]
+    bootstrap(dirs[0], names)
+    for d in dirs[1:]:
+        shutil.copytree(dirs[0] / CREDS_DIR, d / CREDS_DIR)
+
+    async def no_init(record: object) -> str:
+        raise AssertionError("no workload is created here")
+
+    with contextlib.ExitStack() as stack:
+        eps = [
+            stack.enter_context(
+                embedded(
+                    dirs[i],
+                    name=f"jnx-n{i}",
+                    cluster=ClusterOptions(
+                        name="jnxsec",
+                        port=ports[i],
+                        routes=tuple(
+                            f"nats-route://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i
+                        ),
+                    ),
+                    act_as_admin=False,
+                )
+            )
+            for i in range(3)
+        ]
+        assert eps[0].admin and eps[1].admin and eps[0].service
+        assert eps[1].admin.password == eps[0].admin.password  # one set of identities
+        service = await Broker.connect(eps[0].url, name="svc", credentials=eps[0].service)
+        admin = await Broker.connect(eps[1].url, name="op", credentials=eps[1].admin)
+        control = ControlPlane(service, init_policy=no_init)  # type: ignore[arg-type]
+        clients: list[Client] = []
+        try:
+            deadline = asyncio.get_running_loop().time() + 90
+
+            async def every_node_syncing() -> bool:
+                try:
+                    kv = await admin.js.key_value(names.identities_bucket)
+                    keys = await kv.keys()
+                except Exception:
+                    return False  # the cluster's JetStream is still forming
+                return len([k for k in keys if k.startswith(f"{APPLIED_KEY}.")]) == 3
+
+            while not await every_node_syncing():
+                assert asyncio.get_running_loop().time() < deadline, "auth syncs never applied"
+                await asyncio.sleep(0.5)
+            await control.start()
+            creds, reply = await add_tenant(admin, "acme", url=eps[2].url)
+            assert reply.applied == "yes"
+            for ep in eps:  # no retry: applied means applied on every node
+                c = await Client.connect(ep.url, credentials=creds)
+                clients.append(c)
+                assert await c.list_workloads() == []
+            reply = await remove_tenant(admin, "acme")
+            assert reply.applied == "yes"
+            for c in clients:
+                with pytest.raises(PermissionDenied):
+                    for _ in range(50):
+                        await c.list_workloads()
+                        await asyncio.sleep(0.1)
+            for ep in eps:
+                with pytest.raises(PermissionDenied):
+                    await Client.connect(ep.url, credentials=creds)
+        finally:
+            for c in clients:
+                with contextlib.suppress(Exception):
+                    await c.close()
+            await control.stop()
+            await service.close()
+            await admin.close()
