@@ -270,7 +270,9 @@ class AuthSync:
                 except TimeoutError:
                     continue
                 if entry is None:  # the current values are all in: apply them
-                    self._mark(bucket, max(last, 1))
+                    # Everything up to `last` is in (the watcher delivers in order);
+                    # never claim a revision not seen yet (an empty bucket: 0).
+                    self._mark(bucket, last)
                     continue
                 last = max(last, entry.revision or 0)
                 if is_applied_key(entry.key):

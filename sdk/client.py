@@ -112,6 +112,7 @@ class Client:
         self._waiting: dict[str, set[asyncio.Future[None]]] = {}
         self._revoked: PermissionDenied | None = None
         self._closing: asyncio.Future[None] | None = None
+        self._closed = False
         broker.error_listeners.append(self._on_server_error)
 
     @classmethod
@@ -154,6 +155,14 @@ class Client:
         return cls(broker, tenant, timeout_s=timeout_s)
 
     async def close(self) -> None:
+        """Close the connection; calls in flight (an ``events()`` long-poll...) end at once."""
+        self._closed = True
+        err = Unavailable("the client was closed")
+        for futs in self._waiting.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
+        self._waiting.clear()
         await self._b.close()
 
     async def __aenter__(self) -> Client:
@@ -195,9 +204,9 @@ class Client:
     async def _guarded(self, subject: str, call: Coroutine[Any, Any, T]) -> T:
         """``call`` (which publishes on ``subject``), failed at once with
         PermissionDenied if the server refuses that publish."""
-        if self._revoked is not None:
+        if self._revoked is not None or self._closed:
             call.close()
-            raise self._revoked
+            raise self._revoked or Unavailable("the client was closed")
         refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(subject.lower(), set()).add(refused)
         task = asyncio.ensure_future(call)
@@ -530,6 +539,8 @@ class Client:
                     timeout_s=max(self.timeout_s, EVENTS_WAIT_S + 10),
                 )
             except Unavailable:
+                if self._closed or self._b.nc.is_closed:  # this client was closed: the end
+                    return
                 await asyncio.sleep(0.5)  # control plane restarting: resume from `after`
                 continue
             for entry in reply.events:

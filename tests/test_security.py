@@ -609,3 +609,20 @@ async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> 
             await control.stop()
             await service.close()
             await admin.close()
+
+
+async def test_events_end_when_the_client_closes(secure: Secure) -> None:
+    """A tenant's event stream (a long-poll through the control plane) ends when
+    its client closes, instead of retrying forever."""
+    c = await Client.connect(credentials=await secure.issue("ivy"))
+    got: list[Any] = []
+
+    async def consume() -> None:
+        async for ev in c.events():
+            got.append(ev)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(1.0)  # a read_events long-poll is in flight
+    await c.close()
+    await asyncio.wait_for(task, 15)
+    assert got == [] and task.done() and task.exception() is None
