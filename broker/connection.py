@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -91,7 +90,8 @@ class Broker:
             log.info("nats connection %s: reconnected", name)
 
         try:
-            connecting = nats.connect(
+            client = NATS()  # held here, so a refused first connect can be closed
+            connecting = client.connect(
                 servers=url,
                 name=name,
                 connect_timeout=int(max(1, connect_timeout)),
@@ -112,8 +112,11 @@ class Broker:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+                with contextlib.suppress(Exception):  # stop its reconnect attempts
+                    await client.close()
                 raise refused.result() if refused.done() else TimeoutError()
-            nc = task.result()
+            task.result()
+            nc = client
         except Exception as e:  # nats raises several unrelated types here
             why = "no answer" if isinstance(e, TimeoutError) else str(e)
             if "authorization violation" in why.lower():
