@@ -39,7 +39,7 @@ from nats.micro.request import Request
 
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
-from joynexus.broker.connection import Broker
+from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.direct import read_subject
 from joynexus.broker.permissions import hash_password, new_password
 from joynexus.broker.policy import PolicyStore
@@ -397,6 +397,7 @@ class ControlPlane:
                             "of open_job (its client stopped mid-submit?)",
                         )
                 except Exception as e:  # the scheduler restarting: try again next round
+                    raise_if_cancelled()
                     log.warning("expiring open job %s failed: %s", job_id, e)
                     self._opened[job_id] = opened
 

@@ -33,7 +33,7 @@ from nats.micro.request import Request
 
 from joynexus.agents.lifecycle import SchedulerCore
 from joynexus.broker import tracing
-from joynexus.broker.connection import Broker
+from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import JobEventLog, new_op_id
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.subjects import SCHEDULER_VERBS
@@ -488,6 +488,7 @@ class SchedulerAgent:
             except TimeoutError:
                 continue
             except Exception as e:
+                raise_if_cancelled()
                 log.warning("advisory fetch failed: %s", e)
                 await asyncio.sleep(1.0)
                 continue
@@ -517,6 +518,7 @@ class SchedulerAgent:
             try:
                 await self.sweep_partitions()
             except Exception as e:
+                raise_if_cancelled()
                 log.warning("partition sweep failed: %s", e)
             await asyncio.sleep(self.sweep_every_s)
 

@@ -149,3 +149,14 @@ class Broker:
         except Exception:  # disconnected: nothing more can be flushed
             pass
         await self.nc.close()
+
+
+def raise_if_cancelled() -> None:
+    """Re-raise a cancellation a library turned into another error (nats-py's
+    ``next_msg`` raises ConnectionClosedError instead of CancelledError when the
+    connection closes meanwhile). Call it first in an ``except Exception`` of a
+    loop that logs and retries: otherwise that loop never stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+

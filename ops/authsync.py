@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.broker import metrics
-from joynexus.broker.connection import Broker
+from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import (
     User,
@@ -299,6 +299,7 @@ class AuthSync:
             try:
                 await self.apply()
             except Exception:
+                raise_if_cancelled()
                 log.exception("applying the authorization failed; retrying")
                 for bucket, rev in dirty.items():
                     self._mark(bucket, rev)

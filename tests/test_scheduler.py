@@ -367,3 +367,29 @@ async def test_events_carry_the_callers_trace(broker: Broker, sched: SchedulerAg
     await run
     stage_spans = [s for s in exporter.get_finished_spans() if s.name == "stage.advantages"]
     assert stage_spans and f"{stage_spans[0].context.trace_id:032x}" == trace_id
+
+
+async def test_a_swallowed_cancellation_still_stops_a_retry_loop() -> None:
+    """nats-py's next_msg turns a cancellation into ConnectionClosedError when the
+    connection closes meanwhile; the agents' log-and-retry loops must stop anyway."""
+    from joynexus.broker.connection import raise_if_cancelled
+
+    async def fetch_like_nats() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RuntimeError("nats: connection closed") from None
+
+    async def retry_loop() -> None:
+        while True:
+            try:
+                await fetch_like_nats()
+            except Exception:
+                raise_if_cancelled()
+                await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(retry_loop())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2)
