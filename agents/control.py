@@ -382,6 +382,7 @@ class ControlPlane:
         """Fail the jobs tenants opened and never closed (their client died mid-submit)."""
         every = max(0.2, min(30.0, self.open_job_ttl_s / 4))
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(every)
             now = asyncio.get_running_loop().time()
             for job_id, opened in list(self._opened.items()):

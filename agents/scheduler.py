@@ -483,6 +483,7 @@ class SchedulerAgent:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_deliver=5, ack_wait=30),
         )
         while True:
+            raise_if_cancelled()  # a cancel swallowed inside fetch (asyncio.wait_for, 3.11)
             try:
                 msgs = await sub.fetch(16, timeout=5.0)
             except TimeoutError:
@@ -515,6 +516,7 @@ class SchedulerAgent:
 
     async def _sweep_loop(self) -> None:
         while True:
+            raise_if_cancelled()
             try:
                 await self.sweep_partitions()
             except Exception as e:

@@ -292,6 +292,7 @@ class AuthSync:
 
     async def _apply_loop(self) -> None:
         while True:
+            raise_if_cancelled()
             await self._changed.wait()
             await asyncio.sleep(self.debounce_s)  # let a burst of changes land together
             self._changed.clear()

@@ -34,7 +34,13 @@ from joynexus.broker.permissions import parse_refusal, render_authorization, ten
 from joynexus.broker.subjects import Names
 from joynexus.ops.deploy import Endpoint, embedded
 from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant
-from joynexus.schemas.errors import InvalidSpec, PermissionDenied, ShapeMismatch, UnknownJob
+from joynexus.schemas.errors import (
+    InvalidSpec,
+    PermissionDenied,
+    ShapeMismatch,
+    Unavailable,
+    UnknownJob,
+)
 from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
 from joynexus.schemas.jobs import JobState
 from joynexus.schemas.workloads import CloseJob, WorkloadSpec
@@ -586,7 +592,13 @@ async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> 
                 assert asyncio.get_running_loop().time() < deadline, "auth syncs never applied"
                 await asyncio.sleep(0.5)
             await control.start()
-            creds, reply = await add_tenant(admin, "acme", url=eps[2].url)
+            while True:  # the control plane's interest reaches the other nodes shortly
+                try:
+                    creds, reply = await add_tenant(admin, "acme", url=eps[2].url)
+                    break
+                except Unavailable:
+                    assert asyncio.get_running_loop().time() < deadline, "no control plane"
+                    await asyncio.sleep(0.2)
             assert reply.applied == "yes"
             for ep in eps:  # no retry: applied means applied on every node
                 c = await Client.connect(ep.url, credentials=creds)
