@@ -96,6 +96,23 @@ class PermissionDenied(JoyNexusError, PermissionError):
     code = "permission_denied"
 
 
+class QuotaExceeded(JoyNexusError):
+    """The request would take the tenant past a bound its operator set (its
+    quota): workloads, open jobs, Training Queue bytes, episodes, head size,
+    rows or instruction bytes per request. The message names the bound and how
+    much is in use; ask the operator (``joynexus tenant set --quota``) or free some."""
+
+    code = "quota_exceeded"
+
+
+class RateLimited(JoyNexusError):
+    """Too many of this tenant's requests are being served at once; retry after a
+    moment (the SDK does, with backoff)."""
+
+    code = "rate_limited"
+    permanent = False
+
+
 class Unavailable(JoyNexusError, ConnectionError):
     """A service did not answer in time; the call may be retried."""
 
@@ -125,6 +142,8 @@ ERRORS_BY_CODE: dict[str, type[JoyNexusError]] = {
         PayloadTooLarge,
         ShapeMismatch,
         PermissionDenied,
+        QuotaExceeded,
+        RateLimited,
         Unavailable,
         Timeout,
     )
