@@ -68,6 +68,37 @@ def feature_dim(base_model: str) -> int:
     return int(SIZES[BASE_MODELS[base_model]]["text"]["hidden_size"])
 
 
+def unusable_dataset(spec: WorkloadSpec) -> InvalidSpec:
+    """The one error of a dataset that cannot be trained on (its contents and path unsaid)."""
+    return InvalidSpec(
+        f"the dataset of workload {spec.name!r} is not a usable LeRobot dataset: it needs "
+        f"{OBS_IMAGES}.<camera>, {OBS_STATE} and {ACTION} features; ask your operator"
+    )
+
+
+#: meta/info.json larger than this is not read (a dataset's is a few KiB).
+MAX_INFO_BYTES = 4 << 20
+
+
+def _dataset_layout(root: Path) -> tuple[list[str], tuple[int, int], int, int]:
+    """(cameras, image (h, w), state dim, action dim) from a LeRobot dataset's
+    meta/info.json; any error if it is not one."""
+    info_path = root / "meta" / "info.json"
+    if not info_path.is_file() or info_path.stat().st_size > MAX_INFO_BYTES:
+        raise ValueError("not a dataset")
+    feats = json.loads(info_path.read_text())["features"]
+    if not isinstance(feats, dict):
+        raise ValueError("no features")
+    cams = sorted(k.removeprefix(f"{OBS_IMAGES}.") for k in feats if k.startswith(f"{OBS_IMAGES}."))
+    if not cams or OBS_STATE not in feats or ACTION not in feats:
+        raise ValueError("missing features")
+    h, w = feats[f"{OBS_IMAGES}.{cams[0]}"]["shape"][:2]
+    dims = (int(h), int(w)), int(feats[OBS_STATE]["shape"][0]), int(feats[ACTION]["shape"][0])
+    if min(*dims[0], dims[1], dims[2]) < 1:
+        raise ValueError("bad shapes")
+    return cams, dims[0], dims[1], dims[2]
+
+
 def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
     """(schema, instruction) of a workload; a clear error if its env or dataset is unusable."""
     if spec.task_type in ("rl", "eval"):
@@ -83,32 +114,28 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
             base_model=spec.base_model,
         )
         return schema, spec.instruction or env.instruction
-    info_path = Path(spec.dataset) / "meta" / "info.json"
-    if not info_path.is_file():
-        raise InvalidSpec(
-            f"dataset {spec.dataset!r} is not a LeRobot dataset here (no meta/info.json); "
-            "give the root folder of a LeRobot-format dataset on the service's machines"
-        )
-    feats = json.loads(info_path.read_text())["features"]
-    cams = sorted(k.removeprefix(f"{OBS_IMAGES}.") for k in feats if k.startswith(f"{OBS_IMAGES}."))
-    if not cams or OBS_STATE not in feats or ACTION not in feats:
-        raise InvalidSpec(
-            f"dataset {spec.dataset!r} needs {OBS_IMAGES}.<camera>, {OBS_STATE} and {ACTION} features; "
-            f"it has {sorted(feats)}"
-        )
-    h, w = feats[f"{OBS_IMAGES}.{cams[0]}"]["shape"][:2]
+    # spec.dataset is the path the control plane resolved inside the tenant's dataset
+    # space (joynexus.agents.datasets); what is wrong with it is not echoed back.
+    try:
+        cams, hw, state_dim, action_dim = _dataset_layout(Path(spec.dataset))
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise unusable_dataset(spec) from None
+    h, w = hw
     tasks_file = Path(spec.dataset) / "meta" / "tasks.parquet"
     instruction = ""
-    if tasks_file.exists():
-        import pandas as pd
+    try:
+        if tasks_file.is_file():
+            import pandas as pd
 
-        tasks = pd.read_parquet(tasks_file)
-        instruction = str(tasks.index[0]) if len(tasks) else ""
+            tasks = pd.read_parquet(tasks_file)
+            instruction = str(tasks.index[0]) if len(tasks) else ""
+    except Exception:
+        raise unusable_dataset(spec) from None
     schema = FeatureSchema(
         camera_slots=tuple(cams),
         image_hw=(int(h), int(w)),
-        state_dim=int(feats[OBS_STATE]["shape"][0]),
-        action_dim=int(feats[ACTION]["shape"][0]),
+        state_dim=state_dim,
+        action_dim=action_dim,
         action_horizon=spec.action_horizon,
         base_model=spec.base_model,
     )
@@ -334,9 +361,15 @@ class SFTProducer:
         from joynexus.agents.envs.lerobot_data import load_dataset
 
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
-        ds = await asyncio.to_thread(
-            load_dataset, Path(self.spec.dataset), action_horizon=self.spec.action_horizon
-        )
+        try:
+            ds = await asyncio.to_thread(
+                load_dataset, Path(self.spec.dataset), action_horizon=self.spec.action_horizon
+            )
+        except Exception as e:  # lerobot's own errors name files and keys: logged, not replied
+            log.warning(
+                "sft %s/%s: dataset unusable: %s: %s", self.tenant, self.spec.name, type(e).__name__, e
+            )
+            raise unusable_dataset(self.spec) from None
         for orphan in await self.sched.list_jobs(
             self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED]
         ):
@@ -358,7 +391,7 @@ class SFTProducer:
                     self.tenant,
                     "sft",
                     policy_key=self.spec.name,
-                    domain=self.spec.dataset,
+                    domain=Path(self.spec.dataset).name,  # the name, not the service's path
                     sample_count=self.spec.batch_size,
                     metadata=JobMetadata(
                         schema_signature=schema.signature(),
@@ -507,5 +540,6 @@ __all__ = [
     "chunk_targets",
     "feature_dim",
     "image_field",
+    "unusable_dataset",
     "workload_schema",
 ]

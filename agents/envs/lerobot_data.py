@@ -1,6 +1,7 @@
 """Demonstration datasets in LeRobot format: written from the scripted experts, read for SFT.
 
-A tenant's SFT workload names a LeRobot dataset root. For tests, demos and
+A tenant's SFT workload names a LeRobot dataset in its dataset space
+(``joynexus.agents.datasets``). For tests, demos and
 benchmarks this module makes such datasets without any download:
 ``generate_dataset`` runs a scripted expert in a ManiSkill task, keeps only
 the episodes it solved, and writes them with lerobot's own
@@ -277,8 +278,8 @@ def load_dataset(root: Path, repo_id: str | None = None, *, action_horizon: int 
     info_path = root / "meta" / "info.json"
     if not info_path.is_file():
         raise InvalidSpec(
-            f"{root} is not a LeRobot dataset (no meta/info.json); pass the folder "
-            "generate_dataset wrote or one in LeRobot v3.0 format"
+            f"dataset {root.name!r} is not a LeRobot dataset (no meta/info.json); pass the "
+            "folder generate_dataset wrote or one in LeRobot v3.0 format"
         )
     if action_horizon < 1:
         raise InvalidSpec(f"action_horizon={action_horizon}: must be at least 1")
@@ -286,7 +287,14 @@ def load_dataset(root: Path, repo_id: str | None = None, *, action_horizon: int 
         repo_id = f"local/{root.name}"
     delta_timestamps = None
     if action_horizon > 1:
-        fps = int(json.loads(info_path.read_text())["fps"])
+        try:
+            fps = int(json.loads(info_path.read_text())["fps"])
+            if fps < 1:
+                raise ValueError("fps < 1")
+        except (OSError, ValueError, KeyError, TypeError):
+            raise InvalidSpec(
+                f"dataset {root.name!r} is not a usable LeRobot dataset (meta/info.json has no fps)"
+            ) from None
         delta_timestamps = {ACTION: [t / fps for t in range(action_horizon)]}
     ds = LeRobotDataset(repo_id, root=root, delta_timestamps=delta_timestamps)
     return DemoDataset(ds, action_horizon)
