@@ -50,6 +50,7 @@ import orjson
 import psutil
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
@@ -67,6 +68,13 @@ from joynexus.sdk import Client
 ROLES = DEPLOYMENT_ROLES  # the same deployment `joynexus up` starts
 RL_TASKS = (("acme", "PickCube-v1"), ("bolt", "PushCube-v1"), ("cora", "StackCube-v1"))
 SFT_TENANT = "dana"
+#: The SFT tenant's dataset, in its dataset space under datasets_root(out).
+SFT_DATASET = "pick"
+
+
+def datasets_root(out: Path) -> Path:
+    """Where a run's tenants' datasets live: ``<out>/data/<tenant>/<name>``."""
+    return out / "data"
 PAPER = {"device_time_ratio": 1.39, "train_util_ratio": 1.99, "infer_util_ratio": 1.33}
 
 
@@ -126,7 +134,9 @@ class PhaseResult:
         return self.compute[service] / self.wall_s if self.wall_s else 0.0
 
 
-def plans(cfg: PaperConfig, dataset: Path) -> list[TenantPlan]:
+def plans(cfg: PaperConfig, dataset: str) -> list[TenantPlan]:
+    """The tenants' workloads; ``dataset`` names the SFT tenant's dataset inside
+    its dataset space (``<datasets root>/<SFT_TENANT>/<dataset>``)."""
     out: list[TenantPlan] = []
     for tenant, env in RL_TASKS:
         spec = WorkloadSpec(
@@ -148,7 +158,7 @@ def plans(cfg: PaperConfig, dataset: Path) -> list[TenantPlan]:
     spec = WorkloadSpec(
         name="sft",
         task_type="sft",
-        dataset=str(dataset),
+        dataset=dataset,
         batch_size=cfg.sft_batch,
         action_horizon=cfg.action_horizon,
         scheduling=Scheduling(max_in_flight=16, completion_target=cfg.sft_updates),
@@ -162,6 +172,8 @@ class Deployment:
 
     def __init__(self, url: str, namespace: str, out: Path) -> None:
         self.url, self.namespace, self.out = url, namespace, out
+        #: The tenants' dataset spaces (<root>/<tenant>), given to the control role.
+        self.datasets = datasets_root(out)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.peak_rss_mb = {"train": 0.0, "infer": 0.0}
         self._logs: list[Any] = []
@@ -191,7 +203,12 @@ class Deployment:
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **role_env(), "PYTHONUNBUFFERED": "1"},
+                env={
+                    **os.environ,
+                    **role_env(),
+                    DATASETS_ENV: str(self.datasets.resolve()),
+                    "PYTHONUNBUFFERED": "1",
+                },
                 preexec_fn=die_with_parent,
             )
 
@@ -461,7 +478,7 @@ async def run_paper(
     url: str, out: Path, cfg: PaperConfig, *, progress: bool = True
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    dataset = out / "data" / "dana_pick"
+    dataset = datasets_root(out) / SFT_TENANT / SFT_DATASET
     if not (dataset / "meta" / "info.json").exists():
         from joynexus.agents.envs.lerobot_data import generate_dataset
 
@@ -480,7 +497,7 @@ async def run_paper(
             image_size=64,
             seed=0,
         )
-    tenants = plans(cfg, dataset)
+    tenants = plans(cfg, SFT_DATASET)
     shared = await run_phase(
         url, out, "shared", tenants, isolated=False, cfg=cfg, progress=progress
     )
