@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import numpy as np
 import torch
 from opentelemetry import trace
@@ -38,7 +39,7 @@ from opentelemetry import trace
 from joynexus.agents.advantage import awr_weights
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, canonicalize_request
-from joynexus.agents.models.grouped import TrainItem, grouped_train_step, plan_groups
+from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
 from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
@@ -82,6 +83,12 @@ class TenantState:
         tmp_m = self.dir / "manifest.json.tmp"
         tmp_m.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp_m, self.dir / "manifest.json")
+
+
+def _infrastructure(e: BaseException) -> bool:
+    """Errors of the connection or the machine, not of a job's data: the actor
+    cannot do its work and should stop (and be restarted) rather than fail jobs."""
+    return isinstance(e, (nats.errors.Error, OSError, MemoryError))
 
 
 class Actor:
@@ -168,6 +175,11 @@ class Actor:
                 todo.append((job, st, await self._item(job, st)))
             except JoyNexusError as e:
                 await self._give_up(job, e)
+            except Exception as e:
+                if _infrastructure(e):
+                    raise
+                # The job's own data or checkpoint does not load: that job fails, not the actor.
+                await self._give_up(job, InvalidSpec(f"its data could not be loaded: {type(e).__name__}: {e}"))
         if not todo:
             return
         hb = asyncio.create_task(self._keep_leases([j for j, _, _ in todo]))  # noqa: RUF006
@@ -207,18 +219,27 @@ class Actor:
             tenants=sorted({j.tenant_id for j, _, _ in todo}),
         )
         for (job, st, _), loss in zip(todo, losses, strict=True):
+            if isinstance(loss, JoyNexusError):
+                # This tenant's item went wrong inside the step: its module did not step
+                # (nothing to save or publish); its job fails, the others complete.
+                await self._give_up(job, loss)
+                continue
             st.applied[job.job_id] = st.module.version
             while len(st.applied) > KEEP_APPLIED:
                 st.applied.pop(next(iter(st.applied)))
             await asyncio.to_thread(st.save)
             await self._finish(job, st, loss=loss, group_size=len(todo))
 
-    def _step(self, items: list[TrainItem]) -> list[float]:
-        """Compatible items share one backbone forward; others get their own."""
-        losses: dict[int, float] = {}
+    def _step(self, items: list[TrainItem]) -> list[float | JoyNexusError]:
+        """Compatible items share one backbone forward; others get their own.
+
+        Per item its loss, or the error that kept it from stepping (its module
+        unchanged): one tenant's bad item never stops the others' steps.
+        """
+        losses: dict[int, float | JoyNexusError] = {}
         for idx in plan_groups([it.batch for it in items]):
             for i, loss in zip(
-                idx, grouped_train_step(self.backbone, [items[i] for i in idx]), strict=True
+                idx, isolated_train_step(self.backbone, [items[i] for i in idx]), strict=True
             ):
                 losses[i] = loss
         return [losses[i] for i in range(len(items))]

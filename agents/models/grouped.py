@@ -10,6 +10,12 @@ features split, then each tenant's private loss, backward and AdamW step on
 that tenant's head only. Nothing is averaged or summed across tenants, so a
 tenant's loss curve is the one it would have alone, up to the last bits that
 batched matmuls may change (see tests for the tolerance).
+
+``isolated_train_step`` is the same step for a service: whatever goes wrong
+with one tenant's item (its rows spoil the shared forward, its loss raises,
+its loss or gradients are non-finite) becomes that item's result, an
+``InvalidSpec`` saying why, with that tenant's module untouched; the other
+tenants still step.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ import torch
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, concat_batches, split_rows
 from joynexus.agents.models.heads import TenantModule
-from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.errors import InvalidSpec, JoyNexusError
 
 __all__ = [
     "ActRequest",
     "TrainItem",
     "grouped_forward",
     "grouped_train_step",
+    "isolated_train_step",
     "plan_groups",
     "serial_forward",
     "serial_train_step",
@@ -102,6 +109,64 @@ def grouped_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[f
             it.tenant.train_step(f.detach(), it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
         )
     return losses
+
+
+def isolated_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[float | JoyNexusError]:
+    """``grouped_train_step`` that never lets one item stop the others.
+
+    Per item: its loss, or the ``JoyNexusError`` (``InvalidSpec`` for anything
+    that is not one already) that kept it from stepping; such an item's
+    module, optimizer and version are unchanged (``TenantModule.train_step`` is
+    all or nothing). If the shared backbone forward fails, each item gets a
+    forward of its own, so only the items whose own forward fails are lost.
+    """
+    _check_tenants([it.tenant for it in items])
+    out: list[float | JoyNexusError] = []
+    for it, f in zip(items, _features(backbone, items), strict=True):
+        if isinstance(f, JoyNexusError):
+            out.append(f)
+            continue
+        try:
+            out.append(
+                it.tenant.train_step(f.detach(), it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
+            )
+        except Exception as e:  # one tenant's step must not stop the group
+            out.append(_as_error(e, it, "training step"))
+    return out
+
+
+def _as_error(e: Exception, it: TrainItem, what: str) -> JoyNexusError:
+    if isinstance(e, JoyNexusError):
+        return e
+    return InvalidSpec(
+        f"tenant {it.tenant.tenant}: its {what} raised {type(e).__name__}: {e} "
+        f"(batch of {it.batch.batch_size} rows); no step taken"
+    )
+
+
+def _features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tensor | JoyNexusError]:
+    """Each item's backbone features from one shared forward, or (if that fails)
+    from a forward of its own; an item whose own forward fails gets the error."""
+    try:
+        shared = concat_batches([it.batch for it in items])
+        return list(split_rows(backbone.encode(shared), shared.slices))
+    except Exception as e:  # find the item that spoils it, alone
+        _release_memory()
+        if len(items) == 1:
+            return [_as_error(e, items[0], "backbone forward")]
+    out: list[torch.Tensor | JoyNexusError] = []
+    for it in items:
+        try:
+            out.append(backbone.encode(it.batch))
+        except Exception as e:  # that item alone fails
+            _release_memory()
+            out.append(_as_error(e, it, "backbone forward"))
+    return out
+
+
+def _release_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def serial_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[float]:

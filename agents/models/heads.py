@@ -243,6 +243,35 @@ class ValueHead(ActionHead):
         return _weighted_mean((v_B - target) ** 2, weight_B)
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One device sync for all of them."""
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
+
+
+def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _non_finite_inputs(feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+                       weight_B: torch.Tensor | None) -> str:
+    """Which inputs hold NaN/inf (a reason a tenant can act on), or that none does."""
+    named = {"targets (actions)": target, "state": state_B_S, "backbone features": feats_B_D}
+    if weight_B is not None:
+        named["sample weights (advantages)"] = weight_B
+    bad = []
+    for name, t in named.items():
+        if t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad.append(f"{name} hold {n} non-finite (NaN/inf) value(s)")
+    if bad:
+        return "its " + ", ".join(bad)
+    return "its inputs are finite but their magnitudes overflow the loss"
+
+
 class TenantModule:
     """One tenant's private training state: head, AdamW optimizer, version.
 
@@ -270,16 +299,68 @@ class TenantModule:
 
     def train_step(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
                    weight_B: torch.Tensor | None = None) -> float:
-        """loss, backward and AdamW step on this tenant's head only; returns the loss."""
+        """loss, backward and AdamW step on this tenant's head only; returns the loss.
+
+        All or nothing: if the loss raises, the loss or a gradient is non-finite,
+        or the step would leave a non-finite weight or optimizer moment, the head,
+        its optimizer, its noise generator and ``version`` are as before and
+        ``InvalidSpec`` says why (naming the non-finite inputs, if any).
+        """
         self.head.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.head.loss(feats_B_D, state_B_S, target, weight_B)
-        if not torch.isfinite(loss):
-            raise InvalidSpec(f"tenant {self.tenant}: loss is {loss.item()}; check the targets for NaN/inf")
-        loss.backward()
-        self.optimizer.step()
+        gen_state = self.head.generator.get_state()
+        before = None
+        try:
+            loss = self.head.loss(feats_B_D, state_B_S, target, weight_B)
+            if not bool(torch.isfinite(loss)):
+                raise InvalidSpec(
+                    f"tenant {self.tenant}: non-finite loss ({loss.item()}): "
+                    f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
+                )
+            loss.backward()
+            grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+            if not _all_finite(grads):
+                raise InvalidSpec(
+                    f"tenant {self.tenant}: non-finite gradients (loss {float(loss.detach()):.4g}): "
+                    f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
+                )
+            before = self._snapshot()
+            self.optimizer.step()
+            if not self.finite():
+                raise InvalidSpec(
+                    f"tenant {self.tenant}: the step overflowed to non-finite weights (loss "
+                    f"{float(loss.detach()):.4g}); check the magnitudes of its targets; step undone"
+                )
+        except BaseException:
+            if before is not None:  # the step ran (or raised half way): undo it
+                self._restore(before)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.head.generator.set_state(gen_state)
+            raise
+        self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return float(loss.detach())
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:
+        params = [p.detach().clone() for p in self.head.parameters()]
+        state = {
+            p: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for p, s in self.optimizer.state.items()
+        }
+        return params, state
+
+    @torch.no_grad()
+    def _restore(self, snap: tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]) -> None:
+        params, state = snap
+        for p, saved in zip(self.head.parameters(), params, strict=True):
+            p.copy_(saved)
+        self.optimizer.state.clear()
+        for p, s in state.items():
+            self.optimizer.state[p] = s
+
+    def finite(self) -> bool:
+        """Every weight and optimizer moment is finite."""
+        return _all_finite(list(self.head.parameters())) and _all_finite(_moments(self.optimizer))
 
     @torch.no_grad()
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
