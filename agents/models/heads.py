@@ -244,11 +244,12 @@ class ValueHead(ActionHead):
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """One device sync for all of them."""
-    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
-    if not floats:
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
+    """One sync per device (AdamW keeps its ``step`` counters on the CPU)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
 
 def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
