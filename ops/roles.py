@@ -15,7 +15,11 @@ manager passes them to the processes it restarts unchanged):
 ``JOYNEXUS_HEARTBEAT_S`` (heartbeat interval, default 1) and
 ``JOYNEXUS_ACK_WAIT_S`` (stage workers' ack wait, default 30),
 ``JOYNEXUS_SYNTHETIC_WORK_S`` (role ``synthetic``: seconds each stage lease and
-actor lease is held, as a real step would; default 0).
+actor lease is held, as a real step would; default 0),
+``JOYNEXUS_DATASETS`` (role ``control``: the root of the tenants' dataset
+spaces, ``<root>/<tenant>/<dataset>``; default ``.jnx/datasets``) and
+``JOYNEXUS_MAX_EVALS`` (role ``evaluator``: evaluation rounds run at once,
+handed out round-robin by tenant; default 2).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from joynexus.agents.datasets import default_root
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 
@@ -78,6 +83,12 @@ class RoleOptions:
     )
     ack_wait_s: float = field(
         default_factory=lambda: float(os.environ.get("JOYNEXUS_ACK_WAIT_S", "30.0"))
+    )
+    #: Control: the root of the tenants' dataset spaces ($JOYNEXUS_DATASETS or .jnx/datasets).
+    datasets_root: Path = field(default_factory=default_root)
+    #: Evaluator: evaluation rounds at once (turns round-robin by tenant).
+    max_evals: int = field(
+        default_factory=lambda: int(os.environ.get("JOYNEXUS_MAX_EVALS", "2"))
     )
 
 
@@ -129,9 +140,17 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.workloads import PolicyInitializer
 
-        control = ControlPlane(b, init_policy=PolicyInitializer(b), instance=o.instance)
+        control = ControlPlane(
+            b,
+            init_policy=PolicyInitializer(b),
+            instance=o.instance,
+            datasets_root=o.datasets_root,
+        )
         await control.start()
-        _say(f"{o.instance}: serving {b.names.control_service} on {b.names.all_api}")
+        _say(
+            f"{o.instance}: serving {b.names.control_service} on {b.names.all_api} "
+            f"(datasets under {o.datasets_root}/<tenant>)"
+        )
         await stop.wait()
         await control.stop()
     elif role == "inference":
@@ -166,7 +185,9 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
     elif role == "evaluator":
         from joynexus.agents.evaluator import Evaluator
 
-        await Evaluator(b, instance=o.instance).run(stop)
+        # Stops within a step on `stop` (SIGTERM/SIGINT of `joynexus agent`), leaving
+        # unfinished evaluations active for the next evaluator.
+        await Evaluator(b, instance=o.instance, max_concurrent=max(1, o.max_evals)).run(stop)
     elif role == "monitor":
         from joynexus.agents.monitor import MonitorAgent
 

@@ -50,12 +50,22 @@ def backbone() -> Backbone:
 
 
 @pytest.fixture(scope="module")
-def sft_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def datasets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tenants' dataset spaces: <root>/<tenant>/<dataset>."""
+    return tmp_path_factory.mktemp("datasets")
+
+
+@pytest.fixture(scope="module")
+def sft_dataset(datasets_root: Path) -> str:
+    """The name of a dataset that tenants cora and eve each have in their own space."""
+    import shutil
+
     from joynexus.agents.envs.lerobot_data import generate_dataset
 
-    root = tmp_path_factory.mktemp("data") / "cora_pick"
+    root = datasets_root / "cora" / "pick"
     generate_dataset("PickCube-v1", root, episodes=2, obs="rgb", image_size=64, seed=0)
-    return root
+    shutil.copytree(root, datasets_root / "eve" / "pick")
+    return "pick"
 
 
 @dataclass
@@ -63,6 +73,7 @@ class Deployment:
     b: Broker
     backbone: Backbone
     out: Path
+    datasets: Path
     lease_ttl_s: float = 5.0
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -74,7 +85,10 @@ class Deployment:
         )
         await self.sched.start()
         self.control = ControlPlane(
-            self.b, init_policy=PolicyInitializer(self.b), instance="control"
+            self.b,
+            init_policy=PolicyInitializer(self.b),
+            instance="control",
+            datasets_root=self.datasets,
         )
         await self.control.start()
         self.pool = EnginePool(self.b, self.backbone, max_batch=16, max_wait_ms=5)
@@ -111,9 +125,9 @@ class Deployment:
 
 @pytest.fixture
 async def deployment(
-    broker: Broker, backbone: Backbone, tmp_path: Path
+    broker: Broker, backbone: Backbone, tmp_path: Path, datasets_root: Path
 ) -> AsyncIterator[Deployment]:
-    d = Deployment(broker, backbone, tmp_path / "actor")
+    d = Deployment(broker, backbone, tmp_path / "actor", datasets_root)
     await d.start()
     yield d
     await d.close()
@@ -141,7 +155,7 @@ async def test_two_rl_and_one_sft_tenant_train_end_to_end(
     deployment: Deployment,
     nats_server: EmbeddedNats,
     broker: Broker,
-    sft_dataset: Path,
+    sft_dataset: str,
     tmp_path: Path,
 ) -> None:
     d = deployment
@@ -164,7 +178,7 @@ async def test_two_rl_and_one_sft_tenant_train_end_to_end(
         WorkloadSpec(
             name="demo",
             task_type="sft",
-            dataset=str(sft_dataset),
+            dataset=sft_dataset,
             batch_size=16,
             action_horizon=2,
             scheduling=Scheduling(max_in_flight=16, completion_target=target),
@@ -310,9 +324,14 @@ class CrashAfterCheckpoint(Actor):
 
 
 async def test_actor_restart_resumes_exactly(
-    broker: Broker, backbone: Backbone, nats_server: EmbeddedNats, sft_dataset: Path, tmp_path: Path
+    broker: Broker,
+    backbone: Backbone,
+    nats_server: EmbeddedNats,
+    sft_dataset: str,
+    tmp_path: Path,
+    datasets_root: Path,
 ) -> None:
-    d = Deployment(broker, backbone, tmp_path / "actor", lease_ttl_s=2.0)
+    d = Deployment(broker, backbone, tmp_path / "actor", datasets_root, lease_ttl_s=2.0)
     d.start_actor = lambda actor=None: Deployment.start_actor(  # type: ignore[method-assign]
         d,
         actor
@@ -327,7 +346,7 @@ async def test_actor_restart_resumes_exactly(
             WorkloadSpec(
                 name="demo",
                 task_type="sft",
-                dataset=str(sft_dataset),
+                dataset=sft_dataset,
                 batch_size=8,
                 action_horizon=2,
                 scheduling=Scheduling(max_in_flight=4, completion_target=4),
@@ -373,7 +392,7 @@ async def test_invalid_workloads_get_clear_errors(
     deployment: Deployment, nats_server: EmbeddedNats, broker: Broker, tmp_path: Path
 ) -> None:
     acme = await client(nats_server, broker, "acme")
-    with pytest.raises(InvalidSpec, match="not a LeRobot dataset"):
+    with pytest.raises(InvalidSpec, match="tenant 'acme' has no dataset"):
         await acme.create_workload(
             WorkloadSpec(name="demo", task_type="sft", dataset=str(tmp_path))
         )
@@ -414,7 +433,7 @@ async def test_invalid_workloads_get_clear_errors(
 
 
 async def test_rollout_as_a_service_and_tenant_submitted_batches(
-    deployment: Deployment, nats_server: EmbeddedNats, broker: Broker, sft_dataset: Path
+    deployment: Deployment, nats_server: EmbeddedNats, broker: Broker, sft_dataset: str
 ) -> None:
     """A tenant runs its own environment, asks the Inference Queue for actions,
     and hands the rollout to training; another submits its own SFT batches."""
@@ -465,7 +484,7 @@ async def test_rollout_as_a_service_and_tenant_submitted_batches(
         WorkloadSpec(
             name="mine",
             task_type="sft",
-            dataset=str(sft_dataset),
+            dataset=sft_dataset,
             source="tenant",
             action_horizon=2,
         )

@@ -98,7 +98,9 @@ async def test_sync_client_blocks_on_futures_and_raises_typed_errors(broker, tmp
 
     sched = SchedulerAgent(broker)
     await sched.start()
-    control = ControlPlane(broker, init_policy=PolicyInitializer(broker))
+    control = ControlPlane(
+        broker, init_policy=PolicyInitializer(broker), datasets_root=tmp_path / "datasets"
+    )
     await control.start()
     url = broker.nc.connected_url.netloc
 
@@ -115,7 +117,7 @@ async def test_sync_client_blocks_on_futures_and_raises_typed_errors(broker, tmp
 
     try:
         listed, err = await asyncio.to_thread(use_sync)
-        assert listed == [] and "not a LeRobot dataset" in err
+        assert listed == [] and "tenant 'acme' has no dataset" in err
     finally:
         await control.stop()
         await sched.stop()

@@ -135,12 +135,23 @@ class Secure:
 
 
 @pytest.fixture(scope="module")
-def sft_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def datasets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tenants' dataset spaces: <root>/<tenant>/<dataset>."""
+    return tmp_path_factory.mktemp("datasets")
+
+
+@pytest.fixture(scope="module")
+def sft_dataset(datasets_root: Path) -> str:
+    """The name of a dataset each tenant of these tests has in its own space."""
+    import shutil
+
     from joynexus.agents.envs.lerobot_data import generate_dataset
 
-    root = tmp_path_factory.mktemp("data") / "pick"
+    root = datasets_root / "acme" / "pick"
     generate_dataset("PickCube-v1", root, episodes=2, obs="rgb", image_size=64, seed=0)
-    return root
+    for tenant in ("bolt", "cora", "hana"):
+        shutil.copytree(root, datasets_root / tenant / "pick")
+    return "pick"
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +161,9 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
 
 
 @pytest.fixture(scope="module")
-async def secure(endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secure]:
+async def secure(
+    endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory, datasets_root: Path
+) -> AsyncIterator[Secure]:
     assert endpoint.admin is not None and endpoint.service is not None
     admin = await Broker.connect(endpoint.url, name="admin", namespace=NS, credentials=endpoint.admin)
     service = await Broker.connect(
@@ -162,7 +175,11 @@ async def secure(endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory) -
     sched = SchedulerAgent(service, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
     await sched.start()
     control = ControlPlane(
-        service, init_policy=PolicyInitializer(service), instance="control", open_job_ttl_s=8.0
+        service,
+        init_policy=PolicyInitializer(service),
+        instance="control",
+        open_job_ttl_s=8.0,
+        datasets_root=datasets_root,
     )
     await control.start()
     pool = EnginePool(service, backbone, max_batch=8, max_wait_ms=5)
@@ -232,17 +249,24 @@ async def test_anonymous_and_wrong_password_connections_are_refused(secure: Secu
 
 
 async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
-    secure: Secure, sft_dataset: Path
+    secure: Secure, sft_dataset: str, datasets_root: Path
 ) -> None:
     n = Names(NS)
     acme_creds, bolt_creds = await secure.issue("acme"), await secure.issue("bolt")
     assert acme_creds.user == "jnx.acme" and acme_creds.password
     acme = await Client.connect(credentials=acme_creds)
     bolt = await Client.connect(credentials=bolt_creds)
-    spec = WorkloadSpec(name="pick", task_type="sft", dataset=str(sft_dataset), source="tenant",
+    spec = WorkloadSpec(name="pick", task_type="sft", dataset=sft_dataset, source="tenant",
                         action_horizon=2)
     await acme.create_workload(spec)
     await bolt.create_workload(spec)
+    # acme names bolt's dataset every way it can: one answer, and nothing of bolt's
+    (datasets_root / "acme" / "stolen").symlink_to(datasets_root / "bolt" / "pick")
+    for sneaky in ("../bolt/pick", str(datasets_root / "bolt" / "pick"), "stolen", "/etc"):
+        with pytest.raises(InvalidSpec, match="tenant 'acme' has no dataset"):
+            await acme.create_workload(
+                WorkloadSpec(name="steal", task_type="sft", dataset=sneaky, source="tenant")
+            )
     # bolt watches its own events through the control plane (no JetStream access).
     bolt_events: list[Any] = []
 
@@ -317,7 +341,7 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
     as_bolt = Client(acme._b, "bolt")  # acme's connection pretending to be bolt
     with pytest.raises(PermissionDenied, match=r"jnx\.api\.bolt\.create_workload"):
         await as_bolt.create_workload(WorkloadSpec(name="x", task_type="sft",
-                                                   dataset=str(sft_dataset)))
+                                                   dataset=sft_dataset))
     with pytest.raises(InvalidSpec, match="credentials are tenant 'acme'"):
         await Client.connect(tenant="bolt", credentials=acme_creds)
     with pytest.raises(UnknownJob):  # bolt's job through acme's own API: not revealed
@@ -369,11 +393,11 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
     await bolt.close()
 
 
-async def test_revoked_tenant_loses_access(secure: Secure, sft_dataset: Path) -> None:
+async def test_revoked_tenant_loses_access(secure: Secure, sft_dataset: str) -> None:
     creds = await secure.issue("cora")
     cora = await Client.connect(credentials=creds)
     await cora.create_workload(WorkloadSpec(name="pick", task_type="sft",
-                                            dataset=str(sft_dataset), source="tenant",
+                                            dataset=sft_dataset, source="tenant",
                                             action_horizon=2))
     assert [w.name for w in await cora.list_workloads()] == ["pick"]
     assert "cora" in [t.tenant_id for t in await list_tenants(secure.admin)]
@@ -481,7 +505,7 @@ async def test_operator_cli_issues_lists_and_revokes(secure: Secure, tmp_path: P
             await asyncio.sleep(0.1)
 
 
-async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset: Path) -> None:
+async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset: str) -> None:
     """A client that dies between open_job and close_job must not hold an admission
     slot forever; one that gives up (an exception mid-submit) aborts at once."""
     from joynexus.agents.scheduler_client import SchedulerClient
@@ -489,7 +513,7 @@ async def test_jobs_a_tenant_leaves_open_are_failed(secure: Secure, sft_dataset:
 
     hana = await Client.connect(credentials=await secure.issue("hana"))
     await hana.create_workload(WorkloadSpec(name="pick", task_type="sft", source="tenant",
-                                            dataset=str(sft_dataset), action_horizon=2))
+                                            dataset=sft_dataset, action_horizon=2))
     sched = SchedulerClient(secure.service, by="test")
     left = (await hana._api("open_job", OpenJob(workload="pick", sample_count=4))).job
     given_up = (await hana._api("open_job", OpenJob(workload="pick", sample_count=4))).job
