@@ -28,8 +28,10 @@ fields, one level of nested dicts flattened as ``a.b``), ``system``
 (``service`` + ``busy_start``/``busy_end``: a busy interval of the training or
 inference service, ``broker.metrics.busy``; other numeric fields as series;
 ``event`` marks a health event), ``health`` (every message is a health event),
-``security`` (a refused attempt: counted per tenant as ``refusals``, the last
-ones kept with action, subject, reason and source).
+``security`` (refused attempts: an event stands for ``count`` of them, 1 when
+absent, as ``broker.metrics.security`` counts repeats; summed per tenant as
+``refusals``, the last events kept with action, subject, reason and source;
+failed logins are tenant ``_``'s, with the ``claimed_user``).
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ class TenantAggregates:
     health: list[dict[str, Any]] = field(default_factory=list)
     #: Refused attempts (security events), the newest last.
     refusals: list[dict[str, Any]] = field(default_factory=list)
+    #: Refused attempts: the sum of the security events' ``count``.
+    refused: int = 0
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: service ("train", "infer") -> busy (start, end) intervals in epoch seconds.
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
@@ -197,7 +201,7 @@ class TenantAggregates:
             "series": {k: list(v) for k, v in self.series.items()},
             "latest": dict(self.latest),
             "health_events": list(self.health),
-            "refusals": self.counts.get("security", 0),
+            "refusals": self.refused,
             "last_refusals": list(self.refusals),
             "counts": dict(self.counts),
             "busy": self.busy_summary(),
@@ -293,8 +297,11 @@ class MetricAggregates:
         if m.kind == "security":
             t.refusals.append({"at": m.at, **f})
             self._keep(t.refusals)
+            count = _number(f.get("count"))
+            t.refused += max(1, int(count)) if count is not None else 1
             n = t.counts["security"]
-            out.append(Scalar("refusals", tenant, float(n), n - 1))
+            out.append(Scalar("refusals", tenant, float(t.refused), n - 1))
+            handled.update(("count", "first_at", "revision"))
         if m.kind == "health" or isinstance(f.get("event"), str):
             t.health.append({"at": m.at, "kind": m.kind, **f})
             self._keep(t.health)

@@ -49,6 +49,7 @@ from joynexus.schemas.identities import (
     applied_key,
     is_applied_key,
 )
+from joynexus.schemas.jobs import check_name
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,13 @@ class AuthSync:
         self._dirty: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._kvs: dict[str, Any] = {}
+        #: (bucket, key) -> why its record was not applied (the newest such record)
+        self.rejected: dict[tuple[str, str], str] = {}
+        self._reported: set[tuple[str, str, int]] = set()
+        # bucket -> (watcher failures in a row, not restarted before this loop time)
+        self._backoff: dict[str, tuple[int, float]] = {}
+        #: refusal log lines dropped (the queue was full), reported as a count
+        self.dropped = 0
 
     # -- the server's log (called from its pump thread)
     def on_log_line(self, line: str) -> None:
@@ -179,32 +187,58 @@ class AuthSync:
             self._loop.call_soon_threadsafe(self._enqueue, line)
 
     def _enqueue(self, line: str) -> None:
-        with contextlib.suppress(asyncio.QueueFull):  # a flood of refusals: drop the excess
+        try:
             self._lines.put_nowait(line)
+        except asyncio.QueueFull:  # a flood of refusals: drop (and count) the excess
+            self.dropped += 1
 
     async def _report_refusals(self) -> None:
+        """The server's refusals as security events (counted by ``metrics.security``).
+        A failed login is filed under tenant ``_`` with the user it claimed
+        (``claimed_user``): whoever sends a tenant's user name is not that tenant.
+        Never stops on a bad line or a failed publish."""
+        reported_drops = 0
         while True:
             line = await self._lines.get()
-            r = parse_refusal(line)
-            if r is None:
-                continue
-            names = self._names_of_user(r.user)
-            await metrics.security(
-                Broker(nc=self.b.nc, js=self.b.js, names=names),
-                r.tenant(names),
-                action=r.action,
-                subject=r.subject,
-                reason=f"{r.reason} (user {r.user!r})",
-                source="nats-server",
-            )
+            try:
+                await self._report_line(line)
+                if self.dropped > reported_drops:
+                    log.warning("auth sync: %d refusal log lines dropped (a flood)",
+                                self.dropped - reported_drops)
+                    reported_drops = self.dropped
+            except Exception:
+                raise_if_cancelled()
+                log.exception("reporting a refusal failed")
+
+    async def _report_line(self, line: str) -> None:
+        r = parse_refusal(line)
+        if r is None:
+            return
+        names = self._names_of_user(r.user)
+        b = Broker(nc=self.b.nc, js=self.b.js, names=names)
+        if r.action == "connect":
+            await metrics.security(b, "_", action=r.action, subject=r.subject, reason=r.reason,
+                                   source="nats-server", claimed_user=r.user)
+            return
+        await metrics.security(
+            b,
+            r.tenant(names),
+            action=r.action,
+            subject=r.subject,
+            reason=f"{r.reason} (user {metrics.clip(r.user, 64)!r})",
+            source="nats-server",
+        )
 
     def _names_of_user(self, user: str) -> Names:
-        """The deployment a tenant user belongs to (``<ns>.<tenant>``)."""
+        """The deployment a user belongs to (``<ns>.<tenant>``), when it is one this
+        server has an identities bucket of; else this auth sync's own (a claimed
+        user names whatever it likes: it does not choose where its refusal lands)."""
         ns = user.split(".", 1)[0] if "." in user else self.n.namespace
         try:
-            return Names(ns)
+            names = Names(ns)
         except Exception:
             return self.n
+        return names if names.identities_bucket in self._tenants else self.n
 
     # -- identities buckets -> auth.conf -> reload
     async def run(self, stop: asyncio.Event) -> None:
@@ -227,7 +261,7 @@ class AuthSync:
             while not stop.is_set():
                 wake.clear()
                 for bucket in await self._identity_buckets():
-                    if bucket not in watchers or watchers[bucket].done():
+                    if bucket not in watchers or self._restart_due(bucket, watchers[bucket]):
                         watchers[bucket] = asyncio.ensure_future(self._watch(bucket))
                 waits = [asyncio.ensure_future(e.wait()) for e in (stop, wake)]
                 await asyncio.wait(waits, timeout=self.discover_s,
@@ -245,6 +279,25 @@ class AuthSync:
                 with contextlib.suppress(Exception):
                     await kv.delete(applied_key(self.server.name))
 
+    def _restart_due(self, bucket: str, task: asyncio.Task[None]) -> bool:
+        """Whether the watcher of ``bucket`` is to be (re)started now: it ended, and
+        its backoff (1 s doubling to 30 s while it keeps failing before its first
+        complete read) is over."""
+        if not task.done():
+            return False
+        now = asyncio.get_running_loop().time()
+        failures, not_before = self._backoff.get(bucket, (0, 0.0))
+        if not_before >= 0:  # its end was looked at: restart once the backoff is over
+            return now >= not_before
+        err = None if task.cancelled() else task.exception()
+        failures = failures + 1 if err is not None else 0
+        if err is not None:
+            log.warning("auth sync: the watcher of %s failed (%d in a row): %r", bucket,
+                        failures, err)
+        delay = min(30.0, 2.0 ** (failures - 1)) if failures else 0.0
+        self._backoff[bucket] = (failures, now + delay)
+        return delay == 0.0
+
     async def _identity_buckets(self) -> list[str]:
         try:
             infos = await self.b.js.streams_info()
@@ -259,8 +312,14 @@ class AuthSync:
         ]
 
     async def _watch(self, bucket: str) -> None:
+        """Follow one identities bucket into ``self._tenants[bucket]``. A record that
+        does not decode, or does not match its key, is skipped (and reported), the
+        others are applied. A restarted watcher rebuilds the bucket's tenants from
+        its current values (kept as they were until those are all in)."""
+        self._backoff[bucket] = (self._backoff.get(bucket, (0, 0.0))[0], -1.0)
         kv = self._kvs[bucket] = await self.b.js.key_value(bucket)
-        tenants = self._tenants.setdefault(bucket, {})
+        tenants: dict[str, TenantIdentity] = {}
+        current = False  # the bucket's current values are not all in yet
         watcher = await kv.watchall()
         last = 0
         try:
@@ -270,21 +329,81 @@ class AuthSync:
                 except TimeoutError:
                     continue
                 if entry is None:  # the current values are all in: apply them
+                    if not current:
+                        self._tenants[bucket] = tenants
+                        current = True
+                        self._backoff[bucket] = (0, -1.0)  # it works: no backoff
                     # Everything up to `last` is in (the watcher delivers in order);
                     # never claim a revision not seen yet (an empty bucket: 0).
                     self._mark(bucket, last)
                     continue
                 last = max(last, entry.revision or 0)
-                if is_applied_key(entry.key):
+                key = entry.key
+                if not isinstance(key, str) or is_applied_key(key):
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    tenants.pop(entry.key, None)
+                    tenants.pop(key, None)
+                    self.rejected.pop((bucket, key), None)
                 else:
-                    tenants[entry.key] = decode(entry.value, TenantIdentity)
-                self._mark(bucket, last)
+                    ident, why = self._identity(bucket, key, entry.value)
+                    if ident is None:
+                        # Not applied; an earlier record of this key goes too (what
+                        # the bucket says of it now is not understood: fail closed).
+                        tenants.pop(key, None)
+                        await self._reject(bucket, key, entry.revision or 0, why)
+                    else:
+                        tenants[key] = ident
+                        self.rejected.pop((bucket, key), None)
+                if current:
+                    self._mark(bucket, last)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def _identity(self, bucket: str, key: str, value: bytes) -> tuple[TenantIdentity | None, str]:
+        """The identity a record holds, or None and why it is not one to apply."""
+        try:
+            names = _bucket_names(bucket)
+            check_name("tenant", key)
+        except Exception as e:
+            return None, f"key is not a tenant name: {e}"
+        try:
+            ident = decode(value, TenantIdentity, what="tenant identity")
+        except Exception as e:
+            return None, f"record does not decode: {e}"
+        if ident.tenant_id != key:
+            return None, f"record names tenant {ident.tenant_id!r}, not its key"
+        if ident.user != names.tenant_user(key):
+            return None, (f"record names user {ident.user!r}, not "
+                          f"{names.tenant_user(key)!r}")
+        if not isinstance(ident.password_hash, str) or not ident.password_hash.startswith("$2"):
+            return None, "record holds no bcrypt password hash"
+        return ident, ""
+
+    async def _reject(self, bucket: str, key: str, revision: int, why: str) -> None:
+        self.rejected[(bucket, key)] = why
+        if (bucket, key, revision) in self._reported:  # a restarted watcher sees it again
+            return
+        if len(self._reported) > 10_000:
+            self._reported.clear()
+        self._reported.add((bucket, key, revision))
+        log.error("auth sync: identity record %s of %s (revision %d) not applied: %s",
+                  metrics.clip(key, 64), bucket, revision, metrics.clip(why, 300))
+        try:
+            names = _bucket_names(bucket)
+        except Exception:
+            names = self.n
+        with contextlib.suppress(Exception):
+            await metrics.security(
+                Broker(nc=self.b.nc, js=self.b.js, names=names),
+                "_",
+                action="identity_record",
+                subject=f"$KV.{bucket}.{key}",
+                reason=f"identity record not applied: {why}",
+                source="auth-sync",
+                key=key,
+                revision=revision,
+            )
 
     def _mark(self, bucket: str, revision: int) -> None:
         self._dirty[bucket] = max(self._dirty.get(bucket, 0), revision)

@@ -68,20 +68,69 @@ async def collect(b: Broker) -> dict[str, Any]:
     return out
 
 
+#: At most this many security events are read to add up the refusals.
+MAX_SECURITY_EVENTS = 20_000
+
+
 async def _refusals(b: Broker) -> list[dict[str, Any]]:
-    """Refused attempts per tenant (security metric events) and the last one of each."""
+    """Refused attempts per tenant (security metric events) and the last one of each.
+
+    An event stands for ``count`` refusals (1 when absent: ``metrics.security``
+    counts repeats), so the events are read and their counts added up (the
+    oldest :data:`MAX_SECURITY_EVENTS` of them, the rest count 1 each; ``events``
+    is how many the stream holds per tenant). Failed logins are tenant ``_``'s
+    (with ``claimed_user``)."""
     stream, subject = b.names.metrics_stream, b.names.metrics("security", "*")
     try:
         info = await b.js.stream_info(stream, subjects_filter=subject)
     except NotFoundError:
         return []
+    per_subject = dict(info.state.subjects or {})
+    total = sum(per_subject.values())
+    sums: dict[str, int] = {}
+    read: dict[str, int] = {}
+    if total:
+        with contextlib.suppress(Exception):
+            await _read_security(b, subject, min(total, MAX_SECURITY_EVENTS), sums, read)
     out = []
-    for subj, count in sorted((info.state.subjects or {}).items()):
+    for subj, events in sorted(per_subject.items()):
         last: dict[str, Any] = {}
         with contextlib.suppress(Exception):
             last = orjson.loads((await b.js.get_last_msg(stream, subj)).data or b"{}")
-        out.append({"tenant": subj.rsplit(".", 1)[-1], "refusals": count, "last": last})
+        # Events not read (past the bound) count 1 each.
+        refusals = sums.get(subj, 0) + max(0, events - read.get(subj, 0))
+        out.append({"tenant": subj.rsplit(".", 1)[-1], "refusals": refusals,
+                    "events": events, "last": last})
     return out
+
+
+async def _read_security(
+    b: Broker, subject: str, n: int, sums: dict[str, int], read: dict[str, int]
+) -> None:
+    """Add up the ``count`` of the first ``n`` events on ``subject``, per subject."""
+    sub = await b.js.subscribe(subject, ordered_consumer=True)
+    try:
+        seen = 0
+        while seen < n:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except TimeoutError:
+                return
+            seen += 1
+            read[msg.subject] = read.get(msg.subject, 0) + 1
+            try:
+                e = orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                e = {}
+            c = e.get("count") if isinstance(e, dict) else None
+            sums[msg.subject] = sums.get(msg.subject, 0) + (
+                int(c) if isinstance(c, int) and not isinstance(c, bool) and c > 0 else 1
+            )
+            if msg.metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def _gather_replies(b: Broker, subject: str, wait_s: float = 0.4) -> list[dict[str, Any]]:
@@ -252,7 +301,7 @@ def render(s: dict[str, Any]) -> str:
                 r["refusals"],
                 f"{now - r['last'].get('at', now):.0f}s ago",
                 f"{r['last'].get('source', '')}: {r['last'].get('action', '')} "
-                f"{r['last'].get('target', '')}"[:70],
+                f"{r['last'].get('target', '') or r['last'].get('claimed_user', '')}"[:70],
             ]
             for r in s["security"]
         ]
