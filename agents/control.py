@@ -21,6 +21,16 @@ Serves the micro service ``<ns>-control`` on two endpoints:
 
 A request that reaches for another tenant's job is refused like an unknown
 one (nothing is revealed) and reported as a ``security`` metric event.
+
+Every tenant input is hostile (issue 11): requests are answered only at the
+requester's own inbox and at most ``max_requests_in_flight`` of a tenant's are
+served at once (:mod:`joynexus.broker.rpc`); every number a tenant asks for is
+checked against its operator-set quota (:mod:`joynexus.schemas.quotas`), its
+priority is its class's; an SFT dataset must lie in the tenant's own dataset
+space (:mod:`joynexus.agents.datasets`); rows are checked for dtype, finiteness
+and range before they reach the shared trainer (:mod:`joynexus.schemas.rows`).
+No request costs the server a consumer: the workload records are read from one
+watcher this process keeps.
 """
 
 from __future__ import annotations
@@ -28,8 +38,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -37,18 +51,22 @@ from nats.js.errors import KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
+from joynexus.agents.datasets import default_root, resolve_dataset
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.direct import read_subject
-from joynexus.broker.permissions import hash_password, new_password
 from joynexus.broker.policy import PolicyStore
+from joynexus.broker.quotas import QuotaBook
+from joynexus.broker.rpc import Responder
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
+    QuotaExceeded,
+    RateLimited,
     ShapeMismatch,
     UnknownJob,
     UnknownTenant,
@@ -64,6 +82,8 @@ from joynexus.schemas.identities import (
 )
 from joynexus.schemas.inference import FeatureSchemaSpec, decode_msgpack
 from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob, check_name
+from joynexus.schemas.quotas import Quota
+from joynexus.schemas.rows import check_values
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import (
     CONTENT_TYPE,
@@ -78,6 +98,7 @@ from joynexus.schemas.workloads import (
     PutData,
     ReadEvents,
     WorkloadRecord,
+    WorkloadSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +119,16 @@ VERBS: dict[str, type[Any]] = {
     "get_policy": PolicyQuery,
 }
 
-ADMIN_VERBS = ("tenant_add", "tenant_remove", "tenant_list")
+ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list")
+
+#: Tenant names that would collide with internal keys (``cursor.<tenant>.<wl>`` in
+#: the workloads bucket, ``version.<tenant>.<wl>`` in the tenants bucket, ...).
+RESERVED_TENANTS = frozenset({"cursor", "version", "global", "applied", "admin", "svc", "hb",
+                              "mgr", "all", "service", "control", "responder"})
+_BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
+_TERMINAL = frozenset({JobState.COMPLETED.value, JobState.DROPPED.value, JobState.FAILED.value})
+#: Keys of the workloads bucket that are not workload records.
+_NOT_RECORDS = ("cursor.",)
 
 #: Longest long-poll of read_events (the SDK's request timeout must exceed it).
 MAX_EVENTS_WAIT_S = 20.0
@@ -113,6 +143,7 @@ class ControlPlane:
         init_policy: InitPolicy,
         instance: str = "control-0",
         open_job_ttl_s: float = 600.0,
+        datasets_root: str | Path | None = None,
     ) -> None:
         self.b = broker
         self.n = broker.names
@@ -134,13 +165,30 @@ class ControlPlane:
         # still open after open_job_ttl_s (its client died) is failed: it holds a slot.
         self.open_job_ttl_s = open_job_ttl_s
         self._opened: dict[str, float] = {}
+        self._opened_by: dict[str, str] = {}  # job id -> tenant
+        #: Where tenants' datasets live (<root>/<tenant>/..., or the quota's own root).
+        self.datasets_root = Path(datasets_root) if datasets_root else default_root()
+        self.quotas = QuotaBook(broker)
+        self.rpc = Responder(
+            broker, "control", limit=lambda t: self.quotas.get(t).max_requests_in_flight
+        )
+        # Workload records, from one watcher over the bucket: key -> record.
+        self._records_by_key: dict[str, WorkloadRecord] = {}
+        self._records_ready = asyncio.Event()
+        # Training Queue bytes a tenant put, per open job (released when the job ends).
+        self._tq_bytes: dict[str, dict[str, int]] = {}
 
     async def start(self) -> None:
         self._kv = await self.b.js.key_value(self.n.workloads_bucket)
         self._ids = await self.b.js.key_value(self.n.identities_bucket)
         self._job_sub = await self.b.nc.subscribe(self.n.all_jobs, cb=self._on_job_event)
+        await self.quotas.start()
+        self._spawn(self._watch_records())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._records_ready.wait(), 10.0)
+        nc = await self.rpc.connection()
         self._service = await add_service(
-            self.b.nc,
+            nc,
             name=self.n.control_service,
             version="0.1.0",
             description="JoyNexus control plane: tenants' workload specs and slots",
@@ -150,14 +198,21 @@ class ControlPlane:
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
         await self.b.nc.flush()  # subscribed on the server before start() returns
+        await nc.flush()
         self._spawn(self._adopt_open_jobs())
         self._spawn(self._expire_open_jobs())
 
     async def _on_job_event(self, msg: Any) -> None:
         try:
-            tenant = parse_job_subject(msg.subject)[0]
+            tenant, job_id, state = parse_job_subject(msg.subject)
         except InvalidSpec:
             return
+        if state in _TERMINAL:  # its rows leave the Training Queue with it
+            held = self._tq_bytes.get(tenant)
+            if held is not None:
+                held.pop(job_id, None)
+                if not held:
+                    self._tq_bytes.pop(tenant, None)
         async with self._tick:
             self._ticks[tenant] = self._ticks.get(tenant, 0) + 1
             self._tick.notify_all()
@@ -172,26 +227,93 @@ class ControlPlane:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rpc.stop()
+        await self.quotas.stop()
+
+    async def _watch_records(self) -> None:
+        """Keep every workload record in memory: one watcher, not one per request."""
+        while True:
+            raise_if_cancelled()
+            watcher: Any = None
+            try:
+                watcher = await self._kv.watchall()
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5.0)
+                    except TimeoutError:
+                        continue
+                    if entry is None:
+                        self._records_ready.set()
+                        continue
+                    if entry.key.startswith(_NOT_RECORDS):
+                        continue
+                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                        self._records_by_key.pop(entry.key, None)
+                        continue
+                    try:
+                        rec = decode(entry.value, WorkloadRecord)
+                    except Exception:
+                        continue
+                    if self.n.workload_key(rec.tenant_id, rec.spec.name) == entry.key:
+                        self._records_by_key[entry.key] = rec
+            except Exception as e:
+                raise_if_cancelled()
+                log.warning("workload watch restarts: %s", e)
+                await asyncio.sleep(1.0)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+
+    async def _put_record(self, rec: WorkloadRecord) -> None:
+        key = self.n.workload_key(rec.tenant_id, rec.spec.name)
+        await self._kv.put(key, encode(rec))
+        self._records_by_key[key] = rec  # read-your-writes, before the watcher sees it
 
     async def _handle(self, request: Request) -> None:
-        self._spawn(self._serve(request))
+        """Check the reply subject and the tenant's in-flight bound; never wait here
+        (nats-py runs one callback at a time per subscription)."""
+        parts = request.subject.split(".")
+        tenant: str | None = parts[2] if len(parts) == 4 else None
+        try:
+            check_name("tenant", tenant)
+        except InvalidSpec:
+            tenant = None
+        if not self.rpc.allowed(request, tenant):
+            return
+        if tenant is None:
+            self._spawn(self._serve(request, "_"))
+            return
+        try:
+            self.rpc.admit(tenant)
+        except RateLimited as e:
+            self._spawn(self._reply_now(request, ApiReply(error=ErrorBody(code=e.code, message=str(e)))))
+            return
+        task = self.rpc.spawn(self._serve(request, tenant))
+        task.add_done_callback(lambda _t, who=tenant: self.rpc.release(who))
+
+    async def _reply_now(self, request: Request, reply: Any) -> None:
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))
 
     async def _handle_admin(self, request: Request) -> None:
-        self._spawn(self._serve_admin(request))
+        if self.rpc.allowed(request, None):
+            self._spawn(self._serve_admin(request))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, request: Request) -> None:
-        parts = request.subject.split(".")
-        tenant, verb = parts[2], parts[3]
+    async def _serve(self, request: Request, tenant: str) -> None:
+        verb = request.subject.split(".")[-1]
 
         async def call() -> Any:
             check_name("tenant", tenant)  # a token, never a wildcard
             if verb not in VERBS:
-                raise InvalidSpec(f"unknown API verb {verb!r}; verbs are {sorted(VERBS)}")
+                raise InvalidSpec(
+                    f"unknown API verb {metrics.clip(verb, 40)!r}; verbs are {sorted(VERBS)}"
+                )
             if (request.headers or {}).get(CONTENT_TYPE) == MSGPACK:
                 req = decode_msgpack(request.data, VERBS[verb], what=f"{verb} request")
             else:
@@ -216,25 +338,21 @@ class ControlPlane:
                 reply = await call()
         except JoyNexusError as e:
             reply = reply_type(error=ErrorBody(code=e.code, message=str(e)))
-        except Exception as e:  # a bug: say so, keep serving
-            log.exception("control request %s failed", request.subject)
-            reply = reply_type(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
+        except Exception:  # a bug: log it, tell the caller only a reference, keep serving
+            ref = uuid.uuid4().hex[:12]
+            log.exception("control request %s failed (ref %s)", metrics.clip(request.subject), ref)
+            reply = reply_type(error=ErrorBody(
+                code="error", message=f"internal error (reference {ref} in the control plane's log)"
+            ))
         with contextlib.suppress(Exception):
             await request.respond(encode(reply))
 
     async def _records(self, tenant: str) -> list[WorkloadRecord]:
-        """The tenant's workload records: one watch over ``<tenant>.*`` (current values only)."""
-        watcher = await self._kv.watch(f"{tenant}.*", ignore_deletes=True)
-        out = []
-        try:
-            async for entry in watcher:
-                if entry is None:  # the current values have all been delivered
-                    break
-                if entry.value:
-                    out.append(decode(entry.value, WorkloadRecord))
-        finally:
-            await watcher.stop()
-        return out
+        """The tenant's workload records (from this process's watcher: no server resources)."""
+        return sorted(
+            (r for r in self._records_by_key.values() if r.tenant_id == tenant),
+            key=lambda r: (r.created_at, r.spec.name),
+        )
 
     async def _get(self, tenant: str, name: str) -> WorkloadRecord:
         try:
@@ -243,10 +361,43 @@ class ControlPlane:
             raise UnknownTenant(f"tenant {tenant!r} has no workload {name!r}") from e
         return decode(entry.value, WorkloadRecord)
 
+    def _bounded_spec(self, tenant: str, spec: WorkloadSpec, q: Quota) -> WorkloadSpec:
+        """The spec as the service will run it: every number within the tenant's quota
+        (else QuotaExceeded), the operator's priority, the dataset resolved in the
+        tenant's own space."""
+        s = spec.scheduling
+
+        def bound(what: str, value: int, limit: int) -> None:
+            if value > limit:
+                raise QuotaExceeded(
+                    f"{what} = {value} is over tenant {tenant!r}'s quota ({limit}); "
+                    "ask for less, or ask your operator to raise it"
+                )
+
+        bound("scheduling.max_in_flight", s.max_in_flight, q.max_in_flight)
+        bound("scheduling.max_active_rollouts", s.max_active_rollouts, q.max_active_rollouts)
+        bound("action_horizon", spec.action_horizon, q.max_action_horizon)
+        bound("num_envs x horizon", spec.num_envs * spec.horizon, q.max_rollout_steps)
+        bound("batch_size", spec.batch_size, q.max_batch_size)
+        bound("instruction bytes", len(spec.instruction.encode()), q.max_instruction_bytes)
+        if spec.task_type == "eval":
+            bound("episodes", spec.episodes, q.max_eval_episodes)
+        sched = msgspec.structs.replace(s, priority=q.priority)  # the class's, never the tenant's
+        spec = msgspec.structs.replace(spec, scheduling=sched)
+        if spec.task_type == "sft" and spec.dataset:
+            spec = msgspec.structs.replace(
+                spec, dataset=resolve_dataset(self.datasets_root, tenant, spec.dataset,
+                                              q.dataset_root)
+            )
+        return spec
+
     async def _create_workload(self, tenant: str, req: CreateWorkload) -> ApiReply:
-        spec = req.spec
+        q = self.quotas.get(tenant)
+        spec = await asyncio.to_thread(self._bounded_spec, tenant, req.spec, q)
         async with self._lock:
-            for rec in await self._records(tenant):
+            records = await self._records(tenant)
+            active = [r for r in records if r.state == "active"]
+            for rec in records:
                 if rec.spec.name == spec.name:
                     if rec.spec == spec:
                         return ApiReply(workload=rec)  # a retried create
@@ -258,13 +409,29 @@ class ControlPlane:
                         f"tenant {tenant!r} already runs an active {spec.task_type} workload "
                         f"({rec.spec.name!r}); cancel it first or wait for it to finish"
                     )
+            if len(records) >= q.max_workloads:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} has {len(records)} workloads, its quota's max_workloads; "
+                    "ask your operator to raise it"
+                )
+            if len(active) >= q.max_active_workloads:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} has {len(active)} active workloads (quota "
+                    f"{q.max_active_workloads}); cancel one or wait for one to finish"
+                )
+            evals = sum(1 for r in active if r.spec.task_type == "eval")
+            if spec.task_type == "eval" and evals >= q.max_concurrent_evals:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} has {evals} evaluations running (quota "
+                    f"{q.max_concurrent_evals}); wait for one to finish"
+                )
             if spec.init_from_workload:
                 await self._get(tenant, spec.init_from_workload)
             record = WorkloadRecord(tenant_id=tenant, spec=spec, created_at=time.time())
             signature = await self.init_policy(record)
             if spec.task_type == "eval":  # no jobs, no training: the evaluator picks it up
                 record = msgspec.structs.replace(record, schema_signature=signature)
-                await self._kv.put(self.n.workload_key(tenant, spec.name), encode(record))
+                await self._put_record(record)
                 return ApiReply(workload=record)
             record = WorkloadRecord(
                 tenant_id=tenant,
@@ -285,7 +452,7 @@ class ControlPlane:
                 )
             )
             await self.sched.set_version(tenant, spec.name, 1)
-            await self._kv.put(self.n.workload_key(tenant, spec.name), encode(record))
+            await self._put_record(record)
             return ApiReply(workload=record)
 
     async def _get_workload(self, tenant: str, req: NamedWorkload) -> ApiReply:
@@ -304,7 +471,7 @@ class ControlPlane:
                 created_at=rec.created_at,
                 schema_signature=rec.schema_signature,
             )
-            await self._kv.put(self.n.workload_key(tenant, req.name), encode(rec))
+            await self._put_record(rec)
         return ApiReply(workload=rec)
 
     async def _open_job(self, tenant: str, req: OpenJob) -> ApiReply:
@@ -317,6 +484,16 @@ class ControlPlane:
             )
         if rec.state != "active":
             raise InvalidSpec(f"workload {req.workload!r} is {rec.state}; it takes no more data")
+        q = self.quotas.get(tenant)
+        opened = sum(1 for who in self._opened_by.values() if who == tenant)
+        if opened >= q.max_open_jobs:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {opened} jobs open (quota {q.max_open_jobs}); "
+                "close_job or abort_job one first"
+            )
+        most = max(q.max_rollout_steps, q.max_batch_size)
+        if not 1 <= req.sample_count <= most:
+            raise QuotaExceeded(f"sample_count must be 1..{most}, got {req.sample_count}")
         instruction = spec.instruction
         if not instruction:
             from joynexus.agents.workloads import workload_schema
@@ -337,6 +514,7 @@ class ControlPlane:
         )
         if job is not None:
             self._opened[job.job_id] = asyncio.get_running_loop().time()
+            self._opened_by[job.job_id] = tenant
         return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
 
     async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
@@ -344,11 +522,13 @@ class ControlPlane:
         nxt = JobState.NEEDS_ADVANTAGES if job.task_type == "rl" else JobState.READY
         job = await self.sched.mark(job.job_id, nxt)
         self._opened.pop(job.job_id, None)
+        self._opened_by.pop(job.job_id, None)
         return ApiReply(job=job)
 
     async def _abort_job(self, tenant: str, req: CloseJob) -> ApiReply:
         job = await self._tenant_job(tenant, req.job_id, "abort_job")
         self._opened.pop(job.job_id, None)
+        self._opened_by.pop(job.job_id, None)
         if job.state != JobState.RESERVED or job.producer_role != "tenant":
             return ApiReply(job=job)  # closed already (or not the tenant's to give up)
         why = f"aborted by the tenant: {req.reason}" if req.reason else "aborted by the tenant"
@@ -377,6 +557,7 @@ class ControlPlane:
             for job in jobs:
                 if job.producer_role == "tenant":
                     self._opened.setdefault(job.job_id, now)
+                    self._opened_by.setdefault(job.job_id, job.tenant_id)
 
     async def _expire_open_jobs(self) -> None:
         """Fail the jobs tenants opened and never closed (their client died mid-submit)."""
@@ -389,6 +570,7 @@ class ControlPlane:
                 if now - opened < self.open_job_ttl_s:
                     continue
                 self._opened.pop(job_id, None)
+                who = self._opened_by.pop(job_id, "")
                 try:
                     job = await self.sched.get_job(job_id)
                     if job.state == JobState.RESERVED:
@@ -401,6 +583,7 @@ class ControlPlane:
                     raise_if_cancelled()
                     log.warning("expiring open job %s failed: %s", job_id, e)
                     self._opened[job_id] = opened
+                    self._opened_by[job_id] = who
 
     # ------------------------------------------------------------ the tenant's own data
     async def _tenant_job(self, tenant: str, job_id: str, verb: str) -> TrainingJob:
@@ -423,11 +606,14 @@ class ControlPlane:
         return job
 
     async def _read_events(self, tenant: str, req: ReadEvents) -> ApiReply:
+        if not isinstance(req.after_seq, int) or req.after_seq > 1 << 62:
+            raise InvalidSpec("after_seq must be a stream sequence (an integer)")
         if req.after_seq < 0:  # from now on: where the log ends
             info = await self.b.js.stream_info(self.n.jobs_stream)
             return ApiReply(last_seq=info.state.last_seq)
         limit = max(1, min(req.limit, MAX_EVENTS_PAGE))
-        deadline = asyncio.get_running_loop().time() + min(max(req.wait_s, 0.0), MAX_EVENTS_WAIT_S)
+        wait_s = req.wait_s if math.isfinite(req.wait_s) else 0.0  # NaN would park it forever
+        deadline = asyncio.get_running_loop().time() + min(max(wait_s, 0.0), MAX_EVENTS_WAIT_S)
         while True:
             tick = self._ticks.get(tenant, 0)
             items, last = await read_subject(
@@ -460,10 +646,21 @@ class ControlPlane:
             )
         if not req.fields:
             raise InvalidSpec("put_data got no fields")
+        q = self.quotas.get(tenant)
+        size = sum(len(t.data) for t in req.fields.values())
+        held = self._tq_bytes.setdefault(tenant, {})
+        in_use = sum(held.values())
+        if in_use + size > q.tq_bytes:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {in_use} bytes in the Training Queue; {size} more would "
+                f"pass its quota of {q.tq_bytes} bytes: close or abort open jobs first"
+            )
         try:
-            data = {name: t.to_array(name) for name, t in req.fields.items()}
+            data = {metrics.clip(name, 64): t.to_array(name) for name, t in req.fields.items()}
             fs = (await self._policies.latest(tenant, job.policy_key)).feature_schema
             _check_rows(data, fs, job.policy_key)
+            check_values(data, fs, job.policy_key)
+            held[job.job_id] = held.get(job.job_id, 0) + size
             meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
         except (InvalidSpec, ShapeMismatch) as e:
             # Bad rows: the job will never be closed; end it now so it holds no slot.
@@ -532,16 +729,36 @@ class ControlPlane:
                 await watcher.stop()
 
     async def _tenant_info(self, ident: TenantIdentity) -> TenantInfo:
+        records = await self._records(ident.tenant_id)
         return TenantInfo(
             tenant_id=ident.tenant_id,
             user=ident.user,
             created_at=ident.created_at,
             rotated_at=ident.rotated_at,
-            workloads=len(await self._records(ident.tenant_id)),
+            workloads=len(records),
+            active_workloads=sum(1 for r in records if r.state == "active"),
+            quota=ident.quota,
         )
+
+    def usage(self, tenant: str) -> dict[str, int]:
+        """What ``tenant`` holds now, against its quota (status shows it)."""
+        return {
+            "tq_bytes": sum(self._tq_bytes.get(tenant, {}).values()),
+            "open_jobs": sum(1 for who in self._opened_by.values() if who == tenant),
+            "requests_in_flight": self.rpc.in_flight.get(tenant, 0),
+        }
 
     async def _tenant_add(self, req: TenantRequest) -> AdminReply:
         tenant = check_name("tenant", req.tenant)
+        if tenant in RESERVED_TENANTS:
+            raise InvalidSpec(
+                f"tenant name {tenant!r} is reserved for the service's own keys; pick another"
+            )
+        if not _BCRYPT.match(req.password_hash):
+            raise InvalidSpec(
+                "tenant_add needs password_hash: the bcrypt hash of a password your client "
+                "generated (joynexus tenant add does it; the password itself never travels)"
+            )
         async with self._lock:
             old = await self._identity(tenant)
             if old is not None and not req.rotate:
@@ -549,18 +766,33 @@ class ControlPlane:
                     f"tenant {tenant!r} already has credentials; rotate them "
                     f"(`joynexus tenant add {tenant} --rotate`) to issue new ones"
                 )
-            password = new_password()
             now = time.time()
             ident = TenantIdentity(
                 tenant_id=tenant,
                 user=self.n.tenant_user(tenant),
-                password_hash=await asyncio.to_thread(hash_password, password),
+                password_hash=req.password_hash,
                 created_at=old.created_at if old else now,
                 rotated_at=now if old else 0.0,
+                quota=req.quota if req.quota is not None else (old.quota if old else None),
             )
             revision = await self._ids.put(tenant, encode(ident))
+            self.quotas.update(ident)
         applied = await self._wait_applied(revision, req.wait_s)
-        return AdminReply(tenant=await self._tenant_info(ident), password=password, applied=applied)  # type: ignore[arg-type]
+        return AdminReply(tenant=await self._tenant_info(ident), applied=applied)  # type: ignore[arg-type]
+
+    async def _tenant_set(self, req: TenantRequest) -> AdminReply:
+        tenant = check_name("tenant", req.tenant)
+        if req.quota is None:
+            raise InvalidSpec("tenant_set needs quota (joynexus tenant set NAME --quota KEY=VALUE)")
+        async with self._lock:
+            old = await self._identity(tenant)
+            if old is None:
+                raise UnknownTenant(f"no tenant {tenant!r}; add it first (joynexus tenant add)")
+            ident = msgspec.structs.replace(old, quota=req.quota)
+            revision = await self._ids.put(tenant, encode(ident))
+            self.quotas.update(ident)
+        applied = await self._wait_applied(revision, req.wait_s)
+        return AdminReply(tenant=await self._tenant_info(ident), applied=applied)  # type: ignore[arg-type]
 
     async def _tenant_remove(self, req: TenantRequest) -> AdminReply:
         tenant = check_name("tenant", req.tenant)
@@ -587,7 +819,11 @@ class ControlPlane:
     async def _tenant_list(self, _req: TenantRequest) -> AdminReply:
         infos = []
         for key in await self._identity_keys():
-            ident = await self._identity(key)
+            try:
+                ident = await self._identity(key)
+            except Exception:  # a record that does not decode: list the others
+                log.warning("identity record %r does not decode", metrics.clip(key, 64))
+                continue
             if ident is not None:
                 infos.append(await self._tenant_info(ident))
         return AdminReply(tenants=infos)

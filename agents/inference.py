@@ -12,9 +12,18 @@ subject names. A request whose payload claims another tenant gets a
 Path of a request::
 
     handler (decode, look up the tenant's head, validate, enqueue; never waits)
-      -> batcher (FIFO-compatible prefix: up to B requests or T ms after the first)
+      -> batcher (tenants take turns, each in FIFO order; up to B requests or T ms
+         after the first)
       -> ONE backbone forward over the concatenated rows (off the event loop)
       -> split rows -> each tenant's head at its requested version -> reply
+
+Tenants are hostile to each other (issue 11): a request is answered only at
+its requester's own inbox, on the responder connection (inboxes only;
+:mod:`joynexus.broker.rpc`); at most ``max_requests_in_flight`` of a tenant's
+requests are taken at once (``rate_limited`` past it), each within its quota's
+``max_infer_rows`` and ``max_instruction_bytes``; and batches are formed by
+taking turns between tenants (each tenant's own requests in FIFO order), so a
+tenant that queues a thousand requests waits behind itself, not the others.
 
 A request is validated on its own before it joins a batch (tenant, version,
 schema signature, shapes, NaN/inf), so a bad one gets an error reply and never
@@ -69,11 +78,14 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.policy import PolicyStore, feature_schema_of
+from joynexus.broker.quotas import QuotaBook
+from joynexus.broker.rpc import Responder
 from joynexus.broker.subjects import check_token, model_token
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
     PermissionDenied,
+    QuotaExceeded,
     ShapeMismatch,
     Unavailable,
 )
@@ -159,7 +171,7 @@ _STATUS_BY_CODE = {PermissionDenied.code: "403"}
 def _error_of(e: BaseException) -> InferError:
     if isinstance(e, JoyNexusError):
         return InferError(code=e.code, message=str(e))
-    return InferError(code="error", message=f"internal error: {e!r}")
+    return InferError(code="error", message="internal error (see the inference engine's log)")
 
 
 class InferenceEngine:
@@ -178,6 +190,7 @@ class InferenceEngine:
         policies: PolicyStore | None = None,
         load_timeout_s: float = 60.0,
         max_queue: int = 4096,
+        quotas: QuotaBook | None = None,
     ) -> None:
         if max_batch < 1:
             raise InvalidSpec(f"max_batch={max_batch}: must be >= 1")
@@ -210,10 +223,20 @@ class InferenceEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._batch_ids = itertools.count(1)
+        self._batch_ids_served = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._service: Any = None
+        self._own_quotas = quotas is None
+        self.quotas = quotas or QuotaBook(broker)
+        self.rpc = Responder(
+            broker, "inference", limit=lambda t: self.quotas.get(t).max_requests_in_flight
+        )
+        # Request (by id) -> the tenant it was counted against; released when answered.
+        self._admitted: dict[int, str] = {}
+        # Batch number in which each tenant was last served (turn-taking).
+        self._last_served: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
     async def prepare(self) -> None:
@@ -221,6 +244,8 @@ class InferenceEngine:
         batcher; the engine does not take requests yet. Raises if a load fails."""
         if self.state != "new":
             raise InvalidSpec(f"engine {self.instance} is {self.state}; prepare() runs once")
+        if self._own_quotas:
+            await self.quotas.start()
         ready = asyncio.Event()
         self._watcher = asyncio.create_task(self._watch_loop(ready), name=f"{self.instance}-watch")
         self._watcher.add_done_callback(self._watch_ended)
@@ -250,8 +275,9 @@ class InferenceEngine:
         if self.state != "prepared":
             raise InvalidSpec(f"engine {self.instance} is {self.state}; call prepare() first")
         n = self.b.names
+        nc = await self.rpc.connection()
         self._service = await add_service(
-            self.b.nc,
+            nc,
             name=n.inference_service,
             version="0.1.0",
             description="JoyNexus Inference Queue: batched multi-tenant action decoding",
@@ -269,7 +295,7 @@ class InferenceEngine:
             handler=self._on_request,
             metadata={"base_model": self.base_model},
         )
-        await self.b.nc.flush()
+        await nc.flush()
         self.state = "serving"
 
     async def start(self) -> None:
@@ -300,6 +326,9 @@ class InferenceEngine:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rpc.stop()
+        if self._own_quotas:
+            await self.quotas.stop()
         self.state = "stopped"
 
     # ------------------------------------------------------------ policies
@@ -434,6 +463,14 @@ class InferenceEngine:
         callback at a time per subscription). A tenant version that is not
         resident yet is loaded in a task of its own."""
         received = time.perf_counter()
+        tenant: str | None = request.subject.rsplit(".", 1)[-1]
+        try:
+            check_token("tenant", tenant or "")
+        except InvalidSpec:
+            tenant = None
+        if not self.rpc.allowed(request, tenant):
+            self.stats.rejected += 1
+            return  # dropped, unanswered: the reply subject is not the requester's
         self._begin()
         self.stats.requests += 1
         span = tracing.tracer.start_span(
@@ -448,8 +485,12 @@ class InferenceEngine:
                     f"inference engine {self.instance} has {len(self._queue)} requests queued; "
                     "retry later or scale up (EnginePool.scale_up / another `joynexus agent inference`)"
                 )
+            if tenant is not None:
+                self.rpc.admit(tenant)
+                self._admitted[id(request)] = tenant
             req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
             self._check_tenant(request.subject, req)
+            self._check_quota(req)
             span.set_attribute("joynexus.tenant", req.tenant_id)
             lp = self._lookup(req.tenant_id, req.policy_key, req.policy_version)
             if lp is None:
@@ -458,6 +499,27 @@ class InferenceEngine:
             self._admit(request, req, lp, span, received)
         except Exception as e:
             self._spawn(self._reply_error(request, e, span))
+
+    def _check_quota(self, req: InferRequest) -> None:
+        """Rows and instruction bytes within the tenant's quota (before any decoding)."""
+        q = self.quotas.get(req.tenant_id)
+        obs = req.observation
+        shape = obs.state.shape
+        rows = int(shape[0]) if len(shape) == 2 else 1
+        if rows > q.max_infer_rows:
+            raise QuotaExceeded(
+                f"{rows} rows in one inference request; tenant {req.tenant_id!r}'s quota is "
+                f"{q.max_infer_rows}: split the batch"
+            )
+        texts = [obs.instruction] if isinstance(obs.instruction, str) else obs.instruction
+        if len(texts) > max(rows, 1):
+            raise ShapeMismatch(f"{len(texts)} instructions for {rows} rows")
+        longest = max((len(t.encode()) for t in texts), default=0)
+        if longest > q.max_instruction_bytes:
+            raise QuotaExceeded(
+                f"an instruction of {longest} bytes; tenant {req.tenant_id!r}'s quota is "
+                f"{q.max_instruction_bytes} bytes"
+            )
 
     def _check_tenant(self, subject: str, req: InferRequest) -> None:
         """The tenant is the subject's last token (the broker fences who may publish
@@ -549,18 +611,37 @@ class InferenceEngine:
             await request.respond(encode_msgpack(reply), headers=headers)
         except Exception as e:  # the caller is gone or the connection dropped
             log.warning("engine %s: reply not sent: %s", self.instance, e)
+        finally:
+            tenant = self._admitted.pop(id(request), None)
+            if tenant is not None:
+                self.rpc.release(tenant)
 
     # ------------------------------------------------------------ the batcher
-    def _prefix_len(self) -> int:
-        """Length of the FIFO-compatible prefix (stops at the first incompatible request)."""
-        q = self._queue
-        key = q[0].key
-        n = 0
-        for p in q:
-            if p.key != key or n >= self.max_batch:
+    def _plan(self) -> list[_Pending]:
+        """The next batch: tenants take turns (the one served longest ago first, then
+        arrival), one request per tenant per round, each tenant's own requests in
+        FIFO order; a tenant whose next request cannot share the batch's backbone
+        forward sits this batch out. With one tenant this is the FIFO-compatible
+        prefix."""
+        lines: dict[str, deque[_Pending]] = {}
+        for p in self._queue:
+            lines.setdefault(p.req.tenant_id, deque()).append(p)
+        order = sorted(lines, key=lambda t: self._last_served.get(t, -1))  # stable: arrival
+        key = lines[order[0]][0].key
+        out: list[_Pending] = []
+        while len(out) < self.max_batch:
+            took = False
+            for t in order:
+                line = lines[t]
+                if line and line[0].key == key and len(out) < self.max_batch:
+                    out.append(line.popleft())
+                    took = True
+            if not took:
                 break
-            n += 1
-        return n
+        return out
+
+    def _prefix_len(self) -> int:
+        return len(self._plan())
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -583,7 +664,14 @@ class InferenceEngine:
                     await asyncio.wait({waiter}, timeout=remaining)
                 finally:
                     waiter.cancel()
-            items = [self._queue.popleft() for _ in range(n)]
+            items = self._plan()
+            chosen = {id(p) for p in items}
+            self._queue = deque(p for p in self._queue if id(p) not in chosen)
+            turn = next(self._batch_ids_served)
+            for p in items:
+                self._last_served[p.req.tenant_id] = turn
+            if len(self._last_served) > 4 * self.max_queue:  # forget long-gone tenants
+                self._last_served = {p.req.tenant_id: turn for p in items}
             try:
                 await self._run_batch(items)
             except Exception as e:  # a bug: answer the batch with it, keep batching
@@ -757,16 +845,22 @@ class EnginePool:
         self.engines: list[InferenceEngine] = []
         self._lock = asyncio.Lock()
         self._seq = itertools.count()
+        self.quotas = QuotaBook(broker)  # one watcher for all the pool's engines
+        self._quotas_started = False
 
     def __len__(self) -> int:
         return len(self.engines)
 
     async def scale_up(self) -> InferenceEngine:
         async with self._lock:
+            if not self._quotas_started:
+                await self.quotas.start()
+                self._quotas_started = True
             engine = InferenceEngine(
                 self.b,
                 self.backbone,
                 instance=f"{self.instance_prefix}-{next(self._seq)}",
+                quotas=self.quotas,
                 **self.kw,
             )
             try:
@@ -794,6 +888,8 @@ class EnginePool:
 
     async def close(self) -> None:
         await self.scale_to(0)
+        await self.quotas.stop()
+        self._quotas_started = False
 
 
 async def run_inference_agent(

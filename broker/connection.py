@@ -36,6 +36,9 @@ class Broker:
     #: Called with every asynchronous error the server reports on this
     #: connection (permission violations, authorization violations...).
     error_listeners: list[Callable[[Exception], None]] = field(default_factory=list)
+    #: How this connection was made (to open a sibling: the responder connection).
+    url: str | list[str] = ""
+    credentials: Credentials | None = None
 
     @classmethod
     async def connect(
@@ -67,6 +70,11 @@ class Broker:
             auth = {**credentials.connect_options(), **auth}
             if credentials.kind == "tenant" and credentials.tenant:
                 auth.setdefault("inbox_prefix", names.inbox_prefix(credentials.tenant))
+            elif credentials.kind == "admin":
+                auth.setdefault("inbox_prefix", names.admin_inbox_prefix)
+        # Agents' and operators' replies arrive under prefixes no tenant may
+        # subscribe to; request servers check a reply subject against them.
+        auth.setdefault("inbox_prefix", names.service_inbox_prefix)
 
         refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
@@ -133,7 +141,17 @@ class Broker:
                 "is the server running? (`joynexus up` or `joynexus server` start one)"
             ) from e
         conn.append(nc)
-        return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=names, error_listeners=listeners)
+        return cls(nc=nc, js=nc.jetstream(timeout=10.0), names=names, error_listeners=listeners,
+                   url=url, credentials=credentials if isinstance(credentials, Credentials) else None)
+
+    async def responder(self, name: str) -> Broker | None:
+        """A second connection as the responder identity (inboxes only), when this
+        connection's credentials carry one; None: answer on this connection."""
+        creds = self.credentials.responder() if self.credentials else None
+        if creds is None:
+            return None
+        return await Broker.connect(self.url, name=f"{name}-responder",
+                                    namespace=self.names.namespace, credentials=creds)
 
     @property
     def max_payload(self) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from joynexus.schemas.errors import InvalidSpec
 
-Kind = Literal["tenant", "service", "admin"]
+Kind = Literal["tenant", "service", "control", "responder", "admin"]
 
 #: Environment variable naming a credentials file, used when no --creds is given.
 CREDS_ENV = "JOYNEXUS_CREDS"
@@ -55,6 +55,18 @@ class Credentials:
     tenant: str | None = None
     namespace: str | None = None
     url: str | None = None
+    #: Agents that serve requests (control plane, inference engines) answer on a
+    #: second connection as the responder identity, which may publish to inboxes only.
+    responder_user: str | None = None
+    responder_password: str | None = None
+
+    def responder(self) -> Credentials | None:
+        """The responder identity carried by a service/control file, if any."""
+        if not self.responder_user:
+            return None
+        return replace(self, kind="responder", user=self.responder_user,
+                       password=self.responder_password, responder_user=None,
+                       responder_password=None)
 
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect`` (and :meth:`Broker.connect`)."""

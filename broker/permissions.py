@@ -9,8 +9,17 @@ Three kinds of identity (see :mod:`joynexus.broker.credentials`):
   no job event subject, no Training Queue, policy or weights subject: the
   control plane reads and writes those for it, taking the tenant from the
   subject the server let it publish on.
-- the **service** identity (every agent) may do anything except call the
-  operator API (``<ns>.admin.*``) of any namespace.
+- the **service** identity (every agent) may publish only to the subjects the
+  service owns, listed (the JetStream, KV and object store APIs, its own job,
+  Training Queue, scheduler, metrics and inference subjects, inboxes); never
+  the operator API, never the identities bucket, never delete a stream, and it
+  may not read the operator's inbox (``_INBOX.<ns>._admin.>``).
+- the **control** identity (the control plane) has the service's rights plus
+  writing the identities bucket: only it issues and revokes tenants.
+- the **responder** identity is the connection the request servers (control
+  plane, inference engines) answer on: it may publish to inboxes only, so a
+  reply subject a tenant names cannot reach a stream, a bucket or the
+  JetStream API even if a check in the code were missed.
 - the **admin** identity (operators, the ``nats`` CLI) may do anything.
 
 The server's refusals are in its log; :func:`parse_refusal` turns such a line
@@ -27,8 +36,11 @@ from typing import Any
 
 from joynexus.broker.subjects import API, INFER, Names
 
-#: bcrypt cost: each connection's password check costs ~2^cost hash rounds on the server.
-BCRYPT_ROUNDS = 10
+#: bcrypt cost: each connection's password check costs ~2^cost hash rounds on the
+#: server. The minimum (4): every password is 144 random bits (new_password), which
+#: no key stretching makes harder to guess, while cost 10 let 300 wrong-password
+#: logins take 32 s of the server's CPU.
+BCRYPT_ROUNDS = 4
 
 
 def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
@@ -39,11 +51,47 @@ def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
     }
 
 
-def service_permissions() -> dict[str, Any]:
-    """Everything but the operator API of any deployment namespace on the server."""
+#: Subject tokens after a namespace that the service publishes on.
+_SERVICE_TOKENS = ("job", "tq", "sched", "metrics", "infer", "api")
+
+
+def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,
+                        control: bool = False) -> dict[str, Any]:
+    """What the agents may publish: a list, not "everything but admin". With
+    ``control`` (the control plane's identity) also the identities buckets."""
+    allow = [
+        "$JS.API.>",  # JetStream: streams, consumers, KV and object store management
+        "$JS.ACK.>",  # acks (nats-py publishes them to the message's reply subject)
+        "$JS.FC.>",  # flow-control replies of push consumers
+        "$KV.>",
+        "$O.>",
+        "_INBOX.>",
+        "$SRV.>",
+        *(f"*.{tok}.>" for tok in _SERVICE_TOKENS),
+    ]
+    deny = ["*.admin.>", "$JS.API.STREAM.DELETE.>"]
+    for ns in sorted(set(namespaces)):
+        n = Names(ns)
+        deny += [f"$JS.API.STREAM.PURGE.{n.jobs_stream}",
+                 f"$JS.API.STREAM.MSG.DELETE.{n.jobs_stream}"]
+        if not control:
+            ids = n.identities_bucket
+            deny += [f"$KV.{ids}.>", f"$JS.API.STREAM.PURGE.KV_{ids}",
+                     f"$JS.API.STREAM.MSG.DELETE.KV_{ids}"]
     return {
-        "publish": {"allow": [">"], "deny": ["*.admin.>"]},
-        "subscribe": {"allow": [">"]},
+        "publish": {"allow": allow, "deny": deny},
+        "subscribe": {"allow": [">"], "deny": ["_INBOX.*._admin.>"]},
+    }
+
+
+def responder_permissions() -> dict[str, Any]:
+    """The request servers' answering connection: inboxes only."""
+    return {
+        "publish": {"allow": ["_INBOX.>"]},
+        "subscribe": {
+            "allow": [f"*.{API}.*.*", "*.admin.*", f"*.{INFER}.*.*", "$SRV.>", "_INBOX.>"],
+            "deny": ["_INBOX.*._admin.>"],
+        },
     }
 
 

@@ -146,6 +146,27 @@ class Names:
     def admin_user(self) -> str:
         return f"{self.namespace}-admin"
 
+    @property
+    def control_user(self) -> str:
+        """The control plane: the service's rights plus writing tenant identities."""
+        return f"{self.namespace}-control"
+
+    @property
+    def responder_user(self) -> str:
+        """The connection the request servers (control plane, inference engines)
+        answer on: it may publish only to inboxes."""
+        return f"{self.namespace}-responder"
+
+    @property
+    def service_inbox_prefix(self) -> str:
+        """Inbox prefix of the agents' connections (``_svc`` is no tenant name)."""
+        return f"_INBOX.{self.namespace}._svc"
+
+    @property
+    def admin_inbox_prefix(self) -> str:
+        """Inbox prefix of operator connections: no identity but admin may read it."""
+        return f"_INBOX.{self.namespace}._admin"
+
     def inbox_prefix(self, tenant_id: str) -> str:
         """Where a tenant's replies arrive (``_INBOX.<ns>.<tenant>.>``): it may
         subscribe there and nowhere else."""

@@ -37,6 +37,7 @@ from joynexus.broker.permissions import (
     new_password,
     parse_refusal,
     render_authorization,
+    responder_permissions,
     service_permissions,
     tenant_permissions,
 )
@@ -66,39 +67,79 @@ def credentials_path(data_dir: str | os.PathLike[str], kind: str) -> Path:
 def bootstrap(
     data_dir: str | os.PathLike[str], names: Names, *, ca_file: str | None = None
 ) -> tuple[Credentials, Credentials]:
-    """The (admin, service) credentials of this data dir, generated on first use,
-    and an ``auth.conf`` holding at least them."""
-    out = []
-    for kind, user in (("admin", names.admin_user), ("service", names.service_user)):
-        path = credentials_path(data_dir, kind)
-        if path.exists():
-            creds = Credentials.load(path)
-            if ca_file and creds.ca_file != ca_file:  # TLS turned on since: trust its CA
-                creds = dataclasses.replace(creds, ca_file=ca_file)
-                creds.save(path)
-        else:
-            creds = Credentials(
-                kind=kind,  # type: ignore[arg-type]
-                user=user,
-                password=new_password(),
-                namespace=names.namespace,
-                ca_file=ca_file,
-            )
-            creds.save(path)
-        out.append(creds)
-    admin, service = out
+    """The (admin, service) credentials of this data dir, generated on first use
+    (with the control plane's ``control.json`` and the responder identity that
+    the service and control files carry), and an ``auth.conf`` holding at least them."""
+    creds = {
+        kind: _load_or_make(data_dir, kind, user, names, ca_file)
+        for kind, user in (
+            ("admin", names.admin_user),
+            ("responder", names.responder_user),
+            ("service", names.service_user),
+            ("control", names.control_user),
+        )
+    }
+    admin, service = creds["admin"], creds["service"]
     conf = Path(data_dir) / AUTH_FILE
-    if not conf.exists():
+    if not conf.exists() or not _has_all(conf, creds.values()):
         write_auth(conf, names, admin, service, [])
     return admin, service
 
 
-def _bootstrap_users(names: Names, admin: Credentials, service: Credentials) -> list[User]:
+def _has_all(conf: Path, creds: Any) -> bool:
+    """An auth.conf written before an identity existed (an older data dir) is rewritten."""
+    text = conf.read_text()
+    return all(f'"{c.user}"' in text for c in creds)
+
+
+def _load_or_make(
+    data_dir: str | os.PathLike[str], kind: str, user: str, names: Names, ca_file: str | None
+) -> Credentials:
+    path = credentials_path(data_dir, kind)
+    responder = None
+    if kind in ("service", "control"):
+        responder = _load_or_make(data_dir, "responder", names.responder_user, names, ca_file)
+    if path.exists():
+        creds = Credentials.load(path)
+        changed = creds
+        if ca_file and creds.ca_file != ca_file:  # TLS turned on since: trust its CA
+            changed = dataclasses.replace(changed, ca_file=ca_file)
+        if responder is not None and creds.responder_user != responder.user:
+            changed = dataclasses.replace(changed, responder_user=responder.user,
+                                          responder_password=responder.password)
+        if changed != creds:
+            changed.save(path)
+        return changed
+    creds = Credentials(
+        kind=kind,  # type: ignore[arg-type]
+        user=user,
+        password=new_password(),
+        namespace=names.namespace,
+        ca_file=ca_file,
+        responder_user=responder.user if responder else None,
+        responder_password=responder.password if responder else None,
+    )
+    creds.save(path)
+    return creds
+
+
+def _bootstrap_users(names: Names, admin: Credentials, service: Credentials,
+                     namespaces: list[str], creds_dir: Path) -> list[User]:
     assert admin.user and admin.password and service.user and service.password
-    return [
+    users = [
         User(admin.user, _hash_cached(admin.password)),
-        User(service.user, _hash_cached(service.password), service_permissions()),
+        User(service.user, _hash_cached(service.password), service_permissions(namespaces)),
     ]
+    for kind, perms in (
+        ("control", service_permissions(namespaces, control=True)),
+        ("responder", responder_permissions()),
+    ):
+        path = creds_dir / f"{kind}.json"
+        if path.exists():
+            c = Credentials.load(path)
+            assert c.user and c.password
+            users.append(User(c.user, _hash_cached(c.password), perms))
+    return users
 
 
 _hashes: dict[str, str] = {}
@@ -116,10 +157,12 @@ def write_auth(
     admin: Credentials,
     service: Credentials,
     tenants: list[tuple[TenantIdentity, Names]],
+    namespaces: list[str] | None = None,
 ) -> None:
     """auth.conf: the bootstrap users, then each tenant user with the permissions
     of its deployment's namespace."""
-    users = _bootstrap_users(names, admin, service) + [
+    spaces = sorted({names.namespace, *(ns.namespace for _, ns in tenants), *(namespaces or [])})
+    users = _bootstrap_users(names, admin, service, spaces, path.parent / CREDS_DIR) + [
         User(t.user, t.password_hash, tenant_permissions(ns, t.tenant_id))
         for t, ns in sorted(tenants, key=lambda x: x[0].user)
     ]
@@ -437,7 +480,8 @@ class AuthSync:
         conf = self.server.data_dir / AUTH_FILE
         tenants = [(ident, _bucket_names(bucket)) for bucket, ts in self._tenants.items()
                    for ident in ts.values()]
-        await asyncio.to_thread(write_auth, conf, self.n, self.admin, self.service, tenants)
+        spaces = [_bucket_names(bucket).namespace for bucket in self._tenants]
+        await asyncio.to_thread(write_auth, conf, self.n, self.admin, self.service, tenants, spaces)
         await asyncio.to_thread(self.server.reload)
         self.reloads += 1
         log.info("authorization applied: %d tenant users", len(tenants))

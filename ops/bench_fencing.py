@@ -76,7 +76,7 @@ async def _run(url: str, admin: Broker, service: Broker, repeats: int) -> dict[s
         await client.create_workload(
             WorkloadSpec(
                 name="own", task_type="rl", env="PickCube-v1", source="tenant", action_horizon=2,
-                scheduling=Scheduling(max_in_flight=1000, max_active_rollouts=1000),
+                scheduling=Scheduling(max_in_flight=16, max_active_rollouts=4),
             )
         )
         latencies: list[float] = []
@@ -132,7 +132,7 @@ async def bench_fencing(repeats: int = 3) -> dict[str, Any]:
         with embedded(d, namespace="jnx", act_as_admin=False) as ep:
             assert ep.admin and ep.service
             admin = await Broker.connect(ep.url, name="bench-admin", credentials=ep.admin)
-            service = await Broker.connect(ep.url, name="bench-service", credentials=ep.service)
+            service = await Broker.connect(ep.url, name="bench-service", credentials=ep.control)
             try:
                 return {"bench": "fencing", "run": uuid.uuid4().hex[:6],
                         **await _run(ep.url, admin, service, repeats)}

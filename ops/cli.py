@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = p.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     for action, text in (
         ("add", "issue credentials to a new tenant (or new ones with --rotate)"),
+        ("set", "change a tenant's quota and priority class (--quota KEY=VALUE ...)"),
         ("rm", "revoke a tenant's credentials and cancel its active workloads"),
-        ("ls", "list tenants"),
+        ("ls", "list tenants with their quotas"),
     ):
         tp = tsub.add_parser(action, help=text, description=text)
         _common(tp, embedded=False)
@@ -177,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "add":
             tp.add_argument("--rotate", action="store_true", help="issue new credentials")
             tp.add_argument("--out", default=None, help="credentials file to write instead")
+        if action in ("add", "set"):
+            tp.add_argument(
+                "--quota", action="append", default=[], metavar="KEY=VALUE",
+                help="a bound on the tenant (repeatable), e.g. --quota tq_bytes=100000000 "
+                "--quota priority_class=premium; keys: " + ", ".join(_quota_keys()),
+            )
         if action == "rm":
             tp.add_argument(
                 "--keep-workloads", action="store_true", help="do not cancel its workloads"
@@ -442,18 +449,37 @@ def _embedded_opts(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _quota_keys() -> list[str]:
+    from joynexus.schemas.quotas import Quota
+
+    return list(Quota.__struct_fields__)
+
+
 async def _tenant_command(args: argparse.Namespace) -> int:
+    import msgspec
+
     from joynexus.broker.connection import Broker
     from joynexus.broker.credentials import from_env_or_file
-    from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant, tenant_creds_path
+    from joynexus.ops.tenants import (
+        add_tenant,
+        check_applied,
+        get_tenant,
+        list_tenants,
+        remove_tenant,
+        set_tenant,
+        tenant_creds_path,
+    )
+    from joynexus.schemas.errors import InvalidSpec
+    from joynexus.schemas.quotas import parse_quota_args
 
     b = await Broker.connect(args.nats, name="joynexus-tenant", namespace=args.namespace)
     try:
         if args.tenant_command == "add":
             me = from_env_or_file(None)
+            quota = parse_quota_args(args.quota) if args.quota else None
             creds, reply = await add_tenant(
                 b, args.tenant, url=args.nats, rotate=args.rotate,
-                ca_file=me.ca_file if me else None,
+                ca_file=me.ca_file if me else None, quota=quota,
             )
             path = creds.save(
                 Path(args.out) if args.out
@@ -463,8 +489,19 @@ async def _tenant_command(args: argparse.Namespace) -> int:
                 f"tenant {args.tenant}: NATS user {creds.user}; credentials written to {path} "
                 "(owner-only). Hand them to the tenant: Client.connect(credentials=<file>)."
             )
+            check_applied(reply, f"tenant {args.tenant}'s credentials")
+        elif args.tenant_command == "set":
+            if not args.quota:
+                raise InvalidSpec("tenant set needs at least one --quota KEY=VALUE")
+            current = await get_tenant(b, args.tenant)
+            reply = await set_tenant(b, args.tenant, parse_quota_args(args.quota, current.quota))
+            assert reply.tenant is not None and reply.tenant.quota is not None
+            print(f"tenant {args.tenant}: quota now " + ", ".join(
+                f"{k}={v}" for k, v in msgspec.structs.asdict(reply.tenant.quota).items()
+            ))
         elif args.tenant_command == "rm":
             reply = await remove_tenant(b, args.tenant, cancel_workloads=not args.keep_workloads)
+            check_applied(reply, f"revoking tenant {args.tenant}")
             print(
                 f"tenant {args.tenant}: credentials revoked; its connections are closed"
                 + (f"; cancelled workloads: {', '.join(reply.cancelled)}" if reply.cancelled else "")
@@ -480,15 +517,18 @@ async def _tenant_command(args: argparse.Namespace) -> int:
             else:
                 import time as _time
 
-                print(f"{'TENANT':<20} {'USER':<28} {'WORKLOADS':>9}  CREATED")
+                from joynexus.schemas.quotas import DEFAULT_QUOTA
+
+                print(f"{'TENANT':<20} {'USER':<28} {'ACTIVE/ALL':>10} {'CLASS':<9} "
+                      f"{'TQ MiB':>7}  CREATED")
                 for t in tenants:
+                    q = t.quota or DEFAULT_QUOTA
                     created = _time.strftime("%Y-%m-%d %H:%M", _time.localtime(t.created_at))
-                    print(f"{t.tenant_id:<20} {t.user:<28} {t.workloads:>9}  {created}")
+                    counts = f"{t.active_workloads}/{t.workloads}"
+                    print(f"{t.tenant_id:<20} {t.user:<28} {counts:>10} {q.priority_class:<9} "
+                          f"{q.tq_bytes / 2**20:>7.0f}  {created}")
             return 0
-        if reply.applied == "pending":
-            print("warning: the server's auth sync did not confirm the change in time; "
-                  "check the process that owns the server", file=sys.stderr)
-        elif reply.applied == "off":
+        if reply.applied == "off":
             print("note: no auth sync answered: the server runs without authorization "
                   "(or is not a joynexus embedded server); anyone can connect", file=sys.stderr)
         return 0

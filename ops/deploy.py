@@ -31,13 +31,17 @@ log = logging.getLogger(__name__)
 #: Set while this process owns a secured embedded server: the service identity's
 #: file, handed to the agent processes it starts (as their $JOYNEXUS_CREDS).
 SERVICE_CREDS_ENV = "JOYNEXUS_SERVICE_CREDS"
+#: The control plane's identity (the service's rights plus tenant identities).
+CONTROL_CREDS_ENV = "JOYNEXUS_CONTROL_CREDS"
 
 
-def role_env() -> dict[str, str]:
+def role_env(role: str = "") -> dict[str, str]:
     """Environment for an agent process this process starts: the service identity
-    when it owns a secured server, else whatever identity it has itself."""
-    service = os.environ.get(SERVICE_CREDS_ENV)
-    return {CREDS_ENV: service} if service else {}
+    (the control identity for the control role) when it owns a secured server,
+    else whatever identity it has itself."""
+    creds = os.environ.get(CONTROL_CREDS_ENV) if role == "control" else None
+    creds = creds or os.environ.get(SERVICE_CREDS_ENV)
+    return {CREDS_ENV: creds} if creds else {}
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Endpoint:
     admin: Credentials | None = None
     service: Credentials | None = None
     server: EmbeddedNats | None = None
+    #: The control plane's identity (None without authorization).
+    control: Credentials | None = None
     sync: object | None = field(default=None, repr=False)
 
     @property
@@ -62,6 +68,12 @@ class Endpoint:
         from joynexus.ops.authsync import credentials_path
 
         return credentials_path(self.data_dir, "service") if self.service and self.data_dir else None
+
+    @property
+    def control_path(self) -> Path | None:
+        from joynexus.ops.authsync import credentials_path
+
+        return credentials_path(self.data_dir, "control") if self.service and self.data_dir else None
 
 
 class AuthSyncThread:
@@ -168,10 +180,14 @@ def embedded(
         if act_as_admin:
             from joynexus.ops.authsync import credentials_path
 
-            for var, kind in ((CREDS_ENV, "admin"), (SERVICE_CREDS_ENV, "service")):
+            for var, kind in ((CREDS_ENV, "admin"), (SERVICE_CREDS_ENV, "service"),
+                              (CONTROL_CREDS_ENV, "control")):
                 stack.callback(_restore_env, var, os.environ.get(var))
                 os.environ[var] = str(credentials_path(data, kind))
-        yield Endpoint(server.url, data, admin, service, server, sync)
+        from joynexus.ops.authsync import credentials_path
+
+        control = Credentials.load(credentials_path(data, "control")).with_url(server.url)
+        yield Endpoint(server.url, data, admin, service, server, sync=sync, control=control)
 
 
 def _restore_env(var: str, old: str | None) -> None:

@@ -62,6 +62,7 @@ def role_slots(
 ) -> list[object]:
     """One :class:`RoleSlot` per role (instance ``<role>-0``), ``extra`` args by role."""
     from joynexus.agents.health import RoleSlot
+    from joynexus.ops.deploy import role_env
 
     extra = extra or {}
     return [
@@ -71,7 +72,7 @@ def role_slots(
             argv=role_command(
                 r, url, namespace, instance=f"{r}-0", out_dir=out_dir, extra=extra.get(r)
             ),
-            env=env,
+            env={**(env or {}), **role_env(r)} or None,
         )
         for r in roles
     ]

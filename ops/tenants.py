@@ -1,12 +1,17 @@
-"""The operator's side of tenant slots: add (issue credentials), remove (revoke), list.
+"""The operator's side of tenant slots: add (issue credentials), set (quota),
+remove (revoke), list.
 
 Requests go to the control plane on ``<ns>.admin.<verb>``, which only the
-admin identity may publish to. ``joynexus tenant add acme`` writes the
-tenant's credentials file (owner-only) for the operator to hand over.
+admin identity may publish to, and the replies come back to the operator's
+own inbox prefix (``_INBOX.<ns>._admin``), which no other identity may read.
+``joynexus tenant add acme`` generates the password here and sends only its
+bcrypt hash; it writes the tenant's credentials file (owner-only) for the
+operator to hand over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -15,9 +20,18 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
+from joynexus.broker.permissions import hash_password, new_password
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import Unavailable, error_from_code
+from joynexus.schemas.errors import JoyNexusError, Unavailable, error_from_code
 from joynexus.schemas.identities import AdminReply, TenantInfo, TenantRequest
+from joynexus.schemas.quotas import Quota
+
+
+class NotApplied(JoyNexusError):
+    """The control plane stored the change but no server confirmed applying it."""
+
+    code = "not_applied"
+    permanent = False
 
 
 async def admin_request(
@@ -45,10 +59,15 @@ async def add_tenant(
     url: str,
     rotate: bool = False,
     ca_file: str | None = None,
+    quota: Quota | None = None,
 ) -> tuple[Credentials, AdminReply]:
     """Allocate ``tenant``'s slot and issue its NATS user; returns its credentials
-    (not yet written anywhere) and the control plane's reply."""
-    reply = await admin_request(b, "tenant_add", TenantRequest(tenant=tenant, rotate=rotate))
+    (not yet written anywhere) and the control plane's reply. The password is
+    made here; only its hash is sent."""
+    password = new_password()
+    req = TenantRequest(tenant=tenant, rotate=rotate, quota=quota,
+                        password_hash=await asyncio.to_thread(hash_password, password))
+    reply = await admin_request(b, "tenant_add", req)
     assert reply.tenant is not None
     creds = Credentials(
         kind="tenant",
@@ -56,16 +75,41 @@ async def add_tenant(
         namespace=b.names.namespace,
         url=url,
         user=reply.tenant.user,
-        password=reply.password,
+        password=password,
         ca_file=ca_file,
     )
     return creds, reply
+
+
+async def set_tenant(b: Broker, tenant: str, quota: Quota) -> AdminReply:
+    """Change ``tenant``'s quota (its credentials stay)."""
+    return await admin_request(b, "tenant_set", TenantRequest(tenant=tenant, quota=quota))
+
+
+async def get_tenant(b: Broker, tenant: str) -> TenantInfo:
+    for t in await list_tenants(b):
+        if t.tenant_id == tenant:
+            return t
+    from joynexus.schemas.errors import UnknownTenant
+
+    raise UnknownTenant(f"no tenant {tenant!r} (joynexus tenant ls lists them)")
 
 
 async def remove_tenant(b: Broker, tenant: str, *, cancel_workloads: bool = True) -> AdminReply:
     return await admin_request(
         b, "tenant_remove", TenantRequest(tenant=tenant, cancel_workloads=cancel_workloads)
     )
+
+
+def check_applied(reply: AdminReply, what: str) -> None:
+    """Raise NotApplied when no server confirmed the change: the operator must know
+    that a revocation has not taken effect."""
+    if reply.applied == "pending":
+        raise NotApplied(
+            f"{what}: stored, but the server's auth sync did not confirm applying it in time, "
+            "so it may NOT be in force yet; check the process that owns the server "
+            "(its log names the record it could not apply) and run the command again"
+        )
 
 
 async def list_tenants(b: Broker) -> list[TenantInfo]:

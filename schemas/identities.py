@@ -2,9 +2,10 @@
 
 A tenant slot is allocated by an operator (``joynexus tenant add acme``, the
 admin identity, subject ``<ns>.admin.tenant_add``). The control plane
-generates a password, stores only its bcrypt hash in the identities bucket
-(``<NS>_IDENTITIES``, key = tenant) and returns the password once, in the
-reply; the CLI writes it to an owner-only credentials file. Each server's auth
+receives only the bcrypt hash of a password the operator's client generated
+(the password never leaves the operator's machine; the CLI writes it to an
+owner-only credentials file) and stores it with the tenant's quota in the
+identities bucket (``<NS>_IDENTITIES``, key = tenant). Each server's auth
 sync renders the bucket into that server's authorization and reloads it, then
 records the bucket revision it applied under ``_applied.<server name>``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 from joynexus.schemas.base import Wire
+from joynexus.schemas.quotas import Quota
 from joynexus.schemas.scheduler import ErrorBody
 
 #: Keys in the identities bucket where each server's auth sync records what it
@@ -36,6 +38,8 @@ class TenantIdentity(Wire, kw_only=True, omit_defaults=True):
     password_hash: str
     created_at: float = 0.0
     rotated_at: float = 0.0
+    #: Operator-set bounds and priority class (None: the defaults).
+    quota: Quota | None = None
 
 
 class AuthApplied(Wire, kw_only=True):
@@ -50,6 +54,11 @@ class TenantRequest(Wire, kw_only=True, omit_defaults=True):
     tenant: str = ""
     #: tenant_add of an existing tenant: issue a new password (the old one stops working).
     rotate: bool = False
+    #: tenant_add: the bcrypt hash of the password the operator's client generated
+    #: (the password itself never travels). Empty: keep the current one (tenant_set).
+    password_hash: str = ""
+    #: tenant_add / tenant_set: the tenant's quota (None: keep it; a new tenant: defaults).
+    quota: Quota | None = None
     #: tenant_remove: also cancel the tenant's active workloads.
     cancel_workloads: bool = True
     #: How long to wait for the server to apply the change.
@@ -62,13 +71,13 @@ class TenantInfo(Wire, kw_only=True, omit_defaults=True):
     created_at: float = 0.0
     rotated_at: float = 0.0
     workloads: int = 0
+    active_workloads: int = 0
+    quota: Quota | None = None
 
 
 class AdminReply(Wire, kw_only=True, omit_defaults=True):
     tenant: TenantInfo | None = None
     tenants: list[TenantInfo] = []
-    #: tenant_add: the new password, returned once.
-    password: str = ""
     #: Whether the server applied the change before the reply (``pending``: no
     #: auth sync acknowledged it in time, e.g. an external server or authorization off).
     applied: Literal["yes", "pending", "off"] = "yes"

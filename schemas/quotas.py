@@ -47,9 +47,9 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     #: Evaluation: episodes of one evaluation, evaluations running at once.
     max_eval_episodes: int = 500
     max_concurrent_evals: int = 2
-    #: Action module size: chunk length, and parameters of the head.
+    #: Action module size: the chunk length bounds a head's parameters (and the
+    #: engine memory a resident version takes).
     max_action_horizon: int = 64
-    max_head_params: int = 4_000_000
     #: Work per job: envs x horizon (RL) or batch size (SFT).
     max_rollout_steps: int = 4096
     max_batch_size: int = 512

@@ -39,6 +39,7 @@ from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
     PermissionDenied,
+    RateLimited,
     Timeout,
     Unavailable,
     error_from_code,
@@ -69,6 +70,8 @@ IMAGE_PREFIX = "obs_image_"
 PUT_CHUNK_BYTES = 6 * 1024 * 1024
 #: How long one read_events request waits for new events.
 EVENTS_WAIT_S = 5.0
+#: How often a rate_limited answer is retried (backoff 50 ms, doubling) before it is raised.
+RATE_LIMIT_RETRIES = 5
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
 __all__ = ["Client", "Credentials", "Workload"]
@@ -235,7 +238,21 @@ class Client:
     async def _api(
         self, verb: str, req: Any, *, timeout_s: float | None = None, binary: bool = False
     ) -> ApiReply:
-        """One control plane request; ``binary``: msgpack (tensors stay raw bytes)."""
+        """One control plane request; ``binary``: msgpack (tensors stay raw bytes).
+        A ``rate_limited`` answer (too many of this tenant's requests in flight) is
+        retried a few times with backoff before it reaches the caller."""
+        for attempt in range(RATE_LIMIT_RETRIES + 1):
+            try:
+                return await self._api_once(verb, req, timeout_s=timeout_s, binary=binary)
+            except RateLimited:
+                if attempt == RATE_LIMIT_RETRIES:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _api_once(
+        self, verb: str, req: Any, *, timeout_s: float | None, binary: bool
+    ) -> ApiReply:
         subject = self._b.names.api(self.tenant, verb)
         headers = tracing.inject()
         if binary:

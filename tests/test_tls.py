@@ -492,7 +492,7 @@ async def test_secured_deployment_over_tls(tmp_path: Path, pki: Pki) -> None:
         assert ep.url.startswith("tls://") and ep.admin and ep.service
         saved = Credentials.load(tmp_path / "d" / "credentials" / "service.json")
         assert saved.ca_file == str(pki.ca) and ep.admin.ca_file == str(pki.ca)
-        service = await Broker.connect(ep.url, name="svc", credentials=ep.service)
+        service = await Broker.connect(ep.url, name="svc", credentials=ep.control)
         admin = await Broker.connect(ep.url, name="op", credentials=ep.admin)
         control = ControlPlane(service, init_policy=no_init)  # type: ignore[arg-type]
         await control.start()
