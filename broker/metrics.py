@@ -104,6 +104,8 @@ async def busy(b: Broker, service: str, start: float, end: float, **fields: Any)
 
 
 # -- security events, counted
+#: A summary event names at most this many of the users its refusals claimed.
+MAX_CLAIMED = 8
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|\S*[0-9]\S*")
 
 
@@ -124,6 +126,8 @@ class _Pending:
     last: dict[str, Any] = field(default_factory=dict)
     #: when the last event was published (monotonic)
     published: float = 0.0
+    #: the distinct users the counted refusals claimed (at most MAX_CLAIMED)
+    claimed: set[str] = field(default_factory=set)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -132,7 +136,8 @@ class RefusalCounter:
     of this process: the first is published at once (``count`` 1), the repeats
     within ``window_s`` of it are counted and published as one summary event at
     the window's end (``count``: how many it stands for, ``first_at``/``at``:
-    the first and last of them, the newest one's fields). The ``count`` of a
+    the first and last of them, the newest one's fields, and ``claimed_users``:
+    up to :data:`MAX_CLAIMED` distinct users the counted refusals claimed). The ``count`` of a
     key's events adds up to its refusals. At most ``max_keys`` keys are held;
     past that, refusals share one overflow key per (namespace, source)."""
 
@@ -172,6 +177,9 @@ class RefusalCounter:
             p.first_at = time.time()
         p.count += 1
         p.last = fields
+        user = fields.get("claimed_user")
+        if isinstance(user, str) and len(p.claimed) < MAX_CLAIMED:
+            p.claimed.add(user)
         if p.timer is None:
             delay = max(0.0, p.published + self.window_s - now)
             loop = asyncio.get_running_loop()
@@ -186,12 +194,16 @@ class RefusalCounter:
         p = self._keys.get(key)
         if p is None or p.count == 0:
             return
-        count, last, first_at = p.count, p.last, p.first_at
+        count, last, first_at, claimed = p.count, p.last, p.first_at, p.claimed
         p.count, p.last, p.timer, p.published = 0, {}, None, time.monotonic()
+        p.claimed = set()
         log.warning("security: %s refused %s of tenant %s %d more times in %.1fs (last: %s %s)",
                     last["source"], last["action"], tenant, count, self.window_s,
                     last["target"], last["reason"])
-        await self._publish(p.b, tenant, {**last, "count": count, "first_at": first_at})
+        summary = {**last, "count": count, "first_at": first_at}
+        if claimed:
+            summary["claimed_users"] = sorted(claimed)
+        await self._publish(p.b, tenant, summary)
 
     async def flush(self) -> None:
         """Publish every pending summary now (at shutdown; tests)."""

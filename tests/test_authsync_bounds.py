@@ -248,6 +248,9 @@ async def test_failed_logins_are_not_filed_under_the_claimed_tenant(
     assert sum(e["count"] for e in events) == 21 and len(events) <= 5
     assert events[0]["claimed_user"] == "jnx.bolt" and events[0]["count"] == 1
     assert events[-1]["claimed_user"] == "evil.bolt"  # in this deployment's stream, under _
+    summaries = [e for e in events if e["count"] > 1]
+    assert summaries and set(summaries[-1]["claimed_users"]) <= {"jnx.bolt", "evil.bolt"}
+    assert "evil.bolt" in summaries[-1]["claimed_users"]
     assert all(e["source"] == "nats-server" and "bolt" not in e["reason"] for e in events)
     assert not await security_events(admin, "bolt")
     nc = await connect(endpoint, f"{NS}.bolt", password)  # bolt itself is untouched
