@@ -738,6 +738,7 @@ class ControlPlane:
             workloads=len(records),
             active_workloads=sum(1 for r in records if r.state == "active"),
             quota=ident.quota,
+            usage=self.usage(ident.tenant_id),
         )
 
     def usage(self, tenant: str) -> dict[str, int]:

@@ -65,6 +65,31 @@ async def collect(b: Broker) -> dict[str, Any]:
     ]
     out["agents"] = await _heartbeats(b)
     out["security"] = await _refusals(b)
+    out["tenants"] = await _tenants(b)
+    return out
+
+
+async def _tenants(b: Broker) -> list[dict[str, Any]] | dict[str, str]:
+    """Each tenant's usage against its quota (the operator API: admin identity only)."""
+    from joynexus.ops.tenants import list_tenants
+    from joynexus.schemas.quotas import DEFAULT_QUOTA
+
+    try:
+        infos = await asyncio.wait_for(list_tenants(b), 3.0)
+    except Exception as e:  # not the admin identity, or no control plane
+        return {"error": f"tenants not listed ({type(e).__name__}): connect as the admin identity"}
+    out = []
+    for t in infos:
+        q = t.quota or DEFAULT_QUOTA
+        out.append({
+            "tenant": t.tenant_id,
+            "class": q.priority_class,
+            "active_workloads": [t.active_workloads, q.max_active_workloads],
+            "workloads": [t.workloads, q.max_workloads],
+            "open_jobs": [t.usage.get("open_jobs", 0), q.max_open_jobs],
+            "tq_bytes": [t.usage.get("tq_bytes", 0), q.tq_bytes],
+            "requests_in_flight": [t.usage.get("requests_in_flight", 0), q.max_requests_in_flight],
+        })
     return out
 
 
@@ -308,6 +333,22 @@ def render(s: dict[str, Any]) -> str:
         parts.append(
             "Refused attempts (security events; tenant _ = not a tenant)\n"
             + table(rrows, ["tenant", "refusals", "last", "last refusal"])
+        )
+    tenants = s.get("tenants")
+    if isinstance(tenants, list) and tenants:
+        def used(pair: list[int], scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+            return f"{fmt.format(pair[0] / scale)}/{fmt.format(pair[1] / scale)}"
+
+        trows = [
+            [t["tenant"], t["class"], used(t["active_workloads"]), used(t["workloads"]),
+             used(t["open_jobs"]), used(t["tq_bytes"], 2**20, "{:.1f}"),
+             used(t["requests_in_flight"])]
+            for t in tenants
+        ]
+        parts.append(
+            "Tenants (in use / quota; `joynexus tenant set NAME --quota KEY=VALUE` changes it)\n"
+            + table(trows, ["tenant", "class", "active", "workloads", "open jobs", "TQ MiB",
+                            "requests"])
         )
     srows = [[k, v["messages"], f"{v['bytes'] / 1e6:.2f} MB"] for k, v in s["streams"].items()]
     parts.append("Streams\n" + table(srows, ["stream", "messages", "bytes"]))

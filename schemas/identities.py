@@ -73,6 +73,9 @@ class TenantInfo(Wire, kw_only=True, omit_defaults=True):
     workloads: int = 0
     active_workloads: int = 0
     quota: Quota | None = None
+    #: What the tenant holds now (the control plane's view): tq_bytes, open_jobs,
+    #: requests_in_flight.
+    usage: dict[str, int] = {}
 
 
 class AdminReply(Wire, kw_only=True, omit_defaults=True):
