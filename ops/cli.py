@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
         metavar="FILE",
         default=None,
         help="credentials file to connect with (default: $JOYNEXUS_CREDS, else "
-        "<data-dir>/credentials/admin.json (service.json for `agent`) if it exists)",
+        "<data-dir>/credentials/admin.json (service.json for `agent`, control.json for `agent control`) if it exists)",
     )
     if embedded:
         _server_security(p)
@@ -266,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
             "tenant fencing's cost on its own secured server: tenant add, connect, data relayed "
             "through the control plane vs direct, event latency",
         ),
+        (
+            "isolation",
+            "the attack catalogue (the adversarial suite's) against a fresh secured deployment: "
+            "per attack held or not and the victim tenant's p50/p99 ratio to its baseline",
+        ),
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         _common(bp, embedded=True)
@@ -274,6 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inference":
             bp.add_argument(
                 "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
+            )
+        if name == "isolation":
+            bp.add_argument(
+                "--datasets-root", metavar="DIR", default=None,
+                help="with --nats: the service's datasets root on this machine (the tenants' "
+                "dataset spaces are written under it)",
+            )
+            bp.add_argument(
+                "--service-creds", metavar="FILE", default=None,
+                help="with --nats: the service identity's file (for the attack that tries it)",
+            )
+            bp.add_argument(
+                "--only", metavar="NAMES", default="", help="comma-separated attack names"
             )
     return parser
 
@@ -378,6 +396,8 @@ def _use_credentials(args: argparse.Namespace) -> None:
     path = getattr(args, "creds", None)
     if not path and not os.environ.get(CREDS_ENV) and getattr(args, "nats", None):
         kind = "service" if args.command == "agent" else "admin"
+        if args.command == "agent" and getattr(args, "role", None) == "control":
+            kind = "control"  # only the control plane's identity may write tenant identities
         candidate = Path(getattr(args, "data_dir", None) or ".jnx") / "credentials" / f"{kind}.json"
         if candidate.exists():
             path = str(candidate)
@@ -607,6 +627,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             return asyncio.run(
                 main_job(url, Path(args.out), minutes=args.minutes, as_json=args.json)
             )
+    if args.command == "bench" and args.bench == "isolation":
+        from joynexus.broker.credentials import CREDS_ENV
+        from joynexus.ops.bench_isolation import bench_isolation
+
+        result = asyncio.run(bench_isolation(
+            args.nats, creds=os.environ.get(CREDS_ENV) if args.nats else None,
+            service_creds=args.service_creds, datasets_root=args.datasets_root,
+            namespace=args.namespace, progress=not args.json,
+            only=[n for n in args.only.split(",") if n] or None,
+        ))
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     if args.command == "bench":
         with nats_url(args.nats, quiet=True, **_embedded_opts(args)) as url:
             if args.bench == "scheduler":

@@ -612,7 +612,7 @@ class Victim:
 
     async def during(
         self, attack: Awaitable[Any], *, min_s: float = 1.0
-    ) -> tuple[Any, Stats, bool, int]:
+    ) -> tuple[Any, Stats, bool, float]:
         """Run ``attack`` while probing; (its result, the probe's stats, whether bolt's
         policy version advanced since the attack started, the attack's seconds)."""
         xs: list[float] = []
@@ -640,7 +640,7 @@ class Victim:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.3)
-        return result, Stats.of(xs, errors), progressed, int(took)
+        return result, Stats.of(xs, errors), progressed, round(took, 1)
 
 
 # ---------------------------------------------------------------- attacks
@@ -1429,7 +1429,7 @@ class Outcome:
     baseline: Stats
     during: Stats
     progressed: bool
-    seconds: int
+    seconds: float
     victim_events: int = 0
 
     @property
@@ -1464,6 +1464,7 @@ class Outcome:
             "victim_p99_ms": round(self.during.p99 * 1000, 1),
             "baseline_p99_ms": round(self.baseline.p99 * 1000, 1),
             "victim_errors": len(self.during.errors),
+            "victim_error_sample": self.during.errors[:3],
             "victim_progressed": self.progressed, "seconds": self.seconds,
             "detail": self.detail,
         }

@@ -1,0 +1,84 @@
+"""``joynexus bench isolation``: the attack catalogue against a live deployment (JSON).
+
+Runs every attack of :data:`joynexus.ops.isolation.CATALOGUE` (the one the
+adversarial suite asserts) against a fresh secured embedded deployment, or
+against ``--nats URL`` with the admin credentials (then the service's
+agents must be running, and ``--datasets-root`` is their datasets root on
+this machine). Each attack is preceded by a baseline window of the victim
+tenant's probe in the same run, so its latency ratios compare like with like.
+
+One JSON object: ``attacks`` (per attack ``name``, ``held``, ``victim_ok``,
+``victim_p50_ratio``, ``victim_p99_ratio`` (during / baseline), ``detail``
+and more), ``attacks_tried``, ``attacks_held``, ``victim_ok`` (attacks the
+victim went through unharmed) and the bound the victim is held to.
+Nothing is left running.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from joynexus.ops.isolation import (
+    CATALOGUE,
+    P99_ABS_BOUND_S,
+    P99_RATIO_BOUND,
+    Deployment,
+    prepare,
+    run_attack,
+)
+
+
+async def bench_isolation(
+    url: str | None = None,
+    *,
+    creds: str | Path | None = None,
+    service_creds: str | Path | None = None,
+    datasets_root: str | Path | None = None,
+    namespace: str = "jnx",
+    only: list[str] | None = None,
+    progress: bool = False,
+    baseline_s: float = 2.0,
+) -> dict[str, Any]:
+    if url and creds is None:
+        from joynexus.broker.credentials import from_env_or_file
+
+        found = from_env_or_file(None)
+        creds = found if found is not None else None  # type: ignore[assignment]
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    async with Deployment(
+        namespace=namespace, url=url, admin_creds=creds, service_creds=service_creds,
+        datasets_root=datasets_root,
+    ) as dep:
+        victim = await prepare(dep)
+        try:
+            for attack in CATALOGUE:
+                if only and attack.name not in only:
+                    continue
+                if attack.in_process and dep.external:
+                    rows.append({"name": attack.name, "class": attack.klass, "held": None,
+                                 "detail": "skipped: needs the agents in this process"})
+                    continue
+                if progress:
+                    print(f"attack {attack.name} ...", file=sys.stderr, flush=True)
+                out = await run_attack(dep, victim, attack, baseline_s=baseline_s)
+                rows.append(out.row())
+                if progress:
+                    print(f"  held={out.held} victim_ok={out.victim_ok} "
+                          f"p99 x{out.p99_ratio}: {out.detail[:160]}", file=sys.stderr,
+                          flush=True)
+        finally:
+            await victim.stop()
+    tried = [r for r in rows if r["held"] is not None]
+    return {
+        "attacks": rows,
+        "attacks_tried": len(tried),
+        "attacks_held": sum(1 for r in tried if r["held"]),
+        "victim_ok": sum(1 for r in tried if r.get("victim_ok")),
+        "victim_bound": {"p99_ratio": P99_RATIO_BOUND, "p99_abs_s": P99_ABS_BOUND_S},
+        "deployment": "external" if url else "embedded (fresh, secured)",
+        "seconds": round(time.monotonic() - t0, 1),
+    }
