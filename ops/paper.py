@@ -205,7 +205,7 @@ class Deployment:
                 stderr=subprocess.STDOUT,
                 env={
                     **os.environ,
-                    **role_env(),
+                    **role_env(role),
                     DATASETS_ENV: str(self.datasets.resolve()),
                     "PYTHONUNBUFFERED": "1",
                 },
