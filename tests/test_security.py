@@ -174,9 +174,13 @@ async def secure(
     s = Secure(endpoint, admin, service, tmp_path_factory.mktemp("actor"))
     sched = SchedulerAgent(service, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
     await sched.start()
+    # The control plane alone may write tenant identities: its own identity.
+    control_b = await Broker.connect(
+        endpoint.url, name="control", namespace=NS, credentials=endpoint.control
+    )
     control = ControlPlane(
-        service,
-        init_policy=PolicyInitializer(service),
+        control_b,
+        init_policy=PolicyInitializer(control_b),
         instance="control",
         open_job_ttl_s=8.0,
         datasets_root=datasets_root,
@@ -192,6 +196,7 @@ async def secure(
     await pool.close()
     await control.stop()
     await sched.stop()
+    await control_b.close()
     await service.close()
     await admin.close()
 
@@ -224,6 +229,13 @@ async def raw_tenant(s: Secure, tenant: str) -> tuple[nats.NATS, list[str]]:
     return nc, errors
 
 
+def claimed(user: str) -> Any:
+    """A security event of a refused login that claimed ``user``."""
+    return lambda e: e["action"] == "connect" and (
+        e.get("claimed_user") == user or user in e.get("claimed_users", [])
+    )
+
+
 async def until(pred: Any, within: float, what: str) -> None:
     deadline = asyncio.get_running_loop().time() + within
     while not pred():
@@ -243,9 +255,8 @@ async def test_anonymous_and_wrong_password_connections_are_refused(secure: Secu
             credentials=Credentials(user="jnx.nobody", password="guess"),
             initial_timeout_s=5,
         )
-    await secure.wait_security(
-        "nobody", lambda e: e["action"] == "connect", "the failed login of jnx.nobody"
-    )
+    # Filed under "_" with the user it claimed: a failed login is not that tenant's doing.
+    await secure.wait_security("_", claimed("jnx.nobody"), "the failed login of jnx.nobody")
 
 
 async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
@@ -412,8 +423,7 @@ async def test_revoked_tenant_loses_access(secure: Secure, sft_dataset: str) -> 
     with pytest.raises(PermissionDenied, match=r"refused the credentials of 'jnx\.cora'"):
         await Client.connect(credentials=creds)
     assert "cora" not in [t.tenant_id for t in await list_tenants(secure.admin)]
-    await secure.wait_security("cora", lambda e: e["action"] == "connect",
-                               "the refused login of the revoked tenant")
+    await secure.wait_security("_", claimed("jnx.cora"), "the refused login of the revoked tenant")
     # A new slot issues new credentials; the revoked password stays refused.
     fresh = await secure.issue("cora")
     assert fresh.password != creds.password
@@ -597,7 +607,7 @@ async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> 
         ]
         assert eps[0].admin and eps[1].admin and eps[0].service
         assert eps[1].admin.password == eps[0].admin.password  # one set of identities
-        service = await Broker.connect(eps[0].url, name="svc", credentials=eps[0].service)
+        service = await Broker.connect(eps[0].url, name="svc", credentials=eps[0].control)
         admin = await Broker.connect(eps[1].url, name="op", credentials=eps[1].admin)
         control = ControlPlane(service, init_policy=no_init)  # type: ignore[arg-type]
         clients: list[Client] = []
