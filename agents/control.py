@@ -276,7 +276,7 @@ class ControlPlane:
         parts = request.subject.split(".")
         tenant: str | None = parts[2] if len(parts) == 4 else None
         try:
-            check_name("tenant", tenant)
+            check_name("tenant", tenant or "")
         except InvalidSpec:
             tenant = None
         if not self.rpc.allowed(request, tenant):
@@ -290,7 +290,8 @@ class ControlPlane:
             self._spawn(self._reply_now(request, ApiReply(error=ErrorBody(code=e.code, message=str(e)))))
             return
         task = self.rpc.spawn(self._serve(request, tenant))
-        task.add_done_callback(lambda _t, who=tenant: self.rpc.release(who))
+        who: str = tenant
+        task.add_done_callback(lambda _t: self.rpc.release(who))
 
     async def _reply_now(self, request: Request, reply: Any) -> None:
         with contextlib.suppress(Exception):
@@ -503,7 +504,7 @@ class ControlPlane:
             tenant,
             spec.task_type,
             policy_key=spec.name,
-            domain=spec.env or spec.dataset,
+            domain=spec.env or Path(spec.dataset).name,  # no server path in job records
             sample_count=req.sample_count,
             behavior_policy_version=req.behavior_policy_version,
             producer_role="tenant",

@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stage workers: JetStream ack_wait in seconds (default $JOYNEXUS_ACK_WAIT_S or 30)",
     )
+    p.add_argument(
+        "--datasets",
+        metavar="DIR",
+        default=None,
+        help="control: root of the tenants' dataset spaces, DIR/<tenant>/<dataset> "
+        "(default $JOYNEXUS_DATASETS or .jnx/datasets)",
+    )
 
     p = sub.add_parser(
         "status",
@@ -577,6 +584,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             opts.heartbeat_s = args.heartbeat
         if args.ack_wait is not None:
             opts.ack_wait_s = args.ack_wait
+        if args.datasets is not None:
+            opts.datasets_root = Path(args.datasets)
         asyncio.run(
             _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))
         )
