@@ -442,6 +442,19 @@ class Deployment:
                 raise AssertionError(f"no security event: {what}")
             await asyncio.sleep(0.2)
 
+    def server_log(self) -> list[str]:
+        """The embedded server's recent log lines (empty for an external server)."""
+        server = getattr(self.ep, "server", None)
+        return list(getattr(server, "_log", ()) or ())
+
+    def cut_connections(self, before: list[str]) -> list[str]:
+        """Server log lines since ``before`` that say it cut a client off (a slow
+        consumer, a write deadline): a tenant's traffic must not cost an agent its
+        connection."""
+        seen = set(before)
+        return [line for line in self.server_log() if line not in seen
+                and ("slow consumer" in line.lower() or "write deadline" in line.lower())]
+
     async def consumers(self) -> int:
         """Consumers on the server's account (every JetStream consumer of every stream)."""
         return int((await self.admin.js.account_info()).consumers)
@@ -908,6 +921,7 @@ async def attack_request_flood(dep: Deployment, attacker: str, victim: str) -> A
             done.set()
 
     prefix = n.inbox_prefix(attacker)
+    log0 = dep.server_log()
     await raw.nc.subscribe(f"{prefix}.flood.>", cb=on_reply, pending_msgs_limit=100_000)
     start = await dep.consumers()
     peak = start
@@ -941,6 +955,8 @@ async def attack_request_flood(dep: Deployment, attacker: str, victim: str) -> A
            f"replies {replies}/{total}: {dict(sorted(codes.items()))}")
     other = {k: v for k, v in codes.items() if k not in ("ok", "rate_limited", "invalid_spec")}
     ck.add("no other errors", not other, str(other))
+    cut = dep.cut_connections(log0)
+    ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
     vclient = await dep.client(victim)
     try:
         await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
@@ -1230,6 +1246,7 @@ async def attack_long_strings(dep: Deployment, attacker: str, victim: str) -> At
     client, rec = await _attacker_workload(dep, attacker, "long-probe")
     big = "x" * MiB
     bytes0, seq0, logs0 = await dep.metrics_bytes(), await dep.metrics_seq(), dep.log_bytes.bytes
+    log0 = dep.server_log()
     claim = infer_request(attacker, "long-probe", rec.schema_signature, 1, claim=victim + big)
     try:
         raw = await dep.raw(attacker)
@@ -1273,6 +1290,8 @@ async def attack_long_strings(dep: Deployment, attacker: str, victim: str) -> At
         ck.add("log grew < 2 MB", logs < 2 * MiB, f"+{logs / 1024:.0f} KiB")
         vev = await dep.security_events(victim, seq0)
         ck.add("nothing filed under bolt", not vev, f"{len(vev)} events")
+        cut = dep.cut_connections(log0)
+        ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
     finally:
         await _cancel(client, "long-probe")
     return ck.result()
