@@ -45,8 +45,10 @@ async def bench_isolation(
     if url and creds is None:
         from joynexus.broker.credentials import from_env_or_file
 
-        found = from_env_or_file(None)
-        creds = found if found is not None else None  # type: ignore[assignment]
+        creds = from_env_or_file(None)  # type: ignore[assignment]
+    if url and service_creds is None and isinstance(creds, str | Path):
+        beside = Path(creds).with_name("service.json")  # <data-dir>/credentials/
+        service_creds = beside if beside.exists() else None
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     async with Deployment(

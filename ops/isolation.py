@@ -163,6 +163,7 @@ class Deployment:
         datasets_root: str | Path | None = None,
         lease_ttl_s: float = 10.0,
         open_job_ttl_s: float = 8.0,
+        prefetch_dataset: bool = True,
     ) -> None:
         self.names = Names(namespace)
         self.namespace = namespace
@@ -174,6 +175,7 @@ class Deployment:
         self._datasets_root = Path(datasets_root) if datasets_root is not None else None
         self.lease_ttl_s = lease_ttl_s
         self.open_job_ttl_s = open_job_ttl_s
+        self.prefetch_dataset = prefetch_dataset
         self.ep: Any = None
         self.admin: Broker = None  # type: ignore[assignment]
         self.service: Broker | None = None
@@ -225,7 +227,8 @@ class Deployment:
         self.datasets_root.mkdir(parents=True, exist_ok=True)
         logging.getLogger().addHandler(self.log_bytes)
         st.callback(logging.getLogger().removeHandler, self.log_bytes)
-        self._template = asyncio.create_task(asyncio.to_thread(self._make_template))
+        if self.prefetch_dataset:  # made while the server and the agents start
+            self._template = asyncio.create_task(asyncio.to_thread(self._make_template))
         st.push_async_callback(self._reap_template)
         if self.external:
             await self._attach()
@@ -390,7 +393,8 @@ class Deployment:
         """A dataset in ``tenant``'s dataset space; what its specs name it by."""
         path = self.datasets_root / tenant / name
         if not (path / "meta" / "info.json").is_file():
-            assert self._template is not None
+            if self._template is None:
+                self._template = asyncio.create_task(asyncio.to_thread(self._make_template))
             template = await self._template
             path.parent.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(shutil.copytree, template, path, dirs_exist_ok=True)

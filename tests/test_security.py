@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import nats
 import numpy as np
 import pytest
-import torch
 
-from joynexus.agents.actor import Actor
 from joynexus.agents.control import ControlPlane
-from joynexus.agents.inference import EnginePool
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import parse_refusal, render_authorization, tenant_permissions
 from joynexus.broker.subjects import Names
-from joynexus.ops.deploy import Endpoint, embedded
+from joynexus.ops.deploy import embedded
+from joynexus.ops.isolation import Deployment
 from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant
 from joynexus.schemas.errors import (
     InvalidSpec,
@@ -84,54 +79,9 @@ def test_server_refusal_lines_parse() -> None:
 
 
 # ---------------------------------------------------------------- a secured deployment
-@dataclass
-class Secure:
-    ep: Endpoint
-    admin: Broker
-    service: Broker
-    data: Path
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    creds: dict[str, Credentials] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return self.ep.url
-
-    async def issue(self, tenant: str) -> Credentials:
-        creds, reply = await add_tenant(self.admin, tenant, url=self.url)
-        assert reply.applied == "yes", reply
-        self.creds[tenant] = creds
-        return creds
-
-    async def security_events(self, tenant: str) -> list[dict[str, Any]]:
-        """Every security event of ``tenant`` in the metrics stream so far."""
-        js = self.admin.js
-        sub = await js.subscribe(
-            self.admin.names.metrics("security", tenant), ordered_consumer=True
-        )
-        out = []
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except TimeoutError:
-                    return out
-                out.append(json.loads(msg.data))
-        finally:
-            await sub.unsubscribe()
-
-    async def wait_security(
-        self, tenant: str, pred: Any, what: str, within: float = 15.0
-    ) -> dict[str, Any]:
-        deadline = asyncio.get_running_loop().time() + within
-        while True:
-            for e in await self.security_events(tenant):
-                if pred(e):
-                    return e
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"no security event: {what}")
-            await asyncio.sleep(0.2)
+#: The deployment of these tests: joynexus.ops.isolation.Deployment (also the
+#: adversarial suite's and `joynexus bench isolation`'s).
+Secure = Deployment
 
 
 @pytest.fixture(scope="module")
@@ -155,50 +105,14 @@ def sft_dataset(datasets_root: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
-    with embedded(tmp_path_factory.mktemp("secure"), namespace=NS, act_as_admin=False) as ep:
-        yield ep
-
-
-@pytest.fixture(scope="module")
 async def secure(
-    endpoint: Endpoint, tmp_path_factory: pytest.TempPathFactory, datasets_root: Path
+    tmp_path_factory: pytest.TempPathFactory, datasets_root: Path
 ) -> AsyncIterator[Secure]:
-    assert endpoint.admin is not None and endpoint.service is not None
-    admin = await Broker.connect(endpoint.url, name="admin", namespace=NS, credentials=endpoint.admin)
-    service = await Broker.connect(
-        endpoint.url, name="service", namespace=NS, credentials=endpoint.service
-    )
-    torch.manual_seed(0)
-    backbone = Backbone.build(BackboneConfig(size="tiny"))
-    s = Secure(endpoint, admin, service, tmp_path_factory.mktemp("actor"))
-    sched = SchedulerAgent(service, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
-    await sched.start()
-    # The control plane alone may write tenant identities: its own identity.
-    control_b = await Broker.connect(
-        endpoint.url, name="control", namespace=NS, credentials=endpoint.control
-    )
-    control = ControlPlane(
-        control_b,
-        init_policy=PolicyInitializer(control_b),
-        instance="control",
-        open_job_ttl_s=8.0,
-        datasets_root=datasets_root,
-    )
-    await control.start()
-    pool = EnginePool(service, backbone, max_batch=8, max_wait_ms=5)
-    await pool.scale_to(1)
-    actor = Actor(service, backbone, instance="actor", out_dir=s.data, lease_wait_s=0.5)
-    s.tasks.append(asyncio.create_task(actor.run(s.stop)))
-    yield s
-    s.stop.set()
-    await asyncio.wait(s.tasks, timeout=30)
-    await pool.close()
-    await control.stop()
-    await sched.stop()
-    await control_b.close()
-    await service.close()
-    await admin.close()
+    """Scheduler, control plane (as the control identity), inference engine and actor
+    in this process as the service identity, on a fresh secured embedded server."""
+    async with Deployment(tmp_path_factory.mktemp("secure"), namespace=NS,
+                          datasets_root=datasets_root, prefetch_dataset=False) as dep:
+        yield dep
 
 
 def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
@@ -212,21 +126,8 @@ def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
 
 async def raw_tenant(s: Secure, tenant: str) -> tuple[nats.NATS, list[str]]:
     """A bare nats-py connection with the tenant's credentials, collecting server errors."""
-    errors: list[str] = []
-
-    async def on_error(e: Exception) -> None:
-        errors.append(str(e))
-
-    creds = s.creds[tenant]
-    nc = await nats.connect(
-        s.url,
-        user=creds.user,
-        password=creds.password,
-        inbox_prefix=Names(NS).inbox_prefix(tenant),
-        error_cb=on_error,
-        max_reconnect_attempts=0,
-    )
-    return nc, errors
+    raw = await s.raw(tenant)
+    return raw.nc, raw.errors
 
 
 def claimed(user: str) -> Any:
