@@ -414,7 +414,7 @@ class Deployment:
         sub = await self.admin.js.subscribe(
             self.names.metrics("security", tenant), ordered_consumer=True
         )
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             while True:
                 try:
@@ -803,7 +803,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         ck.add("TQ stream not deleted", False, _short(e))
     try:
         entry = await wkv.get(vkey)
-        decode(entry.value, WorkloadRecord)
+        decode(entry.value or b"", WorkloadRecord)
         ck.add("bolt's workload record intact", entry.revision == wrev0,
                f"revision {wrev0} -> {entry.revision}")
     except Exception as e:
