@@ -264,6 +264,11 @@ class Deployment:
         self._stack.push_async_callback(self.admin.close)
         svc = self._service_creds
         self.service_creds = Credentials.load(svc) if isinstance(svc, str | Path) else svc
+        if self.service_creds is not None:  # reads the scheduler's view of the attacker's jobs
+            self.service = await Broker.connect(self.url, name="iso-service",
+                                                namespace=self.namespace,
+                                                credentials=self.service_creds)
+            self._stack.push_async_callback(self.service.close)
 
     async def _launch(self) -> None:
         import torch
