@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -178,9 +178,19 @@ class ControlPlane:
         # Training Queue bytes a tenant put, per open job (released when the job ends).
         self._tq_bytes: dict[str, dict[str, int]] = {}
 
-    async def start(self) -> None:
-        self._kv = await self.b.js.key_value(self.n.workloads_bucket)
-        self._ids = await self.b.js.key_value(self.n.identities_bucket)
+    async def start(self, wait_layout_s: float = 30.0) -> None:
+        # The deployment's layout may still be being made (the server owner's auth
+        # sync runs ensure_layout as the server starts): wait for it a while.
+        deadline = asyncio.get_running_loop().time() + wait_layout_s
+        while True:
+            try:
+                self._kv = await self.b.js.key_value(self.n.workloads_bucket)
+                self._ids = await self.b.js.key_value(self.n.identities_bucket)
+                break
+            except BucketNotFoundError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         self._job_sub = await self.b.nc.subscribe(self.n.all_jobs, cb=self._on_job_event)
         await self.quotas.start()
         self._spawn(self._watch_records())
