@@ -65,6 +65,7 @@ from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
+    PayloadTooLarge,
     QuotaExceeded,
     RateLimited,
     ShapeMismatch,
@@ -129,6 +130,10 @@ _BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
 _TERMINAL = frozenset({JobState.COMPLETED.value, JobState.DROPPED.value, JobState.FAILED.value})
 #: Keys of the workloads bucket that are not workload records.
 _NOT_RECORDS = ("cursor.",)
+
+#: Verbs whose body carries data (rows, a spec); every other request is small.
+BIG_VERBS = frozenset({"put_data", "create_workload"})
+MAX_SMALL_REQUEST = 64 * 1024
 
 #: Longest long-poll of read_events (the SDK's request timeout must exceed it).
 MAX_EVENTS_WAIT_S = 20.0
@@ -294,6 +299,15 @@ class ControlPlane:
         if tenant is None:
             self._spawn(self._serve(request, "_"))
             return
+        verb = parts[3]
+        size = len(request.data or b"")
+        if size > (self.b.max_payload if verb in BIG_VERBS else MAX_SMALL_REQUEST):
+            # Refused before any decoding: a flood of big bodies costs a length check.
+            e2 = PayloadTooLarge(
+                f"{verb} request of {size} bytes; at most {MAX_SMALL_REQUEST} for this verb"
+            )
+            self._spawn(self._reply_now(request, ApiReply(error=ErrorBody(code=e2.code, message=str(e2)))))
+            return
         try:
             self.rpc.admit(tenant)
         except RateLimited as e:
@@ -347,8 +361,8 @@ class ControlPlane:
                 f"control.{verb}", context=tracing.extract(request.headers)
             ):
                 reply = await call()
-        except JoyNexusError as e:
-            reply = reply_type(error=ErrorBody(code=e.code, message=str(e)))
+        except JoyNexusError as e:  # clipped: a tenant's 1 MB name is not echoed back
+            reply = reply_type(error=ErrorBody(code=e.code, message=metrics.clip(e, 600)))
         except Exception:  # a bug: log it, tell the caller only a reference, keep serving
             ref = uuid.uuid4().hex[:12]
             log.exception("control request %s failed (ref %s)", metrics.clip(request.subject), ref)
@@ -366,6 +380,10 @@ class ControlPlane:
         )
 
     async def _get(self, tenant: str, name: str) -> WorkloadRecord:
+        try:
+            check_name("workload", name)
+        except InvalidSpec as e:
+            raise UnknownTenant(f"tenant {tenant!r} has no workload named like that ({e})") from e
         try:
             entry = await self._kv.get(self.n.workload_key(tenant, name))
         except KeyNotFoundError as e:

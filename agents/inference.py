@@ -169,8 +169,8 @@ _STATUS_BY_CODE = {PermissionDenied.code: "403"}
 
 
 def _error_of(e: BaseException) -> InferError:
-    if isinstance(e, JoyNexusError):
-        return InferError(code=e.code, message=str(e))
+    if isinstance(e, JoyNexusError):  # clipped: hostile strings are not echoed back
+        return InferError(code=e.code, message=metrics.clip(e, 600))
     return InferError(code="error", message="internal error (see the inference engine's log)")
 
 
@@ -535,12 +535,12 @@ class InferenceEngine:
                 return
         if tenant == "_":
             reason = (
-                f"request on {subject} names no tenant (claims tenant {req.tenant_id!r}): "
-                f"ask on {self.b.names.infer(self.base_model, req.tenant_id)}"
+                f"request on {metrics.clip(subject, 80)} names no tenant (claims tenant "
+                f"{metrics.clip(req.tenant_id, 40)!r})"
             )
         else:
             reason = (
-                f"request on {subject} claims tenant {req.tenant_id!r}: a tenant may ask only "
+                f"request on {subject} claims tenant {metrics.clip(req.tenant_id, 40)!r}: a tenant may ask only "
                 f"for its own policies (this subject is tenant {tenant!r}'s)"
             )
         self._spawn(
@@ -714,6 +714,7 @@ class InferenceEngine:
             instance=self.instance,
             requests=len(items),
             rows=rows,
+            tenants=len({p.req.tenant_id for p in items}),
             cpu_s=time.process_time() - cpu_start,
         )
         self.stats.batches += 1

@@ -119,8 +119,14 @@ class ServerLimits:
     max_subscriptions: int = 16384
     #: Bytes the server buffers for one slow client before it cuts it off as a
     #: slow consumer (server default 64 MiB). At least a few ``max_payload``
-    #: messages (Training Queue batches up to 8 MiB) must fit.
-    max_pending: int = 64 * 1024 * 1024
+    #: messages (Training Queue batches up to 8 MiB) must fit, and so must a
+    #: burst of requests one tenant sends to the shared request servers while
+    #: their (Python) reader is busy: 190 requests of 1 MiB cut the control
+    #: plane's responder off at 64 MiB on a loaded 2-core machine. It is only
+    #: memory while a client lags; a tenant that sends more in one burst still
+    #: gets the request servers cut off and reconnected (the full fix is a NATS
+    #: account per tenant with its own max_payload; see ARCHITECTURE).
+    max_pending: int = 256 * 1024 * 1024
     #: The longest protocol line (``PUB <subject> <reply> <size>``, ``CONNECT
     #: {...}``) a client may send (server default 4096 bytes): bounds subjects
     #: and the connect JSON (a user name, a password) an attacker can send.

@@ -49,8 +49,10 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 def check_name(kind: str, value: str) -> str:
     """Validate a name that becomes a subject token (tenant, role, ...)."""
     if not isinstance(value, str) or not _NAME.match(value):
+        shown = repr(value[:40]) + (f"...(+{len(value) - 40} chars)" if len(value) > 40 else "") \
+            if isinstance(value, str) else type(value).__name__
         raise InvalidSpec(
-            f"{kind} {value!r} is not a valid name: use 1-32 characters of "
+            f"{kind} {shown} is not a valid name: use 1-32 characters of "
             "lowercase letters, digits, '-' or '_', starting with a letter or digit"
         )
     return value
