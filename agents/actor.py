@@ -76,6 +76,8 @@ class TenantState:
             "head_type": self.module.head_type,
             "schema_signature": self.record.schema_signature,
             "base_model": self.record.base_model,
+            # State/action statistics the head applies (also inside its weights).
+            "normalization": self.module.normalization(),
             "jobs_applied": len(self.applied),
             "last_job": next(reversed(self.applied), None),
             "updated_at": time.time(),

@@ -274,6 +274,9 @@ async def evaluate_record(
             num_envs=spec.num_envs,
             image_size=schema.image_hw[0],
             seed=spec.seed,
+            # The observation the policy was trained on (its record), not the task's default.
+            cameras=schema.camera_slots,
+            state_keys=schema.state_keys or spec.state or None,
         )
 
     result, finished = await run_episodes(

@@ -104,7 +104,14 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
     if spec.task_type in ("rl", "eval"):
         from joynexus.agents.envs.maniskill import task_spec
 
-        env = task_spec(spec.env, obs="rgb", num_envs=spec.num_envs, image_size=spec.image_size)
+        env = task_spec(
+            spec.env,
+            obs="rgb",
+            num_envs=spec.num_envs,
+            image_size=spec.image_size,
+            cameras=spec.cameras or None,
+            state_keys=spec.state or None,
+        )
         schema = FeatureSchema(
             camera_slots=env.cameras,
             image_hw=(env.image_size, env.image_size),
@@ -112,6 +119,7 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
             action_dim=env.action_dim,
             action_horizon=spec.action_horizon,
             base_model=spec.base_model,
+            state_keys=env.state_keys,
         )
         return schema, spec.instruction or env.instruction
     # spec.dataset is the path the control plane resolved inside the tenant's dataset
@@ -131,6 +139,12 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
             instruction = str(tasks.index[0]) if len(tasks) else ""
     except Exception:
         raise unusable_dataset(spec) from None
+    state_keys = _dataset_state_keys(spec, state_dim)
+    if spec.cameras and list(spec.cameras) != list(cams):
+        raise InvalidSpec(
+            f"workload {spec.name!r} names cameras {list(spec.cameras)} but its dataset recorded "
+            f"{list(cams)}; drop cameras= (an SFT workload reads the dataset's) or generate a dataset with them"
+        )
     schema = FeatureSchema(
         camera_slots=tuple(cams),
         image_hw=(int(h), int(w)),
@@ -138,8 +152,51 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
         action_dim=action_dim,
         action_horizon=spec.action_horizon,
         base_model=spec.base_model,
+        state_keys=state_keys,
     )
     return schema, spec.instruction or instruction
+
+
+def _dataset_state_keys(spec: WorkloadSpec, state_dim: int) -> tuple[str, ...]:
+    """The state keys a dataset recorded (generate_dataset's observation file), checked
+    against the spec's ``state`` when it names one; () for a dataset made elsewhere."""
+    from joynexus.agents.envs.lerobot_data import read_observation_meta
+    from joynexus.agents.envs.maniskill import resolve_state_keys, state_key_dims
+
+    meta = read_observation_meta(Path(spec.dataset)) or {}
+    keys = meta.get("state_keys")
+    task = meta.get("task")
+    recorded: tuple[str, ...] = ()
+    if isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(task, str):
+        try:
+            dims = state_key_dims(task)
+            if sum(dims[k] for k in keys) == state_dim:
+                recorded = tuple(keys)
+        except KeyError:
+            recorded = ()
+    if spec.state:
+        try:
+            wanted = resolve_state_keys(task, spec.state) if isinstance(task, str) else tuple(spec.state)
+        except (InvalidSpec, KeyError):
+            wanted = tuple(spec.state)
+        if wanted != recorded:
+            raise InvalidSpec(
+                f"workload {spec.name!r} names state {list(spec.state)} but its dataset recorded "
+                f"{list(recorded) or 'no state keys'}; drop state= (an SFT workload reads the "
+                "dataset's) or generate a dataset with that state"
+            )
+    return recorded
+
+
+def normalization_stats(spec: WorkloadSpec) -> dict[str, Any]:
+    """Normalisation statistics for a new workload's head: an SFT dataset's LeRobot
+    stats (meta/stats.json mean/std of state and action); {} otherwise (identity,
+    or what ``init_from_workload``'s weights carry)."""
+    if spec.task_type != "sft" or not spec.dataset:
+        return {}
+    from joynexus.agents.envs.lerobot_data import dataset_stats
+
+    return dataset_stats(Path(spec.dataset))
 
 
 class PolicyInitializer:
@@ -167,9 +224,11 @@ class PolicyInitializer:
             state_dim=schema.state_dim,
             action_dim=schema.action_dim,
             action_horizon=schema.action_horizon,
+            hidden=spec.head_hidden,
             seed=spec.seed,
         )
         module = TenantModule(record.tenant_id, spec.action_module, cfg, lr=spec.learning_rate)
+        module.set_normalization(await asyncio.to_thread(normalization_stats, spec))
         if spec.init_from_workload:
             src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
             if (
@@ -540,6 +599,7 @@ __all__ = [
     "chunk_targets",
     "feature_dim",
     "image_field",
+    "normalization_stats",
     "unusable_dataset",
     "workload_schema",
 ]

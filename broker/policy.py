@@ -74,6 +74,7 @@ def schema_spec(schema: FeatureSchema) -> FeatureSchemaSpec:
         base_model=schema.base_model,
         history_len=schema.history_len,
         channels=schema.channels,
+        state_keys=list(schema.state_keys),
     )
 
 
@@ -91,6 +92,7 @@ def feature_schema_of(record: PolicyRecord) -> FeatureSchema:
         base_model=s.base_model,
         history_len=s.history_len,
         channels=s.channels,
+        state_keys=tuple(s.state_keys),
     )
     if schema.signature() != record.schema_signature:
         raise InvalidSpec(

@@ -196,6 +196,8 @@ class FeatureSchemaSpec(Wire, kw_only=True):
     base_model: str
     history_len: int = 0
     channels: int = 3
+    #: What the state vector is made of (empty: unknown); see FeatureSchema.state_keys.
+    state_keys: list[str] = []
 
 
 class PolicyRecord(Wire, kw_only=True, omit_defaults=True):

@@ -66,6 +66,16 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: Action chunk the head predicts; camera image size (RL/eval render size).
     action_horizon: int = 4
     image_size: int = 64
+    #: The state the policy conditions on (rl, eval; sft: checked against the dataset's):
+    #: ManiSkill keys ("agent/qpos", "extra/obj_pose", "extra/tcp_to_obj_pos",
+    #: "extra/goal_pos"...) or presets "proprio" (the task's default) and "privileged"
+    #: (adds the simulator's object and goal state). Empty: the task's default, or for
+    #: sft the dataset's own; eval: the evaluated policy's.
+    state: list[str] = []
+    #: Camera slots to render (rl, eval; sft: the dataset's); empty: the task's default.
+    cameras: list[str] = []
+    #: Width of the action module's hidden layers.
+    head_hidden: int = 256
     batch_size: int = 32
     learning_rate: float = 1e-3
     #: eval: episodes to run (the version evaluated is init_from of init_from_workload).
@@ -109,6 +119,18 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
             )
+        for field, names, most in (("state", self.state, 32), ("cameras", self.cameras, 4)):
+            if len(names) > most or len(set(names)) != len(names):
+                raise InvalidSpec(f"{field} must name at most {most} distinct entries, got {len(names)}")
+            for n in names:
+                if not isinstance(n, str) or not 0 < len(n) <= 64 or not all(
+                    c.isalnum() or c in "_-./" for c in n
+                ):
+                    raise InvalidSpec(
+                        f"{field} entries are plain names (letters, digits, '_-./', at most 64), got {n!r}"
+                    )
+        if not 8 <= self.head_hidden <= 512:
+            raise InvalidSpec(f"head_hidden must be 8..512, got {self.head_hidden}")
         if not 16 <= self.image_size <= 256:
             raise InvalidSpec(f"image_size must be 16..256 pixels, got {self.image_size}")
         for field in ("num_envs", "horizon", "batch_size", "action_horizon"):

@@ -461,14 +461,19 @@ class Client:
             task_env = env or src.env
             if not task_env:
                 raise InvalidSpec(f"workload {workload!r} has no env of its own; pass env=")
-            pinned = version or (await self._policy(workload)).version
+            policy = await self._policy(workload, version)
+            pinned = policy.version
+            fs = policy.feature_schema
             spec = WorkloadSpec(
                 name=f"eval-{secrets.token_hex(4)}",
                 task_type="eval",
                 env=task_env,
                 base_model=src.base_model,
                 action_module=src.action_module,
-                image_size=src.image_size,
+                # The observation the policy was trained on: its cameras, image size and state.
+                image_size=int(fs.image_hw[0]),
+                cameras=list(fs.camera_slots),
+                state=list(fs.state_keys),
                 action_horizon=src.action_horizon,
                 init_from_workload=workload,
                 init_from=pinned,
@@ -507,6 +512,8 @@ class Client:
                 "base_model": rec.base_model,
                 "schema_signature": rec.schema_signature,
                 "feature_schema": msgspec.to_builtins(rec.feature_schema),
+                # The head applies these itself (buffers in head.safetensors); here for readers.
+                "normalization": _normalization(data),
                 "weights": "head.safetensors",
             }
             return await asyncio.to_thread(_write_export, Path(path), data, manifest)
@@ -566,6 +573,18 @@ class Client:
                 if workload is None or event.job.policy_key == workload:
                     yield event
             after = max(after, reply.last_seq)
+
+
+def _normalization(weights: bytes) -> dict[str, dict[str, list[float]]]:
+    """The normalisation statistics a head's safetensors carry (state and action mean/std)."""
+    from safetensors.torch import load
+
+    t = load(weights)
+    out: dict[str, dict[str, list[float]]] = {}
+    for key, prefix in (("observation.state", "state"), ("action", "action")):
+        if f"{prefix}_mean" in t and f"{prefix}_std" in t:
+            out[key] = {"mean": t[f"{prefix}_mean"].tolist(), "std": t[f"{prefix}_std"].tolist()}
+    return out
 
 
 def _write_export(out: Path, weights: bytes, manifest: dict[str, Any]) -> Path:

@@ -31,7 +31,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,66 @@ class DatasetInfo:
     spec: EnvSpec
 
 
+#: What the dataset's observations are made of (task, state keys, cameras...), next to
+#: LeRobot's own meta files; the service reads it to use the same choice in rollouts
+#: and evaluation of a policy trained on the dataset.
+OBSERVATION_FILE = "joynexus_observation.json"
+
+
+def state_names(spec: EnvSpec) -> list[str]:
+    """One name per state dimension, ``<key>.<i>`` (e.g. ``extra/obj_pose.3``)."""
+    from joynexus.agents.envs.maniskill import state_key_dims
+
+    if spec.state_keys == ("flat_state",):
+        return [f"state_{i}" for i in range(spec.state_dim)]
+    dims = state_key_dims(spec.task)
+    return [f"{k}.{i}" for k in spec.state_keys for i in range(dims[k])]
+
+
+def observation_meta(spec: EnvSpec) -> dict[str, Any]:
+    return {
+        "task": spec.task,
+        "obs": spec.obs,
+        "state_keys": list(spec.state_keys),
+        "cameras": list(spec.cameras),
+        "image_size": spec.image_size,
+        "control_mode": spec.control_mode,
+        "instruction": spec.instruction,
+    }
+
+
+def read_observation_meta(root: Path) -> dict[str, Any] | None:
+    """The observation choice a dataset was generated with, or None (a dataset made elsewhere)."""
+    p = Path(root) / "meta" / OBSERVATION_FILE
+    try:
+        if not p.is_file() or p.stat().st_size > 1 << 16:
+            return None
+        meta = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def dataset_stats(root: Path, keys: Sequence[str] = (OBS_STATE, ACTION)) -> dict[str, dict[str, list[float]]]:
+    """LeRobot's normalisation statistics (meta/stats.json: mean, std, min, max per
+    dimension) of ``keys``; an empty dict for a key the file lacks."""
+    p = Path(root) / "meta" / "stats.json"
+    out: dict[str, dict[str, list[float]]] = {}
+    try:
+        raw = json.loads(p.read_text()) if p.is_file() and p.stat().st_size < 64 << 20 else {}
+    except (OSError, ValueError):
+        raw = {}
+    for k in keys:
+        entry = raw.get(k) if isinstance(raw, dict) else None
+        if isinstance(entry, dict):
+            out[k] = {
+                s: [float(x) for x in np.asarray(entry[s], dtype=np.float64).reshape(-1)]
+                for s in ("mean", "std", "min", "max")
+                if s in entry
+            }
+    return out
+
+
 def lerobot_features(spec: EnvSpec) -> dict[str, dict[str, Any]]:
     """The LeRobot feature spec of an env's frames (LeRobot's image convention: (H, W, C))."""
     feats: dict[str, dict[str, Any]] = {}
@@ -87,7 +147,7 @@ def lerobot_features(spec: EnvSpec) -> dict[str, dict[str, Any]]:
     feats[OBS_STATE] = {
         "dtype": "float32",
         "shape": (spec.state_dim,),
-        "names": [f"state_{i}" for i in range(spec.state_dim)],
+        "names": state_names(spec),
     }
     feats[ACTION] = {
         "dtype": "float32",
@@ -115,6 +175,7 @@ def generate_dataset(
     repo_id: str | None = None,
     max_attempts: int | None = None,
     max_steps: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> DatasetInfo:
     """Write ``episodes`` successful expert episodes of ``task`` as a LeRobot dataset at ``root``.
 
@@ -125,7 +186,10 @@ def generate_dataset(
     Each frame is the observation an action was taken in, that action, and
     the step's outcome (next.reward, next.success, next.done). ManiSkill ends
     an episode at success, so episodes are short (PickCube ~20 steps).
-    ``fps`` is metadata (ManiSkill's control rate is 20 Hz).
+    ``fps`` is metadata (ManiSkill's control rate is 20 Hz). ``state_keys`` may
+    name presets ("proprio", "privileged"; see ``maniskill.STATE_PRESETS``); the
+    choice is written to ``meta/joynexus_observation.json``. ``progress(kept,
+    attempts)`` is called after every attempt.
     """
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
@@ -197,6 +261,8 @@ def generate_dataset(
                 if done:
                     break
             if not solved:
+                if progress is not None:
+                    progress(kept, attempts)
                 continue
             for frame in episode:
                 ds.add_frame(frame)
@@ -206,7 +272,10 @@ def generate_dataset(
                 ds.save_episode()
             kept += 1
             frames += len(episode)
+            if progress is not None:
+                progress(kept, attempts)
         ds.finalize()
+        (root / "meta" / OBSERVATION_FILE).write_text(json.dumps(observation_meta(spec), indent=2))
     finally:
         env.close()
     return DatasetInfo(
@@ -302,11 +371,16 @@ def load_dataset(root: Path, repo_id: str | None = None, *, action_horizon: int 
 
 __all__ = [
     "DONE",
+    "OBSERVATION_FILE",
     "REWARD",
     "SUCCESS",
     "DatasetInfo",
     "DemoDataset",
+    "dataset_stats",
     "generate_dataset",
     "lerobot_features",
     "load_dataset",
+    "observation_meta",
+    "read_observation_meta",
+    "state_names",
 ]

@@ -129,14 +129,123 @@ _WHY_ONLY_THESE = (
     "because nothing may be downloaded at run time"
 )
 
-#: Sizes of the (group, key) entries that may be named in ``state_keys``.
+#: Sizes of the (group, key) entries that may be named in ``state_keys`` in every task.
+#: "agent/*" come from ManiSkill's observation; "extra/*" are read off the simulator
+#: (privileged state where it is the scene's ground truth), so they exist whatever
+#: the obs mode (ManiSkill itself hides object poses from its rgb observations).
 _STATE_KEY_DIMS: dict[str, int] = {
     "agent/qpos": 9,
     "agent/qvel": 9,
     "extra/tcp_pose": 7,
-    "extra/goal_pos": 3,
-    "extra/is_grasped": 1,
 }
+
+#: Per task, the privileged entries and their sizes (ManiSkill's own names from
+#: its "state" obs mode; obj = the cube to move, goal = where it goes).
+_TASK_STATE_KEY_DIMS: dict[str, dict[str, int]] = {
+    "PickCube-v1": {
+        "extra/goal_pos": 3,
+        "extra/is_grasped": 1,
+        "extra/obj_pose": 7,
+        "extra/tcp_to_obj_pos": 3,
+        "extra/obj_to_goal_pos": 3,
+    },
+    "PushCube-v1": {
+        "extra/goal_pos": 3,
+        "extra/obj_pose": 7,
+        "extra/tcp_to_obj_pos": 3,
+        "extra/obj_to_goal_pos": 3,
+    },
+    "StackCube-v1": {
+        "extra/is_grasped": 1,
+        "extra/cubeA_pose": 7,
+        "extra/cubeB_pose": 7,
+        "extra/tcp_to_cubeA_pos": 3,
+        "extra/tcp_to_cubeB_pos": 3,
+        "extra/cubeA_to_cubeB_pos": 3,
+    },
+}
+
+#: Named choices a spec may give instead of (or among) keys: "proprio" is the
+#: task's default (what a real robot senses, plus PickCube's goal), "privileged"
+#: adds the simulator's object and goal state (what the scripted experts read).
+STATE_PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "proprio": {},  # filled below from TASKS
+    "privileged": {
+        "PickCube-v1": ("agent/qpos", "extra/tcp_pose", "extra/obj_pose", "extra/goal_pos",
+                        "extra/tcp_to_obj_pos", "extra/obj_to_goal_pos", "extra/is_grasped"),
+        "PushCube-v1": ("agent/qpos", "extra/tcp_pose", "extra/obj_pose", "extra/goal_pos",
+                        "extra/tcp_to_obj_pos", "extra/obj_to_goal_pos"),
+        "StackCube-v1": ("agent/qpos", "extra/tcp_pose", "extra/cubeA_pose", "extra/cubeB_pose",
+                         "extra/tcp_to_cubeA_pos", "extra/tcp_to_cubeB_pos",
+                         "extra/cubeA_to_cubeB_pos", "extra/is_grasped"),
+    },
+}
+STATE_PRESETS["proprio"] = {t: info.default_state_keys for t, info in TASKS.items()}
+
+
+def state_key_dims(task: str) -> dict[str, int]:
+    """Every state entry ``task`` can give, with its size."""
+    return {**_STATE_KEY_DIMS, **_TASK_STATE_KEY_DIMS.get(task, {})}
+
+
+def resolve_state_keys(task: str, keys: Sequence[str]) -> tuple[str, ...]:
+    """Expand presets ("proprio", "privileged") into keys, in order, without repeats;
+    a clear error for a key the task does not have."""
+    out: list[str] = []
+    dims = state_key_dims(task)
+    for k in keys:
+        expanded = STATE_PRESETS[k][task] if k in STATE_PRESETS else (k,)
+        for e in expanded:
+            if e not in dims:
+                raise InvalidSpec(
+                    f"state key {e!r} does not exist in {task}: choose from {sorted(dims)} "
+                    f"or a preset {sorted(STATE_PRESETS)}"
+                )
+            if e not in out:
+                out.append(e)
+    return tuple(out)
+
+
+def _sim_p(actor: Any) -> np.ndarray:
+    return _to_numpy(actor.pose.p).reshape(-1)[:3].astype(np.float32)
+
+
+def _sim_pose(actor: Any) -> np.ndarray:
+    return _to_numpy(actor.pose.raw_pose).reshape(-1)[:7].astype(np.float32)
+
+
+def _grasped(sim: Any, actor: Any) -> np.ndarray:
+    return _to_numpy(sim.agent.is_grasping(actor)).reshape(-1)[:1].astype(np.float32)
+
+
+def _privileged(task: str, sim: Any, key: str) -> np.ndarray:
+    """One "extra/*" entry of one single-env scene, read off the simulator."""
+    name = key.split("/", 1)[1]
+    tcp = sim.agent.tcp
+    if name == "tcp_pose":
+        return _sim_pose(tcp)
+    if task == "StackCube-v1":
+        a, b = sim.cubeA, sim.cubeB
+        table = {
+            "is_grasped": lambda: _grasped(sim, a),
+            "cubeA_pose": lambda: _sim_pose(a),
+            "cubeB_pose": lambda: _sim_pose(b),
+            "tcp_to_cubeA_pos": lambda: _sim_p(a) - _sim_p(tcp),
+            "tcp_to_cubeB_pos": lambda: _sim_p(b) - _sim_p(tcp),
+            "cubeA_to_cubeB_pos": lambda: _sim_p(b) - _sim_p(a),
+        }
+    else:
+        obj = sim.cube if task == "PickCube-v1" else sim.obj
+        goal = sim.goal_site if task == "PickCube-v1" else sim.goal_region
+        table = {
+            "is_grasped": lambda: _grasped(sim, obj),
+            "goal_pos": lambda: _sim_p(goal),
+            "obj_pose": lambda: _sim_pose(obj),
+            "tcp_to_obj_pos": lambda: _sim_p(obj) - _sim_p(tcp),
+            "obj_to_goal_pos": lambda: _sim_p(goal) - _sim_p(obj),
+        }
+    return np.asarray(table[name](), dtype=np.float32).reshape(-1)
+
 
 _ACTION_DIMS: dict[str, int] = {
     "pd_ee_delta_pos": 4,
@@ -232,15 +341,11 @@ def task_spec(
             raise InvalidSpec(
                 f"cameras={list(cams)} for {task}: name one or more distinct cameras of {list(info.cameras)}"
             )
-        keys = tuple(state_keys) if state_keys is not None else info.default_state_keys
-        bad = [k for k in keys if k not in _STATE_KEY_DIMS]
-        if bad or not keys:
-            raise InvalidSpec(f"state_keys={list(keys)}: choose from {sorted(_STATE_KEY_DIMS)}")
-        if "extra/goal_pos" in keys and task != "PickCube-v1":
-            raise InvalidSpec(f"extra/goal_pos exists only in PickCube-v1, not {task}")
-        if "extra/is_grasped" in keys and task != "PickCube-v1":
-            raise InvalidSpec(f"extra/is_grasped exists only in PickCube-v1, not {task}")
-        state_dim = sum(_STATE_KEY_DIMS[k] for k in keys)
+        keys = resolve_state_keys(
+            task, tuple(state_keys) if state_keys else info.default_state_keys
+        )
+        dims = state_key_dims(task)
+        state_dim = sum(dims[k] for k in keys)
     return EnvSpec(
         task=task,
         obs=obs,
@@ -314,7 +419,10 @@ class ManiSkillEnv:
         parts = []
         for key in spec.state_keys:
             group, name = key.split("/")
-            parts.append(_to_numpy(raw[group][name]).reshape(-1).astype(np.float32))
+            if group == "extra":  # read off the simulator: exists in every obs mode
+                parts.append(_privileged(spec.task, env.unwrapped, key))
+            else:
+                parts.append(_to_numpy(raw[group][name]).reshape(-1).astype(np.float32))
         state_S = np.concatenate(parts)
         images: dict[str, np.ndarray] = {}
         for cam in spec.cameras:
@@ -744,6 +852,7 @@ __all__ = [
     "ACTION",
     "OBS_IMAGES",
     "OBS_STATE",
+    "STATE_PRESETS",
     "TASK",
     "TASKS",
     "ActFn",
@@ -758,8 +867,10 @@ __all__ = [
     "make_env",
     "policy_obs",
     "random_policy",
+    "resolve_state_keys",
     "rollout",
     "rollout_fields",
+    "state_key_dims",
     "task_spec",
     "tq_field",
 ]

@@ -66,8 +66,18 @@ class FeatureSchema:
     base_model: str = "qwen2.5-vl-tiny"
     history_len: int = 0
     channels: int = 3
+    #: What the state vector is made of (e.g. ``("agent/qpos", "extra/obj_pose")``);
+    #: empty when unknown (a dataset made elsewhere). Part of the signature when
+    #: given, so a policy is only ever fed the state it was trained on.
+    state_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "state_keys", tuple(self.state_keys))
+        for k in self.state_keys:
+            if not isinstance(k, str) or not k or not all(c.isalnum() or c in "_-./" for c in k):
+                raise InvalidSpec(
+                    f"FeatureSchema.state_keys entry {k!r} is not a plain name: use letters, digits, '_', '-', '.', '/'"
+                )
         slots = tuple(self.camera_slots)
         object.__setattr__(self, "camera_slots", slots)
         object.__setattr__(self, "image_hw", tuple(int(x) for x in self.image_hw))
@@ -97,10 +107,11 @@ class FeatureSchema:
         """Stable string naming this schema, e.g.
         ``qwen2.5-vl-tiny|cams=front,wrist|img=3x56x56|state=8|act=8x7|hist=0``."""
         h, w = self.image_hw
-        return (
+        sig = (
             f"{self.base_model}|cams={','.join(self.camera_slots)}|img={self.channels}x{h}x{w}"
             f"|state={self.state_dim}|act={self.action_horizon}x{self.action_dim}|hist={self.history_len}"
         )
+        return sig + (f"|obs={','.join(self.state_keys)}" if self.state_keys else "")
 
     def backbone_key(self) -> str:
         """The part of the signature that decides whether a backbone forward can be shared."""

@@ -12,6 +12,12 @@ registry (``@register("oft_mlp")``, ``build_head(type_name, cfg)``):
   noise; deterministic given the noise tensor (or the head's seeded generator).
 - ``value``: scalar value per sample for RL (``[B]``), MSE to returns.
 
+Every head normalises what it reads and writes with its training data's
+statistics (buffers ``state_mean/std``, ``action_mean/std``: part of the
+weights, so they travel with checkpoints, published versions and exports):
+the state enters as (s - mean) / std, losses are computed on normalised
+actions, and ``act`` returns actions in the data's own units.
+
 Every head has ``loss(feats_B_D, state_B_S, target) -> scalar`` and
 ``act(feats_B_D, state_B_S) -> tensor``. ``TenantModule`` bundles head,
 AdamW optimizer and version, with a ``state_dict`` that includes the optimizer
@@ -78,6 +84,24 @@ class ActionHead(nn.Module, abc.ABC):
         super().__init__()
         self.cfg = cfg
         self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+        # Normalisation statistics (LeRobot's mean/std of the training data): buffers, so
+        # they are part of the weights and travel with every checkpoint, published
+        # version and export. Identity until ``TenantModule.set_normalization``.
+        self.register_buffer("state_mean", torch.zeros(cfg.state_dim))
+        self.register_buffer("state_std", torch.ones(cfg.state_dim))
+        self.register_buffer("action_mean", torch.zeros(cfg.action_dim))
+        self.register_buffer("action_std", torch.ones(cfg.action_dim))
+
+    def norm_state(self, state_B_S: torch.Tensor) -> torch.Tensor:
+        """State in units of the training data's spread, clipped to +-NORM_CLIP."""
+        z = (state_B_S - self.state_mean) / self.state_std
+        return z.clamp(-NORM_CLIP, NORM_CLIP)
+
+    def norm_action(self, action_B_H_A: torch.Tensor) -> torch.Tensor:
+        return (action_B_H_A - self.action_mean) / self.action_std
+
+    def denorm_action(self, z_B_H_A: torch.Tensor) -> torch.Tensor:
+        return z_B_H_A * self.action_std + self.action_mean
 
     def _check(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> None:
         c = self.cfg
@@ -103,6 +127,10 @@ class ActionHead(nn.Module, abc.ABC):
 
 
 HEADS: dict[str, type[ActionHead]] = {}
+#: Normalised states are clipped to this many standard deviations.
+NORM_CLIP = 10.0
+#: Smallest standard deviation used (a dimension constant in the data is left unscaled around its mean).
+MIN_STD = 1e-2
 
 
 def register(type_name: str) -> Callable[[type[ActionHead]], type[ActionHead]]:
@@ -150,15 +178,20 @@ class OFTMLPHead(ActionHead):
         self.norm = nn.LayerNorm(cfg.feature_dim)
         self.net = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, cfg.action_horizon * cfg.action_dim)
 
-    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+    def _predict(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
+        """The chunk in normalised action units."""
         self._check(feats_B_D, state_B_S)
-        x = torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)
+        x = torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1)
         return self.net(x).view(-1, self.cfg.action_horizon, self.cfg.action_dim)
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return self.denorm_action(self._predict(feats_B_D, state_B_S))
 
     def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
-        pred_B_H_A = self.act(feats_B_D, state_B_S)
+        pred_B_H_A = self._predict(feats_B_D, state_B_S)
         self._check_target(target, tuple(pred_B_H_A.shape))
+        target = self.norm_action(target)
         err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
         return _weighted_mean(err.flatten(1).mean(1), weight_B)
 
@@ -184,7 +217,7 @@ class FlowMatchingHead(ActionHead):
         self.net = _mlp(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
 
     def _cond(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
-        return self.cond(torch.cat([self.norm(feats_B_D), state_B_S], dim=-1))
+        return self.cond(torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1))
 
     def velocity(self, x_B_N: torch.Tensor, t_B: torch.Tensor, cond_B_C: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([x_B_N, cond_B_C, _time_embedding(t_B, self.t_dim)], dim=-1))
@@ -195,7 +228,7 @@ class FlowMatchingHead(ActionHead):
         b = feats_B_D.shape[0]
         c = self.cfg
         self._check_target(target, (b, c.action_horizon, c.action_dim))
-        x1_B_N = target.reshape(b, -1)
+        x1_B_N = self.norm_action(target).reshape(b, -1)
         # The head's own generator: the same draws whether this tenant runs grouped or alone.
         noise_B_N = torch.randn(x1_B_N.shape, generator=self.generator).to(x1_B_N)
         t_B = torch.rand((b,), generator=self.generator).to(x1_B_N)
@@ -220,7 +253,7 @@ class FlowMatchingHead(ActionHead):
         for k in range(n):
             t_B = torch.full((b,), k * dt, dtype=x_B_N.dtype, device=x_B_N.device)
             x_B_N = x_B_N + dt * self.velocity(x_B_N, t_B, cond_B_C)
-        return x_B_N.view(shape)
+        return self.denorm_action(x_B_N.view(shape))
 
 
 @register("value")
@@ -234,7 +267,7 @@ class ValueHead(ActionHead):
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._check(feats_B_D, state_B_S)
-        return self.net(torch.cat([self.norm(feats_B_D), state_B_S], dim=-1)).squeeze(-1)
+        return self.net(torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1)).squeeze(-1)
 
     def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,6 +330,36 @@ class TenantModule:
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.head.parameters())
+
+    @torch.no_grad()
+    def set_normalization(self, stats: dict[str, dict[str, Any]]) -> None:
+        """Take LeRobot-style statistics ``{"observation.state": {"mean", "std"},
+        "action": {"mean", "std"}}`` (lists or tensors, one value per dimension; a
+        key may be missing: left as it is). std is floored at ``MIN_STD``."""
+        h = self.head
+        for key, prefix, dim in (("observation.state", "state", self.cfg.state_dim),
+                                 ("action", "action", self.cfg.action_dim)):
+            entry = stats.get(key) or {}
+            if "mean" not in entry or "std" not in entry:
+                continue
+            mean = torch.as_tensor(entry["mean"], dtype=torch.float32).reshape(-1)
+            std = torch.as_tensor(entry["std"], dtype=torch.float32).reshape(-1)
+            if mean.numel() != dim or std.numel() != dim:
+                raise ShapeMismatch(
+                    f"normalisation stats of {key}: {mean.numel()}/{std.numel()} values for {dim} dimensions"
+                )
+            if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
+                raise InvalidSpec(f"normalisation stats of {key} hold NaN/inf")
+            getattr(h, f"{prefix}_mean").copy_(mean)
+            getattr(h, f"{prefix}_std").copy_(std.clamp_min(MIN_STD))
+
+    def normalization(self) -> dict[str, dict[str, list[float]]]:
+        """The statistics the head applies (what ``set_normalization`` took)."""
+        h = self.head
+        return {
+            "observation.state": {"mean": h.state_mean.tolist(), "std": h.state_std.tolist()},
+            "action": {"mean": h.action_mean.tolist(), "std": h.action_std.tolist()},
+        }
 
     def train_step(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
                    weight_B: torch.Tensor | None = None) -> float:

@@ -1,0 +1,287 @@
+"""Does the service teach? SFT through the SDK on a fresh deployment, per task (JSON).
+
+For every task: the scripted expert writes ``demos`` successful episodes as a
+LeRobot dataset into the tenant's dataset space (with the observation the
+plan names: privileged object/goal state by default), a tenant creates an
+SFT workload on it through the SDK (``completion_target`` = the planned
+updates, stopped early at the training budget), then ``Client.evaluate``
+runs ``episodes`` evaluation episodes pinned to the final version. Printed:
+
+    {"tasks": {task: {demos, updates, train_s, sft_success, sft_ci95, ...}}, ...}
+
+``train_s`` is wall time from the workload's creation to its last update
+(the whole service path: producer, Training Queue, actor, publication);
+``sft_ci95`` is the Wilson 95% interval of the success rate. The deployment
+is the real one in one process: an embedded nats-server with authorization
+on, the scheduler, the control plane, an inference engine, the SFT producer,
+the actor and the evaluator, with the tenant connected under its own
+credentials (``joynexus tenant add``'s path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TENANT = "acme"
+
+
+@dataclass(frozen=True)
+class Plan:
+    task: str
+    demos: int
+    #: Updates asked for (completion_target); training stops earlier at budget_s.
+    updates: int
+    budget_s: float
+    episodes: int = 50
+    state: tuple[str, ...] = ("privileged",)
+    batch_size: int = 64
+    action_horizon: int = 4
+    learning_rate: float = 1e-3
+    head_hidden: int = 256
+    image_size: int = 64
+    #: The target the issue sets (reported next to the result; None = report only).
+    target: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+FULL: tuple[Plan, ...] = (
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, target=0.8),
+    Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5),
+)
+QUICK: tuple[Plan, ...] = (
+    Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10),
+)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% with z = 1.96)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
+
+
+def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None) -> Any:
+    from joynexus.agents.envs.lerobot_data import generate_dataset
+
+    return generate_dataset(
+        plan.task,
+        root,
+        episodes=plan.demos,
+        obs="rgb",
+        image_size=plan.image_size,
+        seed=seed,
+        state_keys=list(plan.state),
+        progress=progress,
+    )
+
+
+class _Service:
+    """The roles of a deployment, in this process, on a fresh embedded server."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.datasets = data / "datasets"
+        self.stack = contextlib.AsyncExitStack()
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.url = ""
+        self.admin: Any = None
+
+    async def __aenter__(self) -> _Service:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stack.aclose()
+
+    async def _start(self) -> None:
+        import torch
+
+        from joynexus.agents.actor import Actor
+        from joynexus.agents.control import ControlPlane
+        from joynexus.agents.evaluator import Evaluator
+        from joynexus.agents.inference import EnginePool
+        from joynexus.agents.models.backbone import Backbone, BackboneConfig
+        from joynexus.agents.scheduler import SchedulerAgent
+        from joynexus.agents.workloads import PolicyInitializer, ProducerAgent
+        from joynexus.broker.connection import Broker
+        from joynexus.ops.deploy import embedded
+
+        st = self.stack
+        self.datasets.mkdir(parents=True, exist_ok=True)
+        ep = st.enter_context(embedded(self.data / "nats", act_as_admin=False))
+        self.url = ep.url
+        self.admin = await Broker.connect(self.url, name="bl-admin", credentials=ep.admin)
+        st.push_async_callback(self.admin.close)
+        service = await Broker.connect(self.url, name="bl-service", credentials=ep.service)
+        st.push_async_callback(service.close)
+        control_b = await Broker.connect(
+            self.url, name="bl-control", credentials=getattr(ep, "control", None) or ep.service
+        )
+        st.push_async_callback(control_b.close)
+        torch.manual_seed(0)
+        backbone = Backbone.build(BackboneConfig(size="tiny"))
+        sched = SchedulerAgent(service, instance="sched", lease_ttl_s=60.0)
+        await sched.start()
+        st.push_async_callback(sched.stop)
+        control = ControlPlane(
+            control_b,
+            init_policy=PolicyInitializer(control_b),
+            instance="control",
+            datasets_root=self.datasets,
+        )
+        await control.start()
+        st.push_async_callback(control.stop)
+        pool = EnginePool(service, backbone, max_batch=16, max_wait_ms=5)
+        await pool.scale_to(1)
+        st.push_async_callback(pool.close)
+        st.push_async_callback(self._stop_tasks)
+        actor = Actor(service, backbone, instance="actor", out_dir=self.data / "actor",
+                      lease_wait_s=0.5)
+        self.tasks.append(asyncio.create_task(actor.run(self.stop)))
+        self.tasks.append(
+            asyncio.create_task(ProducerAgent(service, "sft", instance="prod-sft").run(self.stop))
+        )
+        self.tasks.append(asyncio.create_task(Evaluator(service, instance="eval").run(self.stop)))
+
+    async def _stop_tasks(self) -> None:
+        self.stop.set()
+        if self.tasks:
+            _, late = await asyncio.wait(self.tasks, timeout=30)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def tenant(self) -> Any:
+        from joynexus.ops.tenants import add_tenant
+        from joynexus.sdk import Client
+
+        creds, _ = await add_tenant(self.admin, TENANT, url=self.url)
+        client = await Client.connect(credentials=creds)
+        self.stack.push_async_callback(client.close)
+        return client
+
+
+async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> dict[str, Any]:
+    from joynexus.schemas.workloads import Scheduling, WorkloadSpec
+
+    spec = WorkloadSpec(
+        name=name,
+        task_type="sft",
+        dataset=dataset,
+        env=plan.task,
+        batch_size=plan.batch_size,
+        action_horizon=plan.action_horizon,
+        learning_rate=plan.learning_rate,
+        head_hidden=plan.head_hidden,
+        scheduling=Scheduling(max_in_flight=4, completion_target=plan.updates),
+    )
+    t0 = time.perf_counter()
+    wl = await client.create_workload(spec)
+    last_version, t_last = 1, t0
+    deadline = t0 + plan.budget_s
+
+    async def follow() -> None:
+        nonlocal last_version, t_last
+        async for event in wl.events():
+            job = event.job
+            if job.state == "completed" and job.result_version > last_version:
+                last_version, t_last = job.result_version, time.perf_counter()
+                if (last_version - 1) % 100 == 0:
+                    log(f"{plan.task}: {last_version - 1} updates, {t_last - t0:.0f} s")
+                if last_version - 1 >= plan.updates:
+                    return
+            if job.state == "failed":
+                log(f"{plan.task}: job failed: {job.reason}")
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(follow(), max(1.0, deadline - time.perf_counter()))
+    with contextlib.suppress(Exception):
+        await client.cancel_workload(name)
+    return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version}
+
+
+async def run_learning(
+    plans: tuple[Plan, ...] | list[Plan],
+    *,
+    data_dir: str | Path | None = None,
+    log: Any = None,
+    eval_envs: int = 5,
+    eval_seed: int = 12345,
+) -> dict[str, Any]:
+    """Run every plan on one fresh deployment; the JSON-able report."""
+    log = log or (lambda msg: None)
+    with contextlib.ExitStack() as tmp:
+        data = Path(data_dir) if data_dir else Path(tmp.enter_context(
+            tempfile.TemporaryDirectory(prefix="jnx-learn-")))
+        out: dict[str, Any] = {"tasks": {}}
+        async with _Service(data) as svc:
+            client = await svc.tenant()
+            for i, plan in enumerate(plans):
+                name = f"ds{i}-{plan.task.split('-')[0].lower()}"
+                root = svc.datasets / TENANT / name
+                shutil.rmtree(root, ignore_errors=True)
+                t0 = time.perf_counter()
+                info = await asyncio.to_thread(make_dataset, plan, root)
+                gen_s = time.perf_counter() - t0
+                log(f"{plan.task}: {info.episodes} demos ({info.frames} frames) in {gen_s:.0f} s")
+                res = await _train(client, plan, f"sft{i}", name, log)
+                t1 = time.perf_counter()
+                ev = await client.evaluate(
+                    f"sft{i}", version=res["version"], episodes=plan.episodes,
+                    env=plan.task, num_envs=eval_envs, seed=eval_seed,
+                )
+                eval_s = time.perf_counter() - t1
+                k = round(ev["success_rate"] * plan.episodes)
+                row = {
+                    "demos": info.episodes,
+                    "updates": res["updates"],
+                    "train_s": res["train_s"],
+                    "sft_success": round(ev["success_rate"], 4),
+                    "sft_ci95": list(wilson(k, int(ev.get("episodes", plan.episodes)))),
+                    "episodes": int(ev.get("episodes", plan.episodes)),
+                    "frames": info.frames,
+                    "state": list(info.spec.state_keys),
+                    "batch_size": plan.batch_size,
+                    "action_horizon": plan.action_horizon,
+                    "head_hidden": plan.head_hidden,
+                    "budget_s": plan.budget_s,
+                    "target": plan.target,
+                    "dataset_s": round(gen_s, 1),
+                    "eval_s": round(eval_s, 1),
+                    "mean_length": round(float(ev.get("mean_length", 0.0)), 2),
+                }
+                log(f"{plan.task}: {row['sft_success']:.2f} success {row['sft_ci95']} "
+                    f"after {row['updates']} updates in {row['train_s']} s")
+                out["tasks"][plan.task] = row
+        out["plans"] = [asdict(p) for p in plans]
+        return out
+
+
+def plans_for(quick: bool, tasks: list[str] | None = None) -> tuple[Plan, ...]:
+    plans = QUICK if quick else FULL
+    if tasks:
+        known = {p.task: p for p in (*FULL, *QUICK)}
+        chosen = [p for p in plans if p.task in tasks]
+        chosen += [known[t] for t in tasks if t not in {p.task for p in chosen} and t in known]
+        plans = tuple(chosen)
+    return plans
+
+
+__all__ = ["FULL", "QUICK", "Plan", "make_dataset", "plans_for", "run_learning", "wilson"]
