@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
             bp.add_argument(
                 "--only", metavar="NAMES", default="", help="comma-separated attack names"
             )
+    from joynexus.ops.learning_cli import add_parsers
+
+    add_parsers(sub, bsub)  # `dataset generate` and `bench learning`
     return parser
 
 
@@ -636,6 +639,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return asyncio.run(
                 main_job(url, Path(args.out), minutes=args.minutes, as_json=args.json)
             )
+    if args.command == "dataset" or (args.command == "bench" and args.bench == "learning"):
+        from joynexus.ops.learning_cli import dispatch
+
+        return dispatch(args)
     if args.command == "bench" and args.bench == "isolation":
         from joynexus.broker.credentials import CREDS_ENV
         from joynexus.ops.bench_isolation import bench_isolation

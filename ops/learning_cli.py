@@ -1,0 +1,171 @@
+"""``joynexus dataset generate`` and ``joynexus bench learning`` (registered by ops/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def add_parsers(sub: Any, bsub: Any) -> None:
+    """Add ``dataset generate`` to the top-level subcommands and ``learning`` to bench's."""
+    from joynexus.agents.envs.maniskill import STATE_PRESETS, TASKS
+
+    p = sub.add_parser(
+        "dataset",
+        help="expert demonstration datasets (LeRobot format) for SFT",
+        description="Make LeRobot datasets of scripted expert demonstrations.",
+    )
+    dsub = p.add_subparsers(dest="dataset", required=True, metavar="ACTION")
+    g = dsub.add_parser(
+        "generate",
+        help="run a task's scripted expert and write its solved episodes as a LeRobot dataset",
+        description=(
+            "Run TASK's scripted expert (privileged simulator state) and write N solved "
+            "episodes as a LeRobot dataset at DIR (images as PNG, meta/stats.json with the "
+            "normalisation statistics, meta/joynexus_observation.json with the observation "
+            "choice). Put DIR in a tenant's dataset space (<datasets root>/<tenant>/<name>) "
+            "and name it in an SFT workload."
+        ),
+    )
+    g.add_argument("task", choices=sorted(TASKS), metavar="TASK", help=f"one of {sorted(TASKS)}")
+    g.add_argument("--episodes", type=int, required=True, metavar="N", help="solved episodes to keep")
+    g.add_argument("--out", required=True, metavar="DIR", help="the dataset folder (must not exist)")
+    g.add_argument(
+        "--state",
+        default="proprio",
+        metavar="KEYS",
+        help=f"comma-separated state keys or presets {sorted(STATE_PRESETS)} (default proprio: "
+        "joint positions, plus PickCube's goal); e.g. privileged, or agent/qpos,extra/tcp_to_obj_pos",
+    )
+    g.add_argument("--cameras", default="", metavar="NAMES",
+                   help="comma-separated camera slots (default: the task's base_camera)")
+    g.add_argument("--image-size", type=int, default=64, help="camera image side in pixels (default 64)")
+    g.add_argument("--seed", type=int, default=0, help="reset seeds derive from it (default 0)")
+    g.add_argument("--json", action="store_true", help="print only a JSON summary")
+    g.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+    text = (
+        "SFT through the SDK on a fresh deployment, per task: demonstrations, updates, "
+        "train seconds, success over 50 evaluation episodes with its Wilson 95% interval"
+    )
+    bp = bsub.add_parser("learning", help=text, description=text)
+    bp.add_argument("--json", action="store_true", help="print only the JSON object")
+    bp.add_argument("--quick", action="store_true",
+                    help="a small version for CI (PushCube, 20 demos, 150 updates, 10 episodes)")
+    bp.add_argument("--tasks", default="", metavar="TASKS",
+                    help="comma-separated subset of the tasks (default: all of the plan)")
+    bp.add_argument("--data-dir", default=None, metavar="DIR",
+                    help="keep the deployment's files here (default: a temporary directory)")
+    bp.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+class Progress:
+    """A one-line progress bar on a terminal (plain lines otherwise)."""
+
+    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
+        self.total = max(1, total)
+        self.label = label
+        self.stream = stream
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+        self._last = -1
+
+    def __call__(self, kept: int, attempts: int) -> None:
+        frac = min(1.0, kept / self.total)
+        el = time.perf_counter() - self.t0
+        eta = el / frac - el if frac > 0 else 0.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        line = (f"{self.label} [{bar}] {kept}/{self.total} episodes ({attempts} tried) "
+                f"{el:.0f}s elapsed, ~{eta:.0f}s left")
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif kept != self._last and (kept % max(1, self.total // 10) == 0 or kept == self.total):
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        self._last = kept
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _quiet_datasets() -> None:
+    """lerobot saves each episode through `datasets`, which draws a bar of its own per episode."""
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except Exception:  # an older datasets: its bars stay
+        pass
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.command == "dataset":
+        return _generate(args)
+    return _bench_learning(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from joynexus.agents.envs.lerobot_data import generate_dataset
+
+    _quiet_datasets()
+    state = [s.strip() for s in args.state.split(",") if s.strip()]
+    cameras = [c.strip() for c in args.cameras.split(",") if c.strip()] or None
+    bar = Progress(args.episodes, args.task)
+    t0 = time.perf_counter()
+    try:
+        info = generate_dataset(
+            args.task, Path(args.out), episodes=args.episodes, obs="rgb",
+            image_size=args.image_size, seed=args.seed, state_keys=state or None,
+            cameras=cameras, progress=None if args.json else bar,
+        )
+    finally:
+        if not args.json:
+            bar.done()
+    summary = {
+        "task": info.task,
+        "out": str(info.root),
+        "episodes": info.episodes,
+        "frames": info.frames,
+        "attempts": info.attempts,
+        "expert_success_rate": round(info.expert_success_rate, 4),
+        "state": list(info.spec.state_keys),
+        "state_dim": info.spec.state_dim,
+        "cameras": list(info.spec.cameras),
+        "image_size": info.spec.image_size,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {info.episodes} episodes ({info.frames} frames, expert solved "
+              f"{info.episodes}/{info.attempts}) to {info.root}; state {summary['state']} "
+              f"({info.spec.state_dim} values), cameras {summary['cameras']}")
+    return 0
+
+
+def _bench_learning(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench_learning import plans_for, run_learning
+
+    _quiet_datasets()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] or None
+    plans = plans_for(args.quick, tasks)
+
+    def log(msg: str) -> None:
+        if not args.json:
+            print(msg, file=sys.stderr, flush=True)
+
+    result = asyncio.run(run_learning(plans, data_dir=args.data_dir, log=log))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+__all__ = ["Progress", "add_parsers", "dispatch"]
