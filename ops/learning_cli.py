@@ -51,7 +51,7 @@ def add_parsers(sub: Any, bsub: Any) -> None:
 
     text = (
         "SFT through the SDK on a fresh deployment, per task: demonstrations, updates, "
-        "train seconds, success over 50 evaluation episodes with its Wilson 95% interval"
+        "train seconds, success over 50 evaluation episodes with its Wilson 95%% interval"
     )
     bp = bsub.add_parser("learning", help=text, description=text)
     bp.add_argument("--json", action="store_true", help="print only the JSON object")
