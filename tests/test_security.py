@@ -573,3 +573,61 @@ async def test_events_end_when_the_client_closes(secure: Secure) -> None:
     await c.close()
     await asyncio.wait_for(task, 15)
     assert got == [] and task.done() and task.exception() is None
+
+
+async def test_operator_quota_and_priority_class(secure: Secure) -> None:
+    """An operator sets a tenant's quota and class (`tenant set`); the tenant's own
+    priority number is ignored, its bounds hold, status shows usage against quota,
+    and only the control identity may write identities."""
+    from joynexus.ops.status import collect, render
+    from joynexus.ops.tenants import NotApplied, check_applied, set_tenant
+    from joynexus.schemas.errors import QuotaExceeded
+    from joynexus.schemas.identities import AdminReply
+    from joynexus.schemas.quotas import PRIORITY_CLASSES, Quota, parse_quota_args
+    from joynexus.schemas.workloads import Scheduling
+
+    creds = await secure.issue("quin")
+    quota = parse_quota_args(["priority_class=premium", "max_active_workloads=1",
+                              "max_in_flight=3"])
+    reply = await set_tenant(secure.admin, "quin", quota)
+    assert reply.tenant is not None and reply.tenant.quota == quota
+    quin = await Client.connect(credentials=creds)
+    try:
+        spec = WorkloadSpec(name="one", task_type="rl", env="PickCube-v1", source="tenant",
+                            action_horizon=2,
+                            scheduling=Scheduling(priority=10**18, max_in_flight=3))
+        wl = await quin.create_workload(spec)
+        assert wl.record.spec.scheduling.priority == PRIORITY_CLASSES["premium"]
+        with pytest.raises(QuotaExceeded, match="active workloads"):
+            await quin.create_workload(WorkloadSpec(
+                name="two", task_type="eval", env="PickCube-v1", init_from_workload="one"))
+        with pytest.raises(QuotaExceeded, match="max_in_flight"):
+            await quin.create_workload(WorkloadSpec(
+                name="three", task_type="rl", env="PushCube-v1", source="tenant",
+                scheduling=Scheduling(max_in_flight=4)))
+        s = await collect(secure.admin)
+        row = next(t for t in s["tenants"] if t["tenant"] == "quin")
+        assert row["class"] == "premium" and row["active_workloads"] == [1, 1]
+        assert "Tenants (in use / quota" in render(s)
+        await quin.cancel_workload("one")
+    finally:
+        await quin.close()
+    # A change no server confirmed is an error the operator sees.
+    with pytest.raises(NotApplied, match="NOT be in force"):
+        check_applied(AdminReply(applied="pending"), "revoking tenant x")
+    with pytest.raises(InvalidSpec):
+        Quota(priority_class="root")
+    # The service identity may not write tenant identities (only the control plane may).
+    assert secure.ep.service is not None
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    svc = await nats.connect(secure.url, user=secure.ep.service.user,
+                             password=secure.ep.service.password, error_cb=on_error)
+    await svc.publish(f"$KV.{Names(NS).identities_bucket}.evil", b"{}")
+    await svc.flush()
+    await until(lambda: any("identities" in e.lower() for e in errors), 10,
+                "the service identity's refusal on the identities bucket")
+    await svc.close()
