@@ -262,3 +262,60 @@ def test_dataset_root_must_be_new(
         generate_dataset("PickCube-v1", pick.root, episodes=1)
     with pytest.raises(InvalidSpec, match="not a LeRobot dataset"):
         load_dataset(tmp_path)
+
+
+def test_privileged_state_is_the_simulators_and_presets_expand() -> None:
+    from joynexus.agents.envs.experts import _p
+    from joynexus.agents.envs.maniskill import STATE_PRESETS, resolve_state_keys
+
+    assert resolve_state_keys("PushCube-v1", ["proprio"]) == ("agent/qpos",)
+    keys = resolve_state_keys("PushCube-v1", ["agent/qpos", "privileged"])
+    assert keys == STATE_PRESETS["privileged"]["PushCube-v1"]  # no repeats, in order
+    with pytest.raises(InvalidSpec, match="does not exist in PushCube-v1"):
+        task_spec("PushCube-v1", obs="rgb", state_keys=["extra/cubeA_pose"])
+    spec = task_spec("PushCube-v1", obs="rgb", state_keys=["extra/tcp_to_obj_pos", "extra/goal_pos"])
+    assert spec.state_dim == 6
+    with make_env("PushCube-v1", obs="rgb", image_size=32,
+                  state_keys=["extra/tcp_to_obj_pos", "extra/goal_pos"]) as env:
+        obs = env.reset(seed=3)
+        sim = env.sims[0]
+        want = np.concatenate([_p(sim.obj) - _p(sim.agent.tcp), _p(sim.goal_region)])
+        assert np.allclose(obs[OBS_STATE][0], want, atol=1e-5)
+        res = env.step(np.array([[0.5, 0.0, 0.0, 1.0]], dtype=np.float32))
+        sim = env.sims[0]
+        want = np.concatenate([_p(sim.obj) - _p(sim.agent.tcp), _p(sim.goal_region)])
+        assert np.allclose(res.obs[OBS_STATE][0], want, atol=1e-5)
+
+
+def test_dataset_records_its_observation_and_stats(tmp_path: Path) -> None:
+    from joynexus.agents.envs.lerobot_data import dataset_stats, read_observation_meta
+
+    seen: list[tuple[int, int]] = []
+    info = generate_dataset("PushCube-v1", tmp_path / "push", episodes=1, image_size=32,
+                            state_keys=["privileged"], progress=lambda k, a: seen.append((k, a)))
+    assert seen[-1] == (1, info.attempts)
+    meta = read_observation_meta(info.root)
+    assert meta is not None and meta["task"] == "PushCube-v1"
+    assert tuple(meta["state_keys"]) == info.spec.state_keys and info.spec.state_dim == 32
+    names = info.features[OBS_STATE]["names"]
+    assert names[0] == "agent/qpos.0" and names[-1] == "extra/obj_to_goal_pos.2"
+    stats = dataset_stats(info.root)
+    assert len(stats[OBS_STATE]["mean"]) == 32 and len(stats[ACTION]["std"]) == 4
+    assert read_observation_meta(tmp_path) is None
+    # the service reads the same choice: an SFT workload's schema names the dataset's
+    # state keys (so rollouts and evaluation of its policy get that state), and a spec
+    # that names another state is refused
+    from joynexus.agents.workloads import normalization_stats, workload_schema
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    sft = WorkloadSpec(name="s", task_type="sft", dataset=str(info.root))
+    schema, _ = workload_schema(sft)
+    assert schema.state_keys == info.spec.state_keys and schema.state_dim == 32
+    assert "|obs=agent/qpos," in schema.signature()
+    ev = WorkloadSpec(name="e", task_type="eval", env="PushCube-v1", init_from_workload="s",
+                      state=["privileged"], image_size=32)
+    assert workload_schema(ev)[0].signature() == schema.signature()
+    with pytest.raises(InvalidSpec, match="dataset recorded"):
+        workload_schema(WorkloadSpec(name="s", task_type="sft", dataset=str(info.root),
+                                     state=["proprio"]))
+    assert len(normalization_stats(sft)[OBS_STATE]["mean"]) == 32

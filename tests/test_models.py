@@ -353,3 +353,37 @@ def test_sample_weights_weigh_the_loss(head_type: str) -> None:
         assert loss(torch.tensor([1.0, 1.0, 0.0, 0.0])) == pytest.approx(loss(None, slice(0, 2)), rel=1e-6)
     with pytest.raises(ShapeMismatch, match="sample weights must be"):
         loss(torch.ones(3))
+
+
+@pytest.mark.parametrize("head_type", ["oft_mlp", "flow_matching"])
+def test_heads_normalise_with_the_data_stats_and_carry_them(head_type: str, tmp_path: Path) -> None:
+    """State enters as (s - mean) / std, the loss is on normalised actions, act() answers
+    in the data's units, and the statistics travel in the weights (export, state_dict)."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(feature_dim=8, state_dim=3, action_dim=2, action_horizon=2, hidden=64)
+    m = TenantModule("t", head_type, cfg, lr=3e-3)
+    s_mean, s_std = [0.1, -0.2, 0.05], [0.01, 0.02, 0.03]
+    a_mean, a_std = [5.0, -3.0], [0.5, 2.0]
+    m.set_normalization({"observation.state": {"mean": s_mean, "std": s_std},
+                         "action": {"mean": a_mean, "std": [0.5, 2.0]}})
+    z_state = torch.randn(256, 3)
+    state = z_state * torch.tensor(s_std) + torch.tensor(s_mean)
+    # actions depend on the (tiny-scaled) state: learnable only if the state is normalised
+    z_act = torch.stack([z_state[:, 0], -z_state[:, 1]], dim=1)[:, None, :].expand(-1, 2, -1)
+    target = z_act * torch.tensor(a_std) + torch.tensor(a_mean)
+    feats = torch.zeros(256, 8)
+    for _ in range(300):
+        m.train_step(feats, state, target)
+    pred = m.act(feats, state, noise=torch.zeros(256, 2, 2)) if head_type == "flow_matching" \
+        else m.act(feats, state)
+    err = (pred - target).abs().mean() / torch.tensor(a_std).mean()
+    assert err < 0.35, float(err)
+    assert abs(float(pred.mean(dim=(0, 1))[0]) - 5.0) < 0.5  # in the data's units
+    p = m.export_safetensors(tmp_path / "h")
+    back = TenantModule.import_safetensors(p)
+    assert back.normalization()["action"]["mean"] == pytest.approx(a_mean)
+    assert back.normalization()["observation.state"]["std"] == pytest.approx(s_std)
+    again = TenantModule.from_state_dict(m.state_dict())
+    assert torch.equal(again.head.state_mean, m.head.state_mean)
+    with pytest.raises(ShapeMismatch):
+        m.set_normalization({"action": {"mean": [0.0], "std": [1.0]}})
