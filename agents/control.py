@@ -56,6 +56,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.direct import read_subject
+from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyStore
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
@@ -178,8 +179,12 @@ class ControlPlane:
             broker, "control", limit=lambda t: self.quotas.get(t).max_requests_in_flight
         )
         # Workload records, from one watcher over the bucket: key -> record.
-        self._records_by_key: dict[str, WorkloadRecord] = {}
-        self._records_ready = asyncio.Event()
+        self._records_mirror = KVMirror(
+            broker, self.n.workloads_bucket, WorkloadRecord,
+            skip=lambda key: key.startswith(_NOT_RECORDS),
+            belongs=lambda key, rec: self.n.workload_key(rec.tenant_id, rec.spec.name) == key,
+        )
+        self._records_by_key = self._records_mirror.values
         # Training Queue bytes a tenant put, per open job (released when the job ends).
         self._tq_bytes: dict[str, dict[str, int]] = {}
 
@@ -198,9 +203,7 @@ class ControlPlane:
                 await asyncio.sleep(0.2)
         self._job_sub = await self.b.nc.subscribe(self.n.all_jobs, cb=self._on_job_event)
         await self.quotas.start()
-        self._spawn(self._watch_records())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._records_ready.wait(), 10.0)
+        await self._records_mirror.start(10.0)
         nc = await self.rpc.connection()
         self._service = await add_service(
             nc,
@@ -244,46 +247,12 @@ class ControlPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.stop()
         await self.quotas.stop()
-
-    async def _watch_records(self) -> None:
-        """Keep every workload record in memory: one watcher, not one per request."""
-        while True:
-            raise_if_cancelled()
-            watcher: Any = None
-            try:
-                watcher = await self._kv.watchall()
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=5.0)
-                    except TimeoutError:
-                        continue
-                    if entry is None:
-                        self._records_ready.set()
-                        continue
-                    if entry.key.startswith(_NOT_RECORDS):
-                        continue
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        self._records_by_key.pop(entry.key, None)
-                        continue
-                    try:
-                        rec = decode(entry.value, WorkloadRecord)
-                    except Exception:
-                        continue
-                    if self.n.workload_key(rec.tenant_id, rec.spec.name) == entry.key:
-                        self._records_by_key[entry.key] = rec
-            except Exception as e:
-                raise_if_cancelled()
-                log.warning("workload watch restarts: %s", e)
-                await asyncio.sleep(1.0)
-            finally:
-                if watcher is not None:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
+        await self._records_mirror.stop()
 
     async def _put_record(self, rec: WorkloadRecord) -> None:
         key = self.n.workload_key(rec.tenant_id, rec.spec.name)
         await self._kv.put(key, encode(rec))
-        self._records_by_key[key] = rec  # read-your-writes, before the watcher sees it
+        self._records_mirror.put(key, rec)
 
     async def _handle(self, request: Request) -> None:
         """Check the reply subject and the tenant's in-flight bound; never wait here
