@@ -105,7 +105,7 @@ class JsonlSpanExporter(SpanExporter):
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock = _lock_for(self.path)
         self._closed = False
         self.exported = 0
@@ -113,7 +113,7 @@ class JsonlSpanExporter(SpanExporter):
     def retarget(self, path: Path) -> None:
         """Write further spans to ``path`` (a repeated ``setup_tracing`` with another out_dir)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path, self._lock = path, _lock_for(path)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -124,7 +124,8 @@ class JsonlSpanExporter(SpanExporter):
         data = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans).encode()
         try:
             with self._lock:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                # Owner-only: spans carry tenants' ids, workload names and errors.
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 try:
                     os.write(fd, data)
                 finally:

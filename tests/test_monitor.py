@@ -237,6 +237,7 @@ async def test_traces_cross_nats_under_one_trace_id(broker: Broker, tmp_path: Pa
     assert provider_a.force_flush() and provider_b.force_flush()
 
     spans = telemetry.load_traces(tmp_path / "traces.jsonl")
+    assert (tmp_path / "traces.jsonl").stat().st_mode & 0o077 == 0  # owner-only: tenants' data
     trace_id = format(root.get_span_context().trace_id, "032x")
     ours = telemetry.traces_by_id(spans)[trace_id]
     by_name = {s["name"]: s for s in ours}
