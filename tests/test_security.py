@@ -617,6 +617,10 @@ async def test_operator_quota_and_priority_class(secure: Secure) -> None:
         check_applied(AdminReply(applied="pending"), "revoking tenant x")
     with pytest.raises(InvalidSpec):
         Quota(priority_class="root")
+    # Names that would collide with the service's own keys are not tenant names.
+    for reserved in ("cursor", "version"):
+        with pytest.raises(InvalidSpec, match="reserved"):
+            await add_tenant(secure.admin, reserved, url=secure.url)
     # The service identity may not write tenant identities (only the control plane may).
     assert secure.ep.service is not None
     errors: list[str] = []
