@@ -55,6 +55,7 @@ class Plan:
 FULL: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, target=0.8),
     Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5),
+    Plan("StackCube-v1", demos=200, updates=1500, budget_s=900.0),  # report only
 )
 QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10),
