@@ -79,6 +79,10 @@ class ActionHead(nn.Module, abc.ABC):
     """Base of tenant heads: ``loss`` for training, ``act`` for decoding (both abstract)."""
 
     type_name: str = ""
+    state_mean: torch.Tensor
+    state_std: torch.Tensor
+    action_mean: torch.Tensor
+    action_std: torch.Tensor
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
