@@ -61,6 +61,9 @@ from joynexus.broker.subjects import HEALTH_KIND
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+#: Roles whose processes another supervisor owns (environment workers: role
+#: producer-rl's); a supervising manager that does not own them ignores their beats.
+SUPERVISED_ELSEWHERE = ("env-worker",)
 #: How many heartbeat intervals without a beat make an agent missing.
 MISS_AFTER = 2.5
 
@@ -115,6 +118,8 @@ class SlotState(msgspec.Struct, kw_only=True):
     beats: int = 0
     errors: int = 0
     last_error: str = ""
+    #: What the slot runs for, when its supervisor says (an environment worker: its workload).
+    detail: str = ""
 
 
 class SupervisorState(msgspec.Struct, kw_only=True):
@@ -546,12 +551,23 @@ class HealthManager:
         log_dir: str | os.PathLike[str] | None = None,
         kill_grace_s: float = 10.0,
         keep_decisions: int = 50,
+        mode: Literal["supervise", "watch"] | None = None,
+        watch_keys: str = "hb.>",
+        owned_only: bool = False,
     ) -> None:
+        """``mode`` defaults to supervise with slots and watch without; a supervisor
+        whose slots come and go (:meth:`add_slot`, :meth:`remove_slot`) passes
+        ``mode="supervise"``. ``watch_keys`` filters the heartbeats it reads and
+        ``owned_only`` ignores beats of instances it does not own."""
         self.b = b
         self.instance = instance
         self.core = core or HealthCore()
         self.slots = {s.instance: s for s in slots or []}
-        self.mode: Literal["supervise", "watch"] = "supervise" if slots else "watch"
+        self.mode: Literal["supervise", "watch"] = mode or ("supervise" if slots else "watch")
+        self.watch_keys = watch_keys
+        self.owned_only = owned_only
+        #: Per instance: what it runs for (shown as SlotState.detail).
+        self.details: dict[str, str] = {}
         for s in self.slots.values():
             self.core.own(s.role, s.instance)
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -562,6 +578,69 @@ class HealthManager:
         self._waiters: dict[str, asyncio.Task[None]] = {}
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._clock = time.monotonic
+        self._removals: set[asyncio.Task[None]] = set()
+
+    # -- slots that come and go (processed on the manager's loop)
+    def add_slot(self, slot: RoleSlot) -> None:
+        """Own and start ``slot`` (supervise mode); restarted in place like the others."""
+        self._events.put_nowait(("add", slot))
+
+    async def remove_slot(self, instance: str) -> int | None:
+        """Stop ``instance`` (SIGTERM, SIGKILL after the grace) and forget it; returns
+        its exit code once it is gone (None if it was not running)."""
+        done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._events.put_nowait(("remove", (instance, done)))
+        return await done
+
+    def _add(self, slot: RoleSlot) -> list[Any]:
+        self.slots[slot.instance] = slot
+        self.core.own(slot.role, slot.instance)
+        return [self._spawn(slot)]
+
+    def _remove(self, instance: str, done: asyncio.Future[int | None]) -> None:
+        s = self.core.slots.pop(instance, None)
+        if s is not None:
+            s.state = "stopped"
+        self.slots.pop(instance, None)
+        self.details.pop(instance, None)
+        proc = self.procs.pop(instance, None)
+        waiter = self._waiters.pop(instance, None)
+
+        async def stop_it() -> None:
+            code: int | None = None
+            try:
+                if proc is not None and proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGCONT)
+                        proc.terminate()
+                    try:
+                        await asyncio.wait_for(proc.wait(), self.kill_grace_s)
+                    except TimeoutError:
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.kill()
+                        await proc.wait()
+                code = proc.returncode if proc is not None else None
+                if waiter is not None:
+                    waiter.cancel()
+                if proc is not None:
+                    await self._publish(
+                        HealthDecision(
+                            action="stopped",
+                            role=s.role if s else "",
+                            instance=instance,
+                            pid=proc.pid,
+                            exit_code=code,
+                            reason="slot removed by its supervisor",
+                            at=self._clock(),
+                        )
+                    )
+            finally:
+                if not done.done():
+                    done.set_result(code)
+
+        task = asyncio.create_task(stop_it())
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     # -- processes
     async def _spawn(self, slot: RoleSlot) -> None:
@@ -669,6 +748,7 @@ class HealthManager:
                     beats=s.beats,
                     errors=s.errors,
                     last_error=s.last_error,
+                    detail=self.details.get(s.instance, ""),
                 )
             )
         return SupervisorState(
@@ -684,10 +764,9 @@ class HealthManager:
         )
 
     async def _watch_beats(self, kv: Any) -> None:
-        prefix = "hb."
         while True:
             try:
-                watcher = await kv.watch(f"{prefix}>")
+                watcher = await kv.watch(self.watch_keys)
                 while True:
                     try:
                         entry = await watcher.updates(timeout=5.0)
@@ -726,6 +805,20 @@ class HealthManager:
                     kind, payload = "tick", None
                 now = self._clock()
                 decisions: list[HealthDecision] = []
+                if kind == "add":
+                    for spawn in self._add(payload):
+                        await spawn
+                    continue
+                if kind == "remove":
+                    self._remove(*payload)
+                    continue
+                if kind in ("beat", "expired"):
+                    who = payload.instance if kind == "beat" else payload
+                    role = payload.role if kind == "beat" else ""
+                    if who not in self.slots and (
+                        self.owned_only or (self.mode == "supervise" and role in SUPERVISED_ELSEWHERE)
+                    ):
+                        kind = "tick"
                 if kind == "beat":
                     decisions = self.core.on_beat(payload, now)
                 elif kind == "expired":
@@ -759,6 +852,7 @@ class HealthManager:
                 if s.owned:
                     s.state = "stopped"
             await asyncio.gather(*(self._kill(i, graceful=True) for i in self.slots))
+            await asyncio.gather(*self._removals, return_exceptions=True)
             for t in self._waiters.values():
                 t.cancel()
             await asyncio.gather(*self._waiters.values(), return_exceptions=True)

@@ -6,7 +6,7 @@ version, and the producers that turn it into jobs.
 * ``PolicyInitializer``: the control plane's hook; publishes version 1 of a
   new workload's action module (fresh weights, or a copy of a version of
   another of the tenant's workloads: SFT then RL).
-* ``RLProducer``: reserve (recording the behaviour version first), roll out
+* ``RLProducer`` (now in ``joynexus.agents.envworkers``): reserve, roll out
   in ManiSkill with actions from the Inference Queue pinned to that version
   plus Gaussian exploration, put num_envs x horizon samples into the
   partition, mark needs_advantages.
@@ -272,133 +272,8 @@ def chunk_targets(
     return out_M_H_A
 
 
-class RLProducer:
-    def __init__(self, broker: Broker, record: WorkloadRecord, *, instance: str) -> None:
-        from joynexus.agents.inference import InferenceClient
-
-        self.b = broker
-        self.rec = record
-        self.spec = record.spec
-        self.tenant = record.tenant_id
-        self.instance = instance
-        self.sched = SchedulerClient(broker, by=instance)
-        self.tq = TrainingQueue(broker)
-        self.policies = PolicyStore(broker)
-        # A restarted engine (health manager) is waited for instead of failing the rollout.
-        self.infer = InferenceClient(
-            broker, base_model=self.spec.base_model, timeout_s=15.0, retry_for_s=90.0
-        )
-        self.rng = np.random.default_rng(self.spec.seed)
-        self.rollouts = 0
-
-    async def run(self, stop: asyncio.Event) -> None:
-        from joynexus.agents.envs.maniskill import make_env
-
-        schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
-        await self._fail_orphans()
-        env = await asyncio.to_thread(
-            make_env,
-            self.spec.env,
-            obs="rgb",
-            num_envs=self.spec.num_envs,
-            image_size=self.spec.image_size,
-            seed=self.spec.seed,
-        )
-        backoff = 0.05
-        try:
-            while not stop.is_set():
-                version = (await self.policies.latest(self.tenant, self.spec.name)).version
-                span, traceparent = tracing.start_job_trace(
-                    "rl.job", tenant=self.tenant, workload=self.spec.name, behavior_version=version
-                )
-                with trace.use_span(span, end_on_exit=False):
-                    job = await self.sched.reserve(
-                        self.tenant,
-                        "rl",
-                        policy_key=self.spec.name,
-                        domain=self.spec.env,
-                        sample_count=self.spec.num_envs * self.spec.horizon,
-                        behavior_policy_version=version,
-                        metadata=JobMetadata(
-                            schema_signature=schema.signature(),
-                            extra={
-                                "instruction": instruction,
-                                "advantage": self.spec.advantage,
-                                "traceparent": traceparent,
-                            },
-                        ),
-                    )
-                if job is None:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), backoff)
-                    backoff = min(backoff * 2, 1.0)
-                    continue
-                backoff = 0.05
-                with trace.use_span(span, end_on_exit=True):
-                    span.set_attribute("job_id", job.job_id)
-                    await self.sched.mark(job.job_id, JobState.PRODUCING)
-                    try:
-                        data = await self._rollout(env, schema, instruction, version)
-                        await self.tq.async_put(
-                            data, tenant_id=self.tenant, partition_id=job.partition_id
-                        )
-                        await self.sched.mark(
-                            job.job_id,
-                            JobState.NEEDS_ADVANTAGES,
-                            sample_count=len(data[STATE_FIELD]),
-                        )
-                    except JoyNexusError as e:
-                        await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
-        finally:
-            await asyncio.to_thread(env.close)
-
-    async def _fail_orphans(self) -> None:
-        """Jobs a previous incarnation reserved but never finished producing."""
-        for job in await self.sched.list_jobs(
-            self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED, JobState.PRODUCING]
-        ):
-            await self.sched.fail(job.job_id, "producer restarted before the rollout finished")
-
-    async def _rollout(
-        self, env: Any, schema: FeatureSchema, instruction: str, version: int
-    ) -> dict[str, np.ndarray]:
-        from joynexus.agents.envs.maniskill import rollout
-
-        async def act(obs: dict[str, Any]) -> np.ndarray:
-            chunk_N_H_A = await self.infer.act(
-                self.tenant,
-                schema=schema,
-                policy_key=self.spec.name,
-                policy_version=version,
-                images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
-                instruction=instruction,
-                state=obs[OBS_STATE],
-            )
-            noise = self.rng.normal(0.0, EXPLORATION_STD, chunk_N_H_A.shape).astype(np.float32)
-            return np.clip(chunk_N_H_A + noise, -1.0, 1.0)
-
-        out = await rollout(
-            env, act, horizon=self.spec.horizon, seed=self.spec.seed * 100_003 + self.rollouts
-        )
-        self.rollouts += 1
-        await metrics.emit(
-            self.b,
-            "learning",
-            self.tenant,
-            workload=self.spec.name,
-            rollout_success=float(out["success"].mean()),
-            behavior_version=version,
-            mean_reward=float(out["rewards"].mean()),
-        )
-        # Learn the chunk of actions executed from each step on (the head predicts chunks).
-        out[ACTIONS_FIELD] = chunk_targets(
-            out["actions"],
-            out["env_id"],
-            out["episode_index"],
-            out["frame_index"],
-            schema.action_horizon,
-        )
-        return out
+# RLProducer lives in joynexus.agents.envworkers (environment worker processes);
+# ``from joynexus.agents.workloads import RLProducer`` still works (module __getattr__).
 
 
 class SFTProducer:
@@ -565,7 +440,9 @@ class ProducerAgent:
                     continue
                 if rec.state == "active" and key not in self.running:
                     ev = asyncio.Event()
-                    cls = RLProducer if self.task_type == "rl" else SFTProducer
+                    cls: Any = SFTProducer
+                    if self.task_type == "rl":
+                        from joynexus.agents.envworkers import RLProducer as cls
                     producer = cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}")
                     self.running[key] = (
                         asyncio.create_task(self._guard(producer.run(ev), key)),
@@ -591,10 +468,17 @@ class ProducerAgent:
             del self.running[key]
 
 
+def __getattr__(name: str) -> Any:
+    if name == "RLProducer":  # moved; imported lazily (envworkers imports this module)
+        from joynexus.agents.envworkers import RLProducer
+
+        return RLProducer
+    raise AttributeError(name)
+
+
 __all__ = [
     "PolicyInitializer",
     "ProducerAgent",
-    "RLProducer",
     "SFTProducer",
     "chunk_targets",
     "feature_dim",

@@ -331,6 +331,7 @@ async def run_agent(
 
     setup_tracing(f"joynexus-{role}", out_dir=opts.data_dir / "traces")
 
+    opts.nats_url = opts.nats_url or url
     b = await Broker.connect(url, name=opts.instance, namespace=namespace)
     try:
         await run_role(role, b, stop, opts)

@@ -99,14 +99,76 @@ async def supervise(
             log_dir=None,
         )
         print(
-            f"deployment up on {url} (namespace {namespace}): {', '.join(roles)}, supervised by "
-            f"the health manager; Ctrl-C stops it; `joynexus status --nats {url}` shows it",
+            f"starting {', '.join(roles)} on {url} (namespace {namespace}) ...",
             file=sys.stderr,
             flush=True,
         )
-        await manager.run(stop)
+        run = asyncio.create_task(manager.run(stop))
+        ready = asyncio.create_task(wait_answering(b, manager, roles, stop))
+        await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and not ready.cancelled() and ready.result() is not None:
+            print(
+                f"deployment up on {url} (namespace {namespace}) after {ready.result():.0f}s: "
+                f"{', '.join(roles)} answering, supervised by the health manager; Ctrl-C stops "
+                f"it; `joynexus status --nats {url}` shows it",
+                file=sys.stderr,
+                flush=True,
+            )
+        await run
+        ready.cancel()
+        with contextlib.suppress(BaseException):
+            await ready
     finally:
         await b.close()
+
+
+async def wait_answering(
+    b: object, manager: object, roles: list[str], stop: asyncio.Event, *, say_every_s: float = 15.0
+) -> float | None:
+    """Until every role process beats and the request servers among them answer
+    (the scheduler, the control plane, an inference engine); seconds it took, or
+    None if stopped first. Says what it still waits for every ``say_every_s``."""
+    import time
+
+    from joynexus.agents.scheduler_client import SchedulerClient
+
+    t0 = time.monotonic()
+    last_say = t0
+    services = {
+        "control": b.names.control_service,  # type: ignore[attr-defined]
+        "inference": b.names.inference_service,  # type: ignore[attr-defined]
+    }
+    answered: set[str] = set()
+    while not stop.is_set():
+        slots = manager.core.slots  # type: ignore[attr-defined]
+        pending = [s.role for s in slots.values() if s.owned and s.state != "running"]
+        for role in roles:
+            if role in answered or role in pending:
+                continue
+            try:
+                if role == "scheduler":
+                    await SchedulerClient(
+                        b, by="launcher", call_timeout_s=1.0, deadline_s=1.0  # type: ignore[arg-type]
+                    ).snapshot()
+                elif role in services:
+                    await b.nc.request(f"$SRV.PING.{services[role]}", b"", timeout=1.0)  # type: ignore[attr-defined]
+                answered.add(role)
+            except Exception:
+                pass
+        waiting = [r for r in roles if r not in answered]
+        if not waiting:
+            return time.monotonic() - t0
+        now = time.monotonic()
+        if now - last_say >= say_every_s:
+            last_say = now
+            print(
+                f"  still starting after {now - t0:.0f}s: waiting for {', '.join(waiting)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    return None
 
 
 def launch(url: str, namespace: str, roles: list[str], *, out_dir: Path) -> int:

@@ -19,7 +19,12 @@ actor lease is held, as a real step would; default 0),
 ``JOYNEXUS_DATASETS`` (role ``control``: the root of the tenants' dataset
 spaces, ``<root>/<tenant>/<dataset>``; default ``.jnx/datasets``) and
 ``JOYNEXUS_MAX_EVALS`` (role ``evaluator``: evaluation rounds run at once,
-handed out round-robin by tenant; default 2).
+handed out round-robin by tenant; default 2), ``JOYNEXUS_ENV_SPARES`` and
+``JOYNEXUS_ENV_WORKERS_MAX`` (role ``producer-rl``: warm idle environment
+workers, default 1, and worker processes at most, default 8).
+
+Role ``producer-rl`` supervises environment worker processes (role
+``env-worker``, one or more per RL workload; :mod:`joynexus.agents.envworkers`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ ROLES = (
     "monitor",
     "synthetic",
     "health",
+    "env-worker",
 )
 
 #: What `joynexus up` starts, in this order (the scheduler first: others call it).
@@ -90,6 +96,8 @@ class RoleOptions:
     max_evals: int = field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_MAX_EVALS", "2"))
     )
+    #: The NATS URL this role was given (producer-rl hands it to its env workers).
+    nats_url: str = ""
 
 
 #: Modules a role imports, loaded before its first heartbeat: an import of
@@ -98,7 +106,8 @@ _ROLE_MODULES = {
     "scheduler": ["joynexus.agents.scheduler"],
     "control": ["joynexus.agents.control", "joynexus.agents.workloads"],
     "inference": ["joynexus.agents.inference"],
-    "producer-rl": ["joynexus.agents.workloads", "joynexus.agents.inference"],
+    "producer-rl": ["joynexus.agents.envworkers", "joynexus.agents.health"],
+    "env-worker": ["joynexus.agents.envworkers", "joynexus.agents.inference"],
     "producer-sft": ["joynexus.agents.workloads"],
     "advantage": ["joynexus.agents.advantage"],
     "actor": ["joynexus.agents.actor", "joynexus.agents.models.backbone"],
@@ -165,10 +174,22 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
             max_wait_ms=o.max_wait_ms,
             instance=o.instance,
         )
-    elif role in ("producer-rl", "producer-sft"):
+    elif role == "producer-rl":
+        from joynexus.agents.envworkers import EnvSupervisor
+
+        url = o.nats_url or b.nc.connected_url.geturl()  # type: ignore[union-attr]
+        _say(f"{o.instance}: environment workers for the RL workloads (hb.env-worker.*)")
+        await EnvSupervisor(
+            b, instance=o.instance, url=url, data_dir=o.data_dir, heartbeat_s=o.heartbeat_s
+        ).run(stop)
+    elif role == "env-worker":
+        from joynexus.agents.envworkers import EnvWorker
+
+        await EnvWorker(b, instance=o.instance).run(stop)
+    elif role == "producer-sft":
         from joynexus.agents.workloads import ProducerAgent
 
-        await ProducerAgent(b, role.removeprefix("producer-"), instance=o.instance).run(stop)
+        await ProducerAgent(b, "sft", instance=o.instance).run(stop)
     elif role == "advantage":
         from joynexus.agents.advantage import AdvantageAgent
 

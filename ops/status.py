@@ -64,6 +64,7 @@ async def collect(b: Broker) -> dict[str, Any]:
         for r in await _gather_replies(b, f"$SRV.STATS.{b.names.inference_service}")
     ]
     out["agents"] = await _heartbeats(b)
+    out["env_workers"] = env_workers(out["agents"].get("managers", []))
     out["security"] = await _refusals(b)
     out["tenants"] = await _tenants(b)
     return out
@@ -195,12 +196,34 @@ async def _heartbeats(b: Broker) -> dict[str, Any]:
                 if entry.key.startswith("mgr."):  # a health manager: its slots and decisions
                     managers.append(value)
                     continue
+                if entry.key.startswith("env."):  # an environment worker's assignment
+                    continue
                 value["age_s"] = round(now - float(value.get("at", now)), 1)
                 out.append(value)
     finally:
         await watcher.stop()
     beats = sorted(out, key=lambda h: (h.get("role", ""), h.get("instance", "")))
     return {"heartbeats": beats, "managers": managers}
+
+
+def env_workers(managers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Environment worker processes per RL workload (from the ``producer-rl``
+    supervisors' views): ``{"by_workload": {key: n}, "standby": n, "workers": [...]}``."""
+    workers = [
+        {**sl, "supervisor": m.get("instance"), "workload": sl.get("detail") or ""}
+        for m in managers
+        for sl in m.get("slots", [])
+        if sl.get("role") == "env-worker"
+    ]
+    by: dict[str, int] = {}
+    for w in workers:
+        if w["workload"]:
+            by[w["workload"]] = by.get(w["workload"], 0) + 1
+    return {
+        "by_workload": by,
+        "standby": sum(1 for w in workers if not w["workload"]),
+        "workers": workers,
+    }
 
 
 def render(s: dict[str, Any]) -> str:
@@ -271,9 +294,24 @@ def render(s: dict[str, Any]) -> str:
         )
     else:
         parts.append("Inference engines: none answering")
+    ew = s.get("env_workers") or {}
+    if ew.get("workers"):
+        wrows = [
+            [w["workload"] or "(standby)", w.get("instance"), w.get("state"), w.get("pid"),
+             w.get("restarts", 0)]
+            for w in sorted(ew["workers"], key=lambda w: (w["workload"] or "~", w["instance"]))
+        ]
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(ew.get("by_workload", {}).items()))
+        parts.append(
+            f"Environment workers: {len(ew['workers'])} ({counts or 'no RL workload'}; "
+            f"standby {ew.get('standby', 0)})\n"
+            + table(wrows, ["workload", "instance", "state", "pid", "restarts"])
+        )
     health = s.get("agents", {})
     agents = health.get("heartbeats", [])
     for mgr in health.get("managers", []):
+        # A producer-rl supervisor's slots are the environment workers shown above.
+        env_only = all(sl.get("role") == "env-worker" for sl in mgr.get("slots", []))
         srows = [
             [
                 sl.get("role"),
@@ -285,11 +323,12 @@ def render(s: dict[str, Any]) -> str:
             ]
             for sl in mgr.get("slots", [])
         ]
-        parts.append(
-            f"Health manager {mgr.get('instance')} ({mgr.get('mode')}), "
-            f"global restarts {mgr.get('global_restarts', 0)}\n"
-            + table(srows, ["role", "instance", "state", "pid", "restarts", "last reason"])
-        )
+        if not env_only:
+            parts.append(
+                f"Health manager {mgr.get('instance')} ({mgr.get('mode')}), "
+                f"global restarts {mgr.get('global_restarts', 0)}\n"
+                + table(srows, ["role", "instance", "state", "pid", "restarts", "last reason"])
+            )
         drows = [
             [d.get("action"), d.get("role"), d.get("instance"), (d.get("reason") or "")[:60]]
             for d in mgr.get("decisions", [])[-8:]

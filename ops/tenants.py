@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 from nats.errors import NoRespondersError
@@ -34,22 +35,54 @@ class NotApplied(JoyNexusError):
     permanent = False
 
 
+#: How long an operator request waits for a control plane that is not answering yet
+#: (no responders: a deployment still starting, a control role restarting).
+WAIT_FOR_CONTROL_S = 30.0
+
+
 async def admin_request(
-    b: Broker, verb: str, req: TenantRequest, *, timeout_s: float = 30.0
+    b: Broker,
+    verb: str,
+    req: TenantRequest,
+    *,
+    timeout_s: float = 30.0,
+    wait_s: float = WAIT_FOR_CONTROL_S,
 ) -> AdminReply:
     subject = b.names.admin(verb)
-    try:
-        msg = await b.nc.request(subject, encode(req), timeout=timeout_s)
-    except (NoRespondersError, NatsTimeout, TimeoutError) as e:
-        raise Unavailable(
-            f"the control plane did not answer {verb} on {subject} ({type(e).__name__}): is "
-            "the deployment up, and are you connected as the admin identity "
-            "(--creds <data-dir>/credentials/admin.json)?"
-        ) from e
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    said = False
+    while True:
+        try:
+            msg = await b.nc.request(subject, encode(req), timeout=timeout_s)
+            break
+        except NoRespondersError as e:
+            # Nobody got the request, so asking again cannot do it twice.
+            if loop.time() >= deadline:
+                raise _unanswered(verb, subject, e) from e
+            if not said:
+                said = True
+                print(
+                    f"waiting up to {wait_s:.0f}s for the control plane to answer on {subject} "
+                    "(is the deployment still starting?) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            await asyncio.sleep(min(1.0, max(0.0, deadline - loop.time())))
+        except (NatsTimeout, TimeoutError) as e:
+            raise _unanswered(verb, subject, e) from e
     reply = decode(msg.data, AdminReply, what=f"reply to {verb}")
     if reply.error is not None:
         raise error_from_code(reply.error.code, reply.error.message)
     return reply
+
+
+def _unanswered(verb: str, subject: str, e: Exception) -> Unavailable:
+    return Unavailable(
+        f"the control plane did not answer {verb} on {subject} ({type(e).__name__}): is "
+        "the deployment up, and are you connected as the admin identity "
+        "(--creds <data-dir>/credentials/admin.json)?"
+    )
 
 
 async def add_tenant(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import uuid
@@ -313,8 +314,9 @@ async def _at_least(s: set[str], n: int) -> bool:
 async def test_real_producer_and_inference_killed_mid_work(
     nats_server: EmbeddedNats, namespace: str, tmp_path: Path
 ) -> None:
-    """ManiSkill RL (PickCube, 1 env, horizon 4) through the real roles; SIGKILL the
-    RL producer mid-rollout and the inference engine mid-batch."""
+    """ManiSkill RL (PickCube, 1 env, horizon 4) through the real roles; SIGKILL an
+    environment worker mid-rollout (acme has two, each its own process), the RL
+    producer (their supervisor) mid-rollout and the inference engine mid-batch."""
     from joynexus.ops.bench_faults import Fault
     from joynexus.schemas.workloads import Scheduling, WorkloadSpec
     from joynexus.sdk import Client
@@ -326,7 +328,7 @@ async def test_real_producer_and_inference_killed_mid_work(
         ["scheduler", "control", "inference", "advantage", "actor", "producer-rl"],
         out_dir=tmp_path / "actor",
         extra={"scheduler": ["--lease-ttl", "5"]},
-        env={"JOYNEXUS_ACK_WAIT_S": "5"},
+        env={"JOYNEXUS_ACK_WAIT_S": "5", "JOYNEXUS_ENV_SPARES": "0"},
         heartbeat_s=1.0,
         log_dir=tmp_path / "logs",
         tenants=tenants,
@@ -345,10 +347,13 @@ async def test_real_producer_and_inference_killed_mid_work(
                     num_envs=1,
                     horizon=4,
                     action_horizon=2,
-                    scheduling=Scheduling(max_in_flight=2),
+                    scheduling=Scheduling(
+                        max_in_flight=2, max_active_rollouts=2 if tenant == "acme" else 1
+                    ),
                 )
             )
         await rig.progressed({}, within=200)
+        await _env_worker_killed_mid_rollout(rig)
 
         def producing(tenant: str):  # type: ignore[no-untyped-def]
             return lambda j: j.state is JobState.PRODUCING and j.tenant_id == tenant
@@ -374,3 +379,55 @@ async def test_real_producer_and_inference_killed_mid_work(
             with contextlib.suppress(Exception):
                 await c.close()
         await rig.close()
+
+
+async def _env_worker_killed_mid_rollout(rig: FaultRig) -> None:
+    """One of acme's two environment workers is SIGKILLed while it produces a job:
+    its supervisor restarts it in place, the job is failed (not lost, never
+    trained), and both tenants go on; `status` counts the workers per workload."""
+    import msgspec
+
+    from joynexus.agents.health import SupervisorState
+    from joynexus.ops.status import collect
+
+    kv = await rig.b.js.key_value(rig.b.names.health_bucket)
+
+    async def mgr() -> SupervisorState:
+        return msgspec.json.decode((await kv.get("mgr.producer-rl-0")).value, type=SupervisorState)
+
+    async def counted() -> bool:
+        s = await collect(rig.b)
+        return s["env_workers"]["by_workload"] == {"acme.pick": 2, "bolt.pick": 1}
+
+    await wait_until(counted, 60, "status: 2 workers for acme, 1 for bolt", every=0.5)
+
+    async def victim() -> object:
+        for j in await rig.sched.list_jobs("acme", states=[JobState.PRODUCING]):
+            if j.metadata.extra.get("producer", "").startswith("producer-rl-0-w"):
+                return j
+        return None
+
+    job = await wait_until(victim, 120, "an acme job producing in a worker", every=0.05)
+    inst = job.metadata.extra["producer"]  # type: ignore[attr-defined]
+    old = msgspec.json.decode((await kv.get(f"hb.env-worker.{inst}")).value, type=Heartbeat).pid
+    before = dict(await rig.completed())
+    os.kill(old, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        s = await mgr()
+        slot = next((x for x in s.slots if x.instance == inst), None)
+        return bool(slot and slot.state == "running" and slot.pid not in (None, old))
+
+    await wait_until(restarted, 120, f"{inst} restarted in place", every=0.2)
+    s = await mgr()
+    assert any(
+        d.action == "restart" and d.instance == inst and d.reason == "process exited with -9"
+        for d in s.decisions
+    ), s.decisions
+    assert {x.detail for x in s.slots if x.instance == inst} == {"acme.pick"}
+
+    async def failed() -> bool:
+        return (await rig.sched.get_job(job.job_id)).state is JobState.FAILED  # type: ignore[attr-defined]
+
+    await wait_until(failed, 60, "the killed worker's job failed by its successor")
+    await rig.progressed(before, within=150)

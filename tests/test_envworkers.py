@@ -1,0 +1,100 @@
+"""Environment worker pool decisions (no processes) and how status counts workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from joynexus.agents.envworkers import EnvSupervisor
+from joynexus.ops.status import env_workers, render
+from joynexus.schemas.workloads import Scheduling, WorkloadRecord, WorkloadSpec
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.details: dict[str, str] = {}
+        self.added: list[str] = []
+
+    def add_slot(self, slot: Any) -> None:
+        self.added.append(slot.instance)
+
+    async def remove_slot(self, instance: str) -> int:
+        return 0
+
+
+class _KV:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    async def put(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    async def delete(self, key: str) -> None:
+        self.values.pop(key, None)
+
+
+def _rec(tenant: str, rollouts: int, at: float) -> WorkloadRecord:
+    spec = WorkloadSpec(
+        name="rl", task_type="rl", env="PickCube-v1",
+        scheduling=Scheduling(max_in_flight=4, max_active_rollouts=rollouts),
+    )
+    return WorkloadRecord(tenant_id=tenant, spec=spec, created_at=at)
+
+
+async def test_pool_assigns_warm_spares_first_and_takes_workers_back() -> None:
+    from types import SimpleNamespace
+
+    from joynexus.broker.subjects import Names
+
+    b = SimpleNamespace(names=Names("jnx"))
+    sup = EnvSupervisor(b, instance="p", url="nats://x", spares=1, max_workers=4)  # type: ignore[arg-type]
+    sup.manager, sup.kv = _Manager(), _KV()  # type: ignore[assignment]
+    failed: list[tuple[Any, list[str]]] = []
+
+    async def fail_jobs_of(instances: Any, keys: list[str]) -> None:
+        failed.append((instances, keys))
+
+    sup._fail_jobs_of = fail_jobs_of  # type: ignore[method-assign]
+    await sup.reconcile()  # nothing active: one spare
+    assert sup.pool == {"p-w0": ""}
+    sup.warm.add("p-w0")
+    sup.active = {"acme.rl": _rec("acme", 2, 1.0), "bolt.rl": _rec("bolt", 1, 2.0)}
+    await sup.reconcile()
+    # acme (older) takes the warm spare and one new worker, bolt one, plus a new spare;
+    # the cap (4) is reached, so no spare is left.
+    assert sup.pool["p-w0"] == "acme.rl"
+    assert sorted(sup.pool.values()).count("acme.rl") == 2
+    assert list(sup.pool.values()).count("bolt.rl") == 1 and len(sup.pool) == 4
+    # Jobs left by a previous incarnation's workers are failed before any assignment.
+    assert (None, ["acme.rl"]) in failed and (None, ["bolt.rl"]) in failed
+    assert sup.manager.details["p-w0"] == "acme.rl"  # type: ignore[attr-defined]
+    # acme is done: its workers go back to standby; spares beyond 1 are stopped.
+    sup.done.add("acme.rl")
+    await sup.reconcile()
+    assert list(sup.pool.values()).count("bolt.rl") == 1
+    assert list(sup.pool.values()).count("") == 1 and len(sup.pool) == 2
+
+
+def test_status_counts_env_workers_per_workload() -> None:
+    managers = [
+        {
+            "instance": "producer-rl-0",
+            "mode": "supervise",
+            "slots": [
+                {"role": "env-worker", "instance": "producer-rl-0-w0", "state": "running",
+                 "detail": "acme.rl", "pid": 1, "restarts": 1},
+                {"role": "env-worker", "instance": "producer-rl-0-w1", "state": "running",
+                 "detail": "acme.rl", "pid": 2},
+                {"role": "env-worker", "instance": "producer-rl-0-w2", "state": "starting",
+                 "detail": "", "pid": 3},
+            ],
+            "decisions": [],
+        }
+    ]
+    ew = env_workers(managers)
+    assert ew["by_workload"] == {"acme.rl": 2} and ew["standby"] == 1
+    text = render({
+        "namespace": "jnx", "scheduler": {"error": "x"}, "streams": {}, "consumers": {},
+        "env_workers": ew, "agents": {"heartbeats": [], "managers": managers},
+    })
+    assert "Environment workers: 3 (acme.rl 2; standby 1)" in text
+    assert "Health manager producer-rl-0" not in text  # its slots are the table above
