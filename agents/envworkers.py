@@ -34,7 +34,8 @@ time.
   ``needs_advantages``).
 
 Knobs (environment): ``JOYNEXUS_ENV_SPARES`` (warm idle workers, default 1),
-``JOYNEXUS_ENV_WORKERS_MAX`` (worker processes at most, default 8).
+``JOYNEXUS_ENV_WORKERS_MAX`` (worker processes at most, default 8),
+``JOYNEXUS_ENV_THREADS`` (compute threads per worker, default 1).
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ ENV_ROLE = "env-worker"
 ASSIGN_PREFIX = "env."
 SPARES_ENV = "JOYNEXUS_ENV_SPARES"
 MAX_WORKERS_ENV = "JOYNEXUS_ENV_WORKERS_MAX"
+
+
+THREADS_ENV = "JOYNEXUS_ENV_THREADS"
+
+
+def worker_env() -> dict[str, str]:
+    """A worker's compute threads (default 1): several workers share the cores, and
+    a simulator step gains little from intra-op threads while oversubscribed
+    threads cost every process on the machine."""
+    n = os.environ.get(THREADS_ENV, "1")
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, THREADS_ENV: n}
 
 
 def assignment_key(instance: str) -> str:
@@ -371,6 +383,9 @@ class EnvWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         _die_hard_with_parent()
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get(THREADS_ENV, "1"))))
         health = await self.b.js.key_value(self.b.names.health_bucket)
         workloads = await self.b.js.key_value(self.b.names.workloads_bucket)
         await self._fail_own_orphans(health, workloads)
@@ -507,7 +522,9 @@ class EnvSupervisor:
 
         inst = self._new_instance()
         await self._assign(inst, key)  # before it starts: it reads it once warm
-        self.manager.add_slot(RoleSlot(role=ENV_ROLE, instance=inst, argv=self._argv(inst)))
+        self.manager.add_slot(
+            RoleSlot(role=ENV_ROLE, instance=inst, argv=self._argv(inst), env=worker_env())
+        )
         return inst
 
     def _remove(self, inst: str) -> None:

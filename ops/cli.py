@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="runs/demo", help="report directory (default runs/demo)")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="shared/isolated pairs to measure; report.json has each device_time_ratio "
+        "and their median (default 1)",
+    )
+    p.add_argument(
         "--synthetic",
         action="store_true",
         help="scheduler-only demo with synthetic workers (seconds, no models)",
@@ -272,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
             "fencing",
             "tenant fencing's cost on its own secured server: tenant add, connect, data relayed "
             "through the control plane vs direct, event latency",
+        ),
+        (
+            "rollouts",
+            "aggregate environment steps/s with 1, 2 and 3 RL tenants at once, each with its "
+            "own environment worker process (steps_per_s, ratio_3_vs_1)",
         ),
         (
             "isolation",
@@ -638,7 +650,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         with nats_url(args.nats, args.data_dir, quiet=args.json, **_embedded_opts(args)) as url:
             return asyncio.run(
-                main_job(url, Path(args.out), minutes=args.minutes, as_json=args.json)
+                main_job(
+                    url, Path(args.out), minutes=args.minutes, as_json=args.json,
+                    repeat=args.repeat,
+                )
             )
     if args.command == "dataset" or (args.command == "bench" and args.bench == "learning"):
         from joynexus.ops.learning_cli import dispatch
@@ -670,6 +685,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_fencing import bench_fencing
 
                 result = asyncio.run(bench_fencing())
+            elif args.bench == "rollouts":
+                from joynexus.ops.bench_rollouts import bench_rollouts
+
+                result = asyncio.run(
+                    bench_rollouts(url, seconds=max(args.seconds, 20.0), progress=not args.json)
+                )
             elif args.bench == "inference":
                 from joynexus.ops.bench_inference import bench_inference
 

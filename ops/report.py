@@ -126,7 +126,9 @@ def plot_utilization_timeline(
         labels = []
         for row, (key, intervals) in enumerate(services.items()):
             service = SERVICE_NAMES.get(key, key)
-            color = colors.setdefault(service, next(palette, "tab:gray"))
+            # Environment lanes ("env <tenant> <worker>"): one color per tenant.
+            family = " ".join(service.split()[:2]) if service.startswith("env ") else service
+            color = colors.setdefault(family, next(palette, "tab:gray"))
             merged = merge_intervals(intervals)
             ax.broken_barh(
                 [(s - t0, e - s) for s, e in merged], (row - 0.35, 0.7), facecolors=color
@@ -350,6 +352,25 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
         )
     parts.append("## Headline ratios vs the paper\n")
     parts.append(_table(["ratio", "what", "measured", "paper"], rows))
+    sharing = []
+    if results.get("device_time_ratios"):
+        sharing.append(
+            ["device_time_ratio per repeat",
+             ", ".join(_fmt(r, "ratio") for r in results["device_time_ratios"])
+             + f" (median {_fmt(results.get('device_time_ratio'), 'ratio')})"]
+        )
+    if results.get("mean_tenants_per_batch") is not None:
+        sharing.append(
+            ["mean tenants per inference batch (shared run)",
+             _fmt(results["mean_tenants_per_batch"])]
+        )
+    for name in ("shared", "isolated"):
+        phase = results.get(name)
+        if isinstance(phase, Mapping) and phase.get("env_steps_per_s") is not None:
+            sharing.append([f"environment steps/s, {name} run", _fmt(phase["env_steps_per_s"])])
+    if sharing:
+        parts.append("## Sharing\n")
+        parts.append(_table(["what", "measured"], sharing))
 
     if runs:
         parts.append("## Runs\n")

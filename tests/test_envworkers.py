@@ -98,3 +98,24 @@ def test_status_counts_env_workers_per_workload() -> None:
     })
     assert "Environment workers: 3 (acme.rl 2; standby 1)" in text
     assert "Health manager producer-rl-0" not in text  # its slots are the table above
+
+
+def test_main_job_accounts_worker_lanes_and_tenants_per_batch() -> None:
+    from joynexus.ops.paper import PaperConfig, PhaseResult, _account, base_tenant, plans
+
+    assert base_tenant("acme2") == "acme" and [p.tenant for p in plans(PaperConfig(), "d", 1)] == [
+        "acme1", "bolt1", "cora1", "dana1"]
+    metrics = [
+        {"kind": "system", "service": "env", "busy_start": 10.0, "busy_end": 12.0,
+         "instance": "producer-rl-0-w1", "tenant": "acme1", "steps": 16},
+        {"kind": "system", "service": "infer", "busy_start": 10.5, "busy_end": 10.6,
+         "tenants": 2, "requests": 3},
+        {"kind": "system", "service": "infer", "busy_start": 11.0, "busy_end": 11.1,
+         "tenants": 1, "requests": 1},
+        {"kind": "system", "service": "infer", "busy_start": 30.0, "busy_end": 30.1,
+         "tenants": 3, "requests": 3},  # outside the window
+    ]
+    r = PhaseResult("shared")
+    _account(r, metrics, [(10.0, 20.0)], {"acme1"})
+    assert r.intervals["env acme w1"] == [(0.0, 2.0)] and r.env_steps == 16
+    assert r.mean_tenants_per_batch() == 1.5
