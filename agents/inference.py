@@ -12,10 +12,30 @@ subject names. A request whose payload claims another tenant gets a
 Path of a request::
 
     handler (decode, look up the tenant's head, validate, enqueue; never waits)
-      -> batcher (tenants take turns, each in FIFO order; up to B requests or T ms
-         after the first)
-      -> ONE backbone forward over the concatenated rows (off the event loop)
+      -> batcher (tenants take turns, each in FIFO order; up to B requests; an idle
+         engine runs at once, a busy one forms the next batch meanwhile)
+      -> ONE preparation of the whole batch (images patchified in one vectorised
+         call, instructions tokenised once per distinct text) and ONE backbone
+         forward over the concatenated rows (off the event loop)
       -> split rows -> each tenant's head at its requested version -> reply
+
+Adaptive batching (issue 15). Every RL environment step waits for one round
+trip, so a lone request must not wait for company that is not coming: an idle
+engine runs what it has at once (one turn of the event loop, so requests that
+arrived together still share the forward). While a batch runs, requests
+accumulate and form the next batch (up to ``max_batch`` = B) the moment it
+ends; ``max_wait_ms`` (T) only bounds how long a request that arrived at a
+busy engine may still wait for company after that, counted from its arrival.
+Batch size therefore follows load: 1 at concurrency 1, B when saturated.
+From Clipper (Crankshaw et al., NSDI'17) we took *delayed batching* - wait at
+most T for a batch to fill - but only under load, where it trades a little
+latency for throughput; not its AIMD search for B (B is fixed per engine: the
+shared forward is what the paper measures, and the queue bound and tenant
+turns keep latency in check). From vLLM's *continuous batching* (Kwon et al.,
+SOSP'23; Orca's iteration-level scheduling) we took that the scheduler never
+waits when it could run: the next batch is formed at the boundary of the
+running one from whatever has arrived. Not its preemption or paged KV: a
+request here is one forward, with no state kept between steps.
 
 Tenants are hostile to each other (issue 11): a request is answered only at
 its requester's own inbox, on the responder connection (inboxes only;
@@ -68,6 +88,7 @@ from joynexus.agents.models.features import (
     canonicalize_request,
     concat_batches,
     split_rows,
+    wire_view,
 )
 from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import TenantModule
@@ -143,6 +164,8 @@ class _Pending:
     received: float
     enqueued: float = 0.0
     answered: bool = False
+    #: arrived while a batch was running (only such a request may wait for company)
+    busy: bool = False
 
 
 @dataclass
@@ -220,6 +243,7 @@ class InferenceEngine:
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
         self._inflight = 0
+        self._running = False  # a batch is in its forward
         self._idle = asyncio.Event()
         self._idle.set()
         self._batch_ids = itertools.count(1)
@@ -586,6 +610,7 @@ class InferenceEngine:
                 raise InvalidSpec("noise contains NaN/inf: send finite numbers only")
         p = _Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
         p.enqueued = time.perf_counter()
+        p.busy = self._running
         self._queue.append(p)
         self._wake.set()
 
@@ -644,12 +669,20 @@ class InferenceEngine:
         return len(self._plan())
 
     async def _batch_loop(self) -> None:
+        """Adaptive batching: an idle engine runs what it has at once; while a batch runs,
+        requests accumulate and form the next one (up to ``max_batch``, tenants taking
+        turns). Only a request that arrived while a batch ran may wait for company, and
+        at most ``max_wait_ms`` after it arrived (its wait behind the running batch counts)."""
         loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
-            deadline = self._queue[0].enqueued + self.max_wait_s
+            # One turn of the event loop: requests already delivered to this connection
+            # join (nats-py hands them to the handler one after another, without waiting).
+            await asyncio.sleep(0)
+            head = self._queue[0]
+            deadline = head.enqueued + (self.max_wait_s if head.busy else 0.0)
             while True:
                 n = self._prefix_len()
                 # Full, or blocked by an incompatible request behind: waiting cannot grow it.
@@ -672,6 +705,7 @@ class InferenceEngine:
                 self._last_served[p.req.tenant_id] = turn
             if len(self._last_served) > 4 * self.max_queue:  # forget long-gone tenants
                 self._last_served = {p.req.tenant_id: turn for p in items}
+            self._running = True
             try:
                 await self._run_batch(items)
             except Exception as e:  # a bug: answer the batch with it, keep batching
@@ -680,6 +714,8 @@ class InferenceEngine:
                     if not p.answered:
                         p.answered = True
                         await self._reply_error(p.request, e, p.span)
+            finally:
+                self._running = False
 
     async def _run_batch(self, items: list[_Pending]) -> None:
         batch_id = f"{self.instance}-{next(self._batch_ids)}"
@@ -782,10 +818,11 @@ class InferenceEngine:
 
 
 def _canonical(schema: FeatureSchema, obs: Observation) -> FeatureBatch:
-    images = {
-        slot: torch.from_numpy(t.to_array(f"images[{slot!r}]").copy())
-        for slot, t in obs.images.items()
-    }
+    """The request's tensors, read from the wire bytes. Images (nearly all the bytes) stay
+    read-only views of the message (``np.frombuffer``, no copy): canonicalisation and the
+    batch's preparation only read them. State and history (a few floats) are copied, so a
+    head owns what it is given."""
+    images = {slot: wire_view(t.to_array(f"images[{slot!r}]")) for slot, t in obs.images.items()}
     state = obs.state.to_array("state").copy()
     history = None if obs.history is None else obs.history.to_array("history").copy()
     return canonicalize_request(schema, images, obs.instruction, state, history)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,14 @@ import pytest
 import torch
 from nats.micro.service import ServiceVerb, control_subject
 
-from joynexus.agents.inference import EnginePool, InferenceClient, InferenceEngine
+from joynexus.agents.inference import EnginePool, InferenceClient, InferenceEngine, _canonical
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.models.features import FeatureSchema, canonicalize_request
+from joynexus.agents.models.features import (
+    FeatureSchema,
+    TokenCache,
+    canonicalize_request,
+    patchify,
+)
 from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.broker.connection import Broker
@@ -140,6 +147,42 @@ async def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0)
         await asyncio.sleep(0.005)
 
 
+class GatedBackbone:
+    """The real backbone (or a wrapper of it), whose forwards wait while ``gate`` is clear.
+
+    An idle engine runs a request at once, so tests that want several requests in one
+    batch first hold the engine busy in a forward, queue them, then open the gate."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, batch: Any) -> torch.Tensor:
+        self.entered.set()
+        if not self.gate.wait(timeout=30):
+            raise RuntimeError("gate never opened")
+        return self.inner.encode(batch)
+
+
+async def hold_busy(gated: GatedBackbone, client: InferenceClient, tenant: str,
+                    schema: FeatureSchema = SCHEMA) -> asyncio.Future[Any]:
+    """Send one request and keep the engine in its forward until ``gated.gate`` is set."""
+    gated.gate.clear()
+    gated.entered.clear()
+    fut = asyncio.ensure_future(client.request(tenant, schema=schema, **make_obs(1000)))
+    await wait_for(gated.entered.is_set, "the engine to be in a forward")
+    return fut
+
+
+async def queued(engine: InferenceEngine, n: int) -> None:
+    await wait_for(lambda: len(engine._queue) >= n, f"{n} requests queued")
+
+
 # -- policy store -----------------------------------------------------------------
 
 
@@ -188,16 +231,23 @@ async def test_grouped_through_engine_matches_serial_per_tenant(
     mods = {f"t{i}": make_module(f"t{i}", h, seed=i) for i, h in enumerate(heads)}
     for t, m in mods.items():
         await store.publish(t, "default", m, SCHEMA)
-    # T is long and B equals the number of tenants: the four requests share one forward.
-    await make_engine(max_batch=4, max_wait_ms=5000)
+    # T is long and B equals the number of tenants: the four requests, queued while the
+    # engine is busy, share one forward.
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=4, max_wait_ms=5000)
     client = InferenceClient(broker)
     obs = {t: make_obs(i, b=2) for i, t in enumerate(mods)}
     noise = {t: np.random.default_rng(10 + i).standard_normal((2, 8, 7)).astype(np.float32)
              for i, t in enumerate(mods)}
-    replies = await asyncio.gather(*(
+    hold = await hold_busy(gated, client, "t0")
+    calls = asyncio.gather(*(
         client.request(t, schema=SCHEMA, noise=noise[t] if mods[t].head_type == "flow_matching" else None, **obs[t])
         for t in mods
     ))
+    await queued(engine, 4)
+    gated.gate.set()
+    replies = await calls
+    await hold
     assert {r.batch.batch_id for r in replies} == {replies[0].batch.batch_id}
     assert all(r.batch.size == 4 and r.batch.rows == 8 and not r.batch.fallback for r in replies)
     for t, r in zip(mods, replies, strict=True):
@@ -211,27 +261,51 @@ async def test_grouped_through_engine_matches_serial_per_tenant(
     np.testing.assert_allclose(alone.actions.to_array(), replies[0].actions.to_array(), atol=ATOL, rtol=0)
 
 
-async def test_batches_respect_max_batch_and_max_wait(broker: Broker, make_engine: Callable[..., Any]) -> None:
+async def test_batches_respect_max_batch_and_max_wait(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    """Requests that arrive while a batch runs form the next batches (at most B each);
+    one left without company waits about T after its arrival, then is served alone."""
     await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
     wait_ms = 150.0
-    engine = await make_engine(max_batch=3, max_wait_ms=wait_ms)
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=3, max_wait_ms=wait_ms)
     client = InferenceClient(broker)
-    replies = await asyncio.gather(*(client.request("acme", schema=SCHEMA, **make_obs(i)) for i in range(7)))
+    hold = await hold_busy(gated, client, "acme")
+    calls = asyncio.gather(*(client.request("acme", schema=SCHEMA, **make_obs(i)) for i in range(7)))
+    await queued(engine, 7)
+    engine.stats.batch_sizes.clear()
+    gated.gate.set()
+    replies = await calls
+    assert (await hold).batch.size == 1
     sizes = {r.batch.batch_id: r.batch.size for r in replies}
     assert max(sizes.values()) == 3 and sum(sizes.values()) == 7, sizes
     assert all(r.batch.size <= 3 for r in replies)
-    assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)  # full ones first
-    # A lone request waits about T for company, then is served alone: not held longer.
-    t0 = time.perf_counter()
-    lone = await client.request("acme", schema=SCHEMA, **make_obs(99))
-    took_ms = (time.perf_counter() - t0) * 1e3
-    assert lone.batch.size == 1
-    assert wait_ms * 0.9 <= lone.timings.queue_ms <= wait_ms + 250, lone.timings
-    assert took_ms < wait_ms + 1000
+    assert list(engine.stats.batch_sizes) == [1, 3, 3, 1]  # the held one, then full ones first
+    (last,) = [r for r in replies if r.batch.size == 1]
+    assert wait_ms * 0.9 <= last.timings.queue_ms <= wait_ms + 250, last.timings
+
+
+async def test_an_idle_engine_answers_a_lone_request_at_once(
+    broker: Broker, make_engine: Callable[..., Any]
+) -> None:
+    """No waiting for company that is not coming: T bounds waits under load only."""
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    wait_ms = 500.0
+    await make_engine(max_batch=8, max_wait_ms=wait_ms)
+    client = InferenceClient(broker)
+    await client.request("acme", schema=SCHEMA, **make_obs(0))  # warm
+    for i in range(3):
+        t0 = time.perf_counter()
+        lone = await client.request("acme", schema=SCHEMA, **make_obs(i))
+        took_ms = (time.perf_counter() - t0) * 1e3
+        assert lone.batch.size == 1
+        assert lone.timings.queue_ms < 50, lone.timings  # not ~500
+        assert took_ms < wait_ms / 2, took_ms
 
 
 async def test_tenants_take_turns_each_in_fifo_order(
-    broker: Broker, make_engine: Callable[..., Any]
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
 ) -> None:
     """An incompatible request (another backbone key) of one tenant does not block
     the others' batch, and each tenant's own requests keep their order."""
@@ -239,7 +313,8 @@ async def test_tenants_take_turns_each_in_fifo_order(
     small = FeatureSchema(("front",), (28, 28), 8, 7, 8)  # another backbone key: cannot share a forward
     await store.publish("a", "default", make_module("a"), SCHEMA)
     await store.publish("b", "default", make_module("b", seed=3), small)
-    engine = await make_engine(max_batch=8, max_wait_ms=200)
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=8, max_wait_ms=200)
     client = InferenceClient(broker)
     g = np.random.default_rng(0)
     obs_b = dict(images={"front": g.integers(0, 256, (1, 3, 28, 28), dtype=np.uint8)},
@@ -248,12 +323,16 @@ async def test_tenants_take_turns_each_in_fifo_order(
     await asyncio.gather(client.request("a", schema=SCHEMA, **make_obs(0)),
                          client.request("b", schema=small, **obs_b))
     engine.stats.batch_sizes.clear()
+    hold = await hold_busy(gated, client, "a")  # the four queue up behind a running batch
     reqs = [("a", SCHEMA, make_obs(1)), ("a", SCHEMA, make_obs(2)), ("b", small, obs_b), ("a", SCHEMA, make_obs(3))]
     tasks = []
     for t, s, o in reqs:  # issue in order; NATS keeps one connection's order
         tasks.append(asyncio.ensure_future(client.request(t, schema=s, **o)))
         await asyncio.sleep(0)
+    await queued(engine, 4)
+    gated.gate.set()
     replies = await asyncio.gather(*tasks)
+    await hold
     a_ids = {replies[i].batch.batch_id for i in (0, 1, 3)}
     assert len(a_ids) == 1 and replies[0].batch.size == 3  # b's request did not split a's
     assert replies[2].batch.size == 1 and replies[2].batch.batch_id not in a_ids
@@ -281,6 +360,67 @@ async def test_a_flooding_tenant_does_not_starve_another(
     # b is served within the first two of a's batches, not after all six.
     assert b_batch <= a_batches[1], (b_batch, a_batches)
     assert engine.stats.requests >= 27
+
+
+# -- preparation ------------------------------------------------------------------
+
+
+def test_batch_images_are_patchified_in_one_call_exactly_as_the_processor(backbone: Backbone) -> None:
+    ip = backbone.image_processor
+    x = torch.randint(0, 256, (6, 3, *HW), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pv, thw = backbone.process_images({"front": x[:3], "wrist": x[3:]}, CAMS)
+    per_image = [x[i].numpy() for i in (0, 3, 1, 4, 2, 5)]  # sample-major, then camera
+    ref = ip(images=per_image, do_resize=False, input_data_format="channels_first", return_tensors="pt")
+    torch.testing.assert_close(pv, ref["pixel_values"], atol=0, rtol=0)
+    torch.testing.assert_close(thw, ref["image_grid_thw"], atol=0, rtol=0)
+    rows, grid = patchify(x, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+                          merge_size=ip.merge_size, mean=ip.image_mean, std=ip.image_std)
+    assert rows.shape == (6 * 16, 3 * 2 * 14 * 14) and grid.tolist() == [[1, 4, 4]] * 6
+    with pytest.raises(ShapeMismatch, match="multiple of patch"):
+        patchify(x[:, :, :50], patch_size=14, temporal_patch_size=2, merge_size=2, mean=ip.image_mean,
+                 std=ip.image_std)
+
+
+def test_each_distinct_instruction_is_tokenised_once(backbone: Backbone) -> None:
+    calls: list[list[str]] = []
+
+    def enc(texts: list[str]) -> list[list[int]]:
+        calls.append(list(texts))
+        return [[len(t)] for t in texts]
+
+    cache = TokenCache(enc, maxsize=2)
+    assert cache(["a", "bb", "a"]) == [[1], [2], [1]] and calls == [["a", "bb"]]  # one call, distinct texts
+    assert cache(["bb", "a"]) == [[2], [1]] and len(calls) == 1
+    cache(["ccc"])  # bounded: the least recently used ("bb") goes
+    assert len(cache) == 2 and calls[-1] == ["ccc"]
+    cache(["a"])
+    assert len(calls) == 2
+    cache(["bb"])
+    assert calls[-1] == ["bb"]
+    # The backbone's prompt ids are the tokenizer's, cached or not.
+    texts = (INSTR[0], INSTR[1], INSTR[0])
+    ids, lengths = backbone.tokenize(texts, 2)
+    ids2, lengths2 = backbone.tokenize(texts, 2)
+    torch.testing.assert_close(ids, ids2)
+    torch.testing.assert_close(lengths, lengths2)
+    raw = backbone.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    n_prefix = 1 + 2 * (backbone.tokens_per_image + 2)
+    for row, want, n in zip(ids.tolist(), raw, lengths.tolist(), strict=True):
+        assert row[n_prefix : n - 1] == want
+
+
+def test_images_are_read_from_the_wire_without_copies() -> None:
+    obs = make_obs(0, b=2)
+    wire = Observation(images={k: TensorBytes.from_array(v) for k, v in obs["images"].items()},
+                       instruction="x", state=TensorBytes.from_array(obs["state"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not writable" warning either
+        fb = _canonical(SCHEMA, wire)
+    for slot in CAMS:
+        assert fb.images[slot].data_ptr() == np.frombuffer(wire.images[slot].data, np.uint8).ctypes.data
+        np.testing.assert_array_equal(fb.images[slot].numpy(), obs["images"][slot])
+    np.testing.assert_array_equal(fb.state_B_S.numpy(), obs["state"])
+    assert fb.state_B_S.numpy().flags.writeable  # a head owns its (small) state
 
 
 # -- versions -------------------------------------------------------------------
@@ -381,7 +521,8 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
     ma, mb = make_module("a", seed=1), make_module("b", seed=2)
     await store.publish("a", "default", ma, SCHEMA)
     await store.publish("b", "default", mb, SCHEMA)
-    engine = await make_engine(max_batch=16, max_wait_ms=300)
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=16, max_wait_ms=300)
     client = InferenceClient(broker)
     oa, ob = make_obs(1), make_obs(2)
     nan = make_obs(3)
@@ -403,7 +544,12 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
         "slot": client.request("a", schema=SCHEMA, images={"front": oa["images"]["front"]},
                                instruction="x", state=oa["state"]),
     }
-    out = dict(zip(calls, await asyncio.gather(*calls.values(), return_exceptions=True), strict=True))
+    hold = await hold_busy(gated, client, "a")
+    gathered = asyncio.gather(*calls.values(), return_exceptions=True)
+    await queued(engine, 2)
+    gated.gate.set()
+    out = dict(zip(calls, await gathered, strict=True))
+    await hold
     assert isinstance(out["unknown_tenant"], UnknownTenant) and "nobody" in str(out["unknown_tenant"])
     assert isinstance(out["nan"], InvalidSpec) and "state contains 1 NaN/inf" in str(out["nan"])
     assert isinstance(out["wrong_state"], ShapeMismatch) and "state: expected [B, 8]" in str(out["wrong_state"])
@@ -456,16 +602,22 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
     ma, mb = make_module("a", seed=1), make_module("b", seed=2)
     await store.publish("a", "default", ma, SCHEMA)
     await store.publish("b", "default", mb, SCHEMA)
-    engine = await make_engine(max_batch=8, max_wait_ms=300)
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=8, max_wait_ms=300)
     client = InferenceClient(broker)
     oa, ob, forged = make_obs(1), make_obs(2), make_obs(3)
     subject_a = broker.names.infer(MODEL, "a")
 
-    good_a, bad, good_b = await asyncio.gather(
+    hold = await hold_busy(gated, client, "a")
+    calls = asyncio.gather(
         client.request("a", schema=SCHEMA, **oa),
         broker.nc.request(subject_a, raw_request("b", forged), timeout=5),
         client.request("b", schema=SCHEMA, **ob),
     )
+    await queued(engine, 2)
+    gated.gate.set()
+    good_a, bad, good_b = await calls
+    await hold
     reply = decode_msgpack(bad.data, InferReply)
     assert isinstance(reply, InferError) and reply.code == "permission_denied"
     err = reply.to_exception()
@@ -556,16 +708,22 @@ async def test_failure_inside_a_batch_falls_back_per_request(
     store = PolicyStore(broker)
     ma = make_module("a", seed=1)
     await store.publish("a", "default", ma, SCHEMA)
-    engine = await make_engine(backbone=FlakyBackbone(backbone), max_batch=3, max_wait_ms=2000)
+    gated = GatedBackbone(FlakyBackbone(backbone))
+    engine = await make_engine(backbone=gated, max_batch=3, max_wait_ms=2000)
     client = InferenceClient(broker)
     o1, o2 = make_obs(1), make_obs(2)
     boom = dict(make_obs(3), instruction=["boom"])
-    out = await asyncio.gather(
+    hold = await hold_busy(gated, client, "a")
+    calls = asyncio.gather(
         client.request("a", schema=SCHEMA, **o1),
         client.request("a", schema=SCHEMA, **boom),
         client.request("a", schema=SCHEMA, **o2),
         return_exceptions=True,
     )
+    await queued(engine, 3)
+    gated.gate.set()
+    out = await calls
+    await hold
     r1, bad, r2 = out
     assert isinstance(r1, InferResult) and isinstance(r2, InferResult)
     assert r1.batch.fallback and r1.batch.size == 3

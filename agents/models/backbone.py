@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -39,7 +40,13 @@ from transformers import (
     Qwen2VLImageProcessor,
 )
 
-from joynexus.agents.models.features import FeatureBatch, SharedBatch, right_pad
+from joynexus.agents.models.features import (
+    FeatureBatch,
+    SharedBatch,
+    TokenCache,
+    patchify,
+    right_pad,
+)
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = [
@@ -251,6 +258,10 @@ class Backbone:
         self._prefix_cache: dict[int, list[int]] = {}
         self._pos_cache: dict[tuple[int, int], torch.Tensor] = {}
         self._rot_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each distinct instruction is tokenised once (a rollout repeats it every step).
+        self._token_cache = TokenCache(
+            lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"], maxsize=4096
+        )
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -316,7 +327,7 @@ class Backbone:
     def special_ids(self) -> dict[str, int]:
         return dict(self._ids)
 
-    # -- input preparation (per request; pure CPU work) -------------------
+    # -- input preparation (once per batch; pure CPU work) ----------------
     def _prefix(self, n_cameras: int) -> list[int]:
         if n_cameras not in self._prefix_cache:
             ids = self._ids
@@ -326,7 +337,7 @@ class Backbone:
 
     def tokenize(self, instructions: tuple[str, ...] | list[str], n_cameras: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids (right-padded) and real lengths for a batch of instructions."""
-        text_ids = self.tokenizer(list(instructions), add_special_tokens=False)["input_ids"]
+        text_ids = self._token_cache(instructions)
         prefix = self._prefix(n_cameras)
         end = self._ids["<|im_end|>"]
         rows = [prefix + t[: self.config.max_text_tokens] + [end] for t in text_ids]
@@ -334,14 +345,28 @@ class Backbone:
 
     def process_images(self, images: dict[str, torch.Tensor] | Any, camera_slots: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the Qwen2-VL image processor over all images, sample-major then camera."""
-        per_slot = [images[s] for s in camera_slots]
+        # numpy, single-threaded: torch's intra-op threads on a tensor this small cost
+        # more than the copy (measured 15 ms for batch 4 on a loaded 2-core machine).
+        per_slot = [np.asarray(images[s]) for s in camera_slots]
         b = int(per_slot[0].shape[0])
         c = int(per_slot[0].shape[1])
         if c == 1:
-            per_slot = [x.expand(-1, 3, -1, -1) for x in per_slot]
-        stacked_B_K_C_H_W = torch.stack(per_slot, dim=1)
-        flat = stacked_B_K_C_H_W.reshape(b * len(camera_slots), *stacked_B_K_C_H_W.shape[2:]).numpy()
+            per_slot = [np.broadcast_to(x, (x.shape[0], 3, *x.shape[2:])) for x in per_slot]
+        stacked_B_K_C_H_W = np.stack(per_slot, axis=1)
+        flat = stacked_B_K_C_H_W.reshape(b * len(camera_slots), *stacked_B_K_C_H_W.shape[2:])
         side = self.config.image_size
+        ip = self.image_processor
+        if flat.shape[-2:] == (side, side) and ip.do_rescale and ip.do_normalize:
+            # Already at size: every image of the batch in one vectorised call (same numbers).
+            return patchify(
+                flat,
+                patch_size=ip.patch_size,
+                temporal_patch_size=ip.temporal_patch_size,
+                merge_size=ip.merge_size,
+                mean=ip.image_mean,
+                std=ip.image_std,
+                rescale=ip.rescale_factor,
+            )
         same = flat.shape[-2:] == (side, side)
         out = self.image_processor(
             images=list(flat),
