@@ -25,7 +25,9 @@ engine runs what it has at once (one turn of the event loop, so requests that
 arrived together still share the forward). While a batch runs, requests
 accumulate and form the next batch (up to ``max_batch`` = B) the moment it
 ends; ``max_wait_ms`` (T) only bounds how long a request that arrived at a
-busy engine may still wait for company after that, counted from its arrival.
+busy engine may then still wait for company, counted from when the engine
+could first have run it (so closed-loop clients that split into cohorts, one
+per running batch, merge again instead of alternating half-full batches).
 Batch size therefore follows load: 1 at concurrency 1, B when saturated.
 From Clipper (Crankshaw et al., NSDI'17) we took *delayed batching* - wait at
 most T for a batch to fill - but only under load, where it trades a little
@@ -244,6 +246,7 @@ class InferenceEngine:
         self._wake = asyncio.Event()
         self._inflight = 0
         self._running = False  # a batch is in its forward
+        self._freed_at = 0.0  # when the last batch ended (perf_counter)
         self._idle = asyncio.Event()
         self._idle.set()
         self._batch_ids = itertools.count(1)
@@ -672,7 +675,7 @@ class InferenceEngine:
         """Adaptive batching: an idle engine runs what it has at once; while a batch runs,
         requests accumulate and form the next one (up to ``max_batch``, tenants taking
         turns). Only a request that arrived while a batch ran may wait for company, and
-        at most ``max_wait_ms`` after it arrived (its wait behind the running batch counts)."""
+        at most ``max_wait_ms`` after the engine could first have run it."""
         loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
@@ -682,7 +685,11 @@ class InferenceEngine:
             # join (nats-py hands them to the handler one after another, without waiting).
             await asyncio.sleep(0)
             head = self._queue[0]
-            deadline = head.enqueued + (self.max_wait_s if head.busy else 0.0)
+            # Waiting behind the running batch is not waiting for company: T counts from
+            # when the engine could first have run the request.
+            deadline = (
+                max(head.enqueued, self._freed_at) + self.max_wait_s if head.busy else head.enqueued
+            )
             while True:
                 n = self._prefix_len()
                 # Full, or blocked by an incompatible request behind: waiting cannot grow it.
@@ -716,6 +723,7 @@ class InferenceEngine:
                         await self._reply_error(p.request, e, p.span)
             finally:
                 self._running = False
+                self._freed_at = time.perf_counter()
 
     async def _run_batch(self, items: list[_Pending]) -> None:
         batch_id = f"{self.instance}-{next(self._batch_ids)}"
