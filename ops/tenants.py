@@ -37,7 +37,7 @@ class NotApplied(JoyNexusError):
 
 #: How long an operator request waits for a control plane that is not answering yet
 #: (no responders: a deployment still starting, a control role restarting).
-WAIT_FOR_CONTROL_S = 30.0
+WAIT_FOR_CONTROL_S = 60.0
 
 
 async def admin_request(
