@@ -150,8 +150,18 @@ class Broker:
         creds = self.credentials.responder() if self.credentials else None
         if creds is None:
             return None
-        return await Broker.connect(self.url, name=f"{name}-responder",
-                                    namespace=self.names.namespace, credentials=creds)
+        # A refusal can be transient while the server reloads its authorization
+        # (the auth sync applies a change); a few tries before giving up.
+        deadline = asyncio.get_running_loop().time() + 20.0
+        while True:
+            try:
+                return await Broker.connect(self.url, name=f"{name}-responder",
+                                            namespace=self.names.namespace, credentials=creds)
+            except PermissionDenied:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("%s: the responder identity was refused; retrying", name)
+                await asyncio.sleep(0.5)
 
     @property
     def max_payload(self) -> int:
