@@ -363,8 +363,8 @@ class Backbone:
                 patch_size=ip.patch_size,
                 temporal_patch_size=ip.temporal_patch_size,
                 merge_size=ip.merge_size,
-                mean=ip.image_mean,
-                std=ip.image_std,
+                mean=_channels(ip.image_mean),
+                std=_channels(ip.image_std),
                 rescale=ip.rescale_factor,
             )
         same = flat.shape[-2:] == (side, side)
@@ -518,3 +518,7 @@ class Backbone:
         """prepare + forward: ``feats_B_D`` for a canonical batch."""
         return self.forward(self.prepare(batch))
 
+
+def _channels(v: float | list[float]) -> list[float]:
+    """A processor's per-channel mean/std (a scalar means the same for all three)."""
+    return [float(v)] * 3 if isinstance(v, (int, float)) else [float(x) for x in v]
