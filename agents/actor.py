@@ -219,6 +219,9 @@ class Actor:
             instance=self.instance,
             jobs=len(todo),
             tenants=sorted({j.tenant_id for j, _, _ in todo}),
+            # rows per tenant in this step (usage metering splits the step's time by them)
+            tenant_rows={t: sum(int(it.target.shape[0]) for j, _, it in todo if j.tenant_id == t)
+                         for t in {j.tenant_id for j, _, _ in todo}},
         )
         for (job, st, _), loss in zip(todo, losses, strict=True):
             if isinstance(loss, JoyNexusError):

@@ -760,6 +760,11 @@ class InferenceEngine:
             rows=rows,
             tenants=len({p.req.tenant_id for p in items}),
             cpu_s=time.process_time() - cpu_start,
+            # rows and requests per tenant (usage metering splits the batch's time by rows)
+            tenant_rows={t: sum(p.batch.batch_size for p in items if p.req.tenant_id == t)
+                         for t in {p.req.tenant_id for p in items}},
+            tenant_requests={t: sum(1 for p in items if p.req.tenant_id == t)
+                             for t in {p.req.tenant_id for p in items}},
         )
         self.stats.batches += 1
         self.stats.rows += rows

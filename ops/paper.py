@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import psutil
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -65,6 +66,7 @@ from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
+from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.layout import ensure_layout
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
@@ -440,6 +442,46 @@ def _account(
         curve.sort()
 
 
+def _write_event_log(
+    out: Path,
+    name: str,
+    metrics: list[dict[str, Any]],
+    rounds: list[list[TenantPlan]],
+    windows: list[list[tuple[float, float]]],
+    *,
+    isolated: bool,
+) -> None:
+    """The phase's event log for replay (``joynexus plan --from-run``):
+    ``<out>/events/<name>.jsonl``, first a header line (the measured windows, the
+    tenants of each and their workloads), then every system and learning metric
+    event of the namespace (busy intervals of train/infer/env, losses) and every
+    job event (``state``, ``at``: lines without ``kind``)."""
+    d = out / "events"
+    d.mkdir(parents=True, exist_ok=True)
+    groups = [
+        [[p] for p in tenants] if isolated else [tenants] for tenants in rounds
+    ]
+    header = {
+        "phase": name,
+        "isolated": isolated,
+        "windows": [
+            [
+                {"start": w0, "end": w1, "tenants": [
+                    {"tenant": p.tenant, "updates": p.updates,
+                     "spec": orjson.loads(msgspec.json.encode(p.spec))} for p in g
+                ]}
+                for (w0, w1), g in zip(ws, gs, strict=True)
+            ]
+            for ws, gs in zip(windows, groups, strict=True)
+        ],
+    }
+    with open(d / f"{name}.jsonl", "wb") as f:
+        f.write(orjson.dumps(header) + b"\n")
+        for m in metrics:
+            if m.get("kind") in ("system", "learning") or "state" in m:
+                f.write(orjson.dumps(m) + b"\n")
+
+
 async def _tenant_outcomes(
     b: Broker, dep: Deployment, tenants: list[TenantPlan], eval_episodes: int, result: PhaseResult
 ) -> None:
@@ -507,6 +549,13 @@ async def run_phase(
         metrics = await _metrics(b)
         for r, tenants in enumerate(rounds):
             _account(results[r], metrics, windows[r], {p.tenant for p in tenants})
+        jobs = [
+            {"at": s.event.at, "tenant": s.event.job.tenant_id, "job": s.event.job.job_id,
+             "task_type": s.event.job.task_type, "state": s.event.job.state.value,
+             "reason": s.event.job.reason}
+            async for s in JobEventLog(b)._read(b.names.all_jobs, DeliverPolicy.ALL)
+        ]
+        _write_event_log(out, name, metrics + jobs, rounds, windows, isolated=isolated)
         # Final policies are evaluated once, after the first shared round (same seeds,
         # same work: the isolated run trains the same versions).
         for r, tenants in enumerate(rounds):
