@@ -26,13 +26,13 @@ hidden states over each sample's real tokens (pads excluded); D = hidden size.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
@@ -58,6 +58,8 @@ __all__ = [
     "build_image_processor",
     "build_qwen_config",
     "build_tokenizer",
+    "instruction_corpus",
+    "train_tokenizer",
 ]
 
 PAD_TOKEN = "<|endoftext|>"
@@ -98,6 +100,9 @@ class BackboneConfig:
     only names the model); None builds random weights of ``size``.
     ``image_size``: side (pixels, multiple of 28) the image processor resizes to.
     ``threads``: torch intra-op threads to set at build (None leaves it).
+    A directory written by ``Backbone.save`` (or ``joynexus base pretrain``) also
+    fixes ``size``, ``image_size``, ``max_text_tokens`` and ``tokenizer``: the
+    base was made for them, so ``build`` takes them from its settings file.
     """
 
     size: Literal["tiny", "bench"] = "tiny"
@@ -108,6 +113,11 @@ class BackboneConfig:
     image_size: int = 56
     max_text_tokens: int = 48
     seed: int = 0
+    #: Tokenizer of a base built from config: "bpe" (merges learned here from
+    #: ``instruction_corpus()``, ~9 tokens per ManiSkill instruction) or "bytes"
+    #: (one token per UTF-8 byte, ~40). A base loaded from ``path`` always uses
+    #: the tokenizer saved with it.
+    tokenizer: Literal["bpe", "bytes"] = "bpe"
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -120,6 +130,8 @@ class BackboneConfig:
             )
         if self.max_text_tokens < 1:
             raise InvalidSpec(f"BackboneConfig.max_text_tokens={self.max_text_tokens}: must be >= 1")
+        if self.tokenizer not in ("bpe", "bytes"):
+            raise InvalidSpec(f"BackboneConfig.tokenizer={self.tokenizer!r}: choose 'bpe' or 'bytes'")
         if self.threads is not None and self.threads < 1:
             raise InvalidSpec(f"BackboneConfig.threads={self.threads}: must be >= 1 or None")
         try:
@@ -177,6 +189,94 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
     )
     return fast
+
+
+#: LIBERO-style instructions (written here; the suites' own task strings are in this
+#: style), next to the ManiSkill tasks' instructions in the corpus the BPE learns from.
+LIBERO_STYLE_INSTRUCTIONS: tuple[str, ...] = (
+    "put the black bowl on the plate",
+    "put the black bowl on top of the cabinet",
+    "put the bowl on the stove",
+    "put the bowl on the plate",
+    "put the wine bottle on top of the cabinet",
+    "put the wine bottle on the rack",
+    "put the cream cheese in the bowl",
+    "put the ketchup in the basket",
+    "put the tomato sauce in the basket",
+    "put the butter in the basket",
+    "put the milk in the basket",
+    "put the orange juice in the basket",
+    "put the alphabet soup in the basket",
+    "put the chocolate pudding to the right of the plate",
+    "put the white mug on the left plate",
+    "put the yellow and white mug in the microwave",
+    "put both the alphabet soup and the tomato sauce in the basket",
+    "put both moka pots on the stove",
+    "open the middle drawer of the cabinet",
+    "open the top drawer and put the bowl inside",
+    "close the top drawer of the cabinet",
+    "close the microwave",
+    "turn on the stove",
+    "turn off the stove and put the moka pot on it",
+    "pick up the black bowl between the plate and the ramekin and place it on the plate",
+    "pick up the black bowl next to the cookie box and place it on the plate",
+    "pick up the black bowl on the wooden cabinet and place it on the plate",
+    "pick up the alphabet soup and place it in the basket",
+    "pick up the salad dressing and place it in the basket",
+    "pick up the book and place it in the back compartment of the caddy",
+    "push the plate to the front of the stove",
+    "stack the black bowl on the other black bowl",
+    "stack the left bowl on the right bowl and place them in the tray",
+    "move the red cube to the left of the blue block",
+    "slide the green block to the target on the table",
+    "lift the cube and hold it above the table",
+    "place the red cube on the green cube",
+    "grasp the handle and pull the drawer open",
+    "rotate the valve to the right",
+    "insert the peg into the hole",
+)
+
+
+def instruction_corpus(extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """What the BPE learns its merges from: the ManiSkill tasks' instructions, the
+    LIBERO-style ones above and ``extra`` (e.g. a dataset's task strings)."""
+    from joynexus.agents.envs.maniskill import TASKS  # lazy: a plain dict of task facts
+
+    out = [info.instruction for info in TASKS.values()] + list(LIBERO_STYLE_INSTRUCTIONS)
+    out += [str(t) for t in extra]
+    return list(dict.fromkeys(out))
+
+
+def train_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with merges, trained here with ``tokenizers`` (nothing downloaded).
+
+    The base alphabet is all 256 bytes, so any text still tokenizes (unseen words
+    fall back to smaller pieces, down to single bytes); words of the corpus
+    become single tokens. Deterministic for a given corpus (ties between equal
+    pair counts are broken by the pair's ids, and the 256 byte symbols are
+    numbered in sorted order), so every process building the same base gets the
+    same ids. The special tokens follow the learned vocabulary.
+    """
+    if vocab_size < 257:
+        raise InvalidSpec(f"train_tokenizer vocab_size={vocab_size}: must exceed the 256 byte symbols")
+    texts = corpus if corpus is not None else instruction_corpus()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeated a few times so a word seen once still earns its merges (min_frequency 2).
+    tok.train_from_iterator([t for t in texts for _ in range(2)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token="<|im_end|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
 
 
 def build_image_processor(image_size: int) -> Qwen2VLImageProcessor:
@@ -272,12 +372,13 @@ class Backbone:
             torch.set_num_threads(config.threads)
         if config.path is not None:
             p = Path(config.path)
+            config = _with_saved_settings(config, p)
             model = Qwen2_5_VLModel.from_pretrained(p, local_files_only=True, attn_implementation="sdpa",
                                                     dtype=_DTYPES[config.dtype])
             tokenizer = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
             image_processor = build_image_processor(config.image_size)
         else:
-            tokenizer = build_tokenizer()
+            tokenizer = train_tokenizer() if config.tokenizer == "bpe" else build_tokenizer()
             image_processor = build_image_processor(config.image_size)
             qcfg = build_qwen_config(config.size, tokenizer)
             qcfg._attn_implementation = "sdpa"
@@ -293,6 +394,8 @@ class Backbone:
         meta: dict[str, Any] = {}
         if (p / META_FILE).is_file():
             meta = json.loads((p / META_FILE).read_text())
+        fields = set(BackboneConfig.__dataclass_fields__)
+        meta = {k: v for k, v in meta.items() if k in fields}
         meta.update(overrides)
         meta["path"] = str(p)
         return cls.build(BackboneConfig(**meta))
@@ -429,7 +532,9 @@ class Backbone:
         one_window = int(grid_thw_N_3[0, 1:].max()) * vc.patch_size <= vc.window_size
         return bool((grid_thw_N_3 == grid_thw_N_3[:1]).all()) and int(grid_thw_N_3[0, 0]) == 1 and (full or one_window)
 
-    def _vision_embeds(self, pixel_values_P_F: torch.Tensor, grid_thw_N_3: torch.Tensor) -> torch.Tensor:
+    def _vision_embeds(
+        self, pixel_values_P_F: torch.Tensor, grid_thw_N_3: torch.Tensor, grad: bool = False
+    ) -> torch.Tensor:
         """The Qwen2.5-VL vision tower, batched over equal-size images.
 
         Same modules and weights as ``model.visual``, but attention runs as one
@@ -447,6 +552,8 @@ class Backbone:
             emb = torch.cat([rot, rot], dim=-1).float()
             self._rot_cache[key] = (emb.cos(), emb.sin())
         cos_P_H, sin_P_H = self._rot_cache[key]
+        if grad:  # cached under inference_mode: copies autograd may save
+            cos_P_H, sin_P_H = cos_P_H.clone(), sin_P_H.clone()
         x_P_C = vis.patch_embed(pixel_values_P_F)
         p1 = x_P_C.shape[0] // n
         c = x_P_C.shape[1]
@@ -462,36 +569,52 @@ class Backbone:
             x_N_P_C = x_N_P_C + blk.mlp(blk.norm2(x_N_P_C))
         return vis.merger(x_N_P_C.reshape(n * p1, c))
 
-    def forward(self, inputs: BackboneInputs) -> torch.Tensor:
-        """One backbone forward over prepared inputs -> ``feats_B_D`` float32 (mean over real tokens).
+    def hidden_states(self, inputs: BackboneInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states ``[B, L, D]`` and the real-token mask ``[B, L]`` (bool).
 
         Runs the model's own modules: embeddings, vision tower (batched over
         images), image-token scatter, then the language model with explicit
-        3-D M-RoPE positions.
+        3-D M-RoPE positions. Gradients flow when the caller is outside
+        ``inference_mode`` and the weights require grad (``ops/pretrain_base``
+        trains the base through this same path); ``forward`` wraps it frozen.
         """
         dev = self.device
         ids = inputs.input_ids_B_L.to(dev, non_blocking=True)
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        pos = self.rope_positions(inputs)
+        if grad:
+            pos = pos.clone()  # the cache may hold inference tensors
+        embeds_B_L_D = self.model.get_input_embeddings()(ids)
+        img_V_D = self._vision_embeds(
+            inputs.pixel_values_P_F.to(dev, self.dtype, non_blocking=True), inputs.image_grid_thw_N_3.to(dev),
+            grad=grad,
+        )
+        mask_B_L = ids == self._ids["<|image_pad|>"]
+        if int(mask_B_L.sum()) != img_V_D.shape[0]:
+            raise ShapeMismatch(
+                f"{int(mask_B_L.sum())} image tokens but {img_V_D.shape[0]} image embeddings; "
+                "prepare inputs with this backbone's prepare()"
+            )
+        embeds_B_L_D = embeds_B_L_D.masked_scatter(mask_B_L[..., None], img_V_D.to(embeds_B_L_D.dtype))
+        out = self.model.language_model(
+            inputs_embeds=embeds_B_L_D, position_ids=pos, use_cache=False, return_dict=True
+        )
+        h_B_L_D = out.last_hidden_state
+        lengths = inputs.lengths_B.to(dev)
+        real_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
+        return h_B_L_D, real_B_L
+
+    @staticmethod
+    def pool(h_B_L_D: torch.Tensor, real_B_L: torch.Tensor) -> torch.Tensor:
+        """``feats_B_D`` float32: the mean of the hidden states over each row's real tokens."""
+        summed_B_D = (h_B_L_D * real_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
+        return summed_B_D / real_B_L.sum(1, keepdim=True).to(torch.float32)
+
+    def forward(self, inputs: BackboneInputs) -> torch.Tensor:
+        """One frozen backbone forward over prepared inputs -> ``feats_B_D`` float32
+        (mean of the last hidden states over real tokens; see ``hidden_states``)."""
         with torch.inference_mode():
-            pos = self.rope_positions(inputs)
-            embeds_B_L_D = self.model.get_input_embeddings()(ids)
-            img_V_D = self._vision_embeds(
-                inputs.pixel_values_P_F.to(dev, self.dtype, non_blocking=True), inputs.image_grid_thw_N_3.to(dev)
-            )
-            mask_B_L = ids == self._ids["<|image_pad|>"]
-            if int(mask_B_L.sum()) != img_V_D.shape[0]:
-                raise ShapeMismatch(
-                    f"{int(mask_B_L.sum())} image tokens but {img_V_D.shape[0]} image embeddings; "
-                    "prepare inputs with this backbone's prepare()"
-                )
-            embeds_B_L_D = embeds_B_L_D.masked_scatter(mask_B_L[..., None], img_V_D.to(embeds_B_L_D.dtype))
-            out = self.model.language_model(
-                inputs_embeds=embeds_B_L_D, position_ids=pos, use_cache=False, return_dict=True
-            )
-            h_B_L_D = out.last_hidden_state
-            lengths = inputs.lengths_B.to(dev)
-            real_B_L = torch.arange(h_B_L_D.shape[1], device=dev)[None, :] < lengths[:, None]
-            summed_B_D = (h_B_L_D * real_B_L[..., None].to(h_B_L_D.dtype)).sum(1, dtype=torch.float32)
-            feats_B_D = summed_B_D / lengths[:, None].to(torch.float32)
+            feats_B_D = self.pool(*self.hidden_states(inputs))
         # Clone outside inference mode so heads may use the features in autograd.
         return feats_B_D.clone()
 
@@ -517,6 +640,25 @@ class Backbone:
     def encode(self, batch: FeatureBatch | SharedBatch) -> torch.Tensor:
         """prepare + forward: ``feats_B_D`` for a canonical batch."""
         return self.forward(self.prepare(batch))
+
+
+#: Settings a saved base fixes (what it was built and trained for).
+_SAVED_SETTINGS = ("size", "image_size", "max_text_tokens", "tokenizer")
+
+
+def _with_saved_settings(config: BackboneConfig, p: Path) -> BackboneConfig:
+    """``config`` with the settings saved beside the weights in ``p`` (if any)."""
+    f = p / META_FILE
+    if not f.is_file():
+        return config
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidSpec(f"{f}: cannot read the base's settings ({e}); save the base again") from e
+    if not isinstance(meta, dict):
+        raise InvalidSpec(f"{f}: expected a JSON object of settings")
+    fixed = {k: meta[k] for k in _SAVED_SETTINGS if k in meta}
+    return replace(config, **fixed) if fixed else config
 
 
 def _channels(v: float | list[float]) -> list[float]:
