@@ -9,6 +9,7 @@ names the field and says what would be accepted.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -82,6 +83,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     episodes: int = 10
     #: rl: "gae" (per-step, bootstrapped) or "grpo" (trajectory return relative to the job's group).
     advantage: Literal["gae", "grpo"] = "gae"
+    #: rl: exploration, in the env's action units. Heads with a learned std (oft_mlp, a
+    #: Gaussian policy) sample from their own std, and this is a floor under it; other
+    #: heads add Gaussian noise of this std to the policy's chunk. None: no floor /
+    #: noise 0.1. At most 1.0 (actions are in [-1, 1]).
+    exploration_std: float | None = None
     #: "service": the service's producers make the jobs (rollouts in ManiSkill, batches
     #: from the dataset); "tenant": the tenant submits rollouts / batches through the SDK.
     source: Literal["service", "tenant"] = "service"
@@ -140,6 +146,14 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(f"learning_rate must be in (0, 1), got {self.learning_rate}")
         if self.init_from is not None and self.init_from < 0:
             raise InvalidSpec(f"init_from must be a version >= 0, got {self.init_from}")
+        if self.exploration_std is not None and not (
+            isinstance(self.exploration_std, (int, float))
+            and math.isfinite(self.exploration_std)
+            and 0.0 <= self.exploration_std <= 1.0
+        ):
+            raise InvalidSpec(
+                f"exploration_std must be a number in [0, 1] (env action units), got {self.exploration_std!r}"
+            )
 
 
 WorkloadState = Literal["active", "cancelled", "done"]
