@@ -161,7 +161,7 @@ class RLProducer:
     async def run(self, stop: asyncio.Event, *, until_done: bool = False) -> bool:
         """Produce until ``stop``; with ``until_done`` return True once the workload's
         completion target is reached and that many jobs completed."""
-        from joynexus.agents.envs.maniskill import make_env
+        from joynexus.agents.envs.registry import make_env
 
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
         await self._fail_orphans()

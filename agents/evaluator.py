@@ -34,12 +34,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy as np
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from joynexus.agents.envs.maniskill import run_episodes
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
@@ -128,6 +129,8 @@ class EvalControl:
     check: Callable[[], Awaitable[bool]] | None = None
     #: The workload was cancelled (not merely the evaluator stopping).
     cancelled: bool = False
+    #: A round turn is held (``begin_round`` took it, ``end_round`` gives it back).
+    _turn: bool = field(default=False, init=False, repr=False)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -140,112 +143,30 @@ class EvalControl:
             self.halt.set()
         return self.halt.is_set()
 
+    # -- the episode loop's stop control (``maniskill.EpisodeControl``)
+    async def begin_round(self) -> bool:
+        """Before every round: not stopping (a KV get), then a turn (round-robin)."""
+        if await self.stopping():
+            return False
+        if self.turns is None:
+            return True
+        self._turn = await self.turns.acquire(self.tenant, self.halt)
+        return self._turn
 
-def _summary(
-    successes: list[bool], at_end: list[bool], returns: list[float], lengths: list[int]
-) -> dict[str, float | int]:
-    def mean(xs: list[Any]) -> float:
-        return float(np.mean(xs)) if xs else 0.0
+    def end_round(self) -> None:
+        if self._turn and self.turns is not None:
+            self.turns.release()
+        self._turn = False
 
-    return {
-        "success_rate": mean(successes),
-        "success_at_end_rate": mean(at_end),
-        "mean_return": mean(returns),
-        "mean_length": mean(lengths),
-        "episodes": len(successes),
-    }
-
-
-async def run_episodes(
-    env_factory: Callable[[], Any],
-    act_fn: Callable[[dict[str, Any]], Awaitable[np.ndarray]],
-    *,
-    episodes: int,
-    control: EvalControl,
-    max_steps: int | None = None,
-    seed: int = 0,
-    chunk: Literal["first", "open_loop"] = "open_loop",
-) -> tuple[dict[str, float | int], bool]:
-    """``joynexus.agents.envs.maniskill.evaluate``, stoppable: (result, finished).
-
-    The same episodes, seeds and statistics, run one round (N envs in
-    lockstep) per turn of ``control.turns``; before every round
-    ``control.stopping()`` is asked, and during one ``control.halt`` is
-    checked every step (an interrupted round is dropped). The result covers
-    the episodes finished; ``finished`` is False if it stopped early.
-    """
-    from joynexus.agents.envs.maniskill import _check_actions, _copy_obs, episode_seed
-
-    if episodes < 1:
-        raise InvalidSpec(f"episodes={episodes}: must be at least 1")
-    successes: list[bool] = []
-    at_end: list[bool] = []
-    returns: list[float] = []
-    lengths: list[int] = []
-    env: Any = None
-    next_episode = 0
-    try:
-        while next_episode < episodes:
-            if await control.stopping():
-                return _summary(successes, at_end, returns, lengths), False
-            if control.turns is not None and not await control.turns.acquire(
-                control.tenant, control.halt
-            ):
-                return _summary(successes, at_end, returns, lengths), False
-            try:
-                if env is None:
-                    env = await asyncio.to_thread(env_factory)
-                spec = env.spec
-                N = spec.num_envs
-                limit = max_steps if max_steps is not None else spec.max_episode_steps
-                ids = list(range(next_episode, min(next_episode + N, episodes)))
-                seeds = [episode_seed(seed, 0, e) for e in ids]
-                seeds += [episode_seed(seed, 1, e) for e in range(N - len(ids))]  # idle padding
-                obs = await asyncio.to_thread(env.reset, seeds)
-                active_N = np.zeros(N, dtype=bool)
-                active_N[: len(ids)] = True
-                ret_N = np.zeros(N, dtype=np.float64)
-                len_N = np.zeros(N, dtype=np.int64)
-                ever_N = np.zeros(N, dtype=bool)
-                last_N = np.zeros(N, dtype=bool)
-                steps = 0
-                while active_N.any() and steps < limit:
-                    if control.halt.is_set():
-                        return _summary(successes, at_end, returns, lengths), False
-                    actions_N_H_A = _check_actions(await act_fn(_copy_obs(obs)), spec)
-                    n_exec = 1 if chunk == "first" else actions_N_H_A.shape[1]
-                    for h in range(min(n_exec, limit - steps)):
-                        res = await asyncio.to_thread(env.step, actions_N_H_A[:, h])
-                        steps += 1
-                        ret_N += np.where(active_N, res.reward_N, 0.0)
-                        len_N += active_N
-                        ever_N |= active_N & res.success_N
-                        last_N[active_N] = res.success_N[active_N]
-                        ended_N = active_N & (res.terminated_N | res.truncated_N)
-                        active_N &= ~ended_N
-                        obs = res.obs
-                        if ended_N.any():  # ask the policy afresh rather than finish the chunk
-                            break
-            finally:
-                if control.turns is not None:
-                    control.turns.release()
-            k = len(ids)
-            next_episode += k
-            successes += ever_N[:k].tolist()
-            at_end += last_N[:k].tolist()
-            returns += ret_N[:k].tolist()
-            lengths += len_N[:k].tolist()
-    finally:
-        if env is not None:
-            await asyncio.to_thread(env.close)
-    return _summary(successes, at_end, returns, lengths), True
+    def halted(self) -> bool:
+        return self.halt.is_set()
 
 
 async def evaluate_record(
     b: Broker, rec: WorkloadRecord, control: EvalControl | None = None
 ) -> tuple[dict[str, float], bool]:
     """Run ``rec``'s evaluation: (result, finished)."""
-    from joynexus.agents.envs.maniskill import make_env
+    from joynexus.agents.envs.registry import make_env
     from joynexus.agents.inference import InferenceClient
     from joynexus.agents.workloads import OBS_IMAGES, OBS_STATE, workload_schema
 

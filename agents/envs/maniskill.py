@@ -31,7 +31,7 @@ import glob
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -761,6 +761,141 @@ async def rollout(
     return out
 
 
+class EpisodeControl(Protocol):
+    """What a stoppable episode loop consults (the evaluator's ``EvalControl`` is one).
+
+    ``begin_round`` is awaited before every round (N episodes side by side): False
+    stops the loop there (a cancel, a stopping evaluator, no turn given);
+    ``end_round`` follows every round that began, however it ended; ``halted`` is
+    asked before every policy query, and True drops the round under way.
+    """
+
+    async def begin_round(self) -> bool: ...
+
+    def end_round(self) -> None: ...
+
+    def halted(self) -> bool: ...
+
+
+class FrameRecorder(Protocol):
+    """Gets every observation of an episode loop (e.g. ``video.EpisodeVideos``).
+
+    ``observe(episode_ids, obs, live_N)``: ``obs`` is the batch after a reset or a
+    step; row i is episode ``episode_ids[i]`` (rows past ``len(episode_ids)`` are
+    idle padding), live where ``live_N[i]`` (the frame belongs to the episode: its
+    first, or the outcome of a step it took).
+    """
+
+    def observe(self, episode_ids: Sequence[int], obs: ObsBatch, live_N: np.ndarray) -> None: ...
+
+
+def _summary(
+    successes: list[bool], at_end: list[bool], returns: list[float], lengths: list[int]
+) -> dict[str, float | int]:
+    def mean(xs: Sequence[Any]) -> float:
+        return float(np.mean(xs)) if len(xs) else 0.0
+
+    return {
+        "success_rate": mean(successes),
+        "success_at_end_rate": mean(at_end),
+        "mean_return": mean(returns),
+        "mean_length": mean(lengths),
+        "episodes": len(successes),
+    }
+
+
+async def run_episodes(
+    env_factory: Callable[[], Any],
+    act_fn: ActFn,
+    *,
+    episodes: int,
+    max_steps: int | None = None,
+    seed: int = 0,
+    chunk: Literal["first", "open_loop"] = "open_loop",
+    control: EpisodeControl | None = None,
+    recorder: FrameRecorder | None = None,
+) -> tuple[dict[str, float | int], bool]:
+    """The episode loop of ``evaluate``, stoppable: (statistics, finished).
+
+    Builds one env with ``env_factory()`` when the first round begins (closed
+    at the end) and runs its N envs in lockstep, ceil(episodes / N) rounds,
+    each episode until it ends or ``max_steps`` (default: the task's limit).
+    An episode counts as a success if the task reported success at any step
+    (ManiSkill's "success_once"). Episode e resets with
+    ``episode_seed(seed, 0, e)``, so two policies evaluated with the same seed
+    see the same initial states. With a chunk of actions, its steps run open
+    loop until one of the episodes ends (then the policy is asked afresh).
+
+    ``control`` (see ``EpisodeControl``) can stop it before a round or within
+    a step; an interrupted round is dropped, the statistics cover the episodes
+    finished and ``finished`` is False. ``recorder`` sees every observation.
+    """
+    if episodes < 1:
+        raise InvalidSpec(f"episodes={episodes}: must be at least 1")
+    successes: list[bool] = []
+    at_end: list[bool] = []
+    returns: list[float] = []
+    lengths: list[int] = []
+    env: Any = None
+    next_episode = 0
+    try:
+        while next_episode < episodes:
+            if control is not None and not await control.begin_round():
+                return _summary(successes, at_end, returns, lengths), False
+            try:
+                if env is None:
+                    env = await asyncio.to_thread(env_factory)
+                spec = env.spec
+                N = spec.num_envs
+                limit = max_steps if max_steps is not None else spec.max_episode_steps
+                ids = list(range(next_episode, min(next_episode + N, episodes)))
+                seeds = [episode_seed(seed, 0, e) for e in ids]
+                seeds += [episode_seed(seed, 1, e) for e in range(N - len(ids))]  # idle padding
+                obs = await asyncio.to_thread(env.reset, seeds)
+                active_N = np.zeros(N, dtype=bool)
+                active_N[: len(ids)] = True
+                if recorder is not None:
+                    recorder.observe(ids, obs, active_N.copy())
+                ret_N = np.zeros(N, dtype=np.float64)
+                len_N = np.zeros(N, dtype=np.int64)
+                ever_N = np.zeros(N, dtype=bool)
+                last_N = np.zeros(N, dtype=bool)
+                steps = 0
+                while active_N.any() and steps < limit:
+                    if control is not None and control.halted():
+                        return _summary(successes, at_end, returns, lengths), False
+                    actions_N_H_A = _check_actions(await act_fn(_copy_obs(obs)), spec)
+                    n_exec = 1 if chunk == "first" else actions_N_H_A.shape[1]
+                    for h in range(min(n_exec, limit - steps)):
+                        res = await asyncio.to_thread(env.step, actions_N_H_A[:, h])
+                        steps += 1
+                        live_N = active_N.copy()
+                        ret_N += np.where(active_N, res.reward_N, 0.0)
+                        len_N += active_N
+                        ever_N |= active_N & res.success_N
+                        last_N[active_N] = res.success_N[active_N]
+                        ended_N = active_N & (res.terminated_N | res.truncated_N)
+                        active_N &= ~ended_N
+                        obs = res.obs
+                        if recorder is not None:
+                            recorder.observe(ids, obs, live_N)
+                        if ended_N.any():  # ask the policy afresh rather than finish the chunk
+                            break
+            finally:
+                if control is not None:
+                    control.end_round()
+            k = len(ids)
+            next_episode += k
+            successes += ever_N[:k].tolist()
+            at_end += last_N[:k].tolist()
+            returns += ret_N[:k].tolist()
+            lengths += len_N[:k].tolist()
+    finally:
+        if env is not None:
+            await asyncio.to_thread(env.close)
+    return _summary(successes, at_end, returns, lengths), True
+
+
 async def evaluate(
     env_factory: Callable[[], ManiSkillEnv],
     act_fn: ActFn,
@@ -769,72 +904,19 @@ async def evaluate(
     max_steps: int | None = None,
     seed: int = 0,
     chunk: Literal["first", "open_loop"] = "open_loop",
+    recorder: FrameRecorder | None = None,
 ) -> dict[str, float | int]:
     """Run ``episodes`` episodes (no training) and report how well ``act_fn`` does.
 
-    Builds one env with ``env_factory()`` (closed at the end) and runs its N
-    envs in lockstep, ceil(episodes / N) rounds, each episode until it ends
-    or ``max_steps`` (default: the task's limit). An episode counts as a
-    success if the task reported success at any step (ManiSkill's
-    "success_once"). Episode e resets with ``episode_seed(seed, 0, e)``, so two
-    policies evaluated with the same seed see the same initial states.
-
-    Returns success_rate, success_at_end_rate, mean_return, mean_length, episodes.
+    ``run_episodes`` without a stop control (see there for episodes, seeds and
+    chunks). Returns success_rate, success_at_end_rate, mean_return,
+    mean_length, episodes.
     """
-    if episodes < 1:
-        raise InvalidSpec(f"episodes={episodes}: must be at least 1")
-    env = await asyncio.to_thread(env_factory)
-    try:
-        spec = env.spec
-        N = spec.num_envs
-        limit = max_steps if max_steps is not None else spec.max_episode_steps
-        successes: list[bool] = []
-        at_end: list[bool] = []
-        returns: list[float] = []
-        lengths: list[int] = []
-        next_episode = 0
-        while next_episode < episodes:
-            ids = list(range(next_episode, min(next_episode + N, episodes)))
-            next_episode += N
-            seeds = [episode_seed(seed, 0, e) for e in ids]
-            seeds += [episode_seed(seed, 1, e) for e in range(N - len(ids))]  # idle padding envs
-            obs = await asyncio.to_thread(env.reset, seeds)
-            active_N = np.zeros(N, dtype=bool)
-            active_N[: len(ids)] = True
-            ret_N = np.zeros(N, dtype=np.float64)
-            len_N = np.zeros(N, dtype=np.int64)
-            ever_N = np.zeros(N, dtype=bool)
-            last_N = np.zeros(N, dtype=bool)
-            steps = 0
-            while active_N.any() and steps < limit:
-                actions_N_H_A = _check_actions(await act_fn(_copy_obs(obs)), spec)
-                n_exec = 1 if chunk == "first" else actions_N_H_A.shape[1]
-                for h in range(min(n_exec, limit - steps)):
-                    res = await asyncio.to_thread(env.step, actions_N_H_A[:, h])
-                    steps += 1
-                    ret_N += np.where(active_N, res.reward_N, 0.0)
-                    len_N += active_N
-                    ever_N |= active_N & res.success_N
-                    last_N[active_N] = res.success_N[active_N]
-                    ended_N = active_N & (res.terminated_N | res.truncated_N)
-                    active_N &= ~ended_N
-                    obs = res.obs
-                    if ended_N.any():  # ask the policy afresh rather than finish the chunk
-                        break
-            k = len(ids)
-            successes += ever_N[:k].tolist()
-            at_end += last_N[:k].tolist()
-            returns += ret_N[:k].tolist()
-            lengths += len_N[:k].tolist()
-    finally:
-        await asyncio.to_thread(env.close)
-    return {
-        "success_rate": float(np.mean(successes)),
-        "success_at_end_rate": float(np.mean(at_end)),
-        "mean_return": float(np.mean(returns)),
-        "mean_length": float(np.mean(lengths)),
-        "episodes": len(successes),
-    }
+    result, _ = await run_episodes(
+        env_factory, act_fn, episodes=episodes, max_steps=max_steps, seed=seed, chunk=chunk,
+        recorder=recorder,
+    )
+    return result
 
 
 def random_policy(spec: EnvSpec, seed: int = 0) -> ActFn:
@@ -857,6 +939,8 @@ __all__ = [
     "TASKS",
     "ActFn",
     "EnvSpec",
+    "EpisodeControl",
+    "FrameRecorder",
     "ManiSkillEnv",
     "ObsBatch",
     "StepResult",
@@ -870,6 +954,7 @@ __all__ = [
     "resolve_state_keys",
     "rollout",
     "rollout_fields",
+    "run_episodes",
     "state_key_dims",
     "task_spec",
     "tq_field",
