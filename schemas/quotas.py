@@ -47,6 +47,10 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     #: Evaluation: episodes of one evaluation, evaluations running at once.
     max_eval_episodes: int = 500
     max_concurrent_evals: int = 2
+    #: Evaluation videos: episodes saved per evaluation, frames per video, pixels a side.
+    max_eval_videos: int = 4
+    max_video_frames: int = 200
+    max_video_size: int = 128
     #: Action module size: the chunk length bounds a head's parameters (and the
     #: engine memory a resident version takes).
     max_action_horizon: int = 64

@@ -9,6 +9,7 @@ names the field and says what would be accepted.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Literal
 
@@ -108,6 +109,17 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     learning_rate: float = 1e-3
     #: eval: episodes to run (the version evaluated is init_from of init_from_workload).
     episodes: int = 10
+    #: sft, rl: evaluate every ``eval_every``-th published version (K, 2K, ...) during
+    #: training, ``eval_episodes`` episodes each in ``env`` (the evaluator runs them,
+    #: pinned to that version, no training work; the SDK's ``eval_history``). 0: off.
+    eval_every: int = 0
+    eval_episodes: int = 10
+    #: eval and periodic evaluations: the first ``eval_videos`` episodes are saved as
+    #: video (MP4), at most ``video_frames`` frames each and ``video_size`` pixels a
+    #: side (0: the policy camera's own size); the tenant's quota bounds all three.
+    eval_videos: int = 0
+    video_frames: int = 50
+    video_size: int = 0
     #: rl: "gae" (per-step, bootstrapped) or "grpo" (trajectory return relative to the job's group).
     advantage: Literal["gae", "grpo"] = "gae"
     #: rl: exploration, in the env's action units. Heads with a learned std (oft_mlp, a
@@ -149,6 +161,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             )
         if self.episodes < 1:
             raise InvalidSpec(f"episodes must be >= 1, got {self.episodes}")
+        self._check_eval_fields()
         if self.task_type == "sft" and not self.dataset:
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
@@ -183,6 +196,50 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 f"exploration_std must be a number in [0, 1] (env action units), got {self.exploration_std!r}"
             )
 
+    def _check_eval_fields(self) -> None:
+        for field, lo, hi in (
+            ("eval_every", 0, 1_000_000), ("eval_episodes", 1, 1_000_000),
+            ("eval_videos", 0, MAX_EVAL_VIDEOS), ("video_frames", 1, 10_000),
+            ("video_size", 0, 256),
+        ):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise InvalidSpec(f"{field} must be an integer in {lo}..{hi}, got {v!r}")
+        if self.eval_every:
+            if self.task_type not in ("sft", "rl"):
+                raise InvalidSpec(
+                    f"eval_every applies to sft and rl workloads (the versions they train), "
+                    f"not {self.task_type}"
+                )
+            if self.env not in RL_ENVS and libero_task(self.env) is None:
+                raise InvalidSpec(
+                    f"eval_every needs env: the task to evaluate in, one of {describe_envs()} "
+                    f"(got {self.env!r:.80})"
+                )
+        episodes = self.episodes if self.task_type == "eval" else self.eval_episodes
+        if self.eval_videos > episodes:
+            raise InvalidSpec(
+                f"eval_videos = {self.eval_videos} is more than the {episodes} episodes evaluated"
+            )
+        if self.video_size and self.video_size < 16:
+            raise InvalidSpec(f"video_size must be 0 (the camera's size) or 16..256, got {self.video_size}")
+
+
+#: Videos of one evaluation at most (the tenant's quota may allow fewer).
+MAX_EVAL_VIDEOS = 8
+
+
+def periodic_eval_name(workload: str, version: int) -> str:
+    """The name of the evaluation of ``version`` that ``eval_every`` asks for:
+    ``<workload>-v<version>``, the workload's name shortened (plus a hash of it)
+    where that would pass 32 characters. One name per (workload, version): the
+    evaluator creates it once, whoever restarts."""
+    suffix = f"-v{version}"
+    if len(workload) + len(suffix) <= 32:
+        return workload + suffix
+    h = hashlib.sha256(workload.encode()).hexdigest()[:6]
+    return f"{workload[: 32 - len(suffix) - 7]}-{h}{suffix}"
+
 
 WorkloadState = Literal["active", "cancelled", "done"]
 
@@ -197,6 +254,11 @@ class WorkloadRecord(Wire, kw_only=True, omit_defaults=True):
     #: eval: success_rate, mean_return, episodes, version...
     result: dict[str, float] = {}
     finished_at: float = 0.0
+    #: eval: made by the evaluator for a workload's ``eval_every`` (not by the tenant;
+    #: not counted against the tenant's workload quota).
+    periodic: bool = False
+    #: eval: the saved episode videos, file names (``get_video`` fetches them by index).
+    videos: list[str] = []
 
 
 class CreateWorkload(Wire, kw_only=True):
@@ -253,6 +315,17 @@ class PolicyQuery(Wire, kw_only=True, omit_defaults=True):
 
     workload: str
     version: int | None = None
+    offset: int = 0
+    limit: int = 0
+
+
+class VideoQuery(Wire, kw_only=True, omit_defaults=True):
+    """``limit`` bytes from ``offset`` of video ``index`` of one of the tenant's own
+    evaluations (``WorkloadRecord.videos``); the object is named by the control
+    plane from the tenant and the record, never by the request."""
+
+    workload: str
+    index: int = 0
     offset: int = 0
     limit: int = 0
 
