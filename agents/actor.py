@@ -14,9 +14,14 @@ job is completed. A restart reloads the checkpoint; a job it already
 applied (crash after the step, before complete) is completed with the
 version it produced, without a second step.
 
-SFT targets are the demonstrated action chunks; RL uses advantage-weighted
-regression (AWR) on the executed action chunks: weights exp(A/beta) from
-the advantages the advantage stage wrote.
+SFT targets are the demonstrated action chunks. RL on a head with a
+tractable likelihood (a Gaussian policy, ``oft_mlp``) whose job went through
+the ``actor_forward`` stage is PPO: the clipped probability ratio of the taken
+chunks against the behaviour log-probabilities that stage wrote, times the
+advantages, plus the critic's loss to the returns (``TenantModule.stage_ppo``).
+Other RL jobs (flow matching: no tractable likelihood; jobs without behaviour
+log-probabilities) use advantage-weighted regression (AWR) on the executed
+chunks: weights exp(A/beta) from the advantages the advantage stage wrote.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ import numpy as np
 import torch
 from opentelemetry import trace
 
+from joynexus.agents.actor_forward import (
+    OLD_LOGP_FIELD,
+    VALUES_FIELD,
+    exploration_floor,
+    uses_actor_forward,
+)
 from joynexus.agents.advantage import awr_weights
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
-from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.heads import PPOBatch, TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
 from joynexus.broker import metrics, tracing
@@ -104,6 +115,10 @@ class Actor:
         max_group: int = 4,
         awr_beta: float = 1.0,
         lease_wait_s: float = 1.0,
+        ppo_clip: float = 0.2,
+        vf_coef: float = 0.5,
+        ent_coef: float = 0.0,
+        ppo_epochs: int = 1,
     ) -> None:
         self.b = broker
         self.backbone = backbone
@@ -111,6 +126,9 @@ class Actor:
         self.out_dir = Path(out_dir)
         self.max_group = max_group
         self.awr_beta = awr_beta
+        self.ppo_clip, self.vf_coef, self.ent_coef = ppo_clip, vf_coef, ent_coef
+        #: Optimizer passes over an RL job's batch (PPO); the job still makes one version.
+        self.ppo_epochs = max(1, min(int(ppo_epochs), 32))
         self.lease_wait_s = lease_wait_s
         self.sched = SchedulerClient(broker, by=instance)
         self.tq = TrainingQueue(broker)
@@ -202,7 +220,10 @@ class Actor:
             with tracing.tracer.start_as_current_span("actor.train_group", links=links) as span:
                 span.set_attribute("jobs", len(todo))
                 losses = await asyncio.to_thread(self._step, [it for _, _, it in todo])
+                stats = [dict(st.module.last_stats) for _, st, _ in todo]
         finally:
+            for _, st, _ in todo:  # a step that never ran leaves nothing staged
+                st.module.stage_ppo(None)
             for job_span in job_spans:
                 job_span.end()
             hb.cancel()
@@ -223,7 +244,7 @@ class Actor:
             tenant_rows={t: sum(int(it.target.shape[0]) for j, _, it in todo if j.tenant_id == t)
                          for t in {j.tenant_id for j, _, _ in todo}},
         )
-        for (job, st, _), loss in zip(todo, losses, strict=True):
+        for (job, st, _), loss, stat in zip(todo, losses, stats, strict=True):
             if isinstance(loss, JoyNexusError):
                 # This tenant's item went wrong inside the step: its module did not step
                 # (nothing to save or publish); its job fails, the others complete.
@@ -233,7 +254,7 @@ class Actor:
             while len(st.applied) > KEEP_APPLIED:
                 st.applied.pop(next(iter(st.applied)))
             await asyncio.to_thread(st.save)
-            await self._finish(job, st, loss=loss, group_size=len(todo))
+            await self._finish(job, st, loss=loss, group_size=len(todo), stats=stat)
 
     def _step(self, items: list[TrainItem]) -> list[float | JoyNexusError]:
         """Compatible items share one backbone forward; others get their own.
@@ -252,8 +273,11 @@ class Actor:
     async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
         schema = feature_schema_of(st.record)
         fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(s) for s in schema.camera_slots]]
+        ppo = job.task_type == "rl" and st.module.gaussian and uses_actor_forward(job)
         if job.task_type == "rl":
             fields.append("advantages")
+        if ppo:
+            fields += ["returns", OLD_LOGP_FIELD, VALUES_FIELD]
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -274,14 +298,37 @@ class Actor:
         if target.ndim == 2:  # per-step actions: a chunk of one
             target = target[:, None, :]
         weight = None
-        if job.task_type == "rl":
+        if ppo:
+            def col(name: str) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(data[name], dtype=np.float32).reshape(-1))
+
+            st.module.stage_ppo(
+                PPOBatch(
+                    old_logp_B=col(OLD_LOGP_FIELD),
+                    adv_B=col("advantages"),
+                    returns_B=col("returns"),
+                    old_values_B=col(VALUES_FIELD),
+                    clip=self.ppo_clip,
+                    vf_coef=self.vf_coef,
+                    ent_coef=self.ent_coef,
+                    std_floor=exploration_floor(job),
+                    epochs=self.ppo_epochs,
+                )
+            )
+        elif job.task_type == "rl":
             weight = torch.from_numpy(
                 awr_weights(data["advantages"].reshape(-1), beta=self.awr_beta)
             )
         return TrainItem(tenant=st.module, batch=batch, target=target, weight_B=weight)
 
     async def _finish(
-        self, job: TrainingJob, st: TenantState, *, loss: float | None, group_size: int = 1
+        self,
+        job: TrainingJob,
+        st: TenantState,
+        *,
+        loss: float | None,
+        group_size: int = 1,
+        stats: dict[str, float] | None = None,
     ) -> None:
         version = st.applied[job.job_id]
         try:
@@ -314,6 +361,7 @@ class Actor:
                 loss=loss,
                 samples=job.sample_count,
                 group_size=group_size,
+                **{k: round(v, 6) for k, v in (stats or {}).items()},
             )
 
     async def _give_up(self, job: TrainingJob, error: JoyNexusError) -> None:

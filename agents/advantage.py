@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from joynexus.agents.actor_forward import VALUES_FIELD, uses_actor_forward
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker
@@ -29,23 +30,27 @@ def gae(
     *,
     gamma: float = 0.99,
     lam: float = 0.95,
+    bootstrap_B: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Generalised advantage estimation over fixed-length rollouts.
 
     A done at step t ends the episode there (no bootstrap across it); the last
-    step bootstraps from 0 (rollouts are cut, and the critic is optional).
-    Returns (advantages_B_T, returns_B_T).
+    step of a cut rollout bootstraps from ``bootstrap_B`` (the value after it;
+    0 when None, e.g. without a critic). Returns (advantages_B_T, returns_B_T).
     """
     if rewards_B_T.shape != values_B_T.shape:
         raise ShapeMismatch(f"rewards {rewards_B_T.shape} and values {values_B_T.shape} differ")
+    if bootstrap_B is not None and bootstrap_B.shape != rewards_B_T.shape[:1]:
+        raise ShapeMismatch(f"bootstrap values {bootstrap_B.shape} do not match {rewards_B_T.shape[:1]}")
     t_len = rewards_B_T.shape[1]
     not_done_B_T = (
         1.0 - dones_B_T.astype(np.float32) if dones_B_T is not None else np.ones_like(rewards_B_T)
     )
     adv_B_T = np.zeros_like(rewards_B_T, dtype=np.float32)
     last_B = np.zeros(rewards_B_T.shape[0], dtype=np.float32)
+    end_B = np.zeros_like(last_B) if bootstrap_B is None else bootstrap_B.astype(np.float32)
     for t in range(t_len - 1, -1, -1):
-        next_v_B = values_B_T[:, t + 1] if t + 1 < t_len else np.zeros_like(last_B)
+        next_v_B = values_B_T[:, t + 1] if t + 1 < t_len else end_B
         nd_B = not_done_B_T[:, t]
         delta_B = rewards_B_T[:, t] + gamma * next_v_B * nd_B - values_B_T[:, t]
         last_B = delta_B + gamma * lam * nd_B * last_B
@@ -85,7 +90,9 @@ def to_trajectories(
 
 
 class AdvantageAgent:
-    """The ``advantages`` stage: GAE per trajectory (values 0 without a critic)."""
+    """The ``advantages`` stage: GAE per trajectory with the critic's values the
+    ``actor_forward`` stage wrote (the last value of a cut rollout bootstraps its
+    tail), values 0 for jobs that did not pass through it; or GRPO."""
 
     def __init__(
         self,
@@ -107,7 +114,8 @@ class AdvantageAgent:
         )
 
     async def work(self, job: TrainingJob) -> int | None:
-        fields = ["env_id", "step", "rewards", "dones"]
+        critic = uses_actor_forward(job)
+        fields = ["env_id", "step", "rewards", "dones", *([VALUES_FIELD] if critic else [])]
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -126,6 +134,11 @@ class AdvantageAgent:
             # to the group, is the advantage of every step in it.
             ret = np.repeat(rewards.sum(axis=1, keepdims=True), rewards.shape[1], axis=1)
             adv = np.repeat(group_relative(rewards.sum(axis=1))[:, None], rewards.shape[1], axis=1)
+        elif critic:
+            (values,) = to_trajectories(data["env_id"], data["step"], data[VALUES_FIELD])[1:]
+            adv, ret = gae(
+                rewards, values, dones, gamma=self.gamma, lam=self.lam, bootstrap_B=values[:, -1]
+            )
         else:
             adv, ret = gae(rewards, np.zeros_like(rewards), dones, gamma=self.gamma, lam=self.lam)
         step = data["step"].astype(np.int64)

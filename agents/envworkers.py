@@ -157,6 +157,13 @@ class RLProducer:
         self.rollouts = 0
         self.env = env
         self.done = False
+        from joynexus.agents.actor_forward import gaussian_head
+
+        # A Gaussian head samples from its own std (floored at exploration_std); with
+        # GAE its jobs go through actor_forward (behaviour log-probs, critic values).
+        self.gaussian = gaussian_head(self.spec.action_module)
+        self._std: tuple[int, np.ndarray] | None = None  # (version, std [A] in action units)
+        self._stage_seen = False
 
     async def run(self, stop: asyncio.Event, *, until_done: bool = False) -> bool:
         """Produce until ``stop``; with ``until_done`` return True once the workload's
@@ -199,6 +206,7 @@ class RLProducer:
                                 "advantage": self.spec.advantage,
                                 "traceparent": traceparent,
                                 "producer": self.instance,
+                                **await self._route_extra(),
                             },
                         ),
                     )
@@ -238,7 +246,9 @@ class RLProducer:
                         )
                         await self.sched.mark(
                             job.job_id,
-                            JobState.NEEDS_ADVANTAGES,
+                            JobState.NEEDS_ACTOR_FORWARD
+                            if job.metadata.extra.get("actor_forward") == "1"
+                            else JobState.NEEDS_ADVANTAGES,
                             sample_count=len(data[STATE_FIELD]),
                         )
                     except JoyNexusError as e:
@@ -247,6 +257,34 @@ class RLProducer:
             if own_env:
                 await asyncio.to_thread(env.close)
         return False
+
+    async def _route_extra(self) -> dict[str, str]:
+        """Job metadata of the route: through actor_forward when the head is Gaussian,
+        the advantage is GAE and the deployment runs that stage (its durable consumer
+        exists; jobs then wait in it across worker restarts)."""
+        extra: dict[str, str] = {}
+        if self.spec.exploration_std is not None:
+            extra["exploration_std"] = repr(float(self.spec.exploration_std))
+        if not (self.gaussian and self.spec.advantage == "gae"):
+            return extra
+        if not self._stage_seen:
+            n = self.b.names
+            try:
+                await self.b.js.consumer_info(n.jobs_stream, n.stage_consumer("actor_forward"))
+                self._stage_seen = True
+            except Exception:  # no such consumer: a deployment without the stage (AWR)
+                return extra
+        return {**extra, "actor_forward": "1"}
+
+    async def _policy_std(self, version: int) -> np.ndarray:
+        """The behaviour version's std per action dimension (env units, floored)."""
+        if self._std is None or self._std[0] != version:
+            rec = await self.policies.get(self.tenant, self.spec.name, version)
+            module = await self.policies.load_module(rec)
+            head: Any = module.head
+            floor = float(self.spec.exploration_std or 0.0)
+            self._std = (version, head.action_std_A(floor).detach().cpu().numpy().astype(np.float32))
+        return self._std[1]
 
     async def _target_completed(self) -> bool:
         target = self.spec.scheduling.completion_target
@@ -283,7 +321,11 @@ class RLProducer:
                 instruction=instruction,
                 state=obs[OBS_STATE],
             )
-            noise = self.rng.normal(0.0, EXPLORATION_STD, chunk_N_H_A.shape).astype(np.float32)
+            if self.gaussian:  # the policy's own distribution: N(mean chunk, its std)
+                std: Any = await self._policy_std(version)
+            else:
+                std = EXPLORATION_STD if self.spec.exploration_std is None else self.spec.exploration_std
+            noise = self.rng.normal(0.0, 1.0, chunk_N_H_A.shape).astype(np.float32) * std
             return np.clip(chunk_N_H_A + noise, -1.0, 1.0)
 
         seed = self.spec.seed * 100_003 + self.rollouts + self.seed_salt * 1_000_000

@@ -443,11 +443,10 @@ class ProducerAgent:
                     cls: Any = SFTProducer
                     if self.task_type == "rl":
                         from joynexus.agents.envworkers import RLProducer as cls
-                    producer = cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}")
-                    self.running[key] = (
-                        asyncio.create_task(self._guard(producer.run(ev), key)),
-                        ev,
-                    )
+                    def make(cls: Any = cls, rec: WorkloadRecord = rec, ev: asyncio.Event = ev) -> Any:
+                        return cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}").run(ev)
+
+                    self.running[key] = (asyncio.create_task(self._guard(make, key, ev)), ev)
                 elif rec.state != "active" and key in self.running:
                     self.running[key][1].set()
         finally:
@@ -455,13 +454,24 @@ class ProducerAgent:
                 ev.set()
             await asyncio.gather(*(t for t, _ in self.running.values()), return_exceptions=True)
 
-    async def _guard(self, coro: Any, key: str) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("producer for %s crashed", key)
+    async def _guard(self, make: Any, key: str, stop: asyncio.Event) -> None:
+        """Run a workload's producer; one that crashes (the scheduler or NATS did not
+        answer in time under load...) is started afresh while the workload is active,
+        with backoff: it fails the job it left reserved and resumes from its cursor.
+        (A producer that died here used to stay dead while its process kept beating, so
+        its workload's training stopped for good: the PickCube SFT stall of issue 12.)"""
+        delay = 1.0
+        while not stop.is_set():
+            try:
+                await make()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("producer for %s crashed; starting it again in %.0f s", key, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 30.0)
 
     def _reap(self) -> None:
         for key in [k for k, (t, _) in self.running.items() if t.done()]:

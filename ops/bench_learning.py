@@ -5,16 +5,24 @@ LeRobot dataset into the tenant's dataset space (with the observation the
 plan names: privileged object/goal state by default), a tenant creates an
 SFT workload on it through the SDK (``completion_target`` = the planned
 updates, stopped early at the training budget), then ``Client.evaluate``
-runs ``episodes`` evaluation episodes pinned to the final version. Printed:
+runs ``episodes`` evaluation episodes pinned to the final version. Where the
+plan has an RL phase (``rl_budget_s`` > 0), an RL workload starts from that SFT
+version (``init_from_workload``), trains with PPO through the service
+(rollouts in ManiSkill, the ``actor_forward`` stage, GAE, the actor) for at
+most ``rl_budget_s`` with the staleness bound on, and is evaluated again on the
+same evaluation seeds. Printed:
 
-    {"tasks": {task: {demos, updates, train_s, sft_success, sft_ci95, ...}}, ...}
+    {"tasks": {task: {demos, updates, train_s, sft_success, sft_ci95,
+                      [rl_success_before, rl_success_after, rl_train_s, rl_updates], ...}}, ...}
 
 ``train_s`` is wall time from the workload's creation to its last update
 (the whole service path: producer, Training Queue, actor, publication);
 ``sft_ci95`` is the Wilson 95% interval of the success rate. The deployment
 is the real one in one process: an embedded nats-server with authorization
 on, the scheduler, the control plane, an inference engine, the SFT producer,
-the actor and the evaluator, with the tenant connected under its own
+the actor and the evaluator (and for RL the RL producer, the actor_forward and
+advantage stages), each restarted if it crashes (as ``joynexus up``'s health
+manager would; counted in ``restarts``), with the tenant connected under its own
 credentials (``joynexus tenant add``'s path).
 """
 
@@ -49,16 +57,27 @@ class Plan:
     image_size: int = 64
     #: The target the issue sets (reported next to the result; None = report only).
     target: float | None = None
+    #: RL from the SFT policy: training budget (0 = no RL phase), updates asked for,
+    #: rollout shape, learning rate, PPO passes per job, staleness bound, exploration floor.
+    rl_budget_s: float = 0.0
+    rl_updates: int = 1000
+    rl_num_envs: int = 4
+    rl_horizon: int = 50
+    rl_learning_rate: float = 3e-4
+    rl_epochs: int = 4
+    rl_staleness: int = 2
+    rl_exploration_std: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 FULL: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, target=0.8),
-    Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5),
+    Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5, rl_budget_s=1200.0),
     Plan("StackCube-v1", demos=200, updates=1500, budget_s=900.0),  # report only
 )
 QUICK: tuple[Plan, ...] = (
-    Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10),
+    Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
+         rl_budget_s=60.0, rl_updates=2, rl_num_envs=2, rl_horizon=16),
 )
 
 
@@ -91,8 +110,11 @@ def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None)
 class _Service:
     """The roles of a deployment, in this process, on a fresh embedded server."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, *, rl: bool = False, ppo_epochs: int = 1) -> None:
         self.data = data
+        self.rl = rl
+        self.ppo_epochs = ppo_epochs
+        self.restarts: dict[str, int] = {}
         self.datasets = data / "datasets"
         self.stack = contextlib.AsyncExitStack()
         self.stop = asyncio.Event()
@@ -153,13 +175,46 @@ class _Service:
         await pool.scale_to(1)
         st.push_async_callback(pool.close)
         st.push_async_callback(self._stop_tasks)
-        actor = Actor(service, backbone, instance="actor", out_dir=self.data / "actor",
-                      lease_wait_s=0.5)
-        self.tasks.append(asyncio.create_task(actor.run(self.stop)))
-        self.tasks.append(
-            asyncio.create_task(ProducerAgent(service, "sft", instance="prod-sft").run(self.stop))
-        )
-        self.tasks.append(asyncio.create_task(Evaluator(service, instance="eval").run(self.stop)))
+        # The actor keeps its checkpoint, so a restarted one resumes exactly.
+        self._supervise("actor", lambda: Actor(
+            service, backbone, instance="actor", out_dir=self.data / "actor", lease_wait_s=0.5,
+            ppo_epochs=self.ppo_epochs,
+        ).run(self.stop))
+        self._supervise("producer-sft", lambda: ProducerAgent(
+            service, "sft", instance="prod-sft").run(self.stop))
+        self._supervise("evaluator", lambda: Evaluator(service, instance="eval").run(self.stop))
+        if self.rl:
+            from joynexus.agents.actor_forward import ActorForwardAgent
+            from joynexus.agents.advantage import AdvantageAgent
+
+            # The stage consumers exist before the first rollout: its job is routed
+            # through actor_forward (PPO), not straight to advantages.
+            sub = await ActorForwardAgent(service, backbone, instance="fwd").worker.subscribe()
+            await sub.unsubscribe()  # the durable consumer stays
+            self._supervise("actor-forward", lambda: ActorForwardAgent(
+                service, backbone, instance="fwd").run(self.stop))
+            self._supervise("advantage", lambda: AdvantageAgent(
+                service, instance="adv").worker.run(self.stop))
+            self._supervise("producer-rl", lambda: ProducerAgent(
+                service, "rl", instance="prod-rl").run(self.stop))
+
+    def _supervise(self, name: str, make: Any) -> None:
+        """Run a role coroutine; restart it after a crash (logged, counted)."""
+        import logging
+
+        async def guard() -> None:
+            while not self.stop.is_set():
+                try:
+                    await make()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logging.getLogger(__name__).exception("bench role %s crashed; restarting", name)
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    await asyncio.sleep(1.0)
+
+        self.tasks.append(asyncio.create_task(guard()))
 
     async def _stop_tasks(self) -> None:
         self.stop.set()
@@ -218,6 +273,64 @@ async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> 
     return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version}
 
 
+async def _train_rl(
+    client: Any, plan: Plan, name: str, source: str, version: int, log: Any
+) -> dict[str, Any]:
+    """RL from ``source`` v``version`` through the service until rl_updates or the budget."""
+    from joynexus.schemas.workloads import Scheduling, WorkloadSpec
+
+    spec = WorkloadSpec(
+        name=name,
+        task_type="rl",
+        env=plan.task,
+        init_from_workload=source,
+        init_from=version,
+        state=list(plan.state),
+        image_size=plan.image_size,
+        action_horizon=plan.action_horizon,
+        head_hidden=plan.head_hidden,
+        num_envs=plan.rl_num_envs,
+        horizon=plan.rl_horizon,
+        learning_rate=plan.rl_learning_rate,
+        exploration_std=plan.rl_exploration_std,
+        scheduling=Scheduling(
+            max_in_flight=2,
+            max_active_rollouts=1,
+            completion_target=plan.rl_updates,
+            max_policy_staleness=plan.rl_staleness,
+        ),
+    )
+    t0 = time.perf_counter()
+    wl = await client.create_workload(spec)
+    last_version, t_last, dropped, failed, forwarded = 1, t0, 0, 0, 0
+    deadline = t0 + plan.rl_budget_s
+
+    async def follow() -> None:
+        nonlocal last_version, t_last, dropped, failed, forwarded
+        async for event in wl.events():
+            job = event.job
+            if job.state == "needs_actor_forward":
+                forwarded += 1
+            if job.state == "completed" and (job.result_version or 0) > last_version:
+                last_version, t_last = int(job.result_version or 0), time.perf_counter()
+                if (last_version - 1) % 10 == 0:
+                    log(f"{plan.task} RL: {last_version - 1} updates, {t_last - t0:.0f} s")
+                if last_version - 1 >= plan.rl_updates:
+                    return
+            elif job.state == "dropped":
+                dropped += 1
+            elif job.state == "failed":
+                failed += 1
+                log(f"{plan.task} RL: job failed: {job.reason}")
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(follow(), max(1.0, deadline - time.perf_counter()))
+    with contextlib.suppress(Exception):
+        await client.cancel_workload(name)
+    return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version,
+            "dropped": dropped, "failed": failed, "forwarded": forwarded}
+
+
 async def run_learning(
     plans: tuple[Plan, ...] | list[Plan],
     *,
@@ -232,7 +345,9 @@ async def run_learning(
         data = Path(data_dir) if data_dir else Path(tmp.enter_context(
             tempfile.TemporaryDirectory(prefix="jnx-learn-")))
         out: dict[str, Any] = {"tasks": {}}
-        async with _Service(data) as svc:
+        rl = any(p.rl_budget_s > 0 for p in plans)
+        epochs = max((p.rl_epochs for p in plans if p.rl_budget_s > 0), default=1)
+        async with _Service(data, rl=rl, ppo_epochs=epochs) as svc:
             client = await svc.tenant()
             for i, plan in enumerate(plans):
                 name = f"ds{i}-{plan.task.split('-')[0].lower()}"
@@ -270,9 +385,44 @@ async def run_learning(
                 }
                 log(f"{plan.task}: {row['sft_success']:.2f} success {row['sft_ci95']} "
                     f"after {row['updates']} updates in {row['train_s']} s")
+                if plan.rl_budget_s > 0:
+                    row.update(await _rl_phase(client, plan, i, res["version"], ev, log,
+                                               eval_envs=eval_envs, eval_seed=eval_seed))
                 out["tasks"][plan.task] = row
+            out["restarts"] = dict(svc.restarts)
         out["plans"] = [asdict(p) for p in plans]
         return out
+
+
+async def _rl_phase(
+    client: Any, plan: Plan, i: int, sft_version: int, before: dict[str, Any], log: Any, *,
+    eval_envs: int, eval_seed: int,
+) -> dict[str, Any]:
+    """RL from the SFT version; success before (the SFT evaluation: same version, same
+    seeds) and after (the final RL version, the same seeds)."""
+    res = await _train_rl(client, plan, f"rl{i}", f"sft{i}", sft_version, log)
+    t1 = time.perf_counter()
+    ev = await client.evaluate(
+        f"rl{i}", version=res["version"], episodes=plan.episodes,
+        env=plan.task, num_envs=eval_envs, seed=eval_seed,
+    )
+    n = int(ev.get("episodes", plan.episodes))
+    row = {
+        "rl_success_before": round(before["success_rate"], 4),
+        "rl_success_after": round(ev["success_rate"], 4),
+        "rl_ci95_after": list(wilson(round(ev["success_rate"] * n), n)),
+        "rl_train_s": res["train_s"],
+        "rl_updates": res["updates"],
+        "rl_dropped_stale": res["dropped"],
+        "rl_failed": res["failed"],
+        # RL jobs that went through the actor_forward stage (PPO); the rest trained with AWR.
+        "rl_jobs_actor_forward": res["forwarded"],
+        "rl_eval_s": round(time.perf_counter() - t1, 1),
+        "rl_mean_length_after": round(float(ev.get("mean_length", 0.0)), 2),
+    }
+    log(f"{plan.task} RL: {row['rl_success_before']:.2f} -> {row['rl_success_after']:.2f} "
+        f"after {row['rl_updates']} updates in {row['rl_train_s']} s")
+    return row
 
 
 def plans_for(quick: bool, tasks: list[str] | None = None) -> tuple[Plan, ...]:

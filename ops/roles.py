@@ -23,6 +23,10 @@ handed out round-robin by tenant; default 2), ``JOYNEXUS_ENV_SPARES`` and
 ``JOYNEXUS_ENV_WORKERS_MAX`` (role ``producer-rl``: warm idle environment
 workers, default 1, and worker processes at most, default 8).
 
+Role ``actor-forward`` runs the ``actor_forward`` stage (behaviour
+log-probabilities and critic values of RL jobs, with its own copy of the frozen
+base; :mod:`joynexus.agents.actor_forward`).
+
 Role ``producer-rl`` supervises environment worker processes (role
 ``env-worker``, one or more per RL workload; :mod:`joynexus.agents.envworkers`).
 """
@@ -51,6 +55,7 @@ ROLES = (
     "producer-rl",
     "producer-sft",
     "advantage",
+    "actor-forward",
     "actor",
     "evaluator",
     "monitor",
@@ -65,6 +70,7 @@ DEPLOYMENT_ROLES = (
     "control",
     "inference",
     "advantage",
+    "actor-forward",
     "actor",
     "producer-rl",
     "producer-sft",
@@ -110,6 +116,7 @@ _ROLE_MODULES = {
     "env-worker": ["joynexus.agents.envworkers", "joynexus.agents.inference"],
     "producer-sft": ["joynexus.agents.workloads"],
     "advantage": ["joynexus.agents.advantage"],
+    "actor-forward": ["joynexus.agents.actor_forward", "joynexus.agents.models.backbone"],
     "actor": ["joynexus.agents.actor", "joynexus.agents.models.backbone"],
     "evaluator": ["joynexus.agents.evaluator"],
     "synthetic": ["joynexus.agents.synthetic"],
@@ -194,6 +201,16 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
         from joynexus.agents.advantage import AdvantageAgent
 
         await AdvantageAgent(b, instance=o.instance, ack_wait_s=o.ack_wait_s).worker.run(stop)
+    elif role == "actor-forward":
+        from joynexus.agents.actor_forward import ActorForwardAgent
+        from joynexus.agents.models.backbone import Backbone, BackboneConfig
+
+        # The resident frozen base (the same one the actor and the engine load).
+        backbone = await asyncio.to_thread(
+            Backbone.build,
+            BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
+        )
+        await ActorForwardAgent(b, backbone, instance=o.instance, ack_wait_s=o.ack_wait_s).run(stop)
     elif role == "actor":
         from joynexus.agents.actor import Actor
         from joynexus.agents.models.backbone import Backbone, BackboneConfig

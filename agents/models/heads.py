@@ -6,7 +6,10 @@ shared or averaged across tenants. Heads are chosen by a type name from a
 registry (``@register("oft_mlp")``, ``build_head(type_name, cfg)``):
 
 - ``oft_mlp``: OFT-style MLP regressing an action chunk ``[B, horizon, action_dim]``
-  from backbone features ``[B, D]`` + robot state ``[B, S]``; L1 or MSE loss.
+  from backbone features ``[B, D]`` + robot state ``[B, S]``; L1 or MSE loss. It is
+  also a Gaussian policy (:class:`GaussianPolicy`): the chunk is the mean of a
+  diagonal Gaussian with a learned log-std per action dimension, and it carries
+  a critic (a value head on the same inputs), so RL can use PPO on it.
 - ``flow_matching``: GR00T-style velocity field conditioned on features + state,
   trained with the rectified-flow loss, sampled with a few Euler steps from
   noise; deterministic given the noise tensor (or the head's seeded generator).
@@ -44,11 +47,14 @@ __all__ = [
     "HEADS",
     "ActionHead",
     "FlowMatchingHead",
+    "GaussianPolicy",
     "HeadConfig",
     "OFTMLPHead",
+    "PPOBatch",
     "TenantModule",
     "ValueHead",
     "build_head",
+    "ppo_objective",
     "register",
 ]
 
@@ -65,12 +71,16 @@ class HeadConfig:
     loss: Literal["l1", "mse"] = "l1"  # oft_mlp only
     flow_steps: int = 4  # flow_matching: Euler steps at act()
     seed: int = 0  # init weights and the head's own noise generator
+    #: Gaussian heads: initial policy std per action dimension, in normalised action units.
+    init_std: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("feature_dim", "state_dim", "action_dim", "action_horizon", "hidden", "flow_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InvalidSpec(f"HeadConfig.{name}={v!r}: must be an integer >= 1")
+        if not (isinstance(self.init_std, (int, float)) and 1e-3 <= self.init_std <= 10.0):
+            raise InvalidSpec(f"HeadConfig.init_std={self.init_std!r}: must be a number in [0.001, 10]")
         if self.loss not in ("l1", "mse"):
             raise InvalidSpec(f"HeadConfig.loss={self.loss!r}: choose 'l1' or 'mse'")
 
@@ -173,9 +183,180 @@ def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out))
 
 
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 1.0
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class PPOBatch:
+    """What a PPO step needs besides the batch and the taken actions (one per row):
+    the behaviour policy's log-probabilities of those actions, the advantages and
+    the returns (GAE targets of the critic)."""
+
+    old_logp_B: torch.Tensor
+    adv_B: torch.Tensor
+    returns_B: torch.Tensor
+    #: The critic's values at collection (clipped value loss when given).
+    old_values_B: torch.Tensor | None = None
+    clip: float = 0.2
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    #: Floor under the policy's std, in the env's action units (the tenant's exploration_std).
+    std_floor: float = 0.0
+    #: Normalise the advantages over the batch (mean 0, std 1).
+    normalize_adv: bool = True
+    #: Optimizer passes over the batch in the one step (the job still makes one version).
+    epochs: int = 1
+
+    def to(self, device: torch.device | str) -> PPOBatch:
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return PPOBatch(
+            mv(self.old_logp_B), mv(self.adv_B), mv(self.returns_B),  # type: ignore[arg-type]
+            mv(self.old_values_B), self.clip, self.vf_coef, self.ent_coef, self.std_floor,
+            self.normalize_adv, self.epochs,
+        )
+
+
+def ppo_objective(
+    logp_B: torch.Tensor,
+    old_logp_B: torch.Tensor,
+    adv_B: torch.Tensor,
+    values_B: torch.Tensor,
+    returns_B: torch.Tensor,
+    *,
+    clip: float = 0.2,
+    vf_coef: float = 0.5,
+    old_values_B: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    ent_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped-ratio PPO loss plus the critic's loss (pure).
+
+    policy loss = -mean(min(r A, clip(r, 1 - clip, 1 + clip) A)), r = exp(logp - old_logp);
+    value loss = mean((V - R)^2), or with ``old_values_B`` the clipped form
+    mean(max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2)), times 0.5;
+    total = policy + vf_coef * value - ent_coef * entropy. Returns (total, stats).
+    """
+    if not (0.0 < clip < 1.0):
+        raise InvalidSpec(f"PPO clip={clip!r}: must be in (0, 1)")
+    shapes = {t.shape for t in (logp_B, old_logp_B, adv_B, values_B, returns_B)}
+    if len(shapes) != 1 or logp_B.ndim != 1:
+        raise ShapeMismatch(f"PPO inputs must all be [B]; got {sorted(tuple(s) for s in shapes)}")
+    log_ratio_B = logp_B - old_logp_B
+    ratio_B = log_ratio_B.exp()
+    surr_B = torch.minimum(ratio_B * adv_B, ratio_B.clamp(1.0 - clip, 1.0 + clip) * adv_B)
+    policy = -surr_B.mean()
+    v_err_B = (values_B - returns_B) ** 2
+    if old_values_B is not None:
+        v_clip_B = old_values_B + (values_B - old_values_B).clamp(-clip, clip)
+        v_err_B = torch.maximum(v_err_B, (v_clip_B - returns_B) ** 2)
+    value = 0.5 * v_err_B.mean()
+    total = policy + vf_coef * value
+    if entropy is not None and ent_coef:
+        total = total - ent_coef * entropy
+    with torch.no_grad():
+        stats = {
+            "policy_loss": float(policy),
+            "value_loss": float(value),
+            "clip_frac": float(((ratio_B - 1.0).abs() > clip).float().mean()),
+            "approx_kl": float(((ratio_B - 1.0) - log_ratio_B).mean()),
+        }
+    return total, stats
+
+
+class GaussianPolicy(ActionHead):
+    """A head whose action chunk is the mean of a diagonal Gaussian (in normalised
+    action units) with a learned log-std per action dimension, plus a critic.
+
+    Subclasses give ``_predict`` (the mean chunk). The
+    behaviour log-probability of a taken chunk is tractable (``log_prob``), so RL
+    trains these heads with PPO (``ppo_loss``); the critic (a value head on the
+    head's own inputs) gives the values GAE bootstraps from. SFT trains the mean
+    only (``loss``); the std and the critic are left for RL.
+    """
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__(cfg)
+        self.log_std = nn.Parameter(torch.full((cfg.action_dim,), math.log(cfg.init_std)))
+        self.critic_norm = nn.LayerNorm(cfg.feature_dim)
+        self.critic = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
+
+    @abc.abstractmethod
+    def _predict(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
+        """The mean chunk [B, H, A] in normalised action units."""
+
+    def std_A(self, std_floor: float = 0.0) -> torch.Tensor:
+        """The policy's std per action dimension in normalised units, at least
+        ``std_floor`` (env action units) / the action's data std."""
+        std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp()
+        if std_floor > 0:
+            std = torch.maximum(std, std_floor / self.action_std)
+        return std
+
+    def action_std_A(self, std_floor: float = 0.0) -> torch.Tensor:
+        """The policy's std in the env's action units (what a producer samples with)."""
+        return self.std_A(std_floor) * self.action_std
+
+    def value(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
+        """The critic's V(s) [B]."""
+        self._check(feats_B_D, state_B_S)
+        x = torch.cat([self.critic_norm(feats_B_D), self.norm_state(state_B_S)], dim=-1)
+        return self.critic(x).squeeze(-1)
+
+    def _log_prob(self, mean_B_H_A: torch.Tensor, actions_B_H_A: torch.Tensor,
+                  std_floor: float) -> torch.Tensor:
+        self._check_target(actions_B_H_A, tuple(mean_B_H_A.shape))
+        std_A = self.std_A(std_floor)
+        z = (self.norm_action(actions_B_H_A) - mean_B_H_A) / std_A
+        per_B_H_A = -0.5 * z * z - std_A.log() - 0.5 * LOG_2PI
+        return per_B_H_A.flatten(1).sum(1)
+
+    def log_prob(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, actions_B_H_A: torch.Tensor,
+                 std_floor: float = 0.0) -> torch.Tensor:
+        """log pi(chunk | obs) [B] of chunks in the env's action units (density of the
+        normalised chunk: the constant Jacobian of the normalisation cancels in ratios)."""
+        return self._log_prob(self._predict(feats_B_D, state_B_S), actions_B_H_A, std_floor)
+
+    def entropy(self, std_floor: float = 0.0) -> torch.Tensor:
+        """Entropy of one chunk's distribution (the same for every observation)."""
+        std_A = self.std_A(std_floor)
+        per_A = 0.5 * (1.0 + LOG_2PI) + std_A.log()
+        return per_A.sum() * self.cfg.action_horizon
+
+    def ppo_loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, actions_B_H_A: torch.Tensor,
+                 ppo: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Clipped-ratio PPO on the taken chunks plus the critic's loss to the returns."""
+        b = feats_B_D.shape[0]
+        for name, t in (("old_logp", ppo.old_logp_B), ("advantages", ppo.adv_B), ("returns", ppo.returns_B)):
+            if tuple(t.shape) != (b,):
+                raise ShapeMismatch(f"{self.type_name}: PPO {name} must be [{b}], got {list(t.shape)}")
+        adv_B = ppo.adv_B.to(feats_B_D)
+        if ppo.normalize_adv and b > 1:
+            adv_B = (adv_B - adv_B.mean()) / (adv_B.std() + 1e-6)
+        logp_B = self.log_prob(feats_B_D, state_B_S, actions_B_H_A, ppo.std_floor)
+        return ppo_objective(
+            logp_B, ppo.old_logp_B.to(logp_B), adv_B, self.value(feats_B_D, state_B_S),
+            ppo.returns_B.to(logp_B), clip=ppo.clip, vf_coef=ppo.vf_coef,
+            old_values_B=None if ppo.old_values_B is None else ppo.old_values_B.to(logp_B),
+            entropy=self.entropy(ppo.std_floor), ent_coef=ppo.ent_coef,
+        )
+
+    def sample(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, std_floor: float = 0.0,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """A chunk drawn from the policy, in the env's action units."""
+        mean_B_H_A = self._predict(feats_B_D, state_B_S)
+        eps = torch.randn(mean_B_H_A.shape, generator=generator or self.generator).to(mean_B_H_A)
+        return self.denorm_action(mean_B_H_A + eps * self.std_A(std_floor))
+
+
 @register("oft_mlp")
-class OFTMLPHead(ActionHead):
-    """Parallel decoding of the whole action chunk in one MLP pass (OpenVLA-OFT style)."""
+class OFTMLPHead(GaussianPolicy):
+    """Parallel decoding of the whole action chunk in one MLP pass (OpenVLA-OFT style).
+
+    ``act`` answers the mean chunk; as a :class:`GaussianPolicy` it also has a
+    learned std and a critic for PPO."""
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
@@ -331,6 +512,24 @@ class TenantModule:
         self.head = build_head(head_type, cfg).to(device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=weight_decay)
         self.version = 0
+        self._ppo: PPOBatch | None = None
+        #: Diagnostics of the last step (PPO: policy/value loss, clip fraction, approx KL).
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def gaussian(self) -> bool:
+        """The head has a tractable likelihood and a critic (PPO applies)."""
+        return isinstance(self.head, GaussianPolicy)
+
+    def stage_ppo(self, ppo: PPOBatch | None) -> None:
+        """Make this module's next ``train_step`` a PPO step with these inputs (its
+        ``target`` is then the taken action chunks); consumed by that step."""
+        if ppo is not None and not self.gaussian:
+            raise InvalidSpec(
+                f"tenant {self.tenant}: head {self.head_type!r} has no tractable likelihood; "
+                "train it with advantage weights (weight_B) instead of PPO"
+            )
+        self._ppo = ppo
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.head.parameters())
@@ -369,6 +568,9 @@ class TenantModule:
                    weight_B: torch.Tensor | None = None) -> float:
         """loss, backward and AdamW step on this tenant's head only; returns the loss.
 
+        After ``stage_ppo`` the step is PPO's (clipped ratio on ``target``, the taken
+        chunks, plus the critic's loss); ``weight_B`` is then ignored.
+
         All or nothing: if the loss raises, the loss or a gradient is non-finite,
         or the step would leave a non-finite weight or optimizer moment, the head,
         its optimizer, its noise generator and ``version`` are as before and
@@ -377,28 +579,37 @@ class TenantModule:
         self.head.train()
         self.optimizer.zero_grad(set_to_none=True)
         gen_state = self.head.generator.get_state()
+        ppo, self._ppo = self._ppo, None
         before = None
         try:
-            loss = self.head.loss(feats_B_D, state_B_S, target, weight_B)
-            if not bool(torch.isfinite(loss)):
-                raise InvalidSpec(
-                    f"tenant {self.tenant}: non-finite loss ({loss.item()}): "
-                    f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
-                )
-            loss.backward()
-            grads = [p.grad for p in self.head.parameters() if p.grad is not None]
-            if not _all_finite(grads):
-                raise InvalidSpec(
-                    f"tenant {self.tenant}: non-finite gradients (loss {float(loss.detach()):.4g}): "
-                    f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
-                )
-            before = self._snapshot()
-            self.optimizer.step()
-            if not self.finite():
-                raise InvalidSpec(
-                    f"tenant {self.tenant}: the step overflowed to non-finite weights (loss "
-                    f"{float(loss.detach()):.4g}); check the magnitudes of its targets; step undone"
-                )
+            # PPO takes ``ppo.epochs`` optimizer passes over the job's batch (one version).
+            for _ in range(ppo.epochs if ppo is not None else 1):
+                if ppo is not None:
+                    assert isinstance(self.head, GaussianPolicy)  # stage_ppo checked it
+                    loss, stats = self.head.ppo_loss(feats_B_D, state_B_S, target, ppo.to(feats_B_D.device))
+                else:
+                    loss, stats = self.head.loss(feats_B_D, state_B_S, target, weight_B), {}
+                if not bool(torch.isfinite(loss)):
+                    raise InvalidSpec(
+                        f"tenant {self.tenant}: non-finite loss ({loss.item()}): "
+                        f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
+                    )
+                loss.backward()
+                grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+                if not _all_finite(grads):
+                    raise InvalidSpec(
+                        f"tenant {self.tenant}: non-finite gradients (loss {float(loss.detach()):.4g}): "
+                        f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
+                    )
+                if before is None:
+                    before = self._snapshot()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if not self.finite():
+                    raise InvalidSpec(
+                        f"tenant {self.tenant}: the step overflowed to non-finite weights (loss "
+                        f"{float(loss.detach()):.4g}); check the magnitudes of its targets; step undone"
+                    )
         except BaseException:
             if before is not None:  # the step ran (or raised half way): undo it
                 self._restore(before)
@@ -407,6 +618,7 @@ class TenantModule:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        self.last_stats = stats
         return float(loss.detach())
 
     def _snapshot(self) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:

@@ -1,0 +1,190 @@
+"""The ``actor_forward`` stage: behaviour log-probabilities and values of an RL job.
+
+An RL job whose policy has a tractable likelihood (a Gaussian head, see
+``joynexus.agents.models.heads.GaussianPolicy``) goes
+``producing -> needs_actor_forward -> computing_actor_forward ->
+needs_advantages``: this stage worker loads the tenant's module at the job's
+``behavior_policy_version`` (the version the rollout acted with), runs the
+resident frozen base over the rollout's rows and writes two derived fields
+against the same Training Queue rows:
+
+* ``old_logp`` [M]: log pi_behaviour(taken chunk | observation), the chunk the
+  actor learns from (``actions``), with the std floor the rollout sampled with
+  (``metadata.extra["exploration_std"]``);
+* ``values`` [M]: the critic's V(observation) at that version, which the
+  advantage stage uses for GAE.
+
+The stage is leased and retried exactly like the advantage stage (a
+:class:`~joynexus.agents.stage.StageWorker` on the durable consumer
+``stage-actor-forward``); every lease reads all rows under a claim task of its
+own, so a retry after a crash rewrites both fields whole. Its durable consumer
+is ``stage-actor-forward``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.features import canonicalize_request
+from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.stage import StageWorker
+from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
+from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore, feature_schema_of
+from joynexus.broker.tq import TrainingQueue
+from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.jobs import TrainingJob
+
+STAGE = "actor_forward"
+OLD_LOGP_FIELD = "old_logp"
+VALUES_FIELD = "values"
+#: Rows per backbone forward (bounds the stage's memory for long rollouts).
+FORWARD_ROWS = 64
+#: Tenant modules kept loaded (one per (tenant, policy, version)).
+CACHE = 8
+#: Exploration std bounds (env action units); the spec validates the same.
+MAX_EXPLORATION_STD = 1.0
+
+
+def gaussian_head(action_module: str) -> bool:
+    """Heads of this type have a tractable likelihood and a critic (PPO applies)."""
+    cls = HEADS.get(action_module)
+    return cls is not None and issubclass(cls, GaussianPolicy)
+
+
+def uses_actor_forward(job: TrainingJob) -> bool:
+    """The job was routed through this stage (its producer said so)."""
+    return job.metadata.extra.get("actor_forward") == "1"
+
+
+def exploration_floor(job: TrainingJob) -> float:
+    """The std floor (env action units) the job's rollout sampled with; 0 if none."""
+    raw = job.metadata.extra.get("exploration_std", "")
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return v if math.isfinite(v) and 0.0 <= v <= MAX_EXPLORATION_STD else 0.0
+
+
+def forward_rows(
+    backbone: Backbone, module: TenantModule, schema: Any, data: dict[str, np.ndarray],
+    instruction: str, std_floor: float = 0.0, rows: int = FORWARD_ROWS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(old_logp [M], values [M]) of the taken chunks under ``module`` (pure compute)."""
+    head = module.head
+    if not isinstance(head, GaussianPolicy):
+        raise InvalidSpec(
+            f"head {module.head_type!r} has no tractable likelihood; its RL jobs skip actor_forward"
+        )
+    actions = np.ascontiguousarray(data[ACTIONS_FIELD], dtype=np.float32)
+    if actions.ndim == 2:
+        actions = actions[:, None, :]
+    m = len(actions)
+    logp = np.empty(m, dtype=np.float32)
+    values = np.empty(m, dtype=np.float32)
+    head.eval()
+    with torch.no_grad():
+        for s in range(0, m, rows):
+            e = min(m, s + rows)
+            batch = canonicalize_request(
+                schema,
+                {c: data[image_field(c)][s:e] for c in schema.camera_slots},
+                instruction,
+                data[STATE_FIELD][s:e],
+            )
+            feats = backbone.encode(batch)
+            state = batch.state_B_S.to(feats.device)
+            logp[s:e] = head.log_prob(
+                feats, state, torch.from_numpy(actions[s:e]).to(feats.device), std_floor
+            ).cpu().numpy()
+            values[s:e] = head.value(feats, state).cpu().numpy()
+    return logp, values
+
+
+class ActorForwardAgent:
+    """The ``actor_forward`` stage worker (role ``actor-forward``)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        backbone: Backbone,
+        *,
+        instance: str,
+        ack_wait_s: float = 30.0,
+    ) -> None:
+        self.backbone = backbone
+        self.tq = TrainingQueue(broker)
+        self.policies = PolicyStore(broker)
+        self.modules: OrderedDict[tuple[str, str, int], TenantModule] = OrderedDict()
+        self.worker = StageWorker(
+            broker,
+            SchedulerClient(broker, by=instance),
+            STAGE,
+            self.work,
+            ack_wait_s=ack_wait_s,
+        )
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        await self.worker.run(stop)
+
+    async def module(self, job: TrainingJob) -> tuple[TenantModule, Any]:
+        """The tenant's module at the job's behaviour version, and its record."""
+        key = (job.tenant_id, job.policy_key, job.behavior_policy_version)
+        record = await self.policies.get(job.tenant_id, job.policy_key, job.behavior_policy_version)
+        if key not in self.modules:
+            self.modules[key] = await self.policies.load_module(record)
+            while len(self.modules) > CACHE:
+                self.modules.popitem(last=False)
+        self.modules.move_to_end(key)
+        return self.modules[key], record
+
+    async def work(self, job: TrainingJob) -> int | None:
+        module, record = await self.module(job)
+        schema = feature_schema_of(record)
+        fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(c) for c in schema.camera_slots]]
+        # A claim task of this work call's own: a retry (even of the same lease) reads every row.
+        meta = await self.tq.async_get_meta(
+            fields,
+            job.sample_count or 1 << 30,
+            tenant_id=job.tenant_id,
+            partition_id=job.partition_id,
+            task_name=f"af-{job.attempt}-{secrets.token_hex(4)}",
+        )
+        if not meta.rows:
+            raise InvalidSpec(f"job {job.job_id}: its partition has no rows with fields {fields}")
+        data = await self.tq.async_get_data(meta)
+        logp, values = await asyncio.to_thread(
+            forward_rows,
+            self.backbone,
+            module,
+            schema,
+            data,
+            job.metadata.extra.get("instruction", ""),
+            exploration_floor(job),
+        )
+        await self.tq.async_put(
+            {OLD_LOGP_FIELD: logp, VALUES_FIELD: values}, tenant_id=job.tenant_id, metadata=meta
+        )
+        return len(meta.rows)
+
+
+__all__ = [
+    "OLD_LOGP_FIELD",
+    "STAGE",
+    "VALUES_FIELD",
+    "ActorForwardAgent",
+    "exploration_floor",
+    "forward_rows",
+    "gaussian_head",
+    "uses_actor_forward",
+]

@@ -1,0 +1,144 @@
+"""PPO math (pure) and the Gaussian policy head: ratio clipping, the value loss,
+log-probabilities, and a real PPO training step that moves the policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from joynexus.agents.models.heads import (
+    HeadConfig,
+    OFTMLPHead,
+    PPOBatch,
+    TenantModule,
+    build_head,
+    ppo_objective,
+)
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+
+def _t(*v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def test_ratio_is_clipped_on_the_side_the_advantage_pushes() -> None:
+    zeros = torch.zeros(4)
+    # ratios 2.0, 0.5, 2.0, 0.5 (logp - old_logp = +-log 2); advantages +1, +1, -1, -1
+    lr = math.log(2.0)
+    loss, stats = ppo_objective(
+        _t(lr, -lr, lr, -lr), zeros, _t(1, 1, -1, -1), zeros, zeros, clip=0.2, vf_coef=0.0
+    )
+    # per sample min(r A, clip(r) A): 1.2, 0.5, -2.0, -0.8 -> policy loss = -mean
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 - 2.0 - 0.8) / 4, abs=1e-6)
+    assert stats["clip_frac"] == 1.0
+    # the clipped samples carry no gradient; the unclipped ones d/dlogp (r A) = r A
+    logp = _t(lr, -lr, lr, -lr).requires_grad_()
+    ppo_objective(logp, zeros, _t(1, 1, -1, -1), zeros, zeros, clip=0.2, vf_coef=0.0)[0].backward()
+    assert logp.grad is not None
+    assert logp.grad.tolist() == pytest.approx([0.0, -0.5 / 4, 2.0 / 4, 0.0], abs=1e-6)
+
+
+def test_ratio_one_is_the_plain_policy_gradient() -> None:
+    adv = _t(0.5, -1.0, 2.0)
+    loss, stats = ppo_objective(torch.zeros(3), torch.zeros(3), adv, torch.zeros(3), torch.zeros(3))
+    assert loss.item() == pytest.approx(-adv.mean().item())
+    assert stats["clip_frac"] == 0.0 and stats["approx_kl"] == pytest.approx(0.0)
+
+
+def test_value_loss_and_its_clipped_form() -> None:
+    z = torch.zeros(2)
+    values, returns = _t(1.0, -2.0), _t(0.0, 0.0)
+    loss, stats = ppo_objective(z, z, z, values, returns, vf_coef=1.0)
+    assert stats["value_loss"] == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    assert loss.item() == pytest.approx(stats["value_loss"])
+    # Clipped: old values 0, clip 0.2 -> the clipped prediction is 0.2 / -0.2; the max
+    # of the two errors is kept (1.0 vs 0.04; 4.0 vs 0.04): unchanged here ...
+    _, s2 = ppo_objective(z, z, z, values, returns, vf_coef=1.0, old_values_B=z)
+    assert s2["value_loss"] == pytest.approx(stats["value_loss"])
+    # ... but moving away from a return past the clip range is not rewarded: old 0,
+    # new 1.0, return 1.0 -> the clipped prediction 0.2 has error 0.64 and wins.
+    _, s3 = ppo_objective(_t(0.0), _t(0.0), _t(0.0), _t(1.0), _t(1.0), vf_coef=1.0,
+                          old_values_B=_t(0.0))
+    assert s3["value_loss"] == pytest.approx(0.5 * 0.64)
+
+
+def test_bad_inputs_are_refused() -> None:
+    z = torch.zeros(3)
+    with pytest.raises(ShapeMismatch):
+        ppo_objective(z, torch.zeros(2), z, z, z)
+    with pytest.raises(InvalidSpec):
+        ppo_objective(z, z, z, z, z, clip=1.5)
+
+
+CFG = HeadConfig(feature_dim=16, state_dim=5, action_dim=3, action_horizon=2, hidden=32, init_std=0.5)
+
+
+def test_gaussian_log_prob_is_the_normal_density() -> None:
+    head = build_head("oft_mlp", CFG)
+    assert isinstance(head, OFTMLPHead)
+    feats, state = torch.randn(4, 16), torch.randn(4, 5)
+    mean = head.act(feats, state)
+    std = head.action_std_A()
+    assert torch.allclose(std, torch.full((3,), 0.5))
+    actions = mean + 0.3 * torch.randn_like(mean)
+    expect = torch.distributions.Normal(mean, std).log_prob(actions).flatten(1).sum(1)
+    assert torch.allclose(head.log_prob(feats, state, actions), expect, atol=1e-5)
+    # A floor (env units) raises the std where it is higher than the learned one.
+    assert torch.allclose(head.action_std_A(std_floor=0.8), torch.full((3,), 0.8))
+    # Samples come from that distribution.
+    draws = torch.stack([head.sample(feats, state) for _ in range(400)])
+    assert (draws.std(0) - 0.5).abs().mean() < 0.05
+    assert head.value(feats, state).shape == (4,)
+
+
+def test_a_ppo_step_raises_the_likelihood_of_good_chunks_and_fits_the_critic() -> None:
+    torch.manual_seed(0)
+    m = TenantModule("acme", "oft_mlp", CFG, lr=1e-2)
+    head = m.head
+    assert isinstance(head, OFTMLPHead)
+    feats, state = torch.randn(64, 16), torch.randn(64, 5)
+    with torch.no_grad():
+        mean = head.act(feats, state)
+        taken = mean + 0.5 * torch.randn_like(mean)
+        old_logp = head.log_prob(feats, state, taken)
+    # Chunks whose first action dimension went up were good.
+    adv = (taken - mean)[:, :, 0].mean(1)
+    returns = torch.full((64,), 3.0)
+    with torch.no_grad():
+        v0 = float(head.value(feats, state).mean())
+    for _ in range(10):
+        m.stage_ppo(PPOBatch(old_logp_B=old_logp, adv_B=adv, returns_B=returns))
+        m.train_step(feats, state, taken)
+    assert m.version == 10
+    assert set(m.last_stats) >= {"policy_loss", "value_loss", "clip_frac", "approx_kl"}
+    new_mean = m.act(feats, state)
+    assert float((new_mean - mean)[:, :, 0].mean()) > 0.05  # the mean moved towards the good side
+    with torch.no_grad():
+        v1 = float(head.value(feats, state).mean())
+    assert abs(v1 - 3.0) < abs(v0 - 3.0)
+    # The staged batch is consumed: the next plain step is the SFT loss again.
+    m.train_step(feats, state, taken)
+    assert m.last_stats == {}
+
+
+def test_ppo_is_refused_for_a_head_without_a_likelihood() -> None:
+    m = TenantModule("acme", "flow_matching", CFG)
+    z = torch.zeros(4)
+    with pytest.raises(InvalidSpec, match="no tractable likelihood"):
+        m.stage_ppo(PPOBatch(old_logp_B=z, adv_B=z, returns_B=z))
+
+
+def test_a_non_finite_ppo_batch_takes_no_step() -> None:
+    m = TenantModule("acme", "oft_mlp", CFG)
+    feats, state = torch.randn(8, 16), torch.randn(8, 5)
+    taken = m.act(feats, state)
+    before = {k: v.clone() for k, v in m.head.state_dict().items()}
+    bad = torch.zeros(8)
+    bad[3] = float("nan")
+    m.stage_ppo(PPOBatch(old_logp_B=bad, adv_B=torch.ones(8), returns_B=torch.zeros(8)))
+    with pytest.raises(InvalidSpec):
+        m.train_step(feats, state, taken)
+    assert m.version == 0
+    assert all(torch.equal(before[k], v) for k, v in m.head.state_dict().items())
