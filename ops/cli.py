@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="run the main job: the paper's mixed workload vs its isolated baseline, then a report",
-        description="Run 3 RL tenants (PickCube, PushCube, StackCube) and 1 SFT tenant on one "
+        description="Run 3 RL tenants (ManiSkill PickCube and PushCube, LIBERO-spatial-0) and 1 SFT tenant on one "
         "deployment (one process per role, an embedded JetStream unless --nats), then the same "
         "work one tenant at a time; report device time, utilization, memory, loss curves and "
         "evaluation success (DIR/report.md, DIR/report.json, PNG plots). --synthetic runs a "

@@ -1,6 +1,7 @@
 """The main job: the paper's mixed workload, then its isolated baseline.
 
-Shared run: 3 RL tenants on different ManiSkill tasks plus 1 SFT tenant on a
+Shared run: 3 RL tenants, one on a LIBERO task and two on ManiSkill tasks (as
+in the paper: the simulators' rollout durations differ), plus 1 SFT tenant on a
 LeRobot dataset, all at once on one deployment (one process per role, one
 resident backbone in the inference service and one in the training
 service), under the paper's admission: at most 2 outstanding training jobs
@@ -79,7 +80,7 @@ from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 
 ROLES = DEPLOYMENT_ROLES  # the same deployment `joynexus up` starts
-RL_TASKS = (("acme", "PickCube-v1"), ("bolt", "PushCube-v1"), ("cora", "StackCube-v1"))
+RL_TASKS = (("acme", "PickCube-v1"), ("bolt", "PushCube-v1"), ("cora", "LIBERO-spatial-0"))
 SFT_TENANT = "dana"
 #: The SFT tenant's dataset, in its dataset space under datasets_root(out).
 SFT_DATASET = "pick"
@@ -108,6 +109,13 @@ class PaperConfig:
     workers: int = 1
     #: Shared/isolated pairs measured (the median ratio is the headline).
     repeat: int = 1
+    #: The LIBERO tenant's envs per rollout: a LIBERO step (MuJoCo, one 64 px camera)
+    #: costs about 2.5 ManiSkill steps on this CPU, so one env of ``horizon`` steps
+    #: keeps its rollouts of the same order as the ManiSkill tenants' (num_envs each).
+    libero_num_envs: int = 1
+    #: LIBERO episodes end after this many steps here (the suites' own limits are
+    #: 280-520, ManiSkill's 50): it bounds the final evaluation's time.
+    libero_max_steps: int = 50
 
     @classmethod
     def for_minutes(cls, minutes: float, *, repeat: int = 1) -> PaperConfig:
@@ -149,6 +157,8 @@ class PhaseResult:
     batches: list[tuple[int, int]] = field(default_factory=list)
     #: Environment steps the workers took in the window.
     env_steps: int = 0
+    #: Per RL tenant (base name): (duration s, steps) of every rollout begun in the window.
+    rollouts: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
 
     def mean_tenants_per_batch(self) -> float | None:
         return (
@@ -182,7 +192,7 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
             name="rl",
             task_type="rl",
             env=env,
-            num_envs=cfg.num_envs,
+            num_envs=cfg.libero_num_envs if env.startswith("LIBERO-") else cfg.num_envs,
             horizon=cfg.horizon,
             action_horizon=cfg.action_horizon,
             seed=len(out),
@@ -209,8 +219,11 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
 class Deployment:
     """One process per role on ``namespace``; RSS of the two services polled."""
 
-    def __init__(self, url: str, namespace: str, out: Path, *, env_workers: int = 3) -> None:
+    def __init__(
+        self, url: str, namespace: str, out: Path, *, env_workers: int = 3, libero_max_steps: int = 50
+    ) -> None:
         self.url, self.namespace, self.out = url, namespace, out
+        self.libero_max_steps = libero_max_steps
         #: Warm environment workers (the RL tenants' workers of one window), started
         #: with the deployment so that no window pays a worker's start-up.
         self.env_workers = env_workers
@@ -253,6 +266,7 @@ class Deployment:
                     "PYTHONUNBUFFERED": "1",
                     "JOYNEXUS_ENV_SPARES": str(self.env_workers),
                     "JOYNEXUS_ENV_WORKERS_MAX": str(self.env_workers),
+                    "JOYNEXUS_LIBERO_MAX_STEPS": str(self.libero_max_steps),
                 },
                 preexec_fn=die_with_parent,
             )
@@ -415,6 +429,9 @@ def _account(
                     )
                     if float(m["busy_start"]) >= w0:
                         result.env_steps += int(m.get("steps", 0))
+                        result.rollouts[base_tenant(str(m.get("tenant", "")))].append(
+                            (float(m["busy_end"]) - float(m["busy_start"]), int(m.get("steps", 0)))
+                        )
                 continue
             if (
                 m.get("kind") == "system"
@@ -497,6 +514,7 @@ async def _tenant_outcomes(
         result.tenants[base_tenant(p.tenant)] = {
             "task_type": p.spec.task_type,
             "env_or_dataset": p.spec.env or Path(p.spec.dataset).name,
+            "simulator": env_kind_of(p.spec.env) if p.spec.env else None,
             "updates": states.get("completed", 0),
             "final_version": version,
             "dropped_stale": states.get("dropped", 0),
@@ -524,7 +542,9 @@ async def run_phase(
     # The same warm pool in both phases (isolated: one tenant's workers busy at a
     # time, the same workers per tenant as when shared), so that the next tenant's
     # window never waits for the previous one's workers to come back.
-    dep = Deployment(url, ns, out, env_workers=cfg.workers * n_rl)
+    dep = Deployment(
+        url, ns, out, env_workers=cfg.workers * n_rl, libero_max_steps=cfg.libero_max_steps
+    )
     b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)
     windows: list[list[tuple[float, float]]] = [[] for _ in rounds]
     try:
@@ -570,6 +590,43 @@ async def run_phase(
     return results
 
 
+def env_kind_of(env: str) -> str:
+    return "libero" if env.startswith("LIBERO-") else "maniskill"
+
+
+def rollout_stats(r: PhaseResult) -> dict[str, Any]:
+    """Rollout durations per RL tenant and steps/s per simulator kind (a rollout's
+    steps over its duration: the simulator, the policy's inference requests and
+    the resets it paid, while sharing the CPU with everything else)."""
+    envs = dict(RL_TASKS)
+    by_tenant: dict[str, Any] = {}
+    kinds: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for tenant, rolls in sorted(r.rollouts.items()):
+        if not rolls:
+            continue
+        env = envs.get(tenant, "")
+        busy, steps = sum(d for d, _ in rolls), sum(n for _, n in rolls)
+        durations = sorted(d for d, _ in rolls)
+        by_tenant[tenant] = {
+            "env": env,
+            "rollouts": len(rolls),
+            "steps_per_rollout": round(steps / len(rolls), 1),
+            "mean_rollout_s": round(busy / len(rolls), 3),
+            "median_rollout_s": round(statistics.median(durations), 3),
+            "max_rollout_s": round(durations[-1], 3),
+            "steps_per_s": round(steps / busy, 2) if busy else None,
+        }
+        kinds[env_kind_of(env)] += rolls
+    return {
+        "rollouts_by_tenant": by_tenant,
+        "env_steps_per_s_by_kind": {
+            k: round(sum(n for _, n in v) / sum(d for d, _ in v), 2)
+            for k, v in sorted(kinds.items())
+            if sum(d for d, _ in v) > 0
+        },
+    }
+
+
 def summarize(shared: PhaseResult, isolated: PhaseResult) -> dict[str, Any]:
     def phase(r: PhaseResult) -> dict[str, Any]:
         return {
@@ -588,6 +645,7 @@ def summarize(shared: PhaseResult, isolated: PhaseResult) -> dict[str, Any]:
             ),
             "env_steps": r.env_steps,
             "env_steps_per_s": round(r.env_steps / r.wall_s, 2) if r.wall_s else None,
+            **rollout_stats(r),
         }
 
     ratio = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
@@ -752,6 +810,10 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
     ]
     rows += [
         ("env steps/s (all workers)", sh.get("env_steps_per_s"), iso.get("env_steps_per_s"), ""),
+        *(
+            (f"  {kind} steps/s in rollouts", v, iso.get("env_steps_per_s_by_kind", {}).get(kind), "")
+            for kind, v in sh.get("env_steps_per_s_by_kind", {}).items()
+        ),
         (
             "tenants per inference batch",
             sh.get("mean_tenants_per_batch"),
@@ -768,13 +830,16 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
             f"(median {results['device_time_ratio']})"
         )
     print(
-        f"\n  {'tenant':8} {'task':5} {'updates':>7} {'version':>7} {'stale':>5} {'failed':>6} {'eval':>5}"
+        f"\n  {'tenant':8} {'task':5} {'env or dataset':17} {'updates':>7} {'version':>7} "
+        f"{'stale':>5} {'failed':>6} {'eval':>5} {'rollout s':>9}"
     )
+    rolls = sh.get("rollouts_by_tenant", {})
     for t, v in results["tenants"].items():
         ev = "-" if v["eval_success"] is None else f"{v['eval_success']:.2f}"
+        roll = rolls.get(t, {}).get("mean_rollout_s", "-")
         print(
-            f"  {t:8} {v['task_type']:5} {v['updates']:>7} {v['final_version']:>7} "
-            f"{v['dropped_stale']:>5} {v['failed']:>6} {ev:>5}"
+            f"  {t:8} {v['task_type']:5} {v.get('env_or_dataset', ''):17} {v['updates']:>7} "
+            f"{v['final_version']:>7} {v['dropped_stale']:>5} {v['failed']:>6} {ev:>5} {roll!s:>9}"
         )
 
 
