@@ -407,10 +407,23 @@ async def _env_worker_killed_mid_rollout(rig: FaultRig) -> None:
                 return j
         return None
 
-    job = await wait_until(victim, 120, "an acme job producing in a worker", every=0.05)
-    inst = job.metadata.extra["producer"]  # type: ignore[attr-defined]
-    old = msgspec.json.decode((await kv.get(f"hb.env-worker.{inst}")).value, type=Heartbeat).pid
+    # A 4-step rollout is short: a job seen producing may be handed on before the
+    # kill lands. Freeze the worker (SIGSTOP), confirm its job is still producing
+    # (a frozen process cannot move it on), and only then kill it.
     before = dict(await rig.completed())
+    for _attempt in range(20):
+        job = await wait_until(victim, 120, "an acme job producing in a worker", every=0.05)
+        inst = job.metadata.extra["producer"]  # type: ignore[attr-defined]
+        hb = (await kv.get(f"hb.env-worker.{inst}")).value
+        old = msgspec.json.decode(hb, type=Heartbeat).pid
+        os.kill(old, signal.SIGSTOP)
+        await asyncio.sleep(0.3)  # whatever it had already sent lands first
+        now = await rig.sched.get_job(job.job_id)  # type: ignore[attr-defined]
+        if now.state is JobState.PRODUCING:
+            break
+        os.kill(old, signal.SIGCONT)
+    else:
+        raise AssertionError("never caught a worker with its job still producing")
     os.kill(old, signal.SIGKILL)
 
     async def restarted() -> bool:
