@@ -6,7 +6,9 @@ backbone forward of T*B rows (inputs joined with ``concat_inputs``) + T head
 decodes. Inputs are prepared (tokenized, patchified) beforehand for both, as
 the inference agent does when a request arrives; that per-request cost is the
 same in both paths and is reported separately as ``prepare_ms_per_request``.
-Torch threads = 2, warmup, serial and grouped repetitions interleaved, medians.
+Torch threads = 2; serial and grouped alternate in one loop (``ops.benchstats``),
+the warm-up round dropped; each speedup is the ratio of medians with a paired
+bootstrap 95% interval (``group_speedup_ci95``), and the load average is kept.
 
     .venv/bin/python -m joynexus.ops.bench_group [--quick]
 
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 
+from joynexus.ops import benchstats
+
 __all__ = ["bench_group", "main", "measure_rss"]
 
 INSTRUCTIONS = ("pick up the red cube", "open the drawer", "push the block left", "stack the cups")
@@ -44,7 +48,7 @@ def bench_group(
     tenants: Sequence[int] = (2, 4, 6, 8),
     batches: Sequence[int] = (1, 2, 4, 8),
     size: str = "bench",
-    repeats: int = 7,
+    repeats: int = 15,
     quick: bool = False,
     threads: int = 2,
     rss: bool = True,
@@ -53,7 +57,7 @@ def bench_group(
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
     from joynexus.agents.models.features import FeatureSchema, canonicalize_request, split_rows
     if quick:
-        tenants, batches, repeats = (2, 8), (1, 4), 3
+        tenants, batches, repeats = (2, 8), (1, 4), 9
     torch.set_num_threads(threads)
     bb = Backbone.build(BackboneConfig(size=size, threads=threads))  # type: ignore[arg-type]
     schema = FeatureSchema(("front", "wrist"), (56, 56), 8, 7, 8, base_model=bb.config.base_model)
@@ -96,23 +100,29 @@ def bench_group(
     serial_ms: dict[str, float] = {}
     grouped_ms: dict[str, float] = {}
     speedup: dict[str, float] = {}
+    speedup_ci: dict[str, list[float]] = {}
+    load_before = benchstats.load()
     with torch.inference_mode():
         for t in tenants:
             for b in batches:
-                serial(t, b)  # warmup (also fills the position cache for this length)
-                grouped(t, b)
-                s_ts, g_ts = [], []
-                for _ in range(repeats):  # interleaved so machine noise hits both alike
-                    s_ts.append(_median_ms(partial(serial, t, b), 1))
-                    g_ts.append(_median_ms(partial(grouped, t, b), 1))
+                # Serial and grouped alternate in one loop (ABBA), the first round
+                # (which also fills the position cache for this length) thrown away.
+                ts = benchstats.interleaved(
+                    {"serial": partial(serial, t, b), "grouped": partial(grouped, t, b)},
+                    repeats=repeats,
+                    warmup=1,
+                )
                 key = f"{t}x{b}"
-                serial_ms[key] = round(statistics.median(s_ts), 2)
-                grouped_ms[key] = round(statistics.median(g_ts), 2)
-                speedup[key] = round(serial_ms[key] / grouped_ms[key], 2)
+                ratio, lo, hi = benchstats.ratio_ci(ts["serial"], ts["grouped"])
+                serial_ms[key] = round(statistics.median(ts["serial"]), 2)
+                grouped_ms[key] = round(statistics.median(ts["grouped"]), 2)
+                speedup[key] = round(ratio, 2)
+                speedup_ci[key] = [round(lo, 2), round(hi, 2)]
 
     head_params = {m.head_type: m.num_params() for m in mods[:2]}
     out: dict[str, Any] = {
         "group_speedup": speedup,
+        "group_speedup_ci95": speedup_ci,
         "serial_ms": serial_ms,
         "grouped_ms": grouped_ms,
         "backbone": {
@@ -128,6 +138,7 @@ def bench_group(
         "prepare_ms_per_request": round(statistics.median(prep_ts) * 1e3, 2),
         "threads": threads,
         "repeats": repeats,
+        "load": {"before": load_before, "after": benchstats.load()},
     }
     if rss:
         out["rss"] = rss_info
@@ -176,9 +187,9 @@ def measure_rss(backbone: Any, n: int = 8) -> tuple[dict[str, float], list[Any]]
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 and 8 tenants x batch 1 and 4, 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="2 and 8 tenants x batch 1 and 4, 9 rounds")
     ap.add_argument("--size", default="bench", choices=["tiny", "bench"])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds per cell")
     ap.add_argument("--no-rss", action="store_true")
     a = ap.parse_args(argv)
     print(json.dumps(bench_group(size=a.size, repeats=a.repeats, quick=a.quick, rss=not a.no_rss), indent=2))

@@ -1,6 +1,7 @@
 """Inference Queue benchmark: grouped speedup, request-reply latency, throughput, RSS.
 
-- ``group_speedup``: grouped vs serial shared-forward speedup per ``"TxB"``
+- ``group_speedup`` / ``group_speedup_ci95``: grouped vs serial shared-forward
+  speedup per ``"TxB"`` with its 95% interval
   (T tenants x B samples each), from ``ops.bench_group.bench_group`` ("bench"
   backbone; "tiny" and a 2x2 grid with ``--quick``).
 - Request-reply through NATS: an engine in its own process (the ``joynexus
@@ -8,9 +9,10 @@
   clients at rising concurrency report p50/p99 latency, throughput and the
   mean batch size per level. ``rr_p50_ms``/``rr_p99_ms`` are the lowest load
   level's; ``throughput_rps`` is the best level's.
-- ``rr_overhead_p50_ms``: request-reply p50 minus the in-process call for the
-  same work (canonicalize + backbone forward + head), both with one request
-  at a time, the engine set to B=1 (no batching wait) and running in this
+- ``rr_overhead_p50_ms``: request-reply p50 minus the in-process call
+  (``inproc_p50_ms``) for the same work (canonicalize + backbone forward +
+  head), alternated in one loop with a paired bootstrap 95% interval
+  (``rr_overhead.rr_overhead_p50_ci95``), both with one request at a time, the engine set to B=1 (no batching wait) and running in this
   process, so only NATS, the codec and the engine's plumbing differ.
 - ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
   (same load shape), next to the 7 extra heads' weight bytes.
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from joynexus.ops import benchstats
 
 __all__ = ["bench_inference", "main"]
 
@@ -175,24 +179,26 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, float]:
                                   obs["instruction"], obs["state"])
         mod.act(bb.encode(fb), fb.state_B_S)
 
+    async def local() -> None:
+        inproc()
+
+    async def remote() -> None:
+        await client.request("solo", schema=schema, **obs)
+
     try:
-        for _ in range(3):  # warmup both paths
-            inproc()
-            await client.request("solo", schema=schema, **obs)
-        local, remote = [], []
-        for _ in range(repeats):  # interleaved so machine noise hits both alike
-            t0 = time.perf_counter()
-            inproc()
-            local.append((time.perf_counter() - t0) * 1e3)
-            t0 = time.perf_counter()
-            await client.request("solo", schema=schema, **obs)
-            remote.append((time.perf_counter() - t0) * 1e3)
+        # In-process and request-reply alternate (ABBA), three warm-up rounds dropped.
+        ts = await benchstats.interleaved_async(
+            {"inproc": local, "rr": remote}, repeats=repeats, warmup=3
+        )
     finally:
         await engine.stop()
+    diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
     return {
-        "inproc_p50_ms": round(_pct(local, 50), 3),
-        "rr_p50_ms": round(_pct(remote, 50), 3),
-        "rr_overhead_p50_ms": round(_pct(remote, 50) - _pct(local, 50), 3),
+        "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
+        "rr_p50_ms": round(_pct(ts["rr"], 50), 3),
+        "rr_overhead_p50_ms": round(diff, 3),
+        "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
+        "repeats": repeats,
     }
 
 
@@ -224,6 +230,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
     from joynexus.ops.bench_group import bench_group
 
     t_start = time.perf_counter()
+    load_before = benchstats.load()
     grid_size = "tiny" if quick else "bench"
     rr_size = "tiny" if quick else "bench"
     # 1. grouped vs serial shared forward, in this process (before anything else loads the CPUs);
@@ -281,6 +288,8 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
 
         out = {
             "group_speedup": group["group_speedup"],
+            "group_speedup_ci95": group["group_speedup_ci95"],
+            "inproc_p50_ms": overhead["inproc_p50_ms"],
             "rr_p50_ms": per_level[0]["p50_ms"],
             "rr_p99_ms": per_level[0]["p99_ms"],
             "rr_by_load": per_level,
@@ -327,6 +336,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
                 await delete_layout(br)
             await br.close()
     out["seconds"] = round(time.perf_counter() - t_start, 1)
+    out["load"] = {"before": load_before, "after": benchstats.load()}
     return out
 
 

@@ -25,6 +25,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
+from joynexus.ops import benchstats
 from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, TenantTaskPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
@@ -132,6 +133,7 @@ async def bench_scheduler(
                 v.clear()
             t0 = time.perf_counter()
             done0 = len(pipe.stats.completed_at)
+            load_before = benchstats.load()
             while (elapsed := time.perf_counter() - t0) < seconds:
                 await asyncio.sleep(min(1.0, seconds - elapsed))
                 if progress:
@@ -154,10 +156,23 @@ async def bench_scheduler(
             if proc.poll() is not None:
                 raise RuntimeError(f"scheduler process died: {proc.stderr.read().decode()[-2000:]}")
         lat = pipe.stats.latency
+        # Lifecycles/s per one-second window: the median over windows with its interval
+        # says how steady the rate was (one slow second does not move it).
+        windows = [
+            sum(1 for at in pipe.stats.completed_at if t0 + i <= at < t0 + i + 1)
+            for i in range(int(elapsed))
+        ]
+        rate, rate_lo, rate_hi = benchstats.median_ci([float(w) for w in windows])
         all_transitions = [x for v in TIMED_VERBS for x in lat.get(v, [])]
         return {
             "lifecycles_per_s": round(done / elapsed, 1),
             "transitions_per_s": round(done * 6 / elapsed, 1),
+            "lifecycles_per_s_by_window": {
+                "median": rate,
+                "ci95": [rate_lo, rate_hi],
+                "windows": len(windows),
+            },
+            "load": {"before": load_before, "after": benchstats.load()},
             "transition_p50_ms": _pct(all_transitions, 50),
             "transition_p99_ms": _pct(all_transitions, 99),
             "by_verb_ms": {

@@ -1,0 +1,142 @@
+"""Measurements that hold still on a noisy machine: interleaved arms, ratios with intervals.
+
+Every benchmark that compares two ways of doing the same work (serial vs
+grouped, in-process vs request-reply, one consumer vs several) measures them
+in the same loop, alternating the order each round (ABBA...), so a burst of
+load from elsewhere lands on both arms alike. The warm-up rounds are thrown
+away. A ratio is reported with a 95% interval from a bootstrap over the
+rounds (each round's pair resampled together, so the pairing is kept), and the
+machine's load average is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Samples",
+    "difference_ci",
+    "interleaved",
+    "interleaved_async",
+    "load",
+    "median_ci",
+    "ratio_ci",
+    "summarize",
+]
+
+#: One arm's per-round wall times, in milliseconds.
+Samples = list[float]
+
+
+def load() -> dict[str, float]:
+    """The machine's 1/5/15-minute load averages and its CPU count."""
+    one, five, fifteen = os.getloadavg()
+    return {
+        "load1": round(one, 2),
+        "load5": round(five, 2),
+        "load15": round(fifteen, 2),
+        "cpus": float(os.cpu_count() or 1),
+    }
+
+
+def _order(arms: Sequence[str], round_i: int) -> Sequence[str]:
+    return arms if round_i % 2 == 0 else tuple(reversed(arms))
+
+
+def interleaved(
+    arms: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+) -> dict[str, Samples]:
+    """Run every arm once per round, order flipped each round; ms per call, warm-up dropped."""
+    names = tuple(arms)
+    out: dict[str, Samples] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for n in _order(names, r):
+            t0 = time.perf_counter()
+            arms[n]()
+            dt = (time.perf_counter() - t0) * 1e3
+            if r >= warmup:
+                out[n].append(dt)
+    return out
+
+
+async def interleaved_async(
+    arms: Mapping[str, Callable[[], Awaitable[Any]]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+) -> dict[str, Samples]:
+    """``interleaved`` for coroutines (an arm that awaits a reply, for instance)."""
+    names = tuple(arms)
+    out: dict[str, Samples] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for n in _order(names, r):
+            t0 = time.perf_counter()
+            await arms[n]()
+            dt = (time.perf_counter() - t0) * 1e3
+            if r >= warmup:
+                out[n].append(dt)
+    return out
+
+
+def _boot_idx(n: int, n_boot: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+
+
+def median_ci(xs: Sequence[float], *, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): the median and its bootstrap 95% interval."""
+    a = np.asarray(xs, dtype=np.float64)
+    if a.size == 0:
+        return (float("nan"),) * 3
+    meds = np.median(a[_boot_idx(a.size, n_boot, seed)], axis=1)
+    return float(np.median(a)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
+
+
+def ratio_ci(
+    num: Sequence[float], den: Sequence[float], *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(ratio, low, high) of median(num) / median(den), rounds resampled as pairs."""
+    a = np.asarray(num, dtype=np.float64)
+    b = np.asarray(den, dtype=np.float64)
+    if a.size != b.size:
+        raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
+    if a.size == 0:
+        return (float("nan"),) * 3
+    idx = _boot_idx(a.size, n_boot, seed)
+    boot = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    point = float(np.median(a) / np.median(b))
+    return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def difference_ci(
+    a_ms: Sequence[float], b_ms: Sequence[float], *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(median(a) - median(b), low, high), rounds resampled as pairs."""
+    a = np.asarray(a_ms, dtype=np.float64)
+    b = np.asarray(b_ms, dtype=np.float64)
+    if a.size != b.size or a.size == 0:
+        raise ValueError(f"need paired, non-empty samples: {a.size} vs {b.size}")
+    idx = _boot_idx(a.size, n_boot, seed)
+    boot = np.median(a[idx], axis=1) - np.median(b[idx], axis=1)
+    point = float(np.median(a) - np.median(b))
+    return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def summarize(xs: Sequence[float]) -> dict[str, Any]:
+    """p50 with its interval, p99, mean, n: one arm's figures for the JSON."""
+    med, lo, hi = median_ci(xs)
+    return {
+        "p50_ms": round(med, 3),
+        "p50_ci95": [round(lo, 3), round(hi, 3)],
+        "p99_ms": round(float(np.percentile(xs, 99)), 3) if xs else float("nan"),
+        "mean_ms": round(statistics.fmean(xs), 3) if xs else float("nan"),
+        "n": len(xs),
+    }
