@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import orjson
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -62,6 +63,7 @@ from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.usage import Meter, UsageQuery
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
@@ -119,6 +121,7 @@ VERBS: dict[str, type[Any]] = {
     "read_events": ReadEvents,
     "put_data": PutData,
     "get_policy": PolicyQuery,
+    "usage": UsageQuery,
 }
 
 ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list")
@@ -187,6 +190,9 @@ class ControlPlane:
         self._records_by_key = self._records_mirror.values
         # Training Queue bytes a tenant put, per open job (released when the job ends).
         self._tq_bytes: dict[str, dict[str, int]] = {}
+        # Usage metering (broker.usage): folds busy intervals, queue puts and job ends
+        # into a checkpoint; answers the usage verb (the tenant's own figures only).
+        self.meter = Meter(broker, instance=f"{instance}-meter")
 
     async def start(self, wait_layout_s: float = 30.0) -> None:
         # The deployment's layout may still be being made (the server owner's auth
@@ -219,6 +225,7 @@ class ControlPlane:
         await nc.flush()
         self._spawn(self._adopt_open_jobs())
         self._spawn(self._expire_open_jobs())
+        self._spawn(self.meter.run())
 
     async def _on_job_event(self, msg: Any) -> None:
         try:
@@ -677,6 +684,14 @@ class ControlPlane:
         limit = min(req.limit, self.b.max_payload // 2)
         weights = await self._policies.load_weights(rec)
         return ApiReply(policy=rec, data=weights[req.offset : req.offset + limit])
+
+    async def _usage(self, tenant: str, req: UsageQuery) -> ApiReply:
+        """The tenant's own usage (never another's: the tenant is the subject's)."""
+        if not math.isfinite(req.since) or req.since < 0:
+            raise InvalidSpec(f"since must be a time in epoch seconds >= 0, got {req.since}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.meter.ready.wait(), 10.0)
+        return ApiReply(data=orjson.dumps(self.meter.report(tenant=tenant, since=req.since)))
 
     # ------------------------------------------------------------ the operator API
     async def _serve_admin(self, request: Request) -> None:

@@ -52,7 +52,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from joynexus.broker import metrics
+from joynexus.broker import metrics, usage
 from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import InvalidMessage, JoyNexusError
 
@@ -221,6 +221,9 @@ class MetricAggregates:
         self.total = 0
         self.malformed = 0
         self._counters: dict[tuple[str, str], int] = defaultdict(int)
+        #: Usage per tenant folded from the busy intervals (broker.usage): ClearML
+        #: scalars "usage <figure>", one series per tenant.
+        self.usage = usage.empty_state()
 
     def _tick(self, title: str, tenant: str) -> int:
         self._counters[title, tenant] += 1
@@ -294,6 +297,7 @@ class MetricAggregates:
             n = len(t.busy[service]) - 1
             out.append(Scalar("busy_ms", service, (end - start) * 1e3, n))
             handled.update(("busy_start", "busy_end"))
+            out.extend(self._usage_scalars({**f, "kind": m.kind}))
         if m.kind == "security":
             t.refusals.append({"at": m.at, **f})
             self._keep(t.refusals)
@@ -314,6 +318,17 @@ class MetricAggregates:
             s.append((m.at, value))
             self._keep(s)
             out.append(Scalar(key, tenant, value, self._tick(key, tenant)))
+        return out
+
+    def _usage_scalars(self, fields: dict[str, Any]) -> list[Scalar]:
+        """The running usage totals of the tenants a busy interval touched."""
+        before = {t: dict(v) for t, v in self.usage["tenants"].items()}
+        usage.fold_metric(self.usage, fields)
+        out = []
+        for t, now in self.usage["tenants"].items():
+            for k in ("train_s", "infer_s", "env_s", "infer_requests"):
+                if k in now and now[k] != before.get(t, {}).get(k):
+                    out.append(Scalar(f"usage {k}", t, float(now[k]), self._tick(f"usage {k}", t)))
         return out
 
     def timelines(self) -> dict[str, list[tuple[float, float]]]:

@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     from joynexus.ops.learning_cli import add_parsers
 
     add_parsers(sub, bsub)  # `dataset generate` and `bench learning`
+    from joynexus.ops import plan as plan_cli
+    from joynexus.ops import usage as usage_cli
+
+    usage_cli.add_parser(sub, _common)  # `usage`: metered usage per tenant
+    plan_cli.add_parser(sub)  # `plan`: the capacity planner
     return parser
 
 
@@ -655,6 +660,14 @@ def _dispatch(args: argparse.Namespace) -> int:
                     repeat=args.repeat,
                 )
             )
+    if args.command == "usage":
+        from joynexus.ops.usage import dispatch as usage_dispatch
+
+        return usage_dispatch(args)
+    if args.command == "plan":
+        from joynexus.ops.plan import dispatch as plan_dispatch
+
+        return plan_dispatch(args)
     if args.command == "dataset" or (args.command == "bench" and args.bench == "learning"):
         from joynexus.ops.learning_cli import dispatch
 

@@ -441,6 +441,21 @@ class Client:
 
         return self._future(go())
 
+    def usage(self, since: float = 0.0) -> asyncio.Future[dict[str, Any]]:
+        """This tenant's metered usage (the control plane's meter, ``broker.usage``):
+        ``{"tenants": {<me>: {"train_s", "infer_s", "env_s", "tq_byte_s",
+        "infer_requests", ...}}, "as_of", "since_effective"}``; ``since``: epoch
+        seconds (counted from the hour holding it)."""
+
+        async def go() -> dict[str, Any]:
+            from joynexus.broker.usage import UsageQuery
+
+            reply = await self._api("usage", UsageQuery(since=float(since)))
+            out: dict[str, Any] = json.loads(reply.data or b"{}")
+            return out
+
+        return self._future(go())
+
     def evaluate(
         self,
         workload: str,
