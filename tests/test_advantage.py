@@ -50,3 +50,18 @@ def test_weights_grow_with_advantage_and_are_capped() -> None:
     assert np.all(np.diff(w) >= 0) and w.max() == pytest.approx(5.0)
     g = group_relative(np.array([1.0, 2.0, 3.0], dtype=np.float32))
     assert g.mean() == pytest.approx(0.0, abs=1e-6) and g[2] > 0 > g[0]
+
+
+def test_a_cut_rollout_bootstraps_its_tail_from_the_given_value() -> None:
+    rewards = np.array([[1.0, 1.0]], dtype=np.float32)
+    values = np.array([[0.5, 0.5]], dtype=np.float32)
+    adv0, _ = gae(rewards, values, gamma=0.9, lam=1.0)
+    adv1, ret1 = gae(rewards, values, gamma=0.9, lam=1.0, bootstrap_B=np.array([2.0], dtype=np.float32))
+    # last step: r + gamma * V_next - V = 1 + 0.9 * 2 - 0.5 (vs 1 - 0.5 without it)
+    assert adv0[0, 1] == pytest.approx(0.5)
+    assert adv1[0, 1] == pytest.approx(2.3)
+    assert ret1[0, 0] == pytest.approx(1 + 0.9 * (1 + 0.9 * 2.0))
+    # a done at the last step ignores the bootstrap
+    adv2, _ = gae(rewards, values, np.array([[False, True]]), gamma=0.9, lam=1.0,
+                  bootstrap_B=np.array([2.0], dtype=np.float32))
+    assert adv2[0, 1] == pytest.approx(0.5)
