@@ -142,6 +142,14 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             replicas=opts.replicas,
             limit_marker_ttl=60.0,
         ),
+        KeyValueConfig(
+            bucket=n.trainer_bucket,
+            description="JoyNexus trainer state: <tenant>.<policy_key> -> the checkpoint in "
+            "force (object name, digest, version); written by compare-and-set, the commit "
+            "point of an actor's step",
+            history=4,
+            replicas=opts.replicas,
+        ),
     ]
 
 
@@ -151,7 +159,13 @@ def object_store_configs(b: Broker, opts: LayoutOptions) -> list[ObjectStoreConf
             bucket=b.names.weights_store,
             description="JoyNexus action-module weights: <tenant>/<policy_key>/v<version>.safetensors",
             replicas=opts.replicas,
-        )
+        ),
+        ObjectStoreConfig(
+            bucket=b.names.checkpoints_store,
+            description="JoyNexus trainer checkpoints: <tenant>/<policy_key>/v<version>-<nonce>.ckpt "
+            "(module, optimizer, applied jobs; the trainer KV says which one is in force)",
+            replicas=opts.replicas,
+        ),
     ]
 
 

@@ -102,6 +102,16 @@ class Names:
         return self._upper("WEIGHTS")
 
     @property
+    def trainer_bucket(self) -> str:
+        """KV of trainer checkpoint records (the commit point of an actor's state)."""
+        return self._upper("TRAINER")
+
+    @property
+    def checkpoints_store(self) -> str:
+        """Object store of trainer checkpoints (module, optimizer, applied jobs)."""
+        return self._upper("CHECKPOINTS")
+
+    @property
     def scheduler_service(self) -> str:
         return f"{self.namespace}-sched"
 

@@ -156,7 +156,7 @@ async def _closed_loop(client: Any, schema: Any, tenants: Sequence[str], concurr
     }
 
 
-async def _overhead(b: Any, size: str, repeats: int) -> dict[str, float]:
+async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     """Request-reply through an in-process engine (B=1: no batching wait) vs the in-process call."""
     import torch
 
