@@ -142,3 +142,12 @@ def test_a_non_finite_ppo_batch_takes_no_step() -> None:
         m.train_step(feats, state, taken)
     assert m.version == 0
     assert all(torch.equal(before[k], v) for k, v in m.head.state_dict().items())
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf")])
+def test_exploration_std_is_validated(bad: float) -> None:
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    assert WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=0.2).exploration_std == 0.2
+    with pytest.raises(InvalidSpec, match="exploration_std"):
+        WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=bad)
