@@ -272,6 +272,10 @@ def plan_from_run(run: Path, *, plots: Path | None = None) -> dict[str, Any]:
     iso_r = isolated(dep_iso, c_iso)
     out = comparison(predicted_phase([shared_r]), predicted_phase(iso_r),
                      measured_phase(sh_h, sh_e), measured_phase(iso_h, iso_e))
+    # How much the shared run's costs differ from the isolated run's (on a CPU machine
+    # the services and the simulators contend for the same cores): the shared window
+    # predicted with the isolated run's (uncontended) costs.
+    out["shared_wall_s_with_isolated_costs"] = simulate(dep_sh, c_iso).wall_s
     out["costs"] = {"shared": asdict(c_sh), "isolated": asdict(c_iso)}
     out["startup_s"] = {"shared": st_sh, "isolated": st_iso}
     out["deployment"] = dep_sh.to_dict()

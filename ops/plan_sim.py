@@ -485,20 +485,22 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
     def actor() -> Proc:
         pending: list[TrainingJob] = []
         while True:
+            # A lease costs the scheduler a decision; a long poll that finds nothing
+            # waits in its memory (no append), as the agent's lease_next does.
             if not pending:
-                yield sched.delay()
                 job = sched.lease_next(set())
                 if job is None:
                     if all_done():
                         return
                     yield sched.ready
                     continue
+                yield sched.delay()
                 pending.append(job)
             while len(pending) < dep.max_group:
-                yield sched.delay()
                 more = sched.lease_next(set())
                 if more is None:
                     break
+                yield sched.delay()
                 pending.append(more)
             group: list[TrainingJob] = []
             seen: set[str] = set()
