@@ -48,7 +48,7 @@ from typing import Any
 
 import msgspec
 import orjson
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError, ObjectNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -101,8 +101,10 @@ from joynexus.schemas.workloads import (
     PolicyQuery,
     PutData,
     ReadEvents,
+    VideoQuery,
     WorkloadRecord,
     WorkloadSpec,
+    video_object_name,
 )
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ VERBS: dict[str, type[Any]] = {
     "read_events": ReadEvents,
     "put_data": PutData,
     "get_policy": PolicyQuery,
+    "get_video": VideoQuery,
     "usage": UsageQuery,
 }
 
@@ -387,6 +390,13 @@ class ControlPlane:
         bound("instruction bytes", len(spec.instruction.encode()), q.max_instruction_bytes)
         if spec.task_type == "eval":
             bound("episodes", spec.episodes, q.max_eval_episodes)
+        if spec.eval_every:
+            bound("eval_episodes", spec.eval_episodes, q.max_eval_episodes)
+        if spec.eval_videos:
+            bound("eval_videos", spec.eval_videos, q.max_eval_videos)
+            bound("video_frames", spec.video_frames, q.max_video_frames)
+            # 0 = the camera's size: bounded here as the largest it may be.
+            bound("video_size", spec.video_size or spec.image_size, q.max_video_size)
         sched = msgspec.structs.replace(s, priority=q.priority)  # the class's, never the tenant's
         spec = msgspec.structs.replace(spec, scheduling=sched)
         if spec.task_type == "sft" and spec.dataset:
@@ -400,9 +410,11 @@ class ControlPlane:
         q = self.quotas.get(tenant)
         spec = await asyncio.to_thread(self._bounded_spec, tenant, req.spec, q)
         async with self._lock:
-            records = await self._records(tenant)
+            every = await self._records(tenant)
+            # The evaluator's periodic evaluations (eval_every) are not the tenant's to count.
+            records = [r for r in every if not r.periodic]
             active = [r for r in records if r.state == "active"]
-            for rec in records:
+            for rec in every:
                 if rec.spec.name == spec.name:
                     if rec.spec == spec:
                         return ApiReply(workload=rec)  # a retried create
@@ -692,6 +704,29 @@ class ControlPlane:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.meter.ready.wait(), 10.0)
         return ApiReply(data=orjson.dumps(self.meter.report(tenant=tenant, since=req.since)))
+
+    async def _get_video(self, tenant: str, req: VideoQuery) -> ApiReply:
+        """A slice of one of the tenant's own evaluation videos: the record is looked
+        up under the requester's tenant, the object named from it (another tenant's
+        evaluation is an unknown workload)."""
+        rec = await self._get(tenant, req.workload)
+        if not isinstance(req.index, int) or not 0 <= req.index < len(rec.videos):
+            raise InvalidSpec(
+                f"workload {req.workload!r} has {len(rec.videos)} videos; index must be 0.."
+                f"{len(rec.videos) - 1}, got {req.index!r}"
+            )
+        if req.offset < 0:
+            raise InvalidSpec(f"offset must be >= 0, got {req.offset}")
+        store = await self.b.js.object_store(self.n.weights_store)
+        try:
+            obj = await store.get(video_object_name(tenant, rec.spec.name, rec.videos[req.index]))
+        except (ObjectNotFoundError, NotFoundError) as e:
+            raise UnknownTenant(
+                f"video {req.index} of workload {req.workload!r} is missing from the store"
+            ) from e
+        data = obj.data
+        limit = min(req.limit if req.limit > 0 else self.b.max_payload // 2, self.b.max_payload // 2)
+        return ApiReply(workload=rec, data=(data or b"")[req.offset : req.offset + limit])
 
     # ------------------------------------------------------------ the operator API
     async def _serve_admin(self, request: Request) -> None:

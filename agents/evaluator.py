@@ -46,9 +46,17 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
-from joynexus.schemas.workloads import WorkloadRecord
+from joynexus.schemas.workloads import (
+    WorkloadRecord,
+    WorkloadSpec,
+    periodic_eval_name,
+    video_object_name,
+)
 
 log = logging.getLogger(__name__)
+
+#: Periodic evaluations of one workload at most (versions K, 2K, ... 64K).
+MAX_PERIODIC_EVALS = 64
 
 
 class FairSlots:
@@ -129,6 +137,8 @@ class EvalControl:
     check: Callable[[], Awaitable[bool]] | None = None
     #: The workload was cancelled (not merely the evaluator stopping).
     cancelled: bool = False
+    #: The saved episode videos (file names; ``evaluate_record`` fills it).
+    videos: list[str] = field(default_factory=list)
     #: A round turn is held (``begin_round`` took it, ``end_round`` gives it back).
     _turn: bool = field(default=False, init=False, repr=False)
 
@@ -200,10 +210,29 @@ async def evaluate_record(
             state_keys=schema.state_keys or spec.state or None,
         )
 
+    recorder = None
+    if spec.eval_videos and schema.camera_slots:
+        from joynexus.agents.envs.video import EpisodeVideos
+
+        recorder = EpisodeVideos(
+            spec.eval_videos, f"{OBS_IMAGES}.{schema.camera_slots[0]}",
+            max_frames=spec.video_frames, size=spec.video_size,
+        )
     result, finished = await run_episodes(
-        factory, act, episodes=spec.episodes, seed=spec.seed, control=control
+        factory, act, episodes=spec.episodes, seed=spec.seed, control=control, recorder=recorder
     )
+    if recorder is not None and finished:
+        control.videos = await save_videos(b, rec, await asyncio.to_thread(recorder.encoded))
     return {**{k: float(v) for k, v in result.items()}, "version": float(src.version)}, finished
+
+
+async def save_videos(b: Broker, rec: WorkloadRecord, files: list[tuple[str, bytes]]) -> list[str]:
+    """Put an evaluation's videos into the object store (``video_object_name``);
+    returns their file names, for the record."""
+    store = await b.js.object_store(b.names.weights_store)
+    for name, data in files:
+        await store.put(video_object_name(rec.tenant_id, rec.spec.name, name), data)
+    return [name for name, _ in files]
 
 
 RunRecord = Callable[[Broker, WorkloadRecord, EvalControl], Awaitable[tuple[dict[str, float], bool]]]
@@ -237,14 +266,21 @@ class Evaluator:
         self.run_record: RunRecord = run_record or evaluate_record
         self.running: dict[str, _Running] = {}
         self._kv: Any = None
+        #: Training workloads with eval_every (key -> spec; specs do not change).
+        self._trained: dict[str, WorkloadSpec] = {}
+        #: Periodic evaluations this evaluator created (for tests and logs).
+        self.created: list[str] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         from joynexus.agents.workloads import watch_workloads
 
         self._kv = await self.b.js.key_value(self.b.names.workloads_bucket)
+        versions = asyncio.create_task(self._watch_versions())
         try:
             async for key, rec in watch_workloads(self.b, stop, idle=self._reap):
                 self._reap()
+                if rec.spec.eval_every:
+                    self._trained[key] = rec.spec
                 if rec.spec.task_type != "eval":
                     continue
                 if rec.state == "active" and key not in self.running:
@@ -255,6 +291,9 @@ class Evaluator:
                 elif rec.state != "active" and key in self.running:
                     self.running[key].control.cancel()
         finally:
+            versions.cancel()
+            with contextlib.suppress(BaseException):
+                await versions
             # Stopping (SIGTERM): every evaluation stops within a step; records stay active.
             for r in self.running.values():
                 r.control.halt.set()
@@ -264,6 +303,95 @@ class Evaluator:
                 for t in late:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- periodic evaluation (a training workload's eval_every)
+    async def _watch_versions(self) -> None:
+        """Every published policy version; the K-th, 2K-th... of a workload with
+        ``eval_every`` = K get their evaluation record (once: see ``_periodic``).
+        The first records the watch replays are each key's latest: for those, every
+        retained multiple of K is looked at, so versions published while no evaluator
+        ran are evaluated too (as far as the policy history still holds them)."""
+        store = PolicyStore(self.b)
+        while True:
+            ready = asyncio.Event()
+            try:
+                async for prec in store.watch(ready=ready):
+                    try:
+                        await self._version_published(store, prec, catch_up=not ready.is_set())
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # one tenant's odd record must not stop the others'
+                        log.exception("periodic evaluation of %s.%s v%d", prec.tenant_id,
+                                      prec.policy_key, prec.version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the broker went away: watch again
+                log.warning("policy watch ended (%s); watching again", e)
+                await asyncio.sleep(1.0)
+
+    async def _training_spec(self, tenant: str, policy_key: str) -> WorkloadSpec | None:
+        key = self.b.names.workload_key(tenant, policy_key)
+        spec = self._trained.get(key)
+        if spec is None:
+            try:
+                rec = decode((await self._kv.get(key)).value, WorkloadRecord)
+            except (KeyNotFoundError, JoyNexusError):
+                return None  # not a workload's policy (yet: its record follows its v1)
+            if rec.spec.eval_every:
+                spec = self._trained[key] = rec.spec
+        return spec
+
+    async def _version_published(self, store: PolicyStore, prec: Any, *, catch_up: bool) -> None:
+        spec = await self._training_spec(prec.tenant_id, prec.policy_key)
+        if spec is None or spec.task_type not in ("sft", "rl") or not spec.eval_every:
+            return
+        k = spec.eval_every
+        if catch_up:
+            retained = [r.version for r in await store.history(prec.tenant_id, prec.policy_key)]
+            due = sorted(v for v in retained if v % k == 0)
+        else:
+            due = [prec.version] if prec.version % k == 0 else []
+        for version in due:
+            if version // k > MAX_PERIODIC_EVALS:
+                log.info("%s.%s: no evaluation of v%d (at most %d per workload)",
+                         prec.tenant_id, spec.name, version, MAX_PERIODIC_EVALS)
+                continue
+            await self._periodic(prec.tenant_id, spec, version, prec.schema_signature)
+
+    async def _periodic(self, tenant: str, train: WorkloadSpec, version: int, signature: str) -> bool:
+        """Create the evaluation record of ``version`` unless it exists (a KV create:
+        one record per (tenant, workload, version), however many evaluators or
+        restarts see the version). The watch then runs it like any evaluation."""
+        spec = WorkloadSpec(
+            name=periodic_eval_name(train.name, version),
+            task_type="eval",
+            env=train.env,
+            base_model=train.base_model,
+            action_module=train.action_module,
+            action_horizon=train.action_horizon,
+            image_size=train.image_size,
+            init_from_workload=train.name,
+            init_from=version,
+            episodes=train.eval_episodes,
+            num_envs=max(1, min(train.num_envs, train.eval_episodes, 4)),
+            seed=train.seed,
+            instruction=train.instruction,
+            eval_videos=train.eval_videos,
+            video_frames=train.video_frames,
+            video_size=train.video_size,
+        )
+        key = self.b.names.workload_key(tenant, spec.name)
+        rec = WorkloadRecord(
+            tenant_id=tenant, spec=spec, created_at=time.time(), schema_signature=signature,
+            periodic=True,
+        )
+        try:
+            await self._kv.create(key, encode(rec))
+        except KeyWrongLastSequenceError:  # made already (or the tenant took the name)
+            return False
+        self.created.append(key)
+        log.info("periodic evaluation %s of %s v%d", key, train.name, version)
+        return True
 
     def _reap(self) -> None:
         for key in [k for k, r in self.running.items() if r.task.done()]:
@@ -307,14 +435,16 @@ class Evaluator:
         if not finished:
             await self._stopped(key, control, result)
             return
-        await self._finish(key, state, result)
+        await self._finish(key, state, result, control.videos)
         self.done += 1
         await metrics.emit(
             self.b,
             "learning",
             rec.tenant_id,
             workload=rec.spec.init_from_workload,
+            evaluation=rec.spec.name,
             eval_success=result.get("success_rate", 0.0),
+            eval_return=result.get("mean_return", 0.0),
             version=result.get("version", 0.0),
         )
 
@@ -324,7 +454,9 @@ class Evaluator:
             await self._finish(key, "cancelled", {**result, "cancelled": 1.0})
         # else: the evaluator is stopping; the record stays active for the next one
 
-    async def _finish(self, key: str, state: str, result: dict[str, float]) -> None:
+    async def _finish(
+        self, key: str, state: str, result: dict[str, float], videos: list[str] | None = None
+    ) -> None:
         """Write the result into the record, never over a newer state (a cancel
         that came meanwhile stays a cancel)."""
         for _ in range(10):
@@ -339,7 +471,8 @@ class Evaluator:
             if new_state == "cancelled" and state == "done":
                 result = {**result, "cancelled": 1.0}
             finished = msgspec.structs.replace(
-                cur, state=new_state, result=result, finished_at=time.time()
+                cur, state=new_state, result=result, finished_at=time.time(),
+                videos=list(videos or cur.videos),
             )
             try:
                 await self._kv.update(key, encode(finished), last=entry.revision)
@@ -349,4 +482,12 @@ class Evaluator:
         log.warning("eval %s: could not write its result (the record kept changing)", key)
 
 
-__all__ = ["EvalControl", "Evaluator", "FairSlots", "evaluate_record", "run_episodes"]
+__all__ = [
+    "MAX_PERIODIC_EVALS",
+    "EvalControl",
+    "Evaluator",
+    "FairSlots",
+    "evaluate_record",
+    "run_episodes",
+    "save_videos",
+]

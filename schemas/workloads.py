@@ -241,6 +241,12 @@ def periodic_eval_name(workload: str, version: int) -> str:
     return f"{workload[: 32 - len(suffix) - 7]}-{h}{suffix}"
 
 
+def video_object_name(tenant: str, evaluation: str, file: str) -> str:
+    """Where an evaluation's video lies in the weights object store (the evaluator
+    writes it, the control plane reads it for the tenant: ``get_video``)."""
+    return f"videos/{tenant}/{evaluation}/{file}"
+
+
 WorkloadState = Literal["active", "cancelled", "done"]
 
 

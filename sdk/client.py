@@ -57,6 +57,7 @@ from joynexus.schemas.workloads import (
     PolicyQuery,
     PutData,
     ReadEvents,
+    VideoQuery,
     WorkloadRecord,
     WorkloadSpec,
 )
@@ -94,6 +95,10 @@ class Workload:
 
     def refresh(self) -> asyncio.Future[Workload]:
         return self.client.get_workload(self.name)
+
+    def eval_history(self) -> asyncio.Future[list[dict[str, Any]]]:
+        """Its periodic evaluations (``eval_every``), by version: see ``Client.eval_history``."""
+        return self.client.eval_history(self.name)
 
     def __repr__(self) -> str:
         spec = self.record.spec
@@ -466,10 +471,14 @@ class Client:
         num_envs: int = 1,
         seed: int = 0,
         timeout_s: float = 900.0,
+        videos: int = 0,
+        name: str | None = None,
     ) -> asyncio.Future[dict[str, float]]:
         """Evaluate one version (default: the latest) of a workload's policy for
         ``episodes`` episodes in ``env`` (default: the workload's own task).
-        The version is pinned for the whole run; nothing is trained."""
+        The version is pinned for the whole run; nothing is trained. ``videos``:
+        the first episodes saved as video (fetch them with ``fetch_video(name)``;
+        ``name`` names the evaluation, default ``eval-<random>``)."""
 
         async def go() -> dict[str, float]:
             src = (await self.get_workload(workload)).record.spec
@@ -480,7 +489,7 @@ class Client:
             pinned = policy.version
             fs = policy.feature_schema
             spec = WorkloadSpec(
-                name=f"eval-{secrets.token_hex(4)}",
+                name=name or f"eval-{secrets.token_hex(4)}",
                 task_type="eval",
                 env=task_env,
                 base_model=src.base_model,
@@ -495,6 +504,7 @@ class Client:
                 episodes=episodes,
                 num_envs=num_envs,
                 seed=seed,
+                eval_videos=videos,
             )
             wl = await self.create_workload(spec)
             deadline = asyncio.get_running_loop().time() + timeout_s
@@ -506,6 +516,57 @@ class Client:
             if wl.record.state != "done":
                 raise JoyNexusError(f"evaluation {spec.name} failed; see the evaluator's log")
             return dict(wl.record.result)
+
+        return self._future(go())
+
+    def eval_history(self, workload: str) -> asyncio.Future[list[dict[str, Any]]]:
+        """The periodic evaluations of a workload (its spec's ``eval_every``), oldest
+        version first: ``{"version", "evaluation" (its name), "state", "success_rate",
+        "mean_return", "episodes", "videos" (file names: ``fetch_video``)}`` each; the
+        figures appear once the evaluation is done."""
+
+        async def go() -> list[dict[str, Any]]:
+            check_name("workload", workload)
+            reply = await self._api("list_workloads", NamedWorkload())
+            out = []
+            for r in reply.workloads:
+                if not (r.periodic and r.spec.init_from_workload == workload):
+                    continue
+                row: dict[str, Any] = {
+                    "version": r.spec.init_from,
+                    "evaluation": r.spec.name,
+                    "state": r.state,
+                    "videos": list(r.videos),
+                }
+                for k in ("success_rate", "mean_return", "episodes"):
+                    if k in r.result:
+                        row[k] = r.result[k]
+                out.append(row)
+            return sorted(out, key=lambda row: row["version"] or 0)
+
+        return self._future(go())
+
+    def fetch_video(
+        self, evaluation: str, index: int = 0, path: str | Path | None = None
+    ) -> asyncio.Future[bytes]:
+        """Video ``index`` of one of your evaluations (MP4, or GIF where the service
+        has no PyAV), through the control plane; also written to ``path`` if given."""
+
+        async def go() -> bytes:
+            out = bytearray()
+            while True:
+                reply = await self._api(
+                    "get_video",
+                    VideoQuery(workload=evaluation, index=index, offset=len(out),
+                               limit=self._b.max_payload // 2),
+                )
+                out += reply.data
+                if len(reply.data) < self._b.max_payload // 2:
+                    break
+            data = bytes(out)
+            if path is not None:
+                await asyncio.to_thread(Path(path).write_bytes, data)
+            return data
 
         return self._future(go())
 
