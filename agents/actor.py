@@ -7,12 +7,16 @@ backward and optimizer step (``agents.models.grouped``). Only the job's
 tenant's action module steps and only its version increments.
 
 Exactly-once steps: after a step the tenant's checkpoint (module, optimizer,
-version, the jobs it has applied) is written atomically under
-``<out>/<tenant>/<policy_key>/`` with a manifest, then the version is
+version, the jobs it has applied) is committed to JetStream
+(``broker.trainerstate``: bytes to the checkpoints object store, then a
+compare-and-set of its record in the trainer KV, the commit point), cached
+under ``<out>/<tenant>/<policy_key>/`` with a manifest, then the version is
 published (weights to the object store, record to the policy KV), then the
-job is completed. A restart reloads the checkpoint; a job it already
-applied (crash after the step, before complete) is completed with the
-version it produced, without a second step.
+job is completed. A restart - on this host or any other - reloads the
+checkpoint from JetStream; a job it already applied (crash after the step,
+before complete) is completed with the version it produced, without a
+second step. An actor whose commit is refused (another committed this
+tenant since it loaded) drops its copy and leaves the job to be retried.
 
 SFT targets are the demonstrated action chunks. RL on a head with a
 tractable likelihood (a Gaussian policy, ``oft_mlp``) whose job went through
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import os
@@ -58,6 +63,7 @@ from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.trainerstate import TrainerStateStore
 from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError, StaleLease
 from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import TrainingJob
@@ -73,12 +79,27 @@ class TenantState:
     record: PolicyRecord  # the latest version this actor knows (schema, base model)
     applied: dict[str, int] = field(default_factory=dict)  # job_id -> version it produced
     dir: Path = Path()
+    #: Revision of this tenant's record in the trainer KV this state was loaded or
+    #: committed at (None: no committed checkpoint yet): the compare-and-set token.
+    revision: int | None = None
 
-    def save(self) -> None:
-        """Checkpoint atomically: a crash leaves the old or the new one, never half."""
+    def blob(self) -> bytes:
+        """The checkpoint's bytes: module (weights, optimizer, version) and applied jobs."""
+        buf = io.BytesIO()
+        torch.save({"module": self.module.state_dict(), "applied": self.applied}, buf)
+        return buf.getvalue()
+
+    @staticmethod
+    def unpack(data: bytes) -> tuple[TenantModule, dict[str, int]]:
+        saved = torch.load(io.BytesIO(data), weights_only=True)
+        return TenantModule.from_state_dict(saved["module"]), dict(saved["applied"])
+
+    def save(self, data: bytes | None = None) -> None:
+        """The local cache of the checkpoint, written atomically (the one in force is
+        the trainer KV's, see ``Actor._commit``)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / "checkpoint.pt.tmp"
-        torch.save({"module": self.module.state_dict(), "applied": self.applied}, tmp)
+        tmp.write_bytes(self.blob() if data is None else data)
         os.replace(tmp, self.dir / "checkpoint.pt")
         manifest = {
             "tenant_id": self.record.tenant_id,
@@ -133,6 +154,7 @@ class Actor:
         self.sched = SchedulerClient(broker, by=instance)
         self.tq = TrainingQueue(broker)
         self.policies = PolicyStore(broker)
+        self.trainer_state = TrainerStateStore(broker, instance=instance)
         self.tenants: dict[tuple[str, str], TenantState] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -144,18 +166,22 @@ class Actor:
             return self.tenants[key]
         d = self.out_dir / tenant_id / policy_key
         record = await self.policies.latest(tenant_id, policy_key)
+        # The checkpoint in force is the cluster's (any host reads it); the local file
+        # is a cache, used only where no checkpoint was ever committed (an older layout).
+        loaded = await self.trainer_state.load(tenant_id, policy_key)
         ckpt = d / "checkpoint.pt"
-        if ckpt.exists():
-            saved = torch.load(ckpt, weights_only=False)
-            module = TenantModule.from_state_dict(saved["module"])
-            applied = dict(saved["applied"])
-            if module.version < record.version:
-                # Someone published past our checkpoint (another actor): take theirs, fresh optimizer.
-                module = await self.policies.load_module(record)
+        revision = None
+        if loaded is not None:
+            module, applied = await asyncio.to_thread(TenantState.unpack, loaded.data)
+            revision = loaded.revision
+        elif ckpt.exists():
+            module, applied = await asyncio.to_thread(TenantState.unpack, ckpt.read_bytes())
         else:
+            module, applied = await self.policies.load_module(record), {}
+        if module.version < record.version:
+            # Someone published past the checkpoint: take theirs, fresh optimizer.
             module = await self.policies.load_module(record)
-            applied = {}
-        state = TenantState(module=module, record=record, applied=applied, dir=d)
+        state = TenantState(module=module, record=record, applied=applied, dir=d, revision=revision)
         self.tenants[key] = state
         return state
 
@@ -253,8 +279,32 @@ class Actor:
             st.applied[job.job_id] = st.module.version
             while len(st.applied) > KEEP_APPLIED:
                 st.applied.pop(next(iter(st.applied)))
-            await asyncio.to_thread(st.save)
+            if not await self._commit(job, st):
+                continue
             await self._finish(job, st, loss=loss, group_size=len(todo), stats=stat)
+
+    async def _commit(self, job: TrainingJob, st: TenantState) -> bool:
+        """The step's commit point: the checkpoint into JetStream (compare-and-set on
+        the revision this state came from), then the local cache. False when another
+        actor committed this tenant meanwhile: this step is void (not published, the
+        job not completed; its lease lapses and it is retried against the newer state)."""
+        data = await asyncio.to_thread(st.blob)
+        try:
+            st.revision = await self.trainer_state.save(
+                job.tenant_id,
+                job.policy_key,
+                version=st.module.version,
+                data=data,
+                expected_revision=st.revision,
+                jobs_applied=len(st.applied),
+                last_job=job.job_id,
+            )
+        except Conflict as e:
+            log.warning("job %s: step not committed: %s", job.job_id, e)
+            self.tenants.pop((job.tenant_id, job.policy_key), None)
+            return False
+        await asyncio.to_thread(st.save, data)
+        return True
 
     def _step(self, items: list[TrainItem]) -> list[float | JoyNexusError]:
         """Compatible items share one backbone forward; others get their own.

@@ -323,6 +323,7 @@ class CrashAfterCheckpoint(Actor):
         await super()._finish(job, st, **kw)
 
 
+@pytest.mark.parametrize("where", ["same host", "other host"])
 async def test_actor_restart_resumes_exactly(
     broker: Broker,
     backbone: Backbone,
@@ -330,7 +331,11 @@ async def test_actor_restart_resumes_exactly(
     sft_dataset: str,
     tmp_path: Path,
     datasets_root: Path,
+    where: str,
 ) -> None:
+    """The actor dies between its step's commit and the job's completion; a new one
+    (on the same disk, or on another host with no disk in common: the checkpoint in
+    force is JetStream's) completes that job with the version it produced."""
     d = Deployment(broker, backbone, tmp_path / "actor", datasets_root, lease_ttl_s=2.0)
     d.start_actor = lambda actor=None: Deployment.start_actor(  # type: ignore[method-assign]
         d,
@@ -355,9 +360,10 @@ async def test_actor_restart_resumes_exactly(
         await wait_for(lambda: _crashed(d), 120, "the actor to crash after a checkpoint")
         await asyncio.gather(d.tasks["actor"], return_exceptions=True)
         crashed_ckpt = json.loads((d.out / "cora" / "demo" / "manifest.json").read_text())
-        # A new actor process on the same checkpoint directory.
+        # A new actor process on the same checkpoint directory, or on another host.
+        out_2 = d.out if where == "same host" else tmp_path / "host-b"
         Deployment.start_actor(
-            d, Actor(broker, backbone, instance="actor-2", out_dir=d.out, lease_wait_s=0.5)
+            d, Actor(broker, backbone, instance="actor-2", out_dir=out_2, lease_wait_s=0.5)
         )
 
         async def four_done() -> bool:
@@ -379,6 +385,12 @@ async def test_actor_restart_resumes_exactly(
             st.module.version == 5
             and (await PolicyStore(broker).latest("cora", "demo")).version == 5
         )
+        # The optimizer state continued across the crash (Adam's step count: one per
+        # update, none reset), and the cluster's checkpoint is version 5's.
+        steps = {int(v["step"]) for v in st.module.optimizer.state_dict()["state"].values()}
+        assert steps == {4}, steps
+        rec = await d.actor.trainer_state.load("cora", "demo")
+        assert rec is not None and rec.record.version == 5 and rec.record.written_by == "actor-2"
         await cora.close()
     finally:
         await d.close()
