@@ -35,6 +35,7 @@ FUTURE_METHODS = frozenset(
         "evaluate",
         "export",
         "act",
+        "usage",
     }
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ async def test_parts_add_up_to_busy_time_and_queue_bytes(broker: Broker) -> None
     assert one == {"a": 0.75, "b": 0.25}
 
 
-async def test_restart_counts_each_event_once(broker: Broker) -> None:
+async def test_restart_counts_each_event_once(broker: Broker, nats_server: Any,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(11)
     t0 = time.time() - 1000
     await emit_work(broker, rng, 20, t0)
@@ -163,6 +165,17 @@ async def test_restart_counts_each_event_once(broker: Broker) -> None:
     assert op["events"] == 180
     assert usage.report(op)["tenants"]["acme"]["train_s"] == pytest.approx(
         usage.report(reference)["tenants"]["acme"]["train_s"])
+    # ... and what `joynexus usage` prints.
+    from joynexus.ops.usage import usage as usage_command
+
+    capsys.readouterr()
+    assert await usage_command(nats_server.url, broker.names.namespace, tenant="bolt",
+                               since=None, as_json=True) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["tenants"]) == {"bolt"}
+    assert printed["tenants"]["bolt"]["train_s"] == pytest.approx(
+        reference["tenants"]["bolt"]["train_s"], abs=1e-5)
+    assert printed["events"] == 180
 
 
 async def test_tenant_sees_only_its_own_usage(tmp_path: Path) -> None:
