@@ -36,10 +36,12 @@ the evaluator's episode loop run it unchanged.
   bound on a slow machine; tests).
 * Rendering: MuJoCo through EGL (Mesa's software rasteriser on a machine
   without a GPU; ``MUJOCO_GL`` is set to ``egl`` unless the caller chose).
-  The affordable default is one camera at 64 x 64 without shadows (about 6
-  steps/s per env on one CPU core, a reset about 0.5 s, building an env
-  4-10 s); ``cameras``, ``image_size`` and ``shadows=True`` are the caller's
-  choice.
+  Rendering, not physics, is what a step costs (a scene has ~700k mesh
+  vertices; physics alone runs ~40 steps/s). The affordable default is one
+  camera at 64 x 64 without shadows and reflections (reflections double a
+  frame's cost); ``cameras``, ``image_size``, ``shadows=True`` and
+  ``reflections=True`` are the caller's choice. A reset costs about 10
+  physics steps (settling), building an env 4-10 s.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ import contextlib
 import io
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -284,21 +288,64 @@ def _quat2axisangle(q_xyzw: np.ndarray) -> np.ndarray:
     return (q_xyzw[:3] * 2.0 * np.arccos(w) / den).astype(np.float32)
 
 
+class _RenderThread:
+    """The one thread that makes every MuJoCo/GL call of a LiberoEnv.
+
+    An EGL context renders only in the thread it is current in, and robosuite
+    renders without making its env's context current: called from another
+    thread (``asyncio.to_thread`` picks any) a frame comes back as garbage, and
+    with several envs in one thread each must be made current before it renders.
+    So each LiberoEnv builds, steps and closes its envs on a thread of its own,
+    making the env's context current first; callers block on it as before.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="libero-env")
+        self._ident: int | None = None
+
+    def _enter(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._ident = threading.get_ident()
+        return fn(*args)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._pool.submit(self._enter, fn, args).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _make_current(env: Any) -> None:
+    ctx = getattr(env.sim, "_render_context_offscreen", None)
+    if ctx is not None:  # None before the first reset, and without cameras
+        ctx.gl_ctx.make_current()
+
+
 class LiberoEnv:
     """N LIBERO envs (MuJoCo physics, CPU rendering) behind ManiSkillEnv's batch API.
 
-    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``.
+    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``
+    (any thread: the simulator itself runs on the env's own, see ``_RenderThread``).
     ``sims`` are the robosuite envs (``env.sim`` is MuJoCo), e.g. for experts.
     """
 
     def __init__(
-        self, spec: EnvSpec, info: LiberoTask, envs: list[Any], init_states: np.ndarray, shadows: bool
+        self,
+        spec: EnvSpec,
+        info: LiberoTask,
+        envs: list[Any],
+        init_states: np.ndarray,
+        render: tuple[bool, bool] = (False, False),
+        thread: _RenderThread | None = None,
     ) -> None:
+        self._gl = thread or _RenderThread()
         self.spec = spec
         self.info = info
         self._envs = envs
         self._init_states = init_states
-        self._shadows = shadows
+        #: (shadows, reflections)
+        self._render = render
         self._t = np.zeros(len(envs), dtype=np.int64)
         self._closed = False
 
@@ -355,9 +402,14 @@ class LiberoEnv:
         """Reset env ``index`` to the recorded initial state ``seed`` picks (seed mod 50,
         0 for None), let it settle; returns its (state [S], {camera: image [3, H, W]})."""
         self._check_open()
+        return self._gl.run(self._reset_one, index, seed)  # type: ignore[no-any-return]
+
+    def _reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         env = self._envs[index]
+        _make_current(env)
         env.reset()
-        _apply_shadows(env, self._shadows)
+        _make_current(env)  # the first reset makes the context
+        _apply_render_options(env, *self._render)
         state = self._init_states[(seed or 0) % len(self._init_states)]
         self._set_cameras(env, False)  # the settling steps are not rendered
         try:
@@ -381,7 +433,10 @@ class LiberoEnv:
             seeds = [int(s) for s in seed]
             if len(seeds) != self.num_envs:
                 raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
-        return self._batch([self.reset_one(i, s) for i, s in enumerate(seeds)])
+        self._check_open()
+        return self._gl.run(  # type: ignore[no-any-return]
+            lambda: self._batch([self._reset_one(i, s) for i, s in enumerate(seeds)])
+        )
 
     def step(self, actions_N_A: np.ndarray) -> StepResult:
         """Step every env once with its row of ``actions_N_A`` (float32 [N, 7], in [-1, 1])."""
@@ -394,9 +449,13 @@ class LiberoEnv:
                 f"{list(want)} (num_envs, 7: delta position, delta axis-angle, gripper)"
             )
         a = np.clip(np.nan_to_num(actions_N_A.astype(np.float64)), -1.0, 1.0)
+        return self._gl.run(self._step, a)  # type: ignore[no-any-return]
+
+    def _step(self, a: np.ndarray) -> StepResult:
         per_env = []
         rewards, terms, truncs, succ, infos = [], [], [], [], []
         for i, env in enumerate(self._envs):
+            _make_current(env)
             raw, _r, _done, info = env.step(a[i])
             self._t[i] += 1
             ok = bool(env.check_success())
@@ -427,9 +486,8 @@ class LiberoEnv:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            for env in self._envs:
-                with contextlib.suppress(Exception):
-                    env.close()
+            self._gl.run(_close_all, self._envs)
+            self._gl.shutdown()
 
     def __enter__(self) -> LiberoEnv:
         return self
@@ -438,9 +496,24 @@ class LiberoEnv:
         self.close()
 
 
-def _apply_shadows(env: Any, on: bool) -> None:
-    """Lights cast shadows or not (LIBERO's scenes ship without; shadows cost render time)."""
-    env.sim.model.light_castshadow[:] = 1 if on else 0
+def _close_all(envs: list[Any]) -> None:
+    for env in envs:
+        with contextlib.suppress(Exception):
+            _make_current(env)
+            env.close()
+
+
+def _apply_render_options(env: Any, shadows: bool, reflections: bool) -> None:
+    """Shadows and reflections on or off. Off, a 64 px frame of a LIBERO scene (about
+    700k mesh vertices, rasterised on the CPU) takes half the time: MuJoCo draws
+    the scene a second time for the reflective table and floor."""
+    import mujoco
+
+    env.sim.model.light_castshadow[:] = 1 if shadows else 0
+    ctx = getattr(env.sim, "_render_context_offscreen", None)
+    if ctx is not None:  # made at the first reset; None without cameras
+        ctx.scn.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = int(shadows)
+        ctx.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = int(reflections)
 
 
 def _quiet_robosuite_logs() -> None:
@@ -461,12 +534,14 @@ def make_env(
     cameras: Sequence[str] | None = None,
     state_keys: Sequence[str] | None = None,
     shadows: bool = False,
+    reflections: bool = False,
 ) -> LiberoEnv:
     """Build ``num_envs`` LIBERO envs of ``env`` ("LIBERO-spatial-0"); reset with ``seed`` if given.
 
     ``obs="rgb"``: one uint8 [N, 3, image_size, image_size] image per camera slot
     (default ``agentview``) and a state made of ``state_keys`` (default
     ``proprio``); ``obs="state"``: the flat state, nothing rendered.
+    ``shadows``/``reflections``: off by default, each costs render time.
     """
     spec = task_spec(
         env,
@@ -495,23 +570,31 @@ def make_env(
         horizon=1 << 30,
         hard_reset=False,
     )
-    envs: list[Any] = []
+    gl = _RenderThread()
+
+    def build() -> list[Any]:
+        envs: list[Any] = []
+        try:
+            for _ in range(num_envs):
+                e = OffScreenRenderEnv(**kwargs)
+                envs.append(e)
+                _apply_render_options(e, shadows, reflections)
+        except BaseException:
+            _close_all(envs)
+            raise
+        return envs
+
     try:
-        for _ in range(num_envs):
-            e = OffScreenRenderEnv(**kwargs)
-            envs.append(e)
-            _apply_shadows(e, shadows)
+        envs = gl.run(build)
     except Exception as exc:
-        for e in envs:
-            with contextlib.suppress(Exception):
-                e.close()
+        gl.shutdown()
         if "egl" in str(exc).lower() or "gl" in type(exc).__name__.lower():
             raise InvalidSpec(
                 f"LIBERO could not start a renderer ({exc}); on a machine without a GPU run "
                 "`sudo bash ops/system_setup.sh` (Mesa EGL/OSMesa), or set MUJOCO_GL=osmesa"
             ) from exc
         raise
-    out = LiberoEnv(spec, info, envs, init_states, shadows)
+    out = LiberoEnv(spec, info, envs, init_states, (shadows, reflections), gl)
     if seed is not None:
         out.reset(seed=seed)
     return out

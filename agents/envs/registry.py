@@ -103,7 +103,8 @@ def make_env(
 
     The arguments mean the same for every simulator; ``control_mode`` defaults
     to the simulator's own (ManiSkill ``pd_ee_delta_pos``, LIBERO ``osc_pose``);
-    ``shadows`` applies to LIBERO (off by default: cheaper to render);
+    ``shadows`` applies to LIBERO (off by default: cheaper to render; so are
+    reflections, ``reflections=True``);
     other keyword arguments go to the simulator's own ``make_env``.
     """
     kw: dict[str, Any] = dict(
