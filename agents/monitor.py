@@ -23,7 +23,8 @@ restarted monitor resumes where it stopped, and
 
 Metric kinds it understands (any other kind is kept generically):
 ``learning`` (``loss`` + ``version``; ``rollout_success``/``mean_reward`` +
-``behavior_version``; ``eval_success`` + ``version``), ``control`` (numeric
+``behavior_version``; ``eval_success``, ``eval_return`` + ``version``: ClearML
+scalars against the version evaluated), ``control`` (numeric
 fields, one level of nested dicts flattened as ``a.b``), ``system``
 (``service`` + ``busy_start``/``busy_end``: a busy interval of the training or
 inference service, ``broker.metrics.busy``; other numeric fields as series;
@@ -267,10 +268,17 @@ class MetricAggregates:
                 handled.add("loss")
             if (succ := _number(f.get("eval_success"))) is not None:
                 v = int(version) if version is not None else len(t.evals)
-                t.evals.append({"version": v, "eval_success": succ, "at": m.at})
+                ret = _number(f.get("eval_return"))
+                t.evals.append({
+                    "version": v, "eval_success": succ, "eval_return": ret, "at": m.at,
+                    **{k: f[k] for k in ("workload", "evaluation") if isinstance(f.get(k), str)},
+                })
                 self._keep(t.evals)
+                # Success and return against the version evaluated, one series per tenant.
                 out.append(Scalar("eval_success", tenant, succ, v))
-                handled.add("eval_success")
+                if ret is not None:
+                    out.append(Scalar("eval_return", tenant, ret, v))
+                handled.update(("eval_success", "eval_return"))
             rs, rw = _number(f.get("rollout_success")), _number(f.get("mean_reward"))
             if rs is not None or rw is not None:
                 n = len(t.rollouts)

@@ -668,7 +668,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from joynexus.ops.plan import dispatch as plan_dispatch
 
         return plan_dispatch(args)
-    if args.command == "dataset" or (args.command == "bench" and args.bench == "learning"):
+    if args.command in ("dataset", "evals") or (args.command == "bench" and args.bench == "learning"):
         from joynexus.ops.learning_cli import dispatch
 
         return dispatch(args)

@@ -1,4 +1,5 @@
-"""``joynexus dataset generate`` and ``joynexus bench learning`` (registered by ops/cli.py)."""
+"""``joynexus dataset generate``, ``joynexus evals`` and ``joynexus bench learning``
+(registered by ops/cli.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, TextIO
 
 
 def add_parsers(sub: Any, bsub: Any) -> None:
-    """Add ``dataset generate`` to the top-level subcommands and ``learning`` to bench's."""
+    """Add ``dataset generate`` and ``evals`` to the top-level subcommands and
+    ``learning`` to bench's."""
     from joynexus.agents.envs.maniskill import STATE_PRESETS, TASKS
 
     p = sub.add_parser(
@@ -48,6 +50,29 @@ def add_parsers(sub: Any, bsub: Any) -> None:
     g.add_argument("--seed", type=int, default=0, help="reset seeds derive from it (default 0)")
     g.add_argument("--json", action="store_true", help="print only a JSON summary")
     g.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+    e = sub.add_parser(
+        "evals",
+        help="tenant: a workload's periodic evaluations (eval_every): success and return "
+        "per version, a plot, the videos",
+        description=(
+            "A tenant's view of a workload's periodic evaluations (its spec's eval_every): "
+            "success rate and mean return per version, optionally a PNG plot of success "
+            "against version and the evaluation videos, fetched through the control plane "
+            "with the tenant's own credentials."
+        ),
+    )
+    e.add_argument("workload", help="the training workload (sft or rl) whose evaluations to show")
+    e.add_argument("--credentials", default=None, metavar="FILE",
+                   help="the tenant's credentials file (default: $JOYNEXUS_CREDS)")
+    e.add_argument("--url", default=None, help="the server (default: the credentials')")
+    e.add_argument("--tenant", default=None, help="the tenant (default: the credentials')")
+    e.add_argument("--namespace", default=None, help="the deployment's namespace (default: the "
+                   "credentials', else jnx)")
+    e.add_argument("--plot", default=None, metavar="PNG", help="write success against version here")
+    e.add_argument("--videos", default=None, metavar="DIR",
+                   help="fetch every evaluation's videos into DIR/<evaluation>/")
+    e.add_argument("--json", action="store_true", help="print the history as JSON")
 
     text = (
         "SFT through the SDK on a fresh deployment, per task: demonstrations, updates, "
@@ -110,7 +135,45 @@ def _quiet_datasets() -> None:
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "dataset":
         return _generate(args)
+    if args.command == "evals":
+        return asyncio.run(_evals(args))
     return _bench_learning(args)
+
+
+async def _evals(args: argparse.Namespace) -> int:
+    from joynexus.sdk import Client
+
+    async with await Client.connect(
+        args.url, tenant=args.tenant, credentials=args.credentials, namespace=args.namespace
+    ) as c:
+        history = await c.eval_history(args.workload)
+        fetched: dict[str, list[str]] = {}
+        if args.videos:
+            for row in history:
+                for i, name in enumerate(row["videos"]):
+                    path = Path(args.videos) / row["evaluation"] / name
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    await c.fetch_video(row["evaluation"], i, path)
+                    fetched.setdefault(row["evaluation"], []).append(str(path))
+    if args.plot:
+        from joynexus.ops.report import plot_eval_curves
+
+        plot_eval_curves({args.workload: history}, Path(args.plot))
+    if args.json:
+        print(json.dumps({"workload": args.workload, "history": history, "videos": fetched,
+                          "plot": args.plot}))
+        return 0
+    if not history:
+        print(f"{args.workload}: no periodic evaluations (set eval_every in its spec)")
+    for row in history:
+        figs = (f"success {row['success_rate']:.2f}, mean return {row['mean_return']:.2f} "
+                f"over {int(row['episodes'])} episodes" if "success_rate" in row else row["state"])
+        print(f"v{row['version']:<6} {row['evaluation']:<32} {figs}"
+              + (f"  videos: {', '.join(fetched.get(row['evaluation'], row['videos']))}"
+                 if row["videos"] else ""))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

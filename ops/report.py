@@ -8,7 +8,9 @@ No broker, no clock. The figures follow the JoyNexus paper:
   training and inference services over time, shared run vs isolated baseline;
 * :func:`plot_loss_curves`: Figure 12, per-tenant loss, grouped vs serial;
 * :func:`plot_speedup_grid`: Figure 10, grouped shared-forward speedup over
-  tenants x batch size.
+  tenants x batch size;
+* :func:`plot_eval_curves`: success rate against policy version per tenant,
+  from the periodic evaluations (a workload's ``eval_every``).
 
 The results dict that :func:`write_report` reads (every key optional)::
 
@@ -18,7 +20,8 @@ The results dict that :func:`write_report` reads (every key optional)::
          "device_time_s": float, "wall_s": float, "train_util": float (0-1), "infer_util": float (0-1),
          "peak_memory_mb": {"training": float, "inference": float}}},
      "ratios": {"device_time_ratio", "train_util_ratio", "infer_util_ratio"},  # else computed
-     "group_speedup": {"TxB": float}, "notes": [str]}
+     "group_speedup": {"TxB": float}, "notes": [str],
+     "eval_curves": {tenant: [{"version", "success_rate", "mean_return"}]}}  # eval_every
 
 Missing ratios are computed from the ``shared`` and ``isolated`` runs:
 device time isolated / shared, utilization shared / isolated.
@@ -51,6 +54,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "utilization": (12.0, 6.0),
     "loss_curves": (12.0, 7.0),
     "group_speedup": (8.0, 5.5),
+    "eval_curves": (9.0, 5.0),
 }
 SERVICE_COLORS = {"training": "tab:blue", "inference": "tab:orange"}
 #: Short service names (``broker.metrics.busy``) as the plots and tables spell them.
@@ -188,6 +192,47 @@ def plot_loss_curves(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     fig.suptitle("Per-tenant loss: grouped shared forward vs serial", fontsize=13)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def eval_points(history: Sequence[Any]) -> list[tuple[int, float, float | None]]:
+    """(version, success_rate, mean_return) of an evaluation history, by version:
+    rows as ``Client.eval_history`` returns them (dicts; rows without figures are
+    skipped) or (version, success[, return]) tuples."""
+    out = []
+    for row in history:
+        if isinstance(row, Mapping):
+            if row.get("success_rate") is None or row.get("version") is None:
+                continue
+            ret = row.get("mean_return")
+            out.append((int(row["version"]), float(row["success_rate"]),
+                        None if ret is None else float(ret)))
+        else:
+            out.append((int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else None))
+    return sorted(out)
+
+
+def plot_eval_curves(curves: Mapping[str, Sequence[Any]], path: Path) -> Path:
+    """Success rate against policy version, one line per tenant (or workload), from
+    the periodic evaluations (``eval_every``); ``curves[name]`` as ``eval_points`` reads."""
+    fig, ax = plt.subplots(figsize=SIZES["eval_curves"])
+    for name, history in curves.items():
+        pts = eval_points(history)
+        if pts:
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, "-", marker="o", linewidth=1.6, label=name)
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.03, 1.03)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=9)
+    ax.set_title("Evaluation success against version (periodic evaluation)", fontsize=12)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -420,6 +465,15 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
                 )
             )
 
+    curves = eval_curves_of(results)
+    if curves:
+        parts.append("## Evaluation by version\n")
+        parts.append(_table(
+            ["tenant", "version", "success rate", "mean return"],
+            [[name, str(v), _fmt(succ), _fmt(ret)]
+             for name, history in curves.items() for v, succ, ret in eval_points(history)],
+        ))
+
     speedup = results.get("group_speedup") or {}
     if speedup:
         ts, bs, grid = parse_grid(speedup)
@@ -471,4 +525,26 @@ def write_paper_report(out_dir: Path, results: Mapping[str, Any]) -> Path:
         plots["group_speedup"] = plot_speedup_grid(
             results["group_speedup"], out_dir / "plots" / "group_speedup.png"
         )
+    curves = eval_curves_of(results)
+    if curves:
+        plots["eval_curves"] = plot_eval_curves(curves, out_dir / "plots" / "eval_curves.png")
     return write_report(out_dir, results, plots)
+
+
+def eval_curves_of(results: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``results["eval_curves"]``, else per tenant of the shared run (or the first run
+    that has any): its ``eval_history`` (periodic evaluations), else the one point
+    (``final_version``, ``eval_success``) of its final evaluation."""
+    if results.get("eval_curves"):
+        return dict(results["eval_curves"])
+    runs: Mapping[str, Any] = normalize_results(results).get("runs") or {}
+    for name in sorted(runs, key=lambda n: n != "shared"):
+        curves: dict[str, list[Any]] = {}
+        for tenant, row in (runs[name].get("tenants") or {}).items():
+            if row.get("eval_history"):
+                curves[tenant] = list(row["eval_history"])
+            elif row.get("eval_success") is not None and row.get("final_version") is not None:
+                curves[tenant] = [(row["final_version"], row["eval_success"])]
+        if curves:
+            return curves
+    return {}

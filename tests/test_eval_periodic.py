@@ -6,7 +6,9 @@ control. Real nats-server, real inference engine, real ManiSkill."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,10 @@ from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
+from joynexus.ops.cli import build_parser
+from joynexus.ops.learning_cli import _evals
 from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.report import write_paper_report
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import QuotaExceeded, UnknownTenant
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec, periodic_eval_name
@@ -103,7 +108,8 @@ async def publish_next(store: PolicyStore, n: int = 1) -> int:
 
 
 async def test_every_k_versions_once_across_a_restart_with_videos_for_its_tenant_only(
-    service: Service, broker: Broker, nats_server: EmbeddedNats
+    service: Service, broker: Broker, nats_server: EmbeddedNats, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     b = broker
     ns = b.names.namespace
@@ -161,6 +167,17 @@ async def test_every_k_versions_once_across_a_restart_with_videos_for_its_tenant
         with pytest.raises(UnknownTenant):
             await bolt.fetch_video("push-v2", 0)
         assert await bolt.eval_history("push") == []
+
+        # The tenant's CLI: the history, the plot (PNG) and the videos.
+        args = build_parser().parse_args([
+            "evals", "push", "--url", nats_server.url, "--tenant", "acme", "--namespace", ns,
+            "--plot", str(tmp_path / "push.png"), "--videos", str(tmp_path / "videos"), "--json",
+        ])
+        assert await _evals(args) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert [h["version"] for h in shown["history"]] == [2, 4]
+        assert (tmp_path / "push.png").read_bytes()[:4] == b"\x89PNG"
+        assert (tmp_path / "videos" / "push-v2" / v2.videos[0]).read_bytes() == data
     finally:
         stop1.set()
         await asyncio.wait_for(task1, 20)
@@ -221,3 +238,18 @@ def test_episode_videos_keep_only_the_bounded_frames() -> None:
     assert name.startswith("episode-0.") and len(frames) == 5 and frames[0].shape == (16, 16, 3)
     assert periodic_eval_name("a" * 32, 10**6).endswith("-v1000000")
     assert len(periodic_eval_name("a" * 32, 10**6)) == 32
+
+
+def test_the_main_job_report_plots_success_against_version(tmp_path: Path) -> None:
+    history = [{"version": 4, "success_rate": 0.5, "mean_return": 9.0},
+               {"version": 2, "success_rate": 0.25, "mean_return": 7.0},
+               {"version": 6, "state": "active"}]  # not done yet: no point
+    md = write_paper_report(tmp_path, {
+        "runs": {"shared": {"tenants": {"acme": {"eval_history": history},
+                                        "bolt": {"final_version": 9, "eval_success": 1.0}}}},
+    })
+    png = tmp_path / "plots" / "eval_curves.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = md.read_text()
+    assert "## Evaluation by version" in text and "plots/eval_curves.png" in text
+    assert "| acme | 2 | 0.25 | 7 |" in text and "| bolt | 9 | 1 | - |" in text
