@@ -233,3 +233,64 @@ async def test_tenant_sees_only_its_own_usage(tmp_path: Path) -> None:
             await control.stop()
             for b in (service, control_b, admin):
                 await b.close()
+
+
+async def test_real_training_steps_split_by_rows(tmp_path: Path) -> None:
+    """Real grouped training steps (the actor, a tiny backbone) of two tenants: the
+    control plane's meter gives each its rows' share, and the shares add up to the
+    training service's busy intervals on the metrics stream."""
+    from joynexus.ops.isolation import Deployment
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    def rows(n: int, seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {
+            "obs_image_base_camera": rng.integers(0, 255, (n, 3, 64, 64), dtype=np.uint8),
+            "obs_state": rng.standard_normal((n, 12), dtype=np.float32),
+            "actions": rng.uniform(-1, 1, (n, 2, 4)).astype(np.float32),
+        }
+
+    async with Deployment(tmp_path / "dep", namespace="jnxmeter") as dep:
+        clients = {}
+        for t in ("acme", "bolt"):
+            await dep.issue(t)
+            clients[t] = await dep.client(t)
+            spec = WorkloadSpec(name="pick", task_type="sft", dataset=await dep.dataset(t),
+                                source="tenant", action_horizon=2)
+            await clients[t].create_workload(spec)
+        for i in range(3):
+            await asyncio.gather(clients["acme"].submit_sft_batch("pick", rows(4, i)),
+                                 clients["bolt"].submit_sft_batch("pick", rows(12, 10 + i)))
+        for _ in range(600):
+            if all([await c.latest_version("pick") >= 4 for c in clients.values()]):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the actor did not train both tenants' 3 jobs")
+        # The training service's busy intervals, as the metrics stream holds them.
+        state = usage.empty_state()
+        busy = 0.0
+        sub = await dep.admin.js.subscribe(dep.names.metrics("system", "*"), ordered_consumer=True)
+        try:
+            for _ in range(200):
+                try:
+                    m = await sub.next_msg(timeout=0.5)
+                except TimeoutError:
+                    break
+                e = json.loads(m.data)
+                if e.get("service") == "train":
+                    busy += e["busy_end"] - e["busy_start"]
+                    usage.fold_metric(state, e)
+        finally:
+            await sub.unsubscribe()
+        assert busy > 0
+        got: dict[str, dict[str, float]] = {}
+        for _ in range(100):
+            got = {t: (await c.usage())["tenants"].get(t, {}) for t, c in clients.items()}
+            if sum(g.get("train_s", 0) for g in got.values()) >= busy - 1e-4:
+                break
+            await asyncio.sleep(0.1)
+        assert sum(g["train_s"] for g in got.values()) == pytest.approx(busy, abs=1e-4)
+        assert got["acme"]["rows_trained"] == 12 and got["bolt"]["rows_trained"] == 36
+        for t in clients:
+            assert got[t]["train_s"] == pytest.approx(state["tenants"][t]["train_s"], abs=1e-5)
