@@ -203,13 +203,16 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def _figures(wall: float, busy: dict[str, float], waits: list[float], updates: dict[str, int],
-             drops: dict[str, int], windows: dict[str, float]) -> dict[str, Any]:
+             drops: dict[str, int], windows: dict[str, float],
+             devices: dict[str, int] | None = None) -> dict[str, Any]:
+    """The demo's figures; utilization is per device (busy / (wall x devices))."""
+    n = devices or {}
     return {
         "wall_s": round(wall, 3),
         "device_time_s": round(2 * wall, 3),
         "busy_s": {k: round(v, 3) for k, v in busy.items()},
-        "utilization": {k: round(v / wall, 4) if wall else 0.0 for k, v in busy.items()
-                        if k != "env"},
+        "utilization": {k: round(v / (wall * n.get(k, 1)), 4) if wall else 0.0
+                        for k, v in busy.items() if k != "env"},
         "update_rates_per_s": {t: round(n / windows.get(t, wall), 4) if wall else 0.0
                                for t, n in sorted(updates.items())},
         "job_wait_p50_s": _pct(waits, 50),
@@ -218,7 +221,7 @@ def _figures(wall: float, busy: dict[str, float], waits: list[float], updates: d
     }
 
 
-def predicted_phase(results: list[Result]) -> dict[str, Any]:
+def predicted_phase(results: list[Result], dep: Deployment | None = None) -> dict[str, Any]:
     wall = sum(r.wall_s for r in results)
     busy = {k: sum(r.busy[k] for r in results) for k in ("train", "infer", "env")}
     waits = [w for r in results for w in r.waits]
@@ -230,7 +233,8 @@ def predicted_phase(results: list[Result]) -> dict[str, Any]:
         drops.update(r.drops)
         for t in r.updates:
             windows[t] = r.wall_s
-    out = _figures(wall, busy, waits, updates, drops, windows)
+    devices = {"train": dep.trainers, "infer": dep.engines} if dep else None
+    out = _figures(wall, busy, waits, updates, drops, windows, devices)
     out["scheduler_decisions"] = sum(r.decisions for r in results)
     return out
 
@@ -259,11 +263,16 @@ def comparison(pred_sh: dict[str, Any], pred_iso: dict[str, Any], meas_sh: dict[
             "within_15pct": all(e is not None and abs(e) <= 0.15 for e in error.values())}
 
 
-def plan_from_run(run: Path, *, plots: Path | None = None) -> dict[str, Any]:
+def plan_from_run(run: Path, *, plots: Path | None = None,
+                  costs_from: Path | None = None) -> dict[str, Any]:
+    """Predict ``run``'s windows; with ``costs_from`` (another run's directory) the
+    costs and start-ups are fitted from that run only (an out-of-sample test: the
+    work, admission and tenants are ``run``'s)."""
     sh_h, sh_e = load_phase(run / "events" / "shared.jsonl")
     iso_h, iso_e = load_phase(run / "events" / "isolated.jsonl")
-    c_sh, st_sh = fit_costs(sh_h, sh_e)
-    c_iso, st_iso = fit_costs(iso_h, iso_e)
+    src = costs_from or run
+    c_sh, st_sh = fit_costs(*load_phase(src / "events" / "shared.jsonl"))
+    c_iso, st_iso = fit_costs(*load_phase(src / "events" / "isolated.jsonl"))
     n_rl = sum(1 for t in tenants_of(sh_h, st_sh) if t.task == "rl")
     dep_sh = Deployment(tenants=tenants_of(sh_h, st_sh), max_batch=16, max_wait_s=0.005,
                         global_max_active_rollouts=max(3, n_rl), poll_s=POLL_S)
@@ -280,6 +289,7 @@ def plan_from_run(run: Path, *, plots: Path | None = None) -> dict[str, Any]:
     out["startup_s"] = {"shared": st_sh, "isolated": st_iso}
     out["deployment"] = dep_sh.to_dict()
     out["run"] = str(run)
+    out["costs_from"] = str(src)
     if plots is not None:
         out["plots"] = _plot_timelines(plots / "plan_utilization.png", shared_r, iso_r)
     return out
@@ -336,7 +346,7 @@ def check_deployment(dep: Deployment) -> None:
 def plan_config(dep: Deployment, costs: Costs) -> dict[str, Any]:
     sh = simulate(dep, costs)
     iso = isolated(dep, costs)
-    p_sh, p_iso = predicted_phase([sh]), predicted_phase(iso)
+    p_sh, p_iso = predicted_phase([sh], dep), predicted_phase(iso, dep)
     return {
         "predicted": {
             "shared_wall_s": p_sh["wall_s"],
@@ -395,6 +405,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--from-run", metavar="DIR", help="a main job's output directory")
     g.add_argument("--config", metavar="FILE", help="a deployment (JSON or .toml)")
     g.add_argument("--scale", action="store_true", help="the paper's layout and the sweep")
+    p.add_argument("--costs-from", default=None, metavar="DIR",
+                   help="--from-run: fit the costs from this other run instead "
+                   "(an out-of-sample prediction of DIR's windows)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where plots go (default: DIR of --from-run/plots, or runs/plan)")
     p.add_argument("--sched-decisions-per-s", type=float, default=None,
@@ -407,7 +420,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.from_run:
         run = Path(args.from_run)
         out = Path(args.out) if args.out else run / "plots"
-        r = plan_from_run(run, plots=out)
+        r = plan_from_run(run, plots=out,
+                          costs_from=Path(args.costs_from) if args.costs_from else None)
     elif args.config:
         dep, costs = load_config(Path(args.config))
         r = plan_config(dep, costs)
