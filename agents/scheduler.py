@@ -31,10 +31,11 @@ from nats.js.errors import NoKeysError, NotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
+from joynexus.agents.leases import Deposed, RoleLease
 from joynexus.agents.lifecycle import SchedulerCore
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker, raise_if_cancelled
-from joynexus.broker.eventlog import JobEventLog, new_op_id
+from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.subjects import SCHEDULER_VERBS
 from joynexus.broker.tq import TrainingQueue
@@ -104,8 +105,15 @@ class SchedulerAgent:
         sweep_every_s: float = 30.0,
         keep_terminal: int = 100_000,
         layout: LayoutOptions | None = None,
+        lease: RoleLease | None = None,
     ) -> None:
         self.b = broker
+        #: With several hosts: serve only while holding this lease (``agents.leases``);
+        #: admissions are fenced by its epoch. None: the only scheduler (one host).
+        self.lease = lease
+        #: Set when the lease was lost to another host's scheduler: stop and exit.
+        self.deposed = asyncio.Event()
+        self._stopping = asyncio.Event()
         self.n = broker.names
         self.instance = instance
         self.core = SchedulerCore(lease_ttl_s=lease_ttl_s)
@@ -125,8 +133,25 @@ class SchedulerAgent:
         self.rebuild_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
+    async def stand_by(self, stop: asyncio.Event) -> bool:
+        """Wait until this scheduler holds the lease (True; at once without one), or
+        ``stop`` (False). Call before :meth:`start`."""
+        if self.lease is None:
+            return True
+        await ensure_layout(self.b, self.layout)
+        said: list[str] = []
+
+        def waiting(rec: Any) -> None:
+            if rec.holder not in said:
+                said.append(rec.holder)
+                log.info("scheduler %s standing by: %s holds the lease", self.instance, rec.holder)
+
+        return await self.lease.acquire(stop, on_wait=waiting)
+
     async def start(self) -> None:
         await ensure_layout(self.b, self.layout)
+        if self.lease is not None and not self.lease.epoch_seq:
+            raise RuntimeError("SchedulerAgent.start() before stand_by() acquired the lease")
         self._kv = await self.b.js.key_value(self.n.tenants_bucket)
         await self._load_policies()
         await self.rebuild()
@@ -146,9 +171,22 @@ class SchedulerAgent:
             asyncio.create_task(self._advisory_loop(), name="sched-advisories"),
             asyncio.create_task(self._sweep_loop(), name="sched-sweep"),
         ]
+        if self.lease is not None:
+            self._loops.append(
+                asyncio.create_task(self.lease.keep(self._stopping, self._lost), name="sched-lease")
+            )
         log.info("scheduler %s serving %d jobs", self.instance, len(self.core.jobs))
 
+    async def _lost(self, e: Exception) -> None:
+        """Another host's scheduler holds the lease now: stop answering at once."""
+        log.error("scheduler %s deposed: %s", self.instance, e)
+        self.deposed.set()
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+
     async def stop(self) -> None:
+        self._stopping.set()
         for t in self._loops:
             t.cancel()
         if self._service is not None:
@@ -253,7 +291,7 @@ class SchedulerAgent:
         expected = self.core.last_seq.get(job_id, 0)
         prev = self.core.apply(event, now)
         try:
-            appended = await self.log.append(event, expected_last_seq=expected, op_id=new_op_id())
+            appended = await self._append_fenced(event, expected)
         except BaseException as e:
             self.core.revert(job_id, prev, now)
             if isinstance(e, Conflict):
@@ -269,6 +307,28 @@ class SchedulerAgent:
         for tenant, partition in self.core.effects_of(job).clear_partitions:
             self._spawn(self._clear_partition(tenant, partition))
         return job
+
+    async def _append_fenced(self, event: JobEvent, expected: int) -> Any:
+        """A new job's first event (an admission) carries the lease's fence."""
+        op_id = new_op_id()
+        if self.lease is None or expected != 0:
+            return await self.log.append(event, expected_last_seq=expected, op_id=op_id)
+        fence = (self.n.lease_epoch(self.lease.role), self.lease.epoch_seq)
+        try:
+            return await self.log.append(event, expected_last_seq=0, op_id=op_id, fence=fence)
+        except Fenced:
+            # Deposed, or our epoch message aged out of the stream: the lease says which.
+            try:
+                await self.lease.renew()
+            except Deposed as d:
+                await self._lost(d)
+                raise Unavailable(
+                    f"scheduler {self.instance} no longer holds the lease; retry (the new "
+                    "holder answers)"
+                ) from d
+            await self.lease.write_epoch()
+            fence = (self.n.lease_epoch(self.lease.role), self.lease.epoch_seq)
+            return await self.log.append(event, expected_last_seq=0, op_id=op_id, fence=fence)
 
     async def _reload(self, job_id: str) -> None:
         """Someone else moved the job: take the log's word for it."""

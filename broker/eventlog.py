@@ -25,7 +25,7 @@ from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError
+from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError, Unavailable
 from joynexus.schemas.jobs import JobEvent
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ class Stored:
     headers: dict[str, str]
 
 
+class Fenced(Unavailable):
+    """An admission append refused by the fence: this writer no longer holds the lease."""
+
+
 def new_op_id() -> str:
     return secrets.token_hex(6)
 
@@ -61,20 +65,37 @@ class JobEventLog:
         self.b = broker
         self.n = broker.names
 
-    async def append(self, event: JobEvent, *, expected_last_seq: int, op_id: str) -> Appended:
+    async def append(
+        self,
+        event: JobEvent,
+        *,
+        expected_last_seq: int,
+        op_id: str,
+        fence: tuple[str, int] | None = None,
+    ) -> Appended:
         """Append ``event`` if the job's last event is still ``expected_last_seq`` (0: no event).
 
         Raises Conflict if another writer moved the job first. Retrying with
         the same ``op_id`` is safe: an append that already landed is reported
         as ours (``duplicate=True``), never applied twice.
+
+        ``fence`` = (subject, sequence), for a new job's first event (an admission):
+        append only while ``subject``'s last message is still ``sequence`` (the
+        scheduler lease's epoch, ``agents.leases``), else raise :class:`Fenced`.
         """
         job = event.job
         subject = self.n.job_subject(job.tenant_id, job.job_id, job.state)
         msg_id = f"{job.job_id}:{job.state.value}:{job.attempt}:{op_id}"
+        if fence is not None and expected_last_seq != 0:
+            raise ValueError("a fence guards a new job's first event only")
+        guard_subject, guard_seq = fence or (
+            self.n.job_filter(job.tenant_id, job.job_id),
+            expected_last_seq,
+        )
         headers = tracing.inject(
             {
-                H_EXPECTED_SEQ: str(expected_last_seq),
-                H_EXPECTED_SUBJ: self.n.job_filter(job.tenant_id, job.job_id),
+                H_EXPECTED_SEQ: str(guard_seq),
+                H_EXPECTED_SUBJ: guard_subject,
                 H_MSG_ID: msg_id,
             }
         )
@@ -86,6 +107,11 @@ class JobEventLog:
             last = await self.last_raw(job.tenant_id, job.job_id)
             if last is not None and (last.headers or {}).get(H_MSG_ID) == msg_id:
                 return Appended(seq=last.seq or 0, duplicate=True)
+            if fence is not None:
+                raise Fenced(
+                    f"admission of job {job.job_id} refused: {fence[0]} moved past "
+                    f"sequence {fence[1]} (another scheduler holds the lease)"
+                ) from e
             now = (
                 parse_job_subject(last.subject)[2] if last is not None and last.subject else "none"
             )

@@ -55,7 +55,7 @@ def stream_configs(b: Broker, opts: LayoutOptions) -> list[StreamConfig]:
             name=n.jobs_stream,
             description=f"JoyNexus job event log: {n.namespace}.job.<tenant>.<job>.<state> "
             "(source of truth of every training job)",
-            subjects=[n.all_jobs],
+            subjects=[n.all_jobs, n.all_lease_epochs],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=opts.jobs_max_age_s,

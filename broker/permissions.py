@@ -52,7 +52,7 @@ def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
 
 
 #: Subject tokens after a namespace that the service publishes on.
-_SERVICE_TOKENS = ("job", "tq", "sched", "metrics", "infer", "api")
+_SERVICE_TOKENS = ("job", "tq", "sched", "metrics", "infer", "api", "lease")
 
 
 def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,

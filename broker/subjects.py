@@ -34,6 +34,7 @@ TQ_DATA = "d"
 TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
 HEALTH_KIND = "health"
+LEASE = "lease"
 
 SCHEDULER_VERBS = (
     "reserve",
@@ -226,6 +227,21 @@ class Names:
     @property
     def all_jobs(self) -> str:
         return f"{self.namespace}.{JOB}.>"
+
+    # -- single-instance roles held by a lease (agents/leases.py)
+    @staticmethod
+    def lease_key(role: str) -> str:
+        """Key in the health bucket of the lease on a single-instance role."""
+        return f"lease.{role}"
+
+    def lease_epoch(self, role: str) -> str:
+        """Subject (in the jobs stream) of the epoch a new holder writes on taking over;
+        its sequence fences the previous holder's admission appends."""
+        return f"{self.namespace}.{LEASE}.{role}"
+
+    @property
+    def all_lease_epochs(self) -> str:
+        return f"{self.namespace}.{LEASE}.>"
 
     def stage_consumer(self, stage: str) -> str:
         """Durable consumer of the stage workers (e.g. ``advantages``)."""

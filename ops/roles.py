@@ -143,15 +143,30 @@ async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
 
 async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     if role == "scheduler":
+        from joynexus.agents.leases import RoleLease, host_id
         from joynexus.agents.scheduler import SchedulerAgent
 
-        agent = SchedulerAgent(b, instance=o.instance, lease_ttl_s=o.lease_ttl_s)
+        # One decider across hosts: serve while holding the lease, stand by otherwise.
+        lease = RoleLease(b, "scheduler", f"{host_id()}/{o.instance}")
+        agent = SchedulerAgent(b, instance=o.instance, lease_ttl_s=o.lease_ttl_s, lease=lease)
+        if not await agent.stand_by(stop):
+            return
         await agent.start()
         _say(
-            f"{o.instance}: serving {b.names.scheduler_service} ({agent.rebuild_stats['jobs']} jobs rebuilt)"
+            f"{o.instance}: serving {b.names.scheduler_service} ({agent.rebuild_stats['jobs']} jobs "
+            f"rebuilt; lease held as {lease.holder})"
         )
-        await stop.wait()
+        stopped = asyncio.create_task(stop.wait())
+        deposed = asyncio.create_task(agent.deposed.wait())
+        await asyncio.wait({stopped, deposed}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        deposed.cancel()
+        if agent.deposed.is_set():
+            await agent.stop()
+            # Exit non-zero: the supervisor restarts it in place, and it stands by.
+            raise SystemExit(f"{o.instance}: deposed: another host's scheduler holds the lease")
         await agent.stop()
+        await lease.release()
     elif role == "control":
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.workloads import PolicyInitializer
