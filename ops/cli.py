@@ -138,7 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--roles",
         default=",".join(DEPLOYMENT_ROLES),
-        help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)})",
+        help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)}); "
+        "with several hosts, each host's list is its placement rule",
+    )
+    p.add_argument(
+        "--host-id",
+        default=None,
+        help="this host's name when several hosts share one deployment (each runs `up "
+        "--nats <cluster> --host-id H --roles ...`): instances become <role>-H; a scheduler "
+        "listed on several hosts is held by one lease, the others stand by",
     )
 
     p = sub.add_parser(
@@ -638,7 +646,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         roles = [r.strip() for r in args.roles.split(",") if r.strip()]
         with nats_url(args.nats, args.data_dir, **_embedded_opts(args)) as url:
-            return launch(url, args.namespace, roles, out_dir=Path(args.data_dir) / "actor")
+            return launch(
+                url,
+                args.namespace,
+                roles,
+                out_dir=Path(args.data_dir) / "actor",
+                host_id=args.host_id,
+            )
     if args.command == "status":
         from joynexus.ops.status import status
 

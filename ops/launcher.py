@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -59,43 +60,61 @@ def role_slots(
     out_dir: Path,
     extra: Mapping[str, list[str]] | None = None,
     env: Mapping[str, str] | None = None,
+    host_id: str | None = None,
 ) -> list[object]:
-    """One :class:`RoleSlot` per role (instance ``<role>-0``), ``extra`` args by role."""
+    """One :class:`RoleSlot` per role, ``extra`` args by role. Instances are
+    ``<role>-0`` on a single host; with ``host_id`` (several hosts share the
+    deployment) ``<role>-<host_id>``, and the roles get ``JOYNEXUS_HOST_ID``
+    (the scheduler's lease names its holder by it)."""
     from joynexus.agents.health import RoleSlot
     from joynexus.ops.deploy import role_env
 
     extra = extra or {}
+    suffix = host_id or "0"
+    host_env = {"JOYNEXUS_HOST_ID": host_id} if host_id else {}
     return [
         RoleSlot(
             role=r,
-            instance=f"{r}-0",
+            instance=f"{r}-{suffix}",
             argv=role_command(
-                r, url, namespace, instance=f"{r}-0", out_dir=out_dir, extra=extra.get(r)
+                r, url, namespace, instance=f"{r}-{suffix}", out_dir=out_dir, extra=extra.get(r)
             ),
-            env={**(env or {}), **role_env(r)} or None,
+            env={**(env or {}), **host_env, **role_env(r)} or None,
         )
         for r in roles
     ]
 
 
 async def supervise(
-    url: str, namespace: str, roles: list[str], *, out_dir: Path, stop: asyncio.Event
+    url: str,
+    namespace: str,
+    roles: list[str],
+    *,
+    out_dir: Path,
+    stop: asyncio.Event,
+    host_id: str | None = None,
 ) -> None:
     from joynexus.agents.health import HealthManager, RoleSlot
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import ensure_layout
 
-    b = await Broker.connect(url, name="health-0", namespace=namespace)
+    manager_name = f"health-{host_id or '0'}"
+    b = await Broker.connect(url, name=manager_name, namespace=namespace)
     try:
         await ensure_layout(b)
         from joynexus.ops.deploy import role_env
 
         env = role_env()
-        slots = [s for s in role_slots(url, namespace, roles, out_dir=out_dir, env=env or None)]
+        slots = [
+            s
+            for s in role_slots(
+                url, namespace, roles, out_dir=out_dir, env=env or None, host_id=host_id
+            )
+        ]
         manager = HealthManager(
             b,
             [s for s in slots if isinstance(s, RoleSlot)],
-            instance="health-0",
+            instance=manager_name,
             log_dir=None,
         )
         print(
@@ -171,10 +190,19 @@ async def wait_answering(
     return None
 
 
-def launch(url: str, namespace: str, roles: list[str], *, out_dir: Path) -> int:
+def launch(
+    url: str, namespace: str, roles: list[str], *, out_dir: Path, host_id: str | None = None
+) -> int:
     bad = [r for r in roles if r not in ROLES or r == "health"]
     if bad:
         print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    if host_id is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", host_id):
+        print(
+            f"joynexus up: --host-id {host_id!r} must be 1-32 lowercase letters, digits or "
+            "dashes (it becomes part of instance names)",
+            file=sys.stderr,
+        )
         return 2
 
     async def main() -> None:
@@ -183,7 +211,7 @@ def launch(url: str, namespace: str, roles: list[str], *, out_dir: Path) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        await supervise(url, namespace, roles, out_dir=out_dir, stop=stop)
+        await supervise(url, namespace, roles, out_dir=out_dir, stop=stop, host_id=host_id)
 
     asyncio.run(main())
     return 0

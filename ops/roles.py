@@ -147,7 +147,12 @@ async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -
         from joynexus.agents.scheduler import SchedulerAgent
 
         # One decider across hosts: serve while holding the lease, stand by otherwise.
-        lease = RoleLease(b, "scheduler", f"{host_id()}/{o.instance}")
+        lease = RoleLease(
+            b,
+            "scheduler",
+            f"{host_id()}/{o.instance}",
+            ttl_s=int(os.environ.get("JOYNEXUS_LEASE_TTL_S", "6")),
+        )
         agent = SchedulerAgent(b, instance=o.instance, lease_ttl_s=o.lease_ttl_s, lease=lease)
         if not await agent.stand_by(stop):
             return
