@@ -23,6 +23,15 @@ Evaluations share the evaluator fairly, whatever their size:
 * on ``stop`` (SIGTERM of the role process: ``joynexus agent evaluator``)
   every evaluation stops within a step, the records stay ``active`` (the next
   evaluator starts them afresh), and ``run`` returns within ``grace_s``.
+
+Evaluation every K versions: a training workload whose spec has
+``eval_every`` = K gets an eval record ``<workload>-v<version>`` for versions
+K, 2K, ... (``periodic``, pinned ``init_from``): the evaluator watches the
+policy KV and *creates* the record, so one exists per (tenant, workload,
+version) whatever restarts; on start it looks at every retained version, so
+versions published while no evaluator ran are not lost. ``eval_videos``
+episodes are saved as video in the object store (``save_videos``); the
+control plane serves them to their tenant (``get_video``).
 """
 
 from __future__ import annotations
@@ -268,6 +277,7 @@ class Evaluator:
         self._kv: Any = None
         #: Training workloads with eval_every (key -> spec; specs do not change).
         self._trained: dict[str, WorkloadSpec] = {}
+        self._untrained: set[str] = set()
         #: Periodic evaluations this evaluator created (for tests and logs).
         self.created: list[str] = []
 
@@ -332,13 +342,15 @@ class Evaluator:
     async def _training_spec(self, tenant: str, policy_key: str) -> WorkloadSpec | None:
         key = self.b.names.workload_key(tenant, policy_key)
         spec = self._trained.get(key)
-        if spec is None:
+        if spec is None and key not in self._untrained:
             try:
                 rec = decode((await self._kv.get(key)).value, WorkloadRecord)
             except (KeyNotFoundError, JoyNexusError):
                 return None  # not a workload's policy (yet: its record follows its v1)
             if rec.spec.eval_every:
                 spec = self._trained[key] = rec.spec
+            elif len(self._untrained) < 100_000:
+                self._untrained.add(key)  # a spec never changes: no KV get per version
         return spec
 
     async def _version_published(self, store: PolicyStore, prec: Any, *, catch_up: bool) -> None:

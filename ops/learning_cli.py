@@ -108,6 +108,8 @@ class Progress:
         bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
         line = (f"{self.label} [{bar}] {kept}/{self.total} episodes ({attempts} tried) "
                 f"{el:.0f}s elapsed, ~{eta:.0f}s left")
+        if kept == attempts == 0:  # shown at once: the first episode waits for the renderer
+            line = f"{self.label} [{bar}] 0/{self.total} episodes, starting the simulator"
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
@@ -184,6 +186,8 @@ def _generate(args: argparse.Namespace) -> int:
     cameras = [c.strip() for c in args.cameras.split(",") if c.strip()] or None
     bar = Progress(args.episodes, args.task)
     t0 = time.perf_counter()
+    if not args.json:
+        bar(0, 0)
     try:
         info = generate_dataset(
             args.task, Path(args.out), episodes=args.episodes, obs="rgb",

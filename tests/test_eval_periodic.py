@@ -253,3 +253,17 @@ def test_the_main_job_report_plots_success_against_version(tmp_path: Path) -> No
     text = md.read_text()
     assert "## Evaluation by version" in text and "plots/eval_curves.png" in text
     assert "| acme | 2 | 0.25 | 7 |" in text and "| bolt | 9 | 1 | - |" in text
+
+
+def test_dataset_generate_progress_bar_shows_from_the_start() -> None:
+    import io
+
+    from joynexus.ops.learning_cli import Progress
+
+    out = io.StringIO()
+    bar = Progress(4, "PushCube-v1", out)
+    for kept, tried in ((0, 0), (1, 1), (2, 3), (4, 5)):
+        bar(kept, tried)
+    lines = out.getvalue().splitlines()
+    assert "0/4 episodes, starting the simulator" in lines[0]
+    assert lines[-1].startswith("PushCube-v1 [" + "#" * 30 + "] 4/4 episodes (5 tried)")
