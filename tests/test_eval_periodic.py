@@ -267,3 +267,16 @@ def test_dataset_generate_progress_bar_shows_from_the_start() -> None:
     lines = out.getvalue().splitlines()
     assert "0/4 episodes, starting the simulator" in lines[0]
     assert lines[-1].startswith("PushCube-v1 [" + "#" * 30 + "] 4/4 episodes (5 tried)")
+
+
+def test_evaluations_are_clearml_scalars_against_their_version() -> None:
+    from joynexus.agents.monitor import Metric, MetricAggregates
+
+    agg = MetricAggregates()
+    scalars = agg.apply(Metric("learning", "acme", 1.0, {
+        "workload": "push", "evaluation": "push-v4", "eval_success": 0.5, "eval_return": 3.0,
+        "version": 4,
+    }))
+    got = {(s.title, s.series, s.iteration, s.value) for s in scalars}
+    assert {("eval_success", "acme", 4, 0.5), ("eval_return", "acme", 4, 3.0)} <= got
+    assert agg.tenants["acme"].evals[-1]["evaluation"] == "push-v4"
