@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     usage_cli.add_parser(sub, _common)  # `usage`: metered usage per tenant
     plan_cli.add_parser(sub)  # `plan`: the capacity planner
+    from joynexus.ops.pretrain_base import add_parser as add_base_parser
+
+    add_base_parser(sub)  # `base pretrain`
     return parser
 
 
@@ -674,6 +677,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                     repeat=args.repeat,
                 )
             )
+    if args.command == "base":
+        from joynexus.ops.pretrain_base import dispatch as base_dispatch
+
+        return base_dispatch(args)
     if args.command == "usage":
         from joynexus.ops.usage import dispatch as usage_dispatch
 

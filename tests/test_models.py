@@ -15,6 +15,7 @@ from joynexus.agents.models.backbone import (
     Backbone,
     BackboneConfig,
     build_tokenizer,
+    train_tokenizer,
 )
 from joynexus.agents.models.features import (
     FeatureBatch,
@@ -106,6 +107,51 @@ def test_tokenizer_round_trips_bytes_and_has_special_tokens() -> None:
     for s in SPECIAL_TOKENS:
         assert s in vocab and vocab[s] >= 256
     assert tok.pad_token == "<|endoftext|>"
+
+
+def test_bpe_tokenizer_has_merges_round_trips_and_is_the_config_default() -> None:
+    tok = train_tokenizer()
+    instr = "push the cube to the red and white target"
+    ids = tok(instr, add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 10 < len(instr.encode())  # words of the corpus are single tokens
+    for text in (instr, "an unseen word: zyxwvut → ü\t!"):  # byte fallback covers any text
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    for s in SPECIAL_TOKENS:
+        assert s in tok.get_vocab()
+    bb = Backbone.build(BackboneConfig(size="tiny"))
+    assert bb.config.tokenizer == "bpe" and len(bb.tokenizer) == len(tok)
+    assert bb.model.get_input_embeddings().weight.shape[0] == len(tok)
+    # Mostly image tokens at 112 px (16 per image): the prompt is no longer mostly bytes.
+    big = Backbone.build(BackboneConfig(size="tiny", image_size=112))
+    row, n = big.tokenize([instr], 1)
+    image = int((row[0, : int(n[0])] == big.special_ids["<|image_pad|>"]).sum())
+    assert image / int(n[0]) > 0.5
+
+
+@pytest.mark.timeout(180)
+def test_bpe_tokenizer_is_the_same_in_every_process() -> None:
+    """The actor and the inference engines each build the base: same ids everywhere."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json,sys; from joynexus.agents.models.backbone import train_tokenizer; "
+        "json.dump(sorted(train_tokenizer().get_vocab().items()), sys.stdout)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=170)
+    here = sorted(train_tokenizer().get_vocab().items())
+    assert [tuple(kv) for kv in json.loads(out.stdout)] == here and len(here) > 300
+
+
+def test_loaded_base_keeps_its_own_tokenizer(tmp_path: Path) -> None:
+    byte_base = Backbone.build(BackboneConfig(size="tiny", tokenizer="bytes"))
+    byte_base.save(tmp_path / "bytes")
+    loaded = Backbone.build(BackboneConfig(size="tiny", path=str(tmp_path / "bytes")))  # default says bpe
+    assert loaded.config.tokenizer == "bytes"
+    assert loaded.tokenizer("cube", add_special_tokens=False)["input_ids"] == list(b"cube")
+    batch = make_batch(6, 2)
+    torch.testing.assert_close(loaded.encode(batch), byte_base.encode(batch), atol=0, rtol=0)
 
 
 def test_mrope_3d_positions_are_used(backbone: Backbone) -> None:
