@@ -151,3 +151,12 @@ def test_exploration_std_is_validated(bad: float) -> None:
     assert WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=0.2).exploration_std == 0.2
     with pytest.raises(InvalidSpec, match="exploration_std"):
         WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=bad)
+
+
+def test_a_huge_log_ratio_keeps_the_loss_finite() -> None:
+    z = torch.zeros(2)
+    logp = _t(500.0, -500.0).requires_grad_()
+    loss, stats = ppo_objective(logp, z, _t(-1.0, 1.0), z, z)
+    assert torch.isfinite(loss) and stats["clip_frac"] == 1.0
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()

@@ -185,6 +185,8 @@ def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 1.0
 LOG_2PI = math.log(2.0 * math.pi)
+#: |log pi - log pi_old| beyond this is clamped in the PPO ratio (exp(20) ~ 5e8).
+MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,8 @@ def ppo_objective(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-ratio PPO loss plus the critic's loss (pure).
 
-    policy loss = -mean(min(r A, clip(r, 1 - clip, 1 + clip) A)), r = exp(logp - old_logp);
+    policy loss = -mean(min(r A, clip(r, 1 - clip, 1 + clip) A)), r = exp(logp - old_logp)
+    (the log-ratio clamped to +-MAX_LOG_RATIO, so it stays finite);
     value loss = mean((V - R)^2), or with ``old_values_B`` the clipped form
     mean(max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2)), times 0.5;
     total = policy + vf_coef * value - ent_coef * entropy. Returns (total, stats).
@@ -244,7 +247,10 @@ def ppo_objective(
     shapes = {t.shape for t in (logp_B, old_logp_B, adv_B, values_B, returns_B)}
     if len(shapes) != 1 or logp_B.ndim != 1:
         raise ShapeMismatch(f"PPO inputs must all be [B]; got {sorted(tuple(s) for s in shapes)}")
-    log_ratio_B = logp_B - old_logp_B
+    # Clamped before exp: a chunk far in the tail of both policies (tiny data std,
+    # an open-loop chunk element) can move its log-prob by more than exp's range in
+    # one step; such rows are clipped anyway (no gradient), the loss stays finite.
+    log_ratio_B = (logp_B - old_logp_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B = log_ratio_B.exp()
     surr_B = torch.minimum(ratio_B * adv_B, ratio_B.clamp(1.0 - clip, 1.0 + clip) * adv_B)
     policy = -surr_B.mean()
