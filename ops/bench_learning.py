@@ -34,6 +34,7 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,16 @@ class Plan:
     rl_updates: int = 1000
     rl_num_envs: int = 4
     rl_horizon: int = 50
-    rl_learning_rate: float = 3e-4
-    rl_epochs: int = 4
+    rl_learning_rate: float = 1e-4
+    rl_epochs: int = 1
     rl_staleness: int = 2
     rl_exploration_std: float | None = None
+    #: The frozen base: "random" (built from config) or "pretrained" (``joynexus base
+    #: pretrain`` on this task's renders, made first; ``extra`` may set ``renders`` and
+    #: ``pretrain_steps``). Plans of each base run on a fresh deployment of their own.
+    base: str = "random"
+    #: The plan's name in the report (default: the task).
+    key: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,6 +81,10 @@ FULL: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, target=0.8),
     Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5, rl_budget_s=1200.0),
     Plan("StackCube-v1", demos=200, updates=1500, budget_s=900.0),  # report only
+    # Images plus joint positions only, on a base pre-trained on PushCube renders.
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, state=("proprio",), image_size=56,
+         base="pretrained", key="PushCube-v1/images", target=0.5,
+         extra={"renders": 3000, "pretrain_steps": 1500}),
 )
 QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
@@ -110,8 +121,11 @@ def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None)
 class _Service:
     """The roles of a deployment, in this process, on a fresh embedded server."""
 
-    def __init__(self, data: Path, *, rl: bool = False, ppo_epochs: int = 1) -> None:
+    def __init__(
+        self, data: Path, *, rl: bool = False, ppo_epochs: int = 1, backbone_path: str | None = None
+    ) -> None:
         self.data = data
+        self.backbone_path = backbone_path
         self.rl = rl
         self.ppo_epochs = ppo_epochs
         self.restarts: dict[str, int] = {}
@@ -159,7 +173,7 @@ class _Service:
         )
         st.push_async_callback(control_b.close)
         torch.manual_seed(0)
-        backbone = Backbone.build(BackboneConfig(size="tiny"))
+        backbone = Backbone.build(BackboneConfig(size="tiny", path=self.backbone_path))
         sched = SchedulerAgent(service, instance="sched", lease_ttl_s=60.0)
         await sched.start()
         st.push_async_callback(sched.stop)
@@ -338,23 +352,45 @@ async def run_learning(
     log: Any = None,
     eval_envs: int = 5,
     eval_seed: int = 12345,
+    base_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run every plan on one fresh deployment; the JSON-able report."""
+    """Run every plan on one fresh deployment per base (``Plan.base``); the JSON-able report.
+
+    ``base_dir``: serve this saved base to the "pretrained" plans instead of making one."""
     log = log or (lambda msg: None)
+    kinds = list(dict.fromkeys(p.base for p in plans))
+    if len(kinds) > 1:
+        merged: dict[str, Any] = {"tasks": {}, "plans": []}
+        for kind in kinds:
+            part = await run_learning(
+                [p for p in plans if p.base == kind], log=log, eval_envs=eval_envs, eval_seed=eval_seed,
+                data_dir=Path(data_dir) / kind if data_dir else None, base_dir=base_dir,
+            )
+            merged["tasks"].update(part.pop("tasks"))
+            merged["plans"] += part.pop("plans", [])
+            merged.setdefault("deployments", {})[kind] = part
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        return merged
     with contextlib.ExitStack() as tmp:
         data = Path(data_dir) if data_dir else Path(tmp.enter_context(
             tempfile.TemporaryDirectory(prefix="jnx-learn-")))
+        backbone_path = await _base_for(plans, data, base_dir, log)
         out: dict[str, Any] = {"tasks": {}}
         rl = any(p.rl_budget_s > 0 for p in plans)
         epochs = max((p.rl_epochs for p in plans if p.rl_budget_s > 0), default=1)
-        async with _Service(data, rl=rl, ppo_epochs=epochs) as svc:
+        async with _Service(data, rl=rl, ppo_epochs=epochs, backbone_path=backbone_path) as svc:
             client = await svc.tenant()
             for i, plan in enumerate(plans):
                 name = f"ds{i}-{plan.task.split('-')[0].lower()}"
                 root = svc.datasets / TENANT / name
-                shutil.rmtree(root, ignore_errors=True)
                 t0 = time.perf_counter()
-                info = await asyncio.to_thread(make_dataset, plan, root)
+                info = _reusable(plan, root) if data_dir else None
+                if info is None:
+                    shutil.rmtree(root, ignore_errors=True)
+                    info = await asyncio.to_thread(make_dataset, plan, root)
+                else:
+                    log(f"{plan.task}: reusing the dataset in {root}")
                 gen_s = time.perf_counter() - t0
                 log(f"{plan.task}: {info.episodes} demos ({info.frames} frames) in {gen_s:.0f} s")
                 res = await _train(client, plan, f"sft{i}", name, log)
@@ -388,7 +424,7 @@ async def run_learning(
                 if plan.rl_budget_s > 0:
                     row.update(await _rl_phase(client, plan, i, res["version"], ev, log,
                                                eval_envs=eval_envs, eval_seed=eval_seed))
-                out["tasks"][plan.task] = row
+                out["tasks"][plan.key or plan.task] = {**row, **_base_row(plan, backbone_path)}
             out["restarts"] = dict(svc.restarts)
         out["plans"] = [asdict(p) for p in plans]
         return out
@@ -425,11 +461,75 @@ async def _rl_phase(
     return row
 
 
+async def _base_for(plans: Sequence[Plan], data: Path, base_dir: str | Path | None, log: Any) -> str | None:
+    """The saved base the plans' deployment serves (None: the random one from config)."""
+    if all(p.base == "random" for p in plans):
+        return None
+    if base_dir is not None:
+        return str(base_dir)
+    from joynexus.ops.pretrain_base import make_base
+
+    out = data / "base"
+    if not (out / "config.json").is_file():  # a kept --data-dir reuses its base
+        shutil.rmtree(out, ignore_errors=True)
+        p0 = plans[0]
+        t0 = time.perf_counter()
+        await asyncio.to_thread(
+            make_base, out, tasks=tuple(dict.fromkeys(p.task for p in plans)),
+            renders=int(p0.extra.get("renders", 3000)), steps=int(p0.extra.get("pretrain_steps", 1500)),
+            image_size=p0.image_size, log=log,
+        )
+        log(f"pretrained base in {time.perf_counter() - t0:.0f} s at {out}")
+    return str(out)
+
+
+def _base_row(plan: Plan, backbone_path: str | None) -> dict[str, Any]:
+    """What the report says of a plan's base (the probe figures of a pre-trained one)."""
+    if backbone_path is None:
+        return {"base": "random"}
+    import json
+
+    from joynexus.ops.pretrain_base import REPORT_FILE
+
+    row: dict[str, Any] = {"base": "pretrained", "base_dir": backbone_path}
+    f = Path(backbone_path) / REPORT_FILE
+    if f.is_file():
+        rep = json.loads(f.read_text())
+        row.update(base_render_s=rep.get("render_s"), base_train_s=rep.get("train_s"),
+                   base_renders=rep.get("renders"), base_steps=rep.get("steps"),
+                   base_probe_random=rep.get("probe_random", {}).get(plan.task),
+                   base_probe_pretrained=rep.get("probe_pretrained", {}).get(plan.task))
+    return row
+
+
+def _reusable(plan: Plan, root: Path) -> Any:
+    """The dataset a previous run with this ``--data-dir`` left at ``root``, if it is
+    the plan's (task, demos, image size, state); None otherwise."""
+    import json
+    from types import SimpleNamespace
+
+    from joynexus.agents.envs.lerobot_data import read_observation_meta
+    from joynexus.agents.envs.maniskill import resolve_state_keys
+
+    try:
+        info = json.loads((root / "meta" / "info.json").read_text())
+        obs = read_observation_meta(root) or {}
+        keys = list(obs.get("state_keys") or [])
+        if (obs.get("task") != plan.task or int(info["total_episodes"]) != plan.demos
+                or obs.get("image_size") != plan.image_size
+                or keys != list(resolve_state_keys(plan.task, list(plan.state)))):
+            return None
+        return SimpleNamespace(episodes=plan.demos, frames=int(info["total_frames"]),
+                               spec=SimpleNamespace(state_keys=tuple(keys)))
+    except Exception:
+        return None
+
+
 def plans_for(quick: bool, tasks: list[str] | None = None) -> tuple[Plan, ...]:
     plans = QUICK if quick else FULL
     if tasks:
         known = {p.task: p for p in (*FULL, *QUICK)}
-        chosen = [p for p in plans if p.task in tasks]
+        chosen = [p for p in plans if p.task in tasks or p.key in tasks]
         chosen += [known[t] for t in tasks if t not in {p.task for p in chosen} and t in known]
         plans = tuple(chosen)
     return plans
