@@ -160,3 +160,12 @@ def test_a_huge_log_ratio_keeps_the_loss_finite() -> None:
     assert torch.isfinite(loss) and stats["clip_frac"] == 1.0
     loss.backward()
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
+
+
+def test_dual_clip_bounds_a_runaway_ratio_on_a_negative_advantage() -> None:
+    z = torch.zeros(1)
+    lr = torch.tensor([math.log(10.0)])  # ratio 10, advantage -1
+    plain, _ = ppo_objective(lr, z, _t(-1.0), z, z, vf_coef=0.0, dual_clip=None)
+    dual, _ = ppo_objective(lr, z, _t(-1.0), z, z, vf_coef=0.0, dual_clip=3.0)
+    assert plain.item() == pytest.approx(10.0)
+    assert dual.item() == pytest.approx(3.0)

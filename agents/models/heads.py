@@ -233,11 +233,15 @@ def ppo_objective(
     old_values_B: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     ent_coef: float = 0.0,
+    dual_clip: float | None = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-ratio PPO loss plus the critic's loss (pure).
 
     policy loss = -mean(min(r A, clip(r, 1 - clip, 1 + clip) A)), r = exp(logp - old_logp)
-    (the log-ratio clamped to +-MAX_LOG_RATIO, so it stays finite);
+    (the log-ratio clamped to +-MAX_LOG_RATIO, so it stays finite), and with
+    ``dual_clip`` c (dual-clip PPO) a negative-advantage term is bounded by c A, so a
+    ratio that ran away (a stale behaviour version, a chunk in the tails) cannot
+    dominate the step;
     value loss = mean((V - R)^2), or with ``old_values_B`` the clipped form
     mean(max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2)), times 0.5;
     total = policy + vf_coef * value - ent_coef * entropy. Returns (total, stats).
@@ -253,6 +257,10 @@ def ppo_objective(
     log_ratio_B = (logp_B - old_logp_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B = log_ratio_B.exp()
     surr_B = torch.minimum(ratio_B * adv_B, ratio_B.clamp(1.0 - clip, 1.0 + clip) * adv_B)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise InvalidSpec(f"PPO dual_clip={dual_clip!r}: must be > 1")
+        surr_B = torch.where(adv_B < 0, torch.maximum(surr_B, dual_clip * adv_B), surr_B)
     policy = -surr_B.mean()
     v_err_B = (values_B - returns_B) ** 2
     if old_values_B is not None:
