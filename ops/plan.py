@@ -122,6 +122,7 @@ def fit_costs(header: dict[str, Any], events: list[dict[str, Any]]) -> tuple[Cos
     rollout = _mean([dur(e) for e in env], 0.0)
     if env:
         c.sim_per_call_s = max(0.0, (rollout - n_calls * c.infer_batch_s) / n_calls)
+        c.sim_per_call_s, c.sim_contention_s = _fit_contention(env, n_calls, c)
     gaps = []
     by_tenant: dict[str, list[float]] = defaultdict(list)
     for (t, _), v in jobs.items():
@@ -142,6 +143,30 @@ def fit_costs(header: dict[str, Any], events: list[dict[str, Any]]) -> tuple[Cos
             first = [v["reserved"] for (tt, _), v in jobs.items() if tt == t["tenant"] and "reserved" in v]
             startup[t["tenant"]] = max(0.0, min(first) - w["start"]) if first else 0.0
     return c, startup
+
+
+def _fit_contention(env: list[dict[str, Any]], calls: int, c: Costs) -> tuple[float, float]:
+    """Simulator seconds per call as ``a + b * (others running)``: each rollout's
+    per-call time against the mean number of other rollouts overlapping it
+    (least squares, b >= 0; b = 0 when the overlap does not vary)."""
+    iv = [(float(e["busy_start"]), float(e["busy_end"])) for e in env]
+    xs, ys = [], []
+    for i, (s0, e0) in enumerate(iv):
+        d = e0 - s0
+        if d <= 0:
+            continue
+        others = sum(max(0.0, min(e0, e1) - max(s0, s1)) for j, (s1, e1) in enumerate(iv) if j != i)
+        xs.append(others / d)
+        ys.append(max(0.0, (d - calls * c.infer_batch_s) / calls))
+    if len(xs) < 4:
+        return c.sim_per_call_s, 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var < 1e-6:
+        return c.sim_per_call_s, 0.0
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var)
+    a = max(0.0, my - b * mx)
+    return a, b
 
 
 def tenants_of(header: dict[str, Any], startup: dict[str, float]) -> list[TenantSpec]:

@@ -67,6 +67,9 @@ class Costs:
     infer_rpc_s: float = 0.0
     batcher_s: float = 0.0
     sim_per_call_s: float = 0.17
+    #: Extra simulator seconds per call for each other rollout running at the same
+    #: time (environment workers sharing cores, as on a CPU machine; 0 on accelerators).
+    sim_contention_s: float = 0.0
     rollout_overhead_s: float = 0.0
     advantages_s: float = 0.01
     sft_produce_s: float = 0.08
@@ -420,6 +423,7 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
     stage_q: list[TrainingJob] = []
     stage_wake = [Signal(sim)]
     train_steps = [0]
+    active_env = [0]
 
     for t in dep.tenants:
         sched.set_policy(TenantTaskPolicy(
@@ -458,9 +462,11 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
             yield sched.delay()
             sched.mark(job.job_id, S.PRODUCING)
             t0 = sim.now
+            active_env[0] += 1
             for _ in range(t.calls):
                 yield infer.submit(t.name, t.num_envs)
-                yield jit(costs.sim_per_call_s)
+                yield jit(costs.sim_per_call_s + costs.sim_contention_s * (active_env[0] - 1))
+            active_env[0] -= 1
             env_iv[t.name].append((t0, sim.now))
             usage[t.name]["env_s"] += sim.now - t0
             yield jit(costs.rollout_overhead_s)
