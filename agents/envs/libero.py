@@ -406,13 +406,14 @@ class LiberoEnv:
 
     def _reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         env = self._envs[index]
-        _make_current(env)
-        env.reset()
-        _make_current(env)  # the first reset makes the context
-        _apply_render_options(env, *self._render)
         state = self._init_states[(seed or 0) % len(self._init_states)]
-        self._set_cameras(env, False)  # the settling steps are not rendered
+        _make_current(env)
+        # Neither the reset's own observation nor the settling steps' are used: not rendered.
+        self._set_cameras(env, False)
         try:
+            env.reset()
+            _make_current(env)  # the first reset makes the context
+            _apply_render_options(env, *self._render)
             env.set_init_state(state)
             for _ in range(SETTLE_STEPS):
                 env.step(_NOOP)
