@@ -87,9 +87,9 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
 
     b = service
     acme = await _tenant(nats_server, b, "acme")
-    horizon = 6
+    horizon, n = 6, 2
     await acme.create_workload(WorkloadSpec(
-        name="rl", task_type="rl", env=ENV, num_envs=1, horizon=horizon, action_horizon=2,
+        name="rl", task_type="rl", env=ENV, num_envs=n, horizon=horizon, action_horizon=2,
         scheduling=Scheduling(max_in_flight=1, completion_target=1),
     ))
     rec = (await acme.get_workload("rl")).record
@@ -115,7 +115,8 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
         await asyncio.wait_for(task, 60)
     assert done, "no LIBERO rollout reached the Training Queue"
     job = done[0]
-    assert job.sample_count == horizon and job.behavior_policy_version == 1
+    M = n * horizon  # env-major: rows 0..5 env 0, 6..11 env 1
+    assert job.sample_count == M and job.behavior_policy_version == 1
     assert job.metadata.extra["instruction"] == instruction
     tq = TrainingQueue(b)
     fields = ["obs_image_agentview", "obs_state", "actions", "rewards", "dones", "truncated",
@@ -124,22 +125,27 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
         fields, 100, tenant_id="acme", partition_id=job.partition_id, task_name="train"
     )
     data = await tq.async_get_data(meta)
-    assert data["obs_image_agentview"].shape == (horizon, 3, 64, 64)
-    frames = data["obs_image_agentview"]
-    assert frames.dtype == np.uint8 and frames.std() > 5
-    # Real pictures of one scene (a GL context not current in the rendering thread gives
-    # near-black noise that changes wholesale from frame to frame): a lit table, small
-    # changes between steps, and the table (warm, bright) below the wall (grey): right side up.
-    assert frames.mean() > 60
-    assert np.abs(np.diff(frames.astype(np.float32), axis=0)).mean() < 8
-    top, bottom = frames[:, :, :16].astype(np.float32), frames[:, :, -16:].astype(np.float32)
-    assert (bottom[:, 0] - bottom[:, 2]).mean() > (top[:, 0] - top[:, 2]).mean() + 10
-    assert data["obs_state"].shape == (horizon, 8) and np.isfinite(data["obs_state"]).all()
+    assert data["obs_image_agentview"].shape == (M, 3, 64, 64)
+    assert data["obs_image_agentview"].dtype == np.uint8
+    for e in range(n):
+        frames = data["obs_image_agentview"][e * horizon : (e + 1) * horizon].astype(np.float32)
+        # Real pictures of one scene in each env (a GL context not current when it renders
+        # gives near-black noise that changes wholesale between frames): a lit table, small
+        # changes between steps, the table (warm) below the wall (grey): right side up.
+        assert frames.mean() > 60 and frames.std() > 5, e
+        assert np.abs(np.diff(frames, axis=0)).mean() < 8, e
+        top, bottom = frames[:, :, :16], frames[:, :, -16:]
+        assert (bottom[:, 0] - bottom[:, 2]).mean() > (top[:, 0] - top[:, 2]).mean() + 10, e
+        # The episode limit truncated the first episode; the env reset and went on.
+        rows = slice(e * horizon, (e + 1) * horizon)
+        assert data["truncated"][rows][MAX_STEPS - 1] and data["dones"][rows][MAX_STEPS - 1]
+        assert data["episode_index"][rows][MAX_STEPS] == 1
+        assert data["frame_index"][rows][MAX_STEPS] == 0
+    # The two envs started from different recorded initial states.
+    assert not np.allclose(data["obs_state"][0], data["obs_state"][horizon])
+    assert data["obs_state"].shape == (M, 8) and np.isfinite(data["obs_state"]).all()
     # The learned action chunks of the executed actions (the policy's, with exploration).
-    assert data["actions"].shape == (horizon, 2, 7) and np.abs(data["actions"]).max() <= 1.0
-    # The episode limit truncated the first episode; the env reset and went on.
-    assert data["truncated"][MAX_STEPS - 1] and data["dones"][MAX_STEPS - 1]
-    assert data["episode_index"][MAX_STEPS] == 1 and data["frame_index"][MAX_STEPS] == 0
+    assert data["actions"].shape == (M, 2, 7) and np.abs(data["actions"]).max() <= 1.0
     await acme.close()
 
 
