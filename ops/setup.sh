@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" = 0 ]; then
   bash ops/system_setup.sh
-elif ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
-  echo "setup: not root, so the CPU Vulkan driver ManiSkill needs is not installed; run 'sudo bash ops/system_setup.sh'" >&2
+elif ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || ! ls /usr/lib/*/libEGL_mesa.so.0 >/dev/null 2>&1; then
+  echo "setup: not root, so the CPU renderers are not installed (lavapipe for ManiSkill, Mesa EGL for LIBERO); run 'sudo bash ops/system_setup.sh'" >&2
 fi
 
 PY=${PYTHON:-}
