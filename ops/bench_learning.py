@@ -24,6 +24,12 @@ the actor and the evaluator (and for RL the RL producer, the actor_forward and
 advantage stages), each restarted if it crashes (as ``joynexus up``'s health
 manager would; counted in ``restarts``), with the tenant connected under its own
 credentials (``joynexus tenant add``'s path).
+
+A plan with ``base="pretrained"`` (``PushCube-v1/images``: joint positions and
+the camera only) runs on a fresh deployment of its own whose frozen base is
+made first by ``joynexus base pretrain`` (``ops/pretrain_base.py``) on that
+task's renders, or taken from ``run_learning(base_dir=...)``; its row adds the
+base's render/train seconds and probe errors.
 """
 
 from __future__ import annotations
