@@ -391,7 +391,7 @@ async def run_learning(
                 name = f"ds{i}-{plan.task.split('-')[0].lower()}"
                 root = svc.datasets / TENANT / name
                 t0 = time.perf_counter()
-                info = _reusable(plan, root) if data_dir else None
+                info: Any = _reusable(plan, root) if data_dir else None
                 if info is None:
                     shutil.rmtree(root, ignore_errors=True)
                     info = await asyncio.to_thread(make_dataset, plan, root)
