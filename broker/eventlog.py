@@ -12,13 +12,14 @@ instead of a conflict (the first try landed, only its ack was lost).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.errors import APIError, NotFoundError
 
 from joynexus.broker import tracing
@@ -31,6 +32,9 @@ from joynexus.schemas.jobs import JobEvent
 log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
+#: The clustered form: an expectation that cannot be checked while a message it
+#: covers is still in flight (JSStreamWrongLastSequenceConstantErr).
+WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
 
 H_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
 H_EXPECTED_SUBJ = "Nats-Expected-Last-Subject-Sequence-Subject"
@@ -100,7 +104,7 @@ class JobEventLog:
             }
         )
         try:
-            ack = await self.b.js.publish(subject, encode(event), headers=headers)
+            ack = await self._publish_expecting(subject, encode(event), headers)
         except APIError as e:
             if e.err_code != WRONG_LAST_SEQUENCE:
                 raise
@@ -120,6 +124,23 @@ class JobEventLog:
                 f"{job.state.value!r} event could be appended"
             ) from e
         return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    async def _publish_expecting(
+        self, subject: str, payload: bytes, headers: dict[str, str]
+    ) -> PubAck:
+        """Publish with expectations. A clustered stream refuses an expectation while
+        another message it covers is still being replicated (10164): not a conflict,
+        so try again, briefly (the same Nats-Msg-Id: one that landed after all is
+        reported as a duplicate, not appended twice)."""
+        delay = 0.002
+        while True:
+            try:
+                return await self.b.js.publish(subject, payload, headers=headers)
+            except APIError as e:
+                if e.err_code != WRONG_LAST_SEQUENCE_IN_FLIGHT or delay > 0.5:
+                    raise
+            await asyncio.sleep(delay)
+            delay *= 2
 
     async def last_raw(self, tenant_id: str, job_id: str):  # -> RawStreamMsg | None
         try:

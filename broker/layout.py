@@ -7,7 +7,9 @@ operator reading ``nats stream ls``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import os
+from dataclasses import dataclass, field
 
 from nats.js.api import (
     DiscardPolicy,
@@ -23,11 +25,20 @@ from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import InvalidSpec
 
 DAY = 24 * 3600.0
+#: JetStream: "stream name already in use with a different configuration".
+STREAM_NAME_IN_USE = 10058
+
+
+def _default_replicas() -> int:
+    """``$JOYNEXUS_REPLICAS`` (a cluster's deployment sets it for every role), else 1."""
+    return max(1, int(os.environ.get("JOYNEXUS_REPLICAS", "1")))
 
 
 @dataclass(frozen=True)
 class LayoutOptions:
-    replicas: int = 1
+    #: Replicas of every stream and bucket. An existing stream is never scaled down
+    #: by a role that starts with fewer (see ``ensure_stream``).
+    replicas: int = field(default_factory=_default_replicas)
     #: How long job events are kept (accounting needs the terminal ones).
     jobs_max_age_s: float = 7 * DAY
     #: Default per-message TTL of Training Queue data: orphans expire.
@@ -172,10 +183,13 @@ def object_store_configs(b: Broker, opts: LayoutOptions) -> list[ObjectStoreConf
 async def ensure_stream(b: Broker, cfg: StreamConfig) -> None:
     assert cfg.name is not None
     try:
-        await b.js.stream_info(cfg.name)
+        info = await b.js.stream_info(cfg.name)
     except NotFoundError:
         await b.js.add_stream(cfg)
         return
+    existing = info.config.num_replicas or 1
+    if (cfg.num_replicas or 1) < existing:  # a cluster's R3 stays R3
+        cfg = dataclasses.replace(cfg, num_replicas=existing)
     try:
         await b.js.update_stream(cfg)
     except BadRequestError as e:
@@ -190,7 +204,14 @@ async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:
     for cfg in stream_configs(b, opts):
         await ensure_stream(b, cfg)
     for kv in kv_configs(b, opts):
-        await b.js.create_key_value(kv)
+        try:
+            await b.js.create_key_value(kv)
+        except BadRequestError as e:
+            if e.err_code != STREAM_NAME_IN_USE:
+                raise
+            # It exists with another configuration (an operator's R3 bucket met by a
+            # role started without $JOYNEXUS_REPLICAS): use it as it is.
+            await b.js.key_value(kv.bucket)
     for obj in object_store_configs(b, opts):
         assert obj.bucket is not None
         try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -215,7 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("role", choices=ROLES, help="the role to run")
     _common(p, embedded=False)
     p.add_argument("--instance", default=None, help="instance name (default: <role>-<pid>)")
-    p.add_argument("--lease-ttl", type=float, default=30.0, help="scheduler: lease TTL in seconds")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(os.environ.get("JOYNEXUS_JOB_LEASE_TTL_S", "30")),
+        help="scheduler: job lease TTL in seconds (default $JOYNEXUS_JOB_LEASE_TTL_S or 30)",
+    )
     p.add_argument("--out", default=".jnx/actor", help="actor: per-tenant checkpoint directory")
     p.add_argument(
         "--data-dir",

@@ -14,9 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ from joynexus.ops.bench_faults import (
     wait_until,
 )
 from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.natsserver import local_cluster as nats_cluster
 from joynexus.schemas.jobs import JobState
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -102,42 +101,6 @@ async def test_nats_server_restart_resumes_by_itself(tmp_path: Path) -> None:
     assert all(v > 0 for v in r["progress"].values()), r
     # The agents reconnected on their own: nobody had to be restarted.
     assert r["same_pids"] and r["agents_restarted"] == 0, r
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@contextlib.contextmanager
-def nats_cluster(root: Path, size: int = 3) -> Iterator[list[EmbeddedNats]]:
-    ports = _free_ports(size)
-    nodes = []
-    for i in range(size):
-        routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i)
-        nodes.append(
-            EmbeddedNats(
-                root / f"n{i}",
-                name=f"jnx-n{i}",
-                extra_config=(
-                    "cluster {\n  name: jnxc\n"
-                    f"  listen: 127.0.0.1:{ports[i]}\n  routes: [{routes}]\n}}\n"
-                ),
-            )
-        )
-    try:
-        for n in nodes:
-            n.start()
-        yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 async def test_cluster_node_kill_loses_no_acknowledged_event(tmp_path: Path) -> None:
