@@ -61,9 +61,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.agents.envs.maniskill import (
-    OBS_IMAGES,
-    OBS_STATE,
-    TASK,
+    BatchedEnv,
     EnvSpec,
     ObsBatch,
     ObsMode,
@@ -322,7 +320,7 @@ def _make_current(env: Any) -> None:
         ctx.gl_ctx.make_current()
 
 
-class LiberoEnv:
+class LiberoEnv(BatchedEnv):
     """N LIBERO envs (MuJoCo physics, CPU rendering) behind ManiSkillEnv's batch API.
 
     Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``
@@ -339,27 +337,17 @@ class LiberoEnv:
         render: tuple[bool, bool] = (False, False),
         thread: _RenderThread | None = None,
     ) -> None:
+        super().__init__(spec, envs)
         self._gl = thread or _RenderThread()
-        self.spec = spec
         self.info = info
-        self._envs = envs
         self._init_states = init_states
         #: (shadows, reflections)
         self._render = render
         self._t = np.zeros(len(envs), dtype=np.int64)
-        self._closed = False
-
-    @property
-    def num_envs(self) -> int:
-        return self.spec.num_envs
 
     @property
     def sims(self) -> list[Any]:
         return [e.env for e in self._envs]
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidSpec("this env was closed; build a new one with make_env()")
 
     def _convert_one(self, raw: dict[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         spec = self.spec
@@ -385,14 +373,6 @@ class LiberoEnv:
             img_H_W_C = np.asarray(raw[f"{CAMERAS[cam]}_image"])[::-1]  # right side up
             images[cam] = np.ascontiguousarray(img_H_W_C.transpose(2, 0, 1)).astype(np.uint8)
         return state_S, images
-
-    def _batch(self, per_env: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> ObsBatch:
-        obs: ObsBatch = {}
-        for cam in self.spec.cameras:
-            obs[f"{OBS_IMAGES}.{cam}"] = np.stack([imgs[cam] for _, imgs in per_env])
-        obs[OBS_STATE] = np.stack([s for s, _ in per_env]).astype(np.float32)
-        obs[TASK] = [self.spec.instruction] * len(per_env)
-        return obs
 
     def _set_cameras(self, env: Any, on: bool) -> None:
         for cam in self.spec.cameras:
@@ -426,14 +406,7 @@ class LiberoEnv:
 
     def reset(self, seed: int | Sequence[int] | None = None) -> ObsBatch:
         """Reset all envs; env i gets seed[i] (or seed + i for an int seed)."""
-        if seed is None:
-            seeds: list[int | None] = [None] * self.num_envs
-        elif isinstance(seed, int | np.integer):
-            seeds = [int(seed) + i for i in range(self.num_envs)]
-        else:
-            seeds = [int(s) for s in seed]
-            if len(seeds) != self.num_envs:
-                raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        seeds = self._seeds(seed)
         self._check_open()
         return self._gl.run(  # type: ignore[no-any-return]
             lambda: self._batch([self._reset_one(i, s) for i, s in enumerate(seeds)])
@@ -466,35 +439,13 @@ class LiberoEnv:
             truncs.append(not ok and self._t[i] >= self.spec.max_episode_steps)
             succ.append(ok)
             infos.append(dict(info))
-        return StepResult(
-            obs=self._batch(per_env),
-            reward_N=np.asarray(rewards, dtype=np.float32),
-            terminated_N=np.asarray(terms, dtype=bool),
-            truncated_N=np.asarray(truncs, dtype=bool),
-            success_N=np.asarray(succ, dtype=bool),
-            info=infos,
-        )
-
-    def replace_obs(
-        self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]
-    ) -> None:
-        """Write one env's converted observation into row ``index`` of a batch, in place."""
-        state_S, images = row
-        obs[OBS_STATE][index] = state_S
-        for cam, img in images.items():
-            obs[f"{OBS_IMAGES}.{cam}"][index] = img
+        return self._result(self._batch(per_env), rewards, terms, truncs, succ, infos)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._gl.run(_close_all, self._envs)
             self._gl.shutdown()
-
-    def __enter__(self) -> LiberoEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _close_all(envs: list[Any]) -> None:

@@ -31,7 +31,7 @@ import glob
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import numpy as np
 
@@ -390,12 +390,13 @@ class StepResult:
     info: list[dict[str, Any]] = field(default_factory=list)
 
 
-class ManiSkillEnv:
-    """N single-instance ManiSkill envs (CPU physics and rendering) behind one batch API.
+class BatchedEnv:
+    """N single envs behind one batch API: what the rollout and evaluation loops use.
 
-    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``
-    (``rollout`` and ``evaluate`` do). ``sims`` are the unwrapped ManiSkill
-    envs, for scripted experts that read privileged state.
+    Subclasses (one per simulator: ``ManiSkillEnv``, ``libero.LiberoEnv``) convert
+    one env's raw observation into (state [S], {camera: image [3, H, W]}) and
+    step/reset their envs; the batching, seeds, in-place row writes and closing
+    checks are here, once.
     """
 
     def __init__(self, spec: EnvSpec, envs: list[Any]) -> None:
@@ -406,6 +407,74 @@ class ManiSkillEnv:
     @property
     def num_envs(self) -> int:
         return self.spec.num_envs
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidSpec("this env was closed; build a new one with make_env()")
+
+    def _batch(self, per_env: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> ObsBatch:
+        obs: ObsBatch = {}
+        for cam in self.spec.cameras:
+            obs[f"{OBS_IMAGES}.{cam}"] = np.stack([imgs[cam] for _, imgs in per_env])
+        obs[OBS_STATE] = np.stack([s for s, _ in per_env]).astype(np.float32)
+        obs[TASK] = [self.spec.instruction] * len(per_env)
+        return obs
+
+    def _seeds(self, seed: int | Sequence[int] | None) -> list[int | None]:
+        """Env i gets seed[i] (or seed + i for an int seed; None: unseeded)."""
+        if seed is None:
+            return [None] * self.num_envs
+        if isinstance(seed, int | np.integer):
+            return [int(seed) + i for i in range(self.num_envs)]
+        seeds: list[int | None] = [int(s) for s in seed]
+        if len(seeds) != self.num_envs:
+            raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        return seeds
+
+    @staticmethod
+    def _result(
+        batch: ObsBatch,
+        rewards: list[float],
+        terms: list[bool],
+        truncs: list[bool],
+        succ: list[bool],
+        infos: list[dict[str, Any]],
+    ) -> StepResult:
+        return StepResult(
+            obs=batch,
+            reward_N=np.asarray(rewards, dtype=np.float32),
+            terminated_N=np.asarray(terms, dtype=bool),
+            truncated_N=np.asarray(truncs, dtype=bool),
+            success_N=np.asarray(succ, dtype=bool),
+            info=infos,
+        )
+
+    def replace_obs(
+        self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]
+    ) -> None:
+        """Write one env's converted observation into row ``index`` of a batch, in place."""
+        state_S, images = row
+        obs[OBS_STATE][index] = state_S
+        for cam, img in images.items():
+            obs[f"{OBS_IMAGES}.{cam}"][index] = img
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ManiSkillEnv(BatchedEnv):
+    """N single-instance ManiSkill envs (CPU physics and rendering) behind one batch API.
+
+    Blocking; async code calls ``reset``/``step`` through ``asyncio.to_thread``
+    (``rollout`` and ``evaluate`` do). ``sims`` are the unwrapped ManiSkill
+    envs, for scripted experts that read privileged state.
+    """
 
     @property
     def sims(self) -> list[Any]:
@@ -433,18 +502,6 @@ class ManiSkillEnv:
             images[cam] = np.ascontiguousarray(img_H_W_C.transpose(2, 0, 1)).astype(np.uint8)
         return state_S, images
 
-    def _batch(self, per_env: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> ObsBatch:
-        obs: ObsBatch = {}
-        for cam in self.spec.cameras:
-            obs[f"{OBS_IMAGES}.{cam}"] = np.stack([imgs[cam] for _, imgs in per_env])
-        obs[OBS_STATE] = np.stack([s for s, _ in per_env]).astype(np.float32)
-        obs[TASK] = [self.spec.instruction] * len(per_env)
-        return obs
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidSpec("this env was closed; build a new one with make_env()")
-
     def reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Reset env ``index``; returns its (state [S], {camera: image [3, H, W]})."""
         self._check_open()
@@ -454,14 +511,7 @@ class ManiSkillEnv:
 
     def reset(self, seed: int | Sequence[int] | None = None) -> ObsBatch:
         """Reset all envs; env i gets seed[i] (or seed + i for an int seed)."""
-        if seed is None:
-            seeds: list[int | None] = [None] * self.num_envs
-        elif isinstance(seed, int):
-            seeds = [seed + i for i in range(self.num_envs)]
-        else:
-            seeds = list(seed)
-            if len(seeds) != self.num_envs:
-                raise ShapeMismatch(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        seeds = self._seeds(seed)
         return self._batch([self.reset_one(i, s) for i, s in enumerate(seeds)])
 
     def step(self, actions_N_A: np.ndarray) -> StepResult:
@@ -488,35 +538,13 @@ class ManiSkillEnv:
             truncs.append(bool(_to_numpy(tr).reshape(-1)[0]))
             succ.append(bool(_to_numpy(info.get("success", False)).reshape(-1)[0]))
             infos.append(info)
-        return StepResult(
-            obs=self._batch(per_env),
-            reward_N=np.asarray(rewards, dtype=np.float32),
-            terminated_N=np.asarray(terms, dtype=bool),
-            truncated_N=np.asarray(truncs, dtype=bool),
-            success_N=np.asarray(succ, dtype=bool),
-            info=infos,
-        )
-
-    def replace_obs(
-        self, obs: ObsBatch, index: int, row: tuple[np.ndarray, dict[str, np.ndarray]]
-    ) -> None:
-        """Write one env's converted observation into row ``index`` of a batch, in place."""
-        state_S, images = row
-        obs[OBS_STATE][index] = state_S
-        for cam, img in images.items():
-            obs[f"{OBS_IMAGES}.{cam}"][index] = img
+        return self._result(self._batch(per_env), rewards, terms, truncs, succ, infos)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             for env in self._envs:
                 env.close()
-
-    def __enter__(self) -> ManiSkillEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 _RENDER_KEEPALIVE: list[Any] = []
