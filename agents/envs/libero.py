@@ -66,6 +66,7 @@ from joynexus.agents.envs.maniskill import (
     ObsBatch,
     ObsMode,
     StepResult,
+    expand_state_keys,
 )
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 from joynexus.schemas.workloads import LIBERO_SUITES, describe_envs, libero_task
@@ -205,18 +206,9 @@ def state_key_dims(env: str) -> dict[str, int]:
 
 def resolve_state_keys(env: str, keys: Sequence[str]) -> tuple[str, ...]:
     """Presets expanded into keys, in order, without repeats; a clear error for an unknown key."""
-    dims = state_key_dims(env)
-    out: list[str] = []
-    for k in keys:
-        for e in STATE_PRESETS.get(k, (k,)):
-            if e not in dims:
-                raise InvalidSpec(
-                    f"state key {e!r:.80} does not exist in {env}: choose from {sorted(dims)} "
-                    f"or a preset {sorted(STATE_PRESETS)}"
-                )
-            if e not in out:
-                out.append(e)
-    return tuple(out)
+    return expand_state_keys(
+        env, keys, state_key_dims(env), STATE_PRESETS.get, presets=sorted(STATE_PRESETS)
+    )
 
 
 def task_spec(

@@ -191,15 +191,33 @@ def state_key_dims(task: str) -> dict[str, int]:
 def resolve_state_keys(task: str, keys: Sequence[str]) -> tuple[str, ...]:
     """Expand presets ("proprio", "privileged") into keys, in order, without repeats;
     a clear error for a key the task does not have."""
+    return expand_state_keys(
+        task,
+        keys,
+        state_key_dims(task),
+        lambda k: STATE_PRESETS[k][task] if k in STATE_PRESETS else None,
+        presets=sorted(STATE_PRESETS),
+    )
+
+
+def expand_state_keys(
+    env: str,
+    keys: Sequence[str],
+    dims: Mapping[str, int],
+    preset: Callable[[str], Sequence[str] | None],
+    *,
+    presets: Sequence[str],
+) -> tuple[str, ...]:
+    """Keys with presets expanded (``preset(k)``: its keys, or None for a plain key),
+    in order, without repeats; a clear error for a key ``env`` does not have.
+    Shared by every simulator's state description."""
     out: list[str] = []
-    dims = state_key_dims(task)
     for k in keys:
-        expanded = STATE_PRESETS[k][task] if k in STATE_PRESETS else (k,)
-        for e in expanded:
+        for e in preset(k) or (k,):
             if e not in dims:
                 raise InvalidSpec(
-                    f"state key {e!r} does not exist in {task}: choose from {sorted(dims)} "
-                    f"or a preset {sorted(STATE_PRESETS)}"
+                    f"state key {e!r:.80} does not exist in {env}: choose from {sorted(dims)} "
+                    f"or a preset {list(presets)}"
                 )
             if e not in out:
                 out.append(e)
