@@ -417,28 +417,120 @@ HOSTS_ENV = {
 }
 
 
-async def host_lost_fault(work: Path) -> dict[str, Any]:
+#: The real-trainer drill's tenants: SFT on rows of the tiny base's shape.
+REAL_TENANTS = (("dana", "sft"), ("erin", "sft"))
+
+
+async def _real_sft_feed(rig: FaultRig) -> None:
+    """Each tenant: a published policy (version 1) and a producer of SFT jobs whose
+    rows a real actor trains on (random images/states, target chunks)."""
+    import numpy as np
+
+    from joynexus.agents.models.backbone import BackboneConfig
+    from joynexus.agents.models.features import FeatureSchema
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
+    from joynexus.broker.policy import PolicyStore
+    from joynexus.schemas.errors import JoyNexusError
+    from joynexus.schemas.jobs import JobMetadata
+
+    base = BackboneConfig(size="tiny").base_model  # what the actor role builds by default
+    schema = FeatureSchema(("base_camera",), (56, 56), 5, 3, 2, base_model=base)
+    tq = TrainingQueue(rig.b)
+    for i, (tenant, _) in enumerate(rig.tenants):
+        module = TenantModule(tenant, "oft_mlp", HeadConfig(feature_dim(base), 5, 3, 2, seed=i))
+        await PolicyStore(rig.b).publish(tenant, "default", module, schema, version=1)
+        await rig.sched.set_policy(
+            TenantTaskPolicy(tenant_id=tenant, task_type="sft", max_in_flight=2)
+        )
+
+    async def produce(tenant: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        meta = JobMetadata(
+            schema_signature=schema.signature(), extra={"instruction": "push the cube"}
+        )
+        while not rig.produce_stop.is_set():
+            try:
+                job = await rig.sched.reserve(
+                    tenant, "sft", policy_key="default", sample_count=8, metadata=meta
+                )
+                if job is None:
+                    await asyncio.sleep(0.1)
+                    continue
+                rows = {
+                    image_field("base_camera"): rng.integers(0, 255, (8, 3, 56, 56), dtype=np.uint8),
+                    STATE_FIELD: rng.normal(size=(8, 5)).astype(np.float32),
+                    ACTIONS_FIELD: rng.uniform(-1, 1, (8, 2, 3)).astype(np.float32),
+                }
+                await tq.async_put(rows, tenant_id=tenant, partition_id=job.partition_id)
+                await rig.sched.mark(job.job_id, JobState.READY)
+            except JoyNexusError:  # the scheduler changing hands: try again
+                await asyncio.sleep(0.2)
+
+    for i, (tenant, _) in enumerate(rig.tenants):
+        rig.tasks.append(asyncio.create_task(produce(tenant, i)))
+
+
+async def trainer_continuity(b: Broker, tenants: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """Per tenant from the job log and the trainer checkpoint in JetStream: the
+    versions the completed jobs produced (each once: none stepped twice), and
+    whether the optimizer's step count matches the updates (no reset)."""
+    from joynexus.agents.actor import TenantState
+    from joynexus.broker.trainerstate import TrainerStateStore
+
+    out: dict[str, Any] = {}
+    sched = SchedulerClient(b, by="audit", deadline_s=30)
+    for tenant, _ in tenants:
+        versions = sorted(
+            j.result_version or 0
+            for j in await sched.list_jobs(tenant, states=[JobState.COMPLETED])
+        )
+        loaded = await TrainerStateStore(b).load(tenant, "default")
+        steps: list[int] = []
+        version = None
+        if loaded is not None:
+            module, _ = await asyncio.to_thread(TenantState.unpack, loaded.data)
+            version = module.version
+            steps = sorted(
+                {int(v["step"]) for v in module.optimizer.state_dict()["state"].values()}
+            )
+        out[tenant] = {
+            "updates": len(versions),
+            "versions_unique": len(set(versions)) == len(versions),
+            "versions_contiguous": versions == list(range(2, len(versions) + 2)),
+            "checkpoint_version": version,
+            "optimizer_steps": steps,
+            "optimizer_continued": steps == [len(versions)] and version == len(versions) + 1,
+        }
+    return out
+
+
+async def host_lost_fault(work: Path, *, real_trainer: bool = False) -> dict[str, Any]:
     """Two hosts on a 3-node cluster; one host (its supervisor, roles and node) is
     killed at once. Measured: ``detect_s`` (kill -> the other host's scheduler holds
     the lease), ``takeover_s`` (kill -> every tenant completed another job), and
-    the audit (jobs lost, doubled, partitions leaked)."""
+    the audit (jobs lost, doubled, partitions leaked). With ``real_trainer`` each
+    host runs a real actor (tiny base) for two SFT tenants instead of the synthetic
+    roles, and the trainer checkpoint's continuity is checked as well."""
     from joynexus.ops.natsserver import local_cluster
 
+    roles = ["scheduler", "actor"] if real_trainer else ["scheduler", "synthetic"]
     with local_cluster(work / "cluster") as nodes:
         rig = HostsRig(
             "hostlost",
-            {
-                "a": (nodes[0].url, ["scheduler", "synthetic"]),
-                "b": (nodes[1].url, ["scheduler", "synthetic"]),
-            },
+            {"a": (nodes[0].url, roles), "b": (nodes[1].url, roles)},
             rig_urls=[nodes[1].url, nodes[2].url],
             work=work,
             env=HOSTS_ENV,
+            tenants=REAL_TENANTS if real_trainer else TENANTS,
         )
         try:
             await rig.start()
-            await rig.feed_synthetic()
-            await rig.progressed({}, within=120)
+            if real_trainer:
+                await _real_sft_feed(rig)
+            else:
+                await rig.feed_synthetic()
+            await rig.progressed({}, within=180)
             before = dict(await rig.completed())
             holder_before = await rig.lease_holder()
             t0 = time.monotonic()
@@ -449,8 +541,10 @@ async def host_lost_fault(work: Path) -> dict[str, Any]:
             progress = await rig.progressed(before, within=120)
             takeover_s = time.monotonic() - t0
             a = await rig.drain(within=120)
+            extra = {"trainers": await trainer_continuity(rig.b, rig.tenants)} if real_trainer else {}
             return {
-                "fault": "host lost (supervisor, roles and nats node, kill -9 at once)",
+                "fault": "host lost (supervisor, roles and nats node, kill -9 at once)"
+                + (": real actors" if real_trainer else ""),
                 "signal": "SIGKILL",
                 "processes_killed": len(killed) + 1,
                 "lease_before": holder_before,
@@ -460,6 +554,7 @@ async def host_lost_fault(work: Path) -> dict[str, Any]:
                 "lease_ttl_s": float(HOSTS_ENV["JOYNEXUS_LEASE_TTL_S"]),
                 "progress": progress,
                 **a.summary(),
+                **extra,
             }
         finally:
             await rig.close()
@@ -530,6 +625,7 @@ async def bench_faults(url: str | None = None) -> dict[str, Any]:
             if server is not None:
                 faults.append(await nats_restart_fault(server, work))
                 faults.append(await host_lost_fault(work / "hosts"))
+                faults.append(await host_lost_fault(work / "hosts-real", real_trainer=True))
         finally:
             if server is not None:
                 server.stop()
