@@ -382,7 +382,10 @@ class HostsRig(FaultRig):
     async def lease_holder(self, prefix: str = "") -> str | None:
         from joynexus.agents.leases import RoleLease
 
-        rec, _ = await RoleLease(self.b, "scheduler", "hosts-rig").current()
+        try:
+            rec, _ = await RoleLease(self.b, "scheduler", "hosts-rig").current()
+        except Exception:  # the bucket's stream is electing a new leader (a node died)
+            return None
         if rec is None or not rec.holder.startswith(prefix):
             return None
         return rec.holder
