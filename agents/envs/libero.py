@@ -66,6 +66,7 @@ from joynexus.agents.envs.maniskill import (
     ObsBatch,
     ObsMode,
     StepResult,
+    check_env_args,
     expand_state_keys,
 )
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
@@ -223,14 +224,7 @@ def task_spec(
 ) -> EnvSpec:
     """Validate a request and describe the env it builds, without building it."""
     info = task_info(env)
-    if obs not in ("state", "rgb"):
-        raise InvalidSpec(f"obs={obs!r}: choose 'state' (vector only) or 'rgb' (cameras + state)")
-    if num_envs < 1:
-        raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
-    if not 16 <= image_size <= 512:
-        raise InvalidSpec(
-            f"image_size={image_size}: choose 16..512 pixels (64 renders ~6 steps/s on a CPU)"
-        )
+    check_env_args(obs, num_envs, image_size, speed="64 renders ~6 steps/s on a CPU")
     if control_mode != CONTROL_MODE:
         raise InvalidSpec(
             f"control_mode={control_mode!r}: LIBERO tasks take {CONTROL_MODE!r} "

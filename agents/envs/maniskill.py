@@ -26,6 +26,7 @@ serving while the simulator runs.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import glob
 import os
@@ -188,6 +189,17 @@ def state_key_dims(task: str) -> dict[str, int]:
     return {**_STATE_KEY_DIMS, **_TASK_STATE_KEY_DIMS.get(task, {})}
 
 
+def check_env_args(obs: str, num_envs: int, image_size: int, *, speed: str) -> None:
+    """The arguments every simulator's env takes, checked alike (``speed``: a hint
+    on what an image size costs there)."""
+    if obs not in ("state", "rgb"):
+        raise InvalidSpec(f"obs={obs!r}: choose 'state' (vector only) or 'rgb' (cameras + state)")
+    if num_envs < 1:
+        raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
+    if not 16 <= image_size <= 512:
+        raise InvalidSpec(f"image_size={image_size}: choose 16..512 pixels ({speed})")
+
+
 def resolve_state_keys(task: str, keys: Sequence[str]) -> tuple[str, ...]:
     """Expand presets ("proprio", "privileged") into keys, in order, without repeats;
     a clear error for a key the task does not have."""
@@ -330,14 +342,7 @@ def task_spec(
         raise InvalidSpec(
             f"unknown task {task!r}: choose one of {sorted(TASKS)} ({_WHY_ONLY_THESE})"
         )
-    if obs not in ("state", "rgb"):
-        raise InvalidSpec(f"obs={obs!r}: choose 'state' (vector only) or 'rgb' (cameras + state)")
-    if num_envs < 1:
-        raise InvalidSpec(f"num_envs={num_envs}: must be at least 1")
-    if not 16 <= image_size <= 512:
-        raise InvalidSpec(
-            f"image_size={image_size}: choose 16..512 pixels (64 renders ~15 steps/s on a CPU)"
-        )
+    check_env_args(obs, num_envs, image_size, speed="64 renders ~15 steps/s on a CPU")
     if control_mode not in _ACTION_DIMS:
         raise InvalidSpec(f"control_mode={control_mode!r}: choose one of {sorted(_ACTION_DIMS)}")
     if obs == "state":
@@ -408,7 +413,7 @@ class StepResult:
     info: list[dict[str, Any]] = field(default_factory=list)
 
 
-class BatchedEnv:
+class BatchedEnv(abc.ABC):
     """N single envs behind one batch API: what the rollout and evaluation loops use.
 
     Subclasses (one per simulator: ``ManiSkillEnv``, ``libero.LiberoEnv``) convert
@@ -476,8 +481,9 @@ class BatchedEnv:
         for cam, img in images.items():
             obs[f"{OBS_IMAGES}.{cam}"][index] = img
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Close every env (idempotent)."""
 
     def __enter__(self) -> Self:
         return self
