@@ -34,6 +34,7 @@ import torch
 
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import canonicalize_request
+from joynexus.agents.models.grouped import encode_for
 from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
@@ -102,7 +103,7 @@ def forward_rows(
                 instruction,
                 data[STATE_FIELD][s:e],
             )
-            feats = backbone.encode(batch)
+            feats = encode_for(backbone, batch, head)  # pooled or token features, as the head reads
             state = batch.state_B_S.to(feats.device)
             logp[s:e] = head.log_prob(
                 feats, state, torch.from_numpy(actions[s:e]).to(feats.device), std_floor

@@ -87,12 +87,12 @@ from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import (
     FeatureBatch,
     FeatureSchema,
+    TokenFeatures,
     canonicalize_request,
     concat_batches,
-    split_rows,
     wire_view,
 )
-from joynexus.agents.models.grouped import ActRequest, serial_forward
+from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
 from joynexus.agents.models.heads import TenantModule
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
@@ -797,22 +797,23 @@ class InferenceEngine:
                 self._end()
 
     @staticmethod
-    def _decode(p: _Pending, feats_B_D: torch.Tensor) -> _Outcome:
+    def _decode(p: _Pending, feats: TokenFeatures) -> _Outcome:
         t0 = time.perf_counter()
         try:
             kw = {} if p.noise is None else {"noise": p.noise}
-            actions = p.policy.module.act(feats_B_D, p.batch.state_B_S, **kw)
+            actions = p.policy.module.act(features_for(p.policy.module, feats), p.batch.state_B_S, **kw)
             return _Outcome(actions=actions, decode_ms=(time.perf_counter() - t0) * 1e3)
         except Exception as e:
             return _Outcome(error=e)
 
     def _forward_grouped(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:
-        """ONE backbone forward over every request's rows, then each head on its own rows."""
+        """ONE backbone forward over every request's rows, then each head on its own rows
+        (pooled features, or token features for heads that read tokens: one forward)."""
         t0 = time.perf_counter()
         shared = concat_batches([p.batch for p in items])
-        feats_N_D = self.backbone.encode(shared)
+        feats = self.backbone.encode_tokens(shared, tokens=needs_tokens([p.policy.module for p in items]))
         forward_ms = (time.perf_counter() - t0) * 1e3
-        parts = split_rows(feats_N_D, shared.slices)
+        parts = feats.split(shared.slices)
         return [self._decode(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
 
     def _forward_each(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:

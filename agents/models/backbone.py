@@ -21,6 +21,9 @@ features of real tokens.
 
 Features (``encode``/``forward``): ``feats_B_D`` float32, the mean of the last
 hidden states over each sample's real tokens (pads excluded); D = hidden size.
+``features``/``encode_tokens`` return a ``TokenFeatures``: the same pooled
+features plus, with ``tokens=True``, the last hidden states ``[B, L, D]`` and the
+real-token mask, from the same forward (for heads that read tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from joynexus.agents.models.features import (
     FeatureBatch,
     SharedBatch,
     TokenCache,
+    TokenFeatures,
     patchify,
     right_pad,
 )
@@ -613,10 +617,20 @@ class Backbone:
     def forward(self, inputs: BackboneInputs) -> torch.Tensor:
         """One frozen backbone forward over prepared inputs -> ``feats_B_D`` float32
         (mean of the last hidden states over real tokens; see ``hidden_states``)."""
+        return self.features(inputs, tokens=False).pooled_B_D
+
+    def features(self, inputs: BackboneInputs, tokens: bool = True) -> TokenFeatures:
+        """One frozen forward -> ``TokenFeatures``: the pooled ``feats_B_D`` (the same
+        numbers as ``forward``) and, if ``tokens``, the last hidden states and the
+        real-token mask of that same forward (inference tensors; ``tokens()`` packs
+        a copy heads may use in autograd)."""
         with torch.inference_mode():
-            feats_B_D = self.pool(*self.hidden_states(inputs))
+            h_B_L_D, real_B_L = self.hidden_states(inputs)
+            feats_B_D = self.pool(h_B_L_D, real_B_L)
         # Clone outside inference mode so heads may use the features in autograd.
-        return feats_B_D.clone()
+        if not tokens:
+            return TokenFeatures(feats_B_D.clone())
+        return TokenFeatures(feats_B_D.clone(), h_B_L_D, real_B_L)
 
     def reference_forward(self, inputs: BackboneInputs) -> torch.Tensor:
         """The plain ``Qwen2_5_VLModel.forward`` path (per-image vision loop); for checking ``forward``."""
@@ -640,6 +654,10 @@ class Backbone:
     def encode(self, batch: FeatureBatch | SharedBatch) -> torch.Tensor:
         """prepare + forward: ``feats_B_D`` for a canonical batch."""
         return self.forward(self.prepare(batch))
+
+    def encode_tokens(self, batch: FeatureBatch | SharedBatch, tokens: bool = True) -> TokenFeatures:
+        """prepare + features: ``TokenFeatures`` for a canonical batch."""
+        return self.features(self.prepare(batch), tokens)
 
 
 #: Settings a saved base fixes (what it was built and trained for).

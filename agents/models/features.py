@@ -26,6 +26,16 @@ instruction once (a bounded LRU keyed by the text), since an RL rollout sends
 the same instruction at every step; ``wire_view`` reads tensor bytes off the
 wire without copying them (a read-only view: nothing here writes to an input).
 
+Token features (issue 12): ``TokenFeatures`` is what one backbone forward hands
+the heads: the pooled ``feats_B_D`` (the mean over real tokens, what pooled heads
+read) and, when a head of the group reads tokens, the last hidden states
+``[B, L, D]`` with the real-token mask ``[B, L]``. ``split`` gives each tenant its
+rows (trimmed to its own longest row, so its tokens are laid out as in a forward
+of its own); ``tokens()`` packs a tenant's rows into ONE float32 tensor
+``[B, L, D + 1]`` (hidden states zeroed at pads, the mask as the last channel):
+a head's generic code (PPO, finiteness checks, ``train_step``) treats features as
+one tensor with rows first, and packing keeps that true for token heads.
+
 Everything here is pure: no model, no I/O.
 """
 
@@ -48,13 +58,16 @@ __all__ = [
     "IncompatibleBatches",
     "SharedBatch",
     "TokenCache",
+    "TokenFeatures",
     "canonicalize_request",
     "check_compatible",
     "concat_batches",
+    "pack_tokens",
     "pad_history",
     "patchify",
     "right_pad",
     "split_rows",
+    "unpack_tokens",
     "wire_view",
 ]
 
@@ -351,6 +364,92 @@ def split_rows(x_N_rest: torch.Tensor, slices: Sequence[slice]) -> list[torch.Te
     if x_N_rest.shape[0] != total:
         raise ShapeMismatch(f"split_rows: tensor has {x_N_rest.shape[0]} rows but slices cover {total}")
     return [x_N_rest[s] for s in slices]
+
+
+@dataclass(frozen=True)
+class TokenFeatures:
+    """One backbone forward's output for the heads of a group.
+
+    ``pooled_B_D`` float32 is exactly ``Backbone.forward``'s (pooled once, from the
+    same hidden states, for the whole batch). ``h_B_L_D``/``real_B_L`` are the last
+    hidden states and the real-token mask (bool; real tokens are a prefix of each
+    row), or None when no head of the group reads tokens (not kept). The hidden
+    states may be inference tensors: read them, pack them (``tokens``), never
+    save them for autograd as they are.
+    """
+
+    pooled_B_D: torch.Tensor
+    h_B_L_D: torch.Tensor | None = None
+    real_B_L: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.h_B_L_D is None) != (self.real_B_L is None):
+            raise InvalidSpec("TokenFeatures: give the hidden states and the real-token mask together")
+        b = int(self.pooled_B_D.shape[0])
+        if self.h_B_L_D is not None and self.real_B_L is not None:
+            h, m = self.h_B_L_D, self.real_B_L
+            if h.ndim != 3 or m.shape != h.shape[:2] or h.shape[0] != b or m.dtype != torch.bool:
+                raise ShapeMismatch(
+                    f"TokenFeatures: hidden states {list(h.shape)} and mask {list(m.shape)} ({m.dtype}) "
+                    f"must be [B={b}, L, D] and bool [B, L]"
+                )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.pooled_B_D.shape[0])
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.h_B_L_D is not None
+
+    def pooled(self) -> torch.Tensor:
+        """``feats_B_D`` float32: what a pooled head reads."""
+        return self.pooled_B_D
+
+    def tokens(self) -> torch.Tensor:
+        """The packed token features ``[B, L, D + 1]`` float32 (see ``pack_tokens``)."""
+        if self.h_B_L_D is None or self.real_B_L is None:
+            raise InvalidSpec(
+                "a head reads token features but this forward kept only pooled ones; "
+                "compute them with tokens=True"
+            )
+        return pack_tokens(self.h_B_L_D, self.real_B_L)
+
+    def split(self, slices: Sequence[slice]) -> list[TokenFeatures]:
+        """Each batch's rows, by ``SharedBatch.slices``; a part's tokens are cut to its own
+        longest row (the layout a forward of its own would give, pads of others dropped)."""
+        pooled = split_rows(self.pooled_B_D, slices)
+        if self.h_B_L_D is None or self.real_B_L is None:
+            return [TokenFeatures(p) for p in pooled]
+        hs, ms = split_rows(self.h_B_L_D, slices), split_rows(self.real_B_L, slices)
+        out = []
+        for p, h, m in zip(pooled, hs, ms, strict=True):
+            keep = int(m.sum(1).max()) if m.shape[0] else 0
+            out.append(TokenFeatures(p, h[:, :keep], m[:, :keep]))
+        return out
+
+
+def pack_tokens(h_B_L_D: torch.Tensor, real_B_L: torch.Tensor) -> torch.Tensor:
+    """``[B, L, D + 1]`` float32: the hidden states (zero at pads) and the mask (1.0 real,
+    0.0 pad) as the last channel; a new tensor (never an inference tensor)."""
+    m_B_L_1 = real_B_L[..., None].to(torch.float32)
+    return torch.cat([h_B_L_D.to(torch.float32) * m_B_L_1, m_B_L_1], dim=-1)
+
+
+def unpack_tokens(x_B_L_C: torch.Tensor, feature_dim: int, who: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states ``[B, L, D]``, bool mask ``[B, L]``) of packed token features;
+    ``ShapeMismatch`` unless the tensor is ``[B, L, feature_dim + 1]`` with a 0/1 mask
+    channel and at least one real token per row."""
+    if x_B_L_C.ndim != 3 or x_B_L_C.shape[2] != feature_dim + 1 or x_B_L_C.shape[1] < 1:
+        raise ShapeMismatch(
+            f"{who}: token features must be [B, L >= 1, {feature_dim} + 1] (hidden states and the mask), "
+            f"got {list(x_B_L_C.shape)}"
+        )
+    m = x_B_L_C[..., feature_dim]
+    real_B_L = m > 0.5
+    if not bool(((m == 0.0) | (m == 1.0)).all()) or not bool(real_B_L.any(1).all()):
+        raise ShapeMismatch(f"{who}: the token mask channel must be 0/1 with a real token in every row")
+    return x_B_L_C[..., :feature_dim], real_B_L
 
 
 def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

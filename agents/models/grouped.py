@@ -11,6 +11,13 @@ that tenant's head only. Nothing is averaged or summed across tenants, so a
 tenant's loss curve is the one it would have alone, up to the last bits that
 batched matmuls may change (see tests for the tolerance).
 
+Features (issue 12): the forward gives a ``TokenFeatures`` (pooled features,
+plus the last hidden states and the real-token mask when a head of the group
+reads tokens), split by the group's row slices; ``features_for`` gives each head
+the kind it ``reads`` ("pooled" ``[B, D]`` or packed "tokens" ``[B, L, D + 1]``).
+A group may mix both: ONE backbone forward, pooled once from the same hidden
+states, so a pooled head's features are exactly ``Backbone.encode``'s.
+
 ``isolated_train_step`` is the same step for a service: whatever goes wrong
 with one tenant's item (its rows spoil the shared forward, its loss raises,
 its loss or gradients are non-finite) becomes that item's result, an
@@ -26,16 +33,19 @@ from dataclasses import dataclass
 import torch
 
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.features import FeatureBatch, concat_batches, split_rows
-from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.features import FeatureBatch, TokenFeatures, concat_batches
+from joynexus.agents.models.heads import ActionHead, TenantModule
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
 
 __all__ = [
     "ActRequest",
     "TrainItem",
+    "encode_for",
+    "features_for",
     "grouped_forward",
     "grouped_train_step",
     "isolated_train_step",
+    "needs_tokens",
     "plan_groups",
     "serial_forward",
     "serial_train_step",
@@ -70,9 +80,34 @@ def plan_groups(batches: Sequence[FeatureBatch]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _decode(req: ActRequest, feats_B_D: torch.Tensor) -> torch.Tensor:
+def _head(head: ActionHead | TenantModule) -> ActionHead:
+    return head.head if isinstance(head, TenantModule) else head
+
+
+def features_for(head: ActionHead | TenantModule, feats: TokenFeatures) -> torch.Tensor:
+    """What ``head`` reads of one forward's features: ``feats_B_D`` for a pooled head,
+    the packed tokens ``[B, L, D + 1]`` for a token head."""
+    kind = _head(head).reads
+    if kind == "pooled":
+        return feats.pooled()
+    if kind == "tokens":
+        return feats.tokens()
+    raise InvalidSpec(f"head {type(_head(head)).__name__} reads {kind!r}: heads read 'pooled' or 'tokens'")
+
+
+def needs_tokens(heads: Sequence[ActionHead | TenantModule]) -> bool:
+    """Whether a forward for these heads must keep the token features."""
+    return any(_head(h).reads == "tokens" for h in heads)
+
+
+def encode_for(backbone: Backbone, batch: FeatureBatch, head: ActionHead | TenantModule) -> torch.Tensor:
+    """One forward of ``batch`` alone, as ``head`` reads it (the serial reference path)."""
+    return features_for(head, backbone.encode_tokens(batch, tokens=needs_tokens([head])))
+
+
+def _decode(req: ActRequest, x: torch.Tensor) -> torch.Tensor:
     kw = {} if req.noise is None else {"noise": req.noise}
-    return req.tenant.act(feats_B_D, req.batch.state_B_S.to(feats_B_D.device), **kw)
+    return req.tenant.act(x, req.batch.state_B_S.to(x.device), **kw)
 
 
 def _check_tenants(tenants: Sequence[TenantModule]) -> None:
@@ -88,25 +123,29 @@ def grouped_forward(backbone: Backbone, requests: Sequence[ActRequest]) -> list[
     ``plan_groups`` to split them first).
     """
     shared = concat_batches([r.batch for r in requests])
-    feats_N_D = backbone.encode(shared)
-    return [_decode(r, f) for r, f in zip(requests, split_rows(feats_N_D, shared.slices), strict=True)]
+    feats = backbone.encode_tokens(shared, tokens=needs_tokens([r.tenant for r in requests]))
+    return [
+        _decode(r, features_for(r.tenant, f)) for r, f in zip(requests, feats.split(shared.slices), strict=True)
+    ]
 
 
 def serial_forward(backbone: Backbone, requests: Sequence[ActRequest]) -> list[torch.Tensor]:
     """Reference path: one backbone forward per request."""
-    return [_decode(r, backbone.encode(r.batch)) for r in requests]
+    return [_decode(r, encode_for(backbone, r.batch, r.tenant)) for r in requests]
 
 
 def grouped_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[float]:
     """One shared frozen forward, then each tenant's own loss/backward/step. Returns per-tenant losses."""
     _check_tenants([it.tenant for it in items])
     shared = concat_batches([it.batch for it in items])
-    feats_N_D = backbone.encode(shared)  # frozen: computed without grad
+    # frozen: computed without grad
+    feats = backbone.encode_tokens(shared, tokens=needs_tokens([it.tenant for it in items]))
     losses = []
-    for it, f in zip(items, split_rows(feats_N_D, shared.slices), strict=True):
+    for it, part in zip(items, feats.split(shared.slices), strict=True):
         # detach(): each tenant's graph starts at its own slice of the shared features.
+        f = features_for(it.tenant, part).detach()
         losses.append(
-            it.tenant.train_step(f.detach(), it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
+            it.tenant.train_step(f, it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
         )
     return losses
 
@@ -145,11 +184,13 @@ def _as_error(e: Exception, it: TrainItem, what: str) -> JoyNexusError:
 
 
 def _features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tensor | JoyNexusError]:
-    """Each item's backbone features from one shared forward, or (if that fails)
-    from a forward of its own; an item whose own forward fails gets the error."""
+    """Each item's backbone features (as its head reads them) from one shared forward,
+    or (if that fails) from a forward of its own; an item whose own forward fails gets
+    the error."""
     try:
         shared = concat_batches([it.batch for it in items])
-        return list(split_rows(backbone.encode(shared), shared.slices))
+        feats = backbone.encode_tokens(shared, tokens=needs_tokens([it.tenant for it in items]))
+        return [features_for(it.tenant, f) for it, f in zip(items, feats.split(shared.slices), strict=True)]
     except Exception as e:  # find the item that spoils it, alone
         _release_memory()
         if len(items) == 1:
@@ -157,7 +198,7 @@ def _features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tens
     out: list[torch.Tensor | JoyNexusError] = []
     for it in items:
         try:
-            out.append(backbone.encode(it.batch))
+            out.append(encode_for(backbone, it.batch, it.tenant))
         except Exception as e:  # that item alone fails
             _release_memory()
             out.append(_as_error(e, it, "backbone forward"))
@@ -175,5 +216,5 @@ def serial_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[fl
     return [
         it.tenant.train_step(f, it.batch.state_B_S.to(f.device), it.target.to(f.device), it.weight_B)
         for it in items
-        for f in (backbone.encode(it.batch),)
+        for f in (encode_for(backbone, it.batch, it.tenant),)
     ]

@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -89,6 +89,10 @@ class ActionHead(nn.Module, abc.ABC):
     """Base of tenant heads: ``loss`` for training, ``act`` for decoding (both abstract)."""
 
     type_name: str = ""
+    #: What the head reads from the shared backbone forward: "pooled" (``feats_B_D``
+    #: [B, D]) or "tokens" (the packed last hidden states and mask [B, L, D + 1],
+    #: ``features.pack_tokens``); ``grouped.features_for`` hands each head its kind.
+    reads: ClassVar[Literal["pooled", "tokens"]] = "pooled"
     state_mean: torch.Tensor
     state_std: torch.Tensor
     action_mean: torch.Tensor
