@@ -48,9 +48,11 @@ from opentelemetry import trace
 
 from joynexus.agents.actor_forward import (
     OLD_LOGP_FIELD,
-    VALUES_FIELD,
+    chunk_mask,
     exploration_floor,
+    extra_number,
     uses_actor_forward,
+    uses_decisions,
 )
 from joynexus.agents.advantage import awr_weights
 from joynexus.agents.models.backbone import Backbone
@@ -58,7 +60,7 @@ from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
 from joynexus.agents.models.heads import PPOBatch, TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
+from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
@@ -327,7 +329,9 @@ class Actor:
         if job.task_type == "rl":
             fields.append("advantages")
         if ppo:
-            fields += ["returns", OLD_LOGP_FIELD, VALUES_FIELD]
+            fields += ["returns", OLD_LOGP_FIELD]
+            if uses_decisions(job):
+                fields.append(DECISION_FIELD)
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -352,17 +356,29 @@ class Actor:
             def col(name: str) -> torch.Tensor:
                 return torch.from_numpy(np.ascontiguousarray(data[name], dtype=np.float32).reshape(-1))
 
+            mask = None
+            if DECISION_FIELD in data:
+                mask = torch.from_numpy(chunk_mask(data[DECISION_FIELD], target.shape[1]))
+            # The first critic_warmup updates of the workload (its v1 is where it started)
+            # train only the critic.
+            warmup = extra_number(job, "critic_warmup", 0, 100_000)
             st.module.stage_ppo(
                 PPOBatch(
                     old_logp_B=col(OLD_LOGP_FIELD),
                     adv_B=col("advantages"),
                     returns_B=col("returns"),
-                    old_values_B=col(VALUES_FIELD),
+                    # No clipped value loss: returns span tens of reward units (a success
+                    # is worth r / (1 - gamma)) and a +-clip band per behaviour version
+                    # would hold the critic back for hundreds of updates.
+                    old_values_B=None,
                     clip=self.ppo_clip,
                     vf_coef=self.vf_coef,
                     ent_coef=self.ent_coef,
                     std_floor=exploration_floor(job),
                     epochs=self.ppo_epochs,
+                    mask_B_H=mask,
+                    policy_coef=0.0 if st.module.version <= warmup else 1.0,
+                    target_kl=extra_number(job, "target_kl", 0.0, 1.0),
                 )
             )
         elif job.task_type == "rl":

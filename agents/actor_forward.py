@@ -38,7 +38,7 @@ from joynexus.agents.models.grouped import encode_for
 from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
-from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, image_field
+from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
@@ -67,21 +67,41 @@ def uses_actor_forward(job: TrainingJob) -> bool:
     return job.metadata.extra.get("actor_forward") == "1"
 
 
+def extra_number(job: TrainingJob, key: str, lo: float, hi: float, default: float = 0.0) -> float:
+    """A number of the job's metadata, ``default`` where absent, unreadable or outside [lo, hi]."""
+    raw = job.metadata.extra.get(key, "")
+    try:
+        v = float(raw) if raw else default
+    except ValueError:
+        return default
+    return v if math.isfinite(v) and lo <= v <= hi else default
+
+
 def exploration_floor(job: TrainingJob) -> float:
     """The std floor (env action units) the job's rollout sampled with; 0 if none."""
-    raw = job.metadata.extra.get("exploration_std", "")
-    try:
-        v = float(raw) if raw else 0.0
-    except ValueError:
-        return 0.0
-    return v if math.isfinite(v) and 0.0 <= v <= MAX_EXPLORATION_STD else 0.0
+    return extra_number(job, "exploration_std", 0.0, MAX_EXPLORATION_STD)
+
+
+def uses_decisions(job: TrainingJob) -> bool:
+    """The job's rows say where the policy decided (``DECISION_FIELD``)."""
+    return job.metadata.extra.get("decisions") == "1"
+
+
+def chunk_mask(decision_len_M: np.ndarray, horizon: int) -> np.ndarray:
+    """bool [M, horizon]: the chunk steps each row's decision executed (none on rows
+    executed open loop from an earlier decision)."""
+    n_M = np.asarray(decision_len_M, dtype=np.int64).reshape(-1, 1)
+    return np.arange(horizon)[None, :] < n_M
 
 
 def forward_rows(
     backbone: Backbone, module: TenantModule, schema: Any, data: dict[str, np.ndarray],
     instruction: str, std_floor: float = 0.0, rows: int = FORWARD_ROWS,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(old_logp [M], values [M]) of the taken chunks under ``module`` (pure compute)."""
+    """(old_logp [M], values [M]) of the taken chunks under ``module`` (pure compute).
+
+    With ``DECISION_FIELD`` in ``data`` a row's log-probability is that of the chunk
+    steps its decision executed (0 on rows that were not decisions)."""
     head = module.head
     if not isinstance(head, GaussianPolicy):
         raise InvalidSpec(
@@ -91,6 +111,7 @@ def forward_rows(
     if actions.ndim == 2:
         actions = actions[:, None, :]
     m = len(actions)
+    mask = chunk_mask(data[DECISION_FIELD], actions.shape[1]) if DECISION_FIELD in data else None
     logp = np.empty(m, dtype=np.float32)
     values = np.empty(m, dtype=np.float32)
     head.eval()
@@ -105,8 +126,9 @@ def forward_rows(
             )
             feats = encode_for(backbone, batch, head)  # pooled or token features, as the head reads
             state = batch.state_B_S.to(feats.device)
+            mask_rows = None if mask is None else torch.from_numpy(mask[s:e]).to(feats.device)
             logp[s:e] = head.log_prob(
-                feats, state, torch.from_numpy(actions[s:e]).to(feats.device), std_floor
+                feats, state, torch.from_numpy(actions[s:e]).to(feats.device), std_floor, mask_rows
             ).cpu().numpy()
             values[s:e] = head.value(feats, state).cpu().numpy()
     return logp, values
@@ -153,6 +175,8 @@ class ActorForwardAgent:
         module, record = await self.module(job)
         schema = feature_schema_of(record)
         fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(c) for c in schema.camera_slots]]
+        if uses_decisions(job):
+            fields.append(DECISION_FIELD)
         # A claim task of this work call's own: a retry (even of the same lease) reads every row.
         meta = await self.tq.async_get_meta(
             fields,
@@ -184,8 +208,11 @@ __all__ = [
     "STAGE",
     "VALUES_FIELD",
     "ActorForwardAgent",
+    "chunk_mask",
     "exploration_floor",
+    "extra_number",
     "forward_rows",
     "gaussian_head",
     "uses_actor_forward",
+    "uses_decisions",
 ]

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from joynexus.agents.actor_forward import VALUES_FIELD, uses_actor_forward
+from joynexus.agents.actor_forward import (
+    VALUES_FIELD,
+    extra_number,
+    uses_actor_forward,
+    uses_decisions,
+)
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker
@@ -31,12 +36,15 @@ def gae(
     gamma: float = 0.99,
     lam: float = 0.95,
     bootstrap_B: np.ndarray | None = None,
+    done_value_B_T: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Generalised advantage estimation over fixed-length rollouts.
 
-    A done at step t ends the episode there (no bootstrap across it); the last
-    step of a cut rollout bootstraps from ``bootstrap_B`` (the value after it;
-    0 when None, e.g. without a critic). Returns (advantages_B_T, returns_B_T).
+    A done at step t ends the episode there: nothing flows back across it, and
+    the value after it is ``done_value_B_T[:, t]`` (0 when None: a terminal
+    state); the last step of a cut rollout bootstraps from ``bootstrap_B`` (the
+    value after it; 0 when None, e.g. without a critic). Returns
+    (advantages_B_T, returns_B_T).
     """
     if rewards_B_T.shape != values_B_T.shape:
         raise ShapeMismatch(f"rewards {rewards_B_T.shape} and values {values_B_T.shape} differ")
@@ -52,10 +60,36 @@ def gae(
     for t in range(t_len - 1, -1, -1):
         next_v_B = values_B_T[:, t + 1] if t + 1 < t_len else end_B
         nd_B = not_done_B_T[:, t]
-        delta_B = rewards_B_T[:, t] + gamma * next_v_B * nd_B - values_B_T[:, t]
+        after_B = next_v_B * nd_B
+        if done_value_B_T is not None:
+            after_B = after_B + done_value_B_T[:, t] * (1.0 - nd_B)
+        delta_B = rewards_B_T[:, t] + gamma * after_B - values_B_T[:, t]
         last_B = delta_B + gamma * lam * nd_B * last_B
         adv_B_T[:, t] = last_B
     return adv_B_T, adv_B_T + values_B_T
+
+
+def done_values(
+    rewards_B_T: np.ndarray,
+    values_B_T: np.ndarray,
+    success_B_T: np.ndarray,
+    terminated_B_T: np.ndarray,
+    *,
+    gamma: float,
+) -> np.ndarray:
+    """The value after each step that ended an episode (pure).
+
+    A success is an absorbing goal state that keeps paying the reward it paid,
+    r / (1 - gamma): without that a dense reward pays more for hovering near the
+    goal than for reaching it (the episode ends at success). A time limit
+    (truncated, not terminated) cuts an episode that would go on: its step
+    bootstraps from the critic (the value of the state it was in, as the next
+    observation is not kept). A failure (terminated without success) is worth 0.
+    """
+    succ = success_B_T.astype(bool)
+    cut = ~terminated_B_T.astype(bool) & ~succ
+    goal = rewards_B_T / max(1.0 - gamma, 1e-3)
+    return np.where(succ, goal, np.where(cut, values_B_T, 0.0)).astype(np.float32)
 
 
 def group_relative(returns_G: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -115,7 +149,11 @@ class AdvantageAgent:
 
     async def work(self, job: TrainingJob) -> int | None:
         critic = uses_actor_forward(job)
-        fields = ["env_id", "step", "rewards", "dones", *([VALUES_FIELD] if critic else [])]
+        ends = uses_decisions(job)  # the service's rollouts: success and truncation known
+        gamma = extra_number(job, "gamma", 1e-3, 1.0, self.gamma)
+        lam = extra_number(job, "gae_lambda", 0.0, 1.0, self.lam)
+        fields = ["env_id", "step", "rewards", "dones", *([VALUES_FIELD] if critic else []),
+                  *(["success", "terminated"] if critic and ends else [])]
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -136,11 +174,18 @@ class AdvantageAgent:
             adv = np.repeat(group_relative(rewards.sum(axis=1))[:, None], rewards.shape[1], axis=1)
         elif critic:
             (values,) = to_trajectories(data["env_id"], data["step"], data[VALUES_FIELD])[1:]
+            done_v = None
+            if ends:
+                success, terminated = to_trajectories(
+                    data["env_id"], data["step"], data["success"], data["terminated"]
+                )[1:]
+                done_v = done_values(rewards, values, success, terminated, gamma=gamma)
             adv, ret = gae(
-                rewards, values, dones, gamma=self.gamma, lam=self.lam, bootstrap_B=values[:, -1]
+                rewards, values, dones, gamma=gamma, lam=lam, bootstrap_B=values[:, -1],
+                done_value_B_T=done_v,
             )
         else:
-            adv, ret = gae(rewards, np.zeros_like(rewards), dones, gamma=self.gamma, lam=self.lam)
+            adv, ret = gae(rewards, np.zeros_like(rewards), dones, gamma=gamma, lam=lam)
         step = data["step"].astype(np.int64)
         await self.tq.async_put(
             {"advantages": adv[e_idx, step], "returns": ret[e_idx, step]},

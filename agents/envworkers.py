@@ -56,11 +56,13 @@ from opentelemetry import trace
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import (
     ACTIONS_FIELD,
+    DECISION_FIELD,
     EXPLORATION_STD,
     OBS_IMAGES,
     OBS_STATE,
     STATE_FIELD,
     chunk_targets,
+    decision_lengths,
     watch_workloads,
     workload_schema,
 )
@@ -265,6 +267,8 @@ class RLProducer:
         extra: dict[str, str] = {}
         if self.spec.exploration_std is not None:
             extra["exploration_std"] = repr(float(self.spec.exploration_std))
+        extra["gamma"] = repr(float(self.spec.gamma))
+        extra["gae_lambda"] = repr(float(self.spec.gae_lambda))
         if not (self.gaussian and self.spec.advantage == "gae"):
             return extra
         if not self._stage_seen:
@@ -274,7 +278,14 @@ class RLProducer:
                 self._stage_seen = True
             except Exception:  # no such consumer: a deployment without the stage (AWR)
                 return extra
-        return {**extra, "actor_forward": "1"}
+        return {
+            **extra,
+            "actor_forward": "1",
+            # Rows carry DECISION_FIELD: the policy's samples are the decisions only.
+            "decisions": "1",
+            "critic_warmup": str(self.spec.warmup_updates()),
+            "target_kl": repr(float(self.spec.target_kl)),
+        }
 
     async def _policy_std(self, version: int) -> np.ndarray:
         """The behaviour version's std per action dimension (env units, floored)."""
@@ -348,6 +359,8 @@ class RLProducer:
             out["frame_index"],
             schema.action_horizon,
         )
+        # Where the policy decided, and how much of its chunk ran (the PPO sample).
+        out[DECISION_FIELD] = decision_lengths(out["chunk_step"], out["env_id"], out["step"])
         return out
 
 

@@ -62,6 +62,9 @@ def image_field(slot: str) -> str:
 #: Training Queue fields of a training sample besides the images.
 STATE_FIELD = "obs_state"
 ACTIONS_FIELD = "actions"  # the action chunk to learn [M, horizon, A]
+#: RL rows: how many steps of its chunk the policy's decision at this row executed
+#: (int64 [M], 1..horizon); 0 on rows executed open loop from an earlier decision.
+DECISION_FIELD = "decision_len"
 
 
 def feature_dim(base_model: str) -> int:
@@ -270,6 +273,27 @@ def chunk_targets(
         idx_L_H = np.minimum(np.arange(e - s)[:, None] + np.arange(horizon)[None, :], e - s - 1)
         out_M_H_A[rows] = actions_M_A[rows][idx_L_H]
     return out_M_H_A
+
+
+def decision_lengths(chunk_step_M: np.ndarray, env_M: np.ndarray, step_M: np.ndarray) -> np.ndarray:
+    """Per row, the number of steps of its chunk that the decision taken there executed
+    (rows with ``chunk_step`` 0), 0 on the other rows (pure).
+
+    A decision's run is the row itself plus the rows of the same env that follow it
+    with ``chunk_step`` 1, 2, ... (the chunk executed open loop until used up, the
+    rollout's end or an episode's end)."""
+    m = len(chunk_step_M)
+    out_M = np.zeros(m, dtype=np.int64)
+    if m == 0:
+        return out_M
+    order = np.lexsort((step_M, env_M))
+    cs = np.asarray(chunk_step_M)[order]
+    env = np.asarray(env_M)[order]
+    starts = np.flatnonzero(np.r_[True, (cs[1:] == 0) | (env[1:] != env[:-1])])
+    lengths = np.diff(np.r_[starts, m])
+    is_decision = cs[starts] == 0
+    out_M[order[starts[is_decision]]] = lengths[is_decision]
+    return out_M
 
 
 # RLProducer lives in joynexus.agents.envworkers (environment worker processes);
@@ -491,6 +515,7 @@ __all__ = [
     "ProducerAgent",
     "SFTProducer",
     "chunk_targets",
+    "decision_lengths",
     "feature_dim",
     "image_field",
     "normalization_stats",

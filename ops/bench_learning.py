@@ -74,6 +74,11 @@ class Plan:
     rl_epochs: int = 1
     rl_staleness: int = 2
     rl_exploration_std: float | None = None
+    #: RL: critic-only updates first (None: the spec's default), the adaptive step's
+    #: target KL, the discount.
+    rl_critic_warmup: int | None = None
+    rl_target_kl: float = 0.01
+    rl_gamma: float = 0.95
     #: The frozen base: "random" (built from config) or "pretrained" (``joynexus base
     #: pretrain`` on this task's renders, made first; ``extra`` may set ``renders`` and
     #: ``pretrain_steps``). Plans of each base run on a fresh deployment of their own.
@@ -85,7 +90,8 @@ class Plan:
 
 FULL: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, target=0.8),
-    Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5, rl_budget_s=1200.0),
+    Plan("PickCube-v1", demos=200, updates=1500, budget_s=900.0, target=0.5, rl_budget_s=1200.0,
+         rl_epochs=4),
     Plan("StackCube-v1", demos=200, updates=1500, budget_s=900.0),  # report only
     # Images plus joint positions only, on a base pre-trained on PushCube renders.
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, state=("proprio",), image_size=56,
@@ -313,6 +319,9 @@ async def _train_rl(
         horizon=plan.rl_horizon,
         learning_rate=plan.rl_learning_rate,
         exploration_std=plan.rl_exploration_std,
+        critic_warmup=plan.rl_critic_warmup,
+        target_kl=plan.rl_target_kl,
+        gamma=plan.rl_gamma,
         scheduling=Scheduling(
             max_in_flight=2,
             max_active_rollouts=1,

@@ -129,6 +129,18 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: heads add Gaussian noise of this std to the policy's chunk. None: no floor /
     #: noise 0.1. At most 1.0 (actions are in [-1, 1]).
     exploration_std: float | None = None
+    #: rl with PPO (Gaussian heads): the first ``critic_warmup`` updates train only the
+    #: critic (the policy is held while the value estimates it starts without are
+    #: learnt). None: 10 when the workload starts from another's policy
+    #: (``init_from_workload``), else 0.
+    critic_warmup: int | None = None
+    #: rl with PPO: the adaptive step's target KL per update (the policy's learning rate
+    #: shrinks when an update moves it more than twice this far from the behaviour
+    #: policy and grows below half of it, within 1e-3x..10x ``learning_rate``). 0: fixed.
+    target_kl: float = 0.01
+    #: rl with GAE: the discount and the GAE lambda (the advantage stage's).
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
     #: "service": the service's producers make the jobs (rollouts in ManiSkill, batches
     #: from the dataset); "tenant": the tenant submits rollouts / batches through the SDK.
     source: Literal["service", "tenant"] = "service"
@@ -197,6 +209,24 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(
                 f"exploration_std must be a number in [0, 1] (env action units), got {self.exploration_std!r}"
             )
+        if self.critic_warmup is not None and (
+            isinstance(self.critic_warmup, bool) or not 0 <= self.critic_warmup <= 100_000
+        ):
+            raise InvalidSpec(f"critic_warmup must be an integer in 0..100000 (updates), got {self.critic_warmup!r}")
+        for field in ("gamma", "gae_lambda"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):
+                raise InvalidSpec(f"{field} must be a number in (0, 1], got {v!r}")
+        if isinstance(self.target_kl, bool) or not (
+            isinstance(self.target_kl, (int, float)) and math.isfinite(self.target_kl) and 0.0 <= self.target_kl <= 1.0
+        ):
+            raise InvalidSpec(f"target_kl must be a number in [0, 1] (0: a fixed learning rate), got {self.target_kl!r}")
+
+    def warmup_updates(self) -> int:
+        """``critic_warmup`` resolved (None: 10 from another's policy, else 0)."""
+        if self.critic_warmup is not None:
+            return self.critic_warmup
+        return 10 if self.init_from_workload else 0
 
     def _check_eval_fields(self) -> None:
         for field, lo, hi in (

@@ -65,3 +65,30 @@ def test_a_cut_rollout_bootstraps_its_tail_from_the_given_value() -> None:
     adv2, _ = gae(rewards, values, np.array([[False, True]]), gamma=0.9, lam=1.0,
                   bootstrap_B=np.array([2.0], dtype=np.float32))
     assert adv2[0, 1] == pytest.approx(0.5)
+
+
+def test_a_success_is_an_absorbing_goal_and_a_time_limit_bootstraps() -> None:
+    """With a dense reward an episode that ends in success must be worth more than one
+    that hovers near the goal collecting reward until the time limit."""
+    from joynexus.agents.advantage import done_values
+
+    gamma = 0.9
+    # env 0: reaches the goal at step 1 (reward 1, terminated by success);
+    # env 1: hovers (0.8 per step) and is cut by the time limit at step 3.
+    rewards = np.array([[0.5, 1.0, 0.0, 0.0], [0.5, 0.8, 0.8, 0.8]], dtype=np.float32)
+    dones = np.array([[0, 1, 0, 0], [0, 0, 0, 1]], dtype=bool)
+    success = np.array([[0, 1, 0, 0], [0, 0, 0, 0]], dtype=bool)
+    terminated = success.copy()
+    values = np.full((2, 4), 5.0, dtype=np.float32)
+    dv = done_values(rewards, values, success, terminated, gamma=gamma)
+    assert dv[0, 1] == pytest.approx(1.0 / (1 - gamma)) and dv[1, 3] == 5.0
+    # a failure (terminated, no success) is worth 0
+    assert done_values(rewards, values, np.zeros_like(success), terminated, gamma=gamma)[0, 1] == 0.0
+    zero_v = np.zeros_like(values)
+    _, ret = gae(rewards[:, :2], zero_v[:, :2], dones[:, :2], gamma=gamma, lam=1.0,
+                 done_value_B_T=done_values(rewards[:, :2], zero_v[:, :2], success[:, :2],
+                                            terminated[:, :2], gamma=gamma))
+    assert ret[0, 0] > ret[1, 0]  # success beats hovering from the same first step
+    # without the absorbing goal the hovering episode's return would be the larger one
+    _, plain = gae(rewards, zero_v, dones, gamma=gamma, lam=1.0)
+    assert plain[0, 0] < plain[1, 0]

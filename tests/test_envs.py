@@ -319,3 +319,21 @@ def test_dataset_records_its_observation_and_stats(tmp_path: Path) -> None:
         workload_schema(WorkloadSpec(name="s", task_type="sft", dataset=str(info.root),
                                      state=["proprio"]))
     assert len(normalization_stats(sft)[OBS_STATE]["mean"]) == 32
+
+
+def test_decision_lengths_mark_where_the_policy_decided_and_how_long_its_chunk_ran() -> None:
+    from joynexus.agents.actor_forward import chunk_mask
+    from joynexus.agents.workloads import decision_lengths
+
+    # two envs x 6 steps, rows shuffled: env 0 ran a 4-step chunk then 2 steps of the
+    # next; env 1 ran a 1-step chunk (its episode ended), then a 4-step one, then 1 step.
+    cs = np.array([0, 1, 2, 3, 0, 1, 0, 0, 1, 2, 3, 0])
+    env = np.array([0] * 6 + [1] * 6)
+    step = np.array(list(range(6)) * 2)
+    perm = np.random.default_rng(0).permutation(12)
+    n = decision_lengths(cs[perm], env[perm], step[perm])
+    expect = np.array([4, 0, 0, 0, 2, 0, 1, 4, 0, 0, 0, 1])
+    assert np.array_equal(n, expect[perm])
+    assert chunk_mask(expect, 4)[0].tolist() == [True] * 4
+    assert chunk_mask(expect, 4)[4].tolist() == [True, True, False, False]
+    assert not chunk_mask(expect, 4)[1].any()

@@ -169,3 +169,84 @@ def test_dual_clip_bounds_a_runaway_ratio_on_a_negative_advantage() -> None:
     dual, _ = ppo_objective(lr, z, _t(-1.0), z, z, vf_coef=0.0, dual_clip=3.0)
     assert plain.item() == pytest.approx(10.0)
     assert dual.item() == pytest.approx(3.0)
+
+
+def test_only_decision_rows_train_the_policy_and_only_executed_steps_count() -> None:
+    """Rows executed open loop from an earlier decision leave the policy term alone
+    (their advantages may be anything); a decision's log-prob counts its executed steps."""
+    torch.manual_seed(0)
+    m = TenantModule("acme", "oft_mlp", CFG, lr=1e-2)
+    head = m.head
+    assert isinstance(head, OFTMLPHead)
+    feats, state = torch.randn(8, 16), torch.randn(8, 5)
+    with torch.no_grad():
+        taken = head.act(feats, state) + 0.3 * torch.randn(8, CFG.action_horizon, CFG.action_dim)
+    mask = torch.zeros(8, CFG.action_horizon, dtype=torch.bool)
+    mask[:4, :1] = True  # rows 0-3: decisions that executed 1 of 2 steps; rows 4-7: open loop
+    with torch.no_grad():
+        full = head.log_prob(feats, state, taken)
+        part = head.log_prob(feats, state, taken, mask_B_H=mask)
+        first_two = head.log_prob(feats[:4], state[:4], taken[:4].clone(), mask_B_H=mask[:4])
+    assert torch.all(part[4:] == 0) and not torch.allclose(part[:4], full[:4])
+    assert torch.allclose(part[:4], first_two)
+    old = part.clone()
+    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 1e6, -1e6, 1e6, -1e6])  # huge on non-decisions
+
+    def policy_loss(a: torch.Tensor) -> float:
+        _, stats = head.ppo_loss(feats, state, taken, PPOBatch(old_logp_B=old, adv_B=a,
+                                 returns_B=torch.zeros(8), mask_B_H=mask, normalize_adv=False))
+        return stats["policy_loss"]
+
+    assert policy_loss(adv) == pytest.approx(0.0, abs=1e-6)
+    assert policy_loss(torch.tensor([1.0, 1.0, 1.0, 1.0, 0, 0, 0, 0])) == pytest.approx(-1.0, abs=1e-5)
+    with pytest.raises(ShapeMismatch):
+        head.log_prob(feats, state, taken, mask_B_H=mask[:, :1].clone())
+
+
+def test_critic_warmup_leaves_the_policy_and_trains_the_critic() -> None:
+    torch.manual_seed(0)
+    m = TenantModule("acme", "oft_mlp", CFG, lr=1e-2)
+    head = m.head
+    assert isinstance(head, OFTMLPHead)
+    assert [g["name"] for g in m.optimizer.param_groups] == ["policy", "critic"]
+    assert m.optimizer.param_groups[1]["lr"] >= 1e-3
+    feats, state = torch.randn(32, 16), torch.randn(32, 5)
+    with torch.no_grad():
+        mean = head.act(feats, state)
+        taken = mean + 0.3 * torch.randn_like(mean)
+        old_logp = head.log_prob(feats, state, taken)
+        v0 = head.value(feats, state)
+    for _ in range(5):
+        m.stage_ppo(PPOBatch(old_logp_B=old_logp, adv_B=torch.randn(32), returns_B=torch.full((32,), 2.0),
+                             policy_coef=0.0))
+        m.train_step(feats, state, taken)
+    assert torch.equal(m.act(feats, state), mean)  # the policy held still
+    with torch.no_grad():
+        assert float((head.value(feats, state) - 2.0).abs().mean()) < float((v0 - 2.0).abs().mean())
+
+
+def test_the_adaptive_step_shrinks_the_learning_rate_past_the_target_kl_and_grows_it_below() -> None:
+    torch.manual_seed(0)
+    feats, state = torch.randn(32, 16), torch.randn(32, 5)
+
+    def lr_after(target_kl: float, lr: float) -> tuple[float, float]:
+        m = TenantModule("acme", "oft_mlp", CFG, lr=lr)
+        head = m.head
+        assert isinstance(head, OFTMLPHead)
+        with torch.no_grad():
+            mean = head.act(feats, state)
+            taken = mean + 0.3 * torch.randn(mean.shape, generator=torch.Generator().manual_seed(1))
+            old = head.log_prob(feats, state, taken)
+        adv = (taken - mean)[:, :, 0].mean(1)
+        m.stage_ppo(PPOBatch(old_logp_B=old, adv_B=adv, returns_B=torch.zeros(32), target_kl=target_kl))
+        m.train_step(feats, state, taken)
+        return m.optimizer.param_groups[0]["lr"], m.last_stats["kl_after"]
+
+    lr_big, kl_big = lr_after(1e-6, 1e-2)  # a big step against a tiny target
+    assert kl_big > 2e-6 and lr_big == pytest.approx(1e-2 / 1.5)
+    lr_small, kl_small = lr_after(10.0, 1e-6)  # a tiny step against a large target
+    assert kl_small < 5.0 and lr_small == pytest.approx(1.5e-6)
+    # The rate kept in the optimizer travels with the checkpoint.
+    m = TenantModule("acme", "oft_mlp", CFG, lr=1e-3)
+    m.optimizer.param_groups[0]["lr"] = 4e-4
+    assert TenantModule.from_state_dict(m.state_dict()).optimizer.param_groups[0]["lr"] == 4e-4

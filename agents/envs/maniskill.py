@@ -695,6 +695,7 @@ _STEP_FIELDS = (
     "episode_index",
     "frame_index",
     "episode_seed",
+    "chunk_step",
 )
 
 
@@ -757,6 +758,9 @@ async def rollout(
         "episode_index", "frame_index"  int64 [M]  episode count of that env within
                                        this rollout, step within the episode
         "episode_seed" int64 [M]       reset seed of the sample's episode
+        "chunk_step"  int64 [M]        the step's place in the chunk it came from: 0 where
+                                       the policy was asked (a decision), h for the
+                                       chunk's h-th step executed open loop after it
     ``policy_obs(data)`` turns the obs fields back into an ``ObsBatch``.
     """
     if horizon < 1:
@@ -799,6 +803,7 @@ async def rollout(
             cols["episode_index"].append(episode_N.copy())
             cols["frame_index"].append(frame_N.copy())
             cols["episode_seed"].append(seeds_N.copy())
+            cols["chunk_step"].append(np.full(N, h, dtype=np.int64))
             frame_N += 1
             obs = res.obs
             t += 1

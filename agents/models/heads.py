@@ -191,6 +191,10 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 1.0
 LOG_2PI = math.log(2.0 * math.pi)
 #: |log pi - log pi_old| beyond this is clamped in the PPO ratio (exp(20) ~ 5e8).
 MAX_LOG_RATIO = 20.0
+#: The critic's smallest learning rate (its own optimizer group).
+CRITIC_LR = 1e-3
+#: The adaptive PPO step keeps the policy's learning rate within these factors of the spec's.
+MIN_LR_FACTOR, MAX_LR_FACTOR = 1e-3, 10.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,17 @@ class PPOBatch:
     normalize_adv: bool = True
     #: Optimizer passes over the batch in the one step (the job still makes one version).
     epochs: int = 1
+    #: Which steps of each row's chunk its decision executed ([B, H] bool; rows whose
+    #: mask is all False were executed open loop from an earlier decision: they train
+    #: the critic, not the policy). None: every row is a decision over its whole chunk.
+    mask_B_H: torch.Tensor | None = None
+    #: Weight of the policy terms (0 while the critic warms up: only the critic learns).
+    policy_coef: float = 1.0
+    #: Target KL per step (k3 estimate against the behaviour policy, after the step):
+    #: the policy's learning rate is divided by 1.5 above 2x the target and multiplied
+    #: by 1.5 below half of it (an adaptive PPO step); further epochs stop past 1.5x.
+    #: 0: fixed learning rate.
+    target_kl: float = 0.0
 
     def to(self, device: torch.device | str) -> PPOBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -221,8 +236,12 @@ class PPOBatch:
         return PPOBatch(
             mv(self.old_logp_B), mv(self.adv_B), mv(self.returns_B),  # type: ignore[arg-type]
             mv(self.old_values_B), self.clip, self.vf_coef, self.ent_coef, self.std_floor,
-            self.normalize_adv, self.epochs,
+            self.normalize_adv, self.epochs, mv(self.mask_B_H), self.policy_coef, self.target_kl,
         )
+
+    def rows_B(self) -> torch.Tensor | None:
+        """Rows that are decisions (the policy's samples), or None for all."""
+        return None if self.mask_B_H is None else self.mask_B_H.any(dim=1)
 
 
 def ppo_objective(
@@ -238,6 +257,8 @@ def ppo_objective(
     entropy: torch.Tensor | None = None,
     ent_coef: float = 0.0,
     dual_clip: float | None = 3.0,
+    rows_B: torch.Tensor | None = None,
+    policy_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-ratio PPO loss plus the critic's loss (pure).
 
@@ -248,7 +269,9 @@ def ppo_objective(
     dominate the step;
     value loss = mean((V - R)^2), or with ``old_values_B`` the clipped form
     mean(max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2)), times 0.5;
-    total = policy + vf_coef * value - ent_coef * entropy. Returns (total, stats).
+    total = policy_coef * (policy - ent_coef * entropy) + vf_coef * value. With
+    ``rows_B`` (bool) the policy terms and their statistics average over those rows
+    only (the decisions); the critic learns from every row. Returns (total, stats).
     """
     if not (0.0 < clip < 1.0):
         raise InvalidSpec(f"PPO clip={clip!r}: must be in (0, 1)")
@@ -265,21 +288,24 @@ def ppo_objective(
         if dual_clip <= 1.0:
             raise InvalidSpec(f"PPO dual_clip={dual_clip!r}: must be > 1")
         surr_B = torch.where(adv_B < 0, torch.maximum(surr_B, dual_clip * adv_B), surr_B)
-    policy = -surr_B.mean()
+    w_B = torch.ones_like(surr_B) if rows_B is None else rows_B.to(surr_B)
+    n_rows = w_B.sum().clamp_min(1.0)
+    policy = -(surr_B * w_B).sum() / n_rows
     v_err_B = (values_B - returns_B) ** 2
     if old_values_B is not None:
         v_clip_B = old_values_B + (values_B - old_values_B).clamp(-clip, clip)
         v_err_B = torch.maximum(v_err_B, (v_clip_B - returns_B) ** 2)
     value = 0.5 * v_err_B.mean()
-    total = policy + vf_coef * value
+    pol = policy
     if entropy is not None and ent_coef:
-        total = total - ent_coef * entropy
+        pol = pol - ent_coef * entropy
+    total = policy_coef * pol + vf_coef * value
     with torch.no_grad():
         stats = {
             "policy_loss": float(policy),
             "value_loss": float(value),
-            "clip_frac": float(((ratio_B - 1.0).abs() > clip).float().mean()),
-            "approx_kl": float(((ratio_B - 1.0) - log_ratio_B).mean()),
+            "clip_frac": float((((ratio_B - 1.0).abs() > clip).float() * w_B).sum() / n_rows),
+            "approx_kl": float((((ratio_B - 1.0) - log_ratio_B) * w_B).sum() / n_rows),
         }
     return total, stats
 
@@ -317,6 +343,10 @@ class GaussianPolicy(ActionHead):
         """The policy's std in the env's action units (what a producer samples with)."""
         return self.std_A(std_floor) * self.action_std
 
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """The critic's weights (modules named ``critic*``): an optimizer group of their own."""
+        return [p for n, p in self.named_parameters() if n.split(".")[0].startswith("critic")]
+
     def value(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
         """The critic's V(s) [B]."""
         self._check(feats_B_D, state_B_S)
@@ -324,18 +354,25 @@ class GaussianPolicy(ActionHead):
         return self.critic(x).squeeze(-1)
 
     def _log_prob(self, mean_B_H_A: torch.Tensor, actions_B_H_A: torch.Tensor,
-                  std_floor: float) -> torch.Tensor:
+                  std_floor: float, mask_B_H: torch.Tensor | None = None) -> torch.Tensor:
         self._check_target(actions_B_H_A, tuple(mean_B_H_A.shape))
         std_A = self.std_A(std_floor)
         z = (self.norm_action(actions_B_H_A) - mean_B_H_A) / std_A
-        per_B_H_A = -0.5 * z * z - std_A.log() - 0.5 * LOG_2PI
-        return per_B_H_A.flatten(1).sum(1)
+        per_B_H = (-0.5 * z * z - std_A.log() - 0.5 * LOG_2PI).sum(-1)
+        if mask_B_H is not None:
+            if tuple(mask_B_H.shape) != tuple(per_B_H.shape):
+                raise ShapeMismatch(f"{self.type_name}: chunk mask must be {list(per_B_H.shape)}, "
+                                    f"got {list(mask_B_H.shape)}")
+            per_B_H = per_B_H * mask_B_H.to(per_B_H)
+        return per_B_H.sum(1)
 
     def log_prob(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, actions_B_H_A: torch.Tensor,
-                 std_floor: float = 0.0) -> torch.Tensor:
+                 std_floor: float = 0.0, mask_B_H: torch.Tensor | None = None) -> torch.Tensor:
         """log pi(chunk | obs) [B] of chunks in the env's action units (density of the
-        normalised chunk: the constant Jacobian of the normalisation cancels in ratios)."""
-        return self._log_prob(self._predict(feats_B_D, state_B_S), actions_B_H_A, std_floor)
+        normalised chunk: the constant Jacobian of the normalisation cancels in ratios).
+        With ``mask_B_H`` only the chunk steps it marks count (the steps a decision
+        executed; a row with none gets 0)."""
+        return self._log_prob(self._predict(feats_B_D, state_B_S), actions_B_H_A, std_floor, mask_B_H)
 
     def entropy(self, std_floor: float = 0.0) -> torch.Tensor:
         """Entropy of one chunk's distribution (the same for every observation)."""
@@ -351,14 +388,20 @@ class GaussianPolicy(ActionHead):
             if tuple(t.shape) != (b,):
                 raise ShapeMismatch(f"{self.type_name}: PPO {name} must be [{b}], got {list(t.shape)}")
         adv_B = ppo.adv_B.to(feats_B_D)
-        if ppo.normalize_adv and b > 1:
-            adv_B = (adv_B - adv_B.mean()) / (adv_B.std() + 1e-6)
-        logp_B = self.log_prob(feats_B_D, state_B_S, actions_B_H_A, ppo.std_floor)
+        rows_B = ppo.rows_B()
+        if rows_B is not None and tuple(rows_B.shape) != (b,):
+            raise ShapeMismatch(f"{self.type_name}: PPO chunk mask must be [{b}, H], got {list(rows_B.shape)}")
+        if ppo.normalize_adv:  # over the decisions: the rows the policy term reads
+            sel = adv_B if rows_B is None else adv_B[rows_B]
+            if sel.numel() > 1:
+                adv_B = (adv_B - sel.mean()) / (sel.std() + 1e-6)
+        logp_B = self.log_prob(feats_B_D, state_B_S, actions_B_H_A, ppo.std_floor, ppo.mask_B_H)
         return ppo_objective(
             logp_B, ppo.old_logp_B.to(logp_B), adv_B, self.value(feats_B_D, state_B_S),
             ppo.returns_B.to(logp_B), clip=ppo.clip, vf_coef=ppo.vf_coef,
             old_values_B=None if ppo.old_values_B is None else ppo.old_values_B.to(logp_B),
             entropy=self.entropy(ppo.std_floor), ent_coef=ppo.ent_coef,
+            rows_B=rows_B, policy_coef=ppo.policy_coef,
         )
 
     def sample(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, std_floor: float = 0.0,
@@ -528,7 +571,16 @@ class TenantModule:
         self.lr = lr
         self.weight_decay = weight_decay
         self.head = build_head(head_type, cfg).to(device)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=weight_decay)
+        # Two groups for a Gaussian head: the policy's (its lr adapts to the PPO step's
+        # KL) and the critic's (fixed, at least CRITIC_LR: it starts from scratch in RL).
+        critic = self.head.critic_parameters() if isinstance(self.head, GaussianPolicy) else []
+        ids = {id(p) for p in critic}
+        groups: list[dict[str, Any]] = [
+            {"params": [p for p in self.head.parameters() if id(p) not in ids], "name": "policy"}
+        ]
+        if critic:
+            groups.append({"params": critic, "name": "critic", "lr": max(lr, CRITIC_LR)})
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
         self.version = 0
         self._ppo: PPOBatch | None = None
         #: Diagnostics of the last step (PPO: policy/value loss, clip fraction, approx KL).
@@ -599,12 +651,16 @@ class TenantModule:
         gen_state = self.head.generator.get_state()
         ppo, self._ppo = self._ppo, None
         before = None
+        if ppo is not None:
+            ppo = ppo.to(feats_B_D.device)
         try:
             # PPO takes ``ppo.epochs`` optimizer passes over the job's batch (one version).
-            for _ in range(ppo.epochs if ppo is not None else 1):
+            for epoch in range(ppo.epochs if ppo is not None else 1):
                 if ppo is not None:
                     assert isinstance(self.head, GaussianPolicy)  # stage_ppo checked it
-                    loss, stats = self.head.ppo_loss(feats_B_D, state_B_S, target, ppo.to(feats_B_D.device))
+                    loss, stats = self.head.ppo_loss(feats_B_D, state_B_S, target, ppo)
+                    if epoch and ppo.target_kl and stats["approx_kl"] > 1.5 * ppo.target_kl:
+                        break  # far enough from the behaviour policy for this job
                 else:
                     loss, stats = self.head.loss(feats_B_D, state_B_S, target, weight_B), {}
                 if not bool(torch.isfinite(loss)):
@@ -635,9 +691,32 @@ class TenantModule:
             self.head.generator.set_state(gen_state)
             raise
         self.optimizer.zero_grad(set_to_none=True)
+        if ppo is not None and ppo.target_kl > 0:
+            stats = {**stats, **self._adapt_lr(feats_B_D, state_B_S, target, ppo)}
         self.version += 1
         self.last_stats = stats
         return float(loss.detach())
+
+    @torch.no_grad()
+    def _adapt_lr(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+                  ppo: PPOBatch) -> dict[str, float]:
+        """The adaptive PPO step (as rsl_rl's): the KL of the stepped policy from the
+        behaviour policy on the decisions, and the policy group's new learning rate."""
+        head = self.head
+        assert isinstance(head, GaussianPolicy)
+        logp_B = head.log_prob(feats_B_D, state_B_S, target, ppo.std_floor, ppo.mask_B_H)
+        log_ratio_B = (logp_B - ppo.old_logp_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        rows_B = ppo.rows_B()
+        k3_B = log_ratio_B.exp() - 1.0 - log_ratio_B
+        kl = float(k3_B.mean() if rows_B is None else k3_B[rows_B].mean()) if k3_B.numel() else 0.0
+        group = self.optimizer.param_groups[0]
+        lr = float(group["lr"])
+        if kl > 2.0 * ppo.target_kl:
+            lr /= 1.5
+        elif kl < 0.5 * ppo.target_kl:
+            lr *= 1.5
+        group["lr"] = min(max(lr, self.lr * MIN_LR_FACTOR), self.lr * MAX_LR_FACTOR)
+        return {"kl_after": kl, "lr": float(group["lr"])}
 
     def _snapshot(self) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:
         params = [p.detach().clone() for p in self.head.parameters()]
@@ -685,7 +764,10 @@ class TenantModule:
                 f"{self.head_type!r} {asdict(self.cfg)}; build a TenantModule with the saved type and config"
             )
         self.head.load_state_dict(sd["head"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        try:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        except ValueError:  # saved with another grouping (an older release): fresh moments
+            pass
         self.head.generator.set_state(sd["generator"])
         self.version = int(sd["version"])
 
