@@ -62,6 +62,8 @@ class Plan:
     learning_rate: float = 1e-3
     head_hidden: int = 256
     image_size: int = 64
+    #: The tenant's head (``WorkloadSpec.action_module``) for SFT and RL.
+    action_module: str = "oft_mlp"
     #: The target the issue sets (reported next to the result; None = report only).
     target: float | None = None
     #: RL from the SFT policy: training budget (0 = no RL phase), updates asked for,
@@ -97,6 +99,11 @@ FULL: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, state=("proprio",), image_size=56,
          base="pretrained", key="PushCube-v1/images", target=0.5,
          extra={"renders": 3000, "pretrain_steps": 1500}),
+    # The token-reading heads on the PushCube plan (issue 12 item 2): as oft_mlp learns it?
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="oft_attn",
+         key="PushCube-v1/oft_attn"),
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="gr00t_flow",
+         key="PushCube-v1/gr00t_flow"),
 )
 QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
@@ -272,6 +279,7 @@ async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> 
         action_horizon=plan.action_horizon,
         learning_rate=plan.learning_rate,
         head_hidden=plan.head_hidden,
+        action_module=plan.action_module,
         scheduling=Scheduling(max_in_flight=4, completion_target=plan.updates),
     )
     t0 = time.perf_counter()
@@ -315,6 +323,7 @@ async def _train_rl(
         image_size=plan.image_size,
         action_horizon=plan.action_horizon,
         head_hidden=plan.head_hidden,
+        action_module=plan.action_module,
         num_envs=plan.rl_num_envs,
         horizon=plan.rl_horizon,
         learning_rate=plan.rl_learning_rate,
