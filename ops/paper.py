@@ -116,6 +116,10 @@ class PaperConfig:
     #: LIBERO episodes end after this many steps here (the suites' own limits are
     #: 280-520, ManiSkill's 50): it bounds the final evaluation's time.
     libero_max_steps: int = 50
+    #: RL tenants evaluate every ``eval_every``-th version during training
+    #: (``eval_episodes`` episodes, pinned; 0: only the final evaluation). Both runs
+    #: do the same evaluations, so the shared-vs-isolated comparison stays fair.
+    eval_every: int = 0
 
     @classmethod
     def for_minutes(cls, minutes: float, *, repeat: int = 1) -> PaperConfig:
@@ -123,8 +127,11 @@ class PaperConfig:
         tenant and 20 SFT updates per pair; the fixed costs, starting two
         deployments and evaluating, add about two minutes here)."""
         k = max(0.04, minutes / 4.0)
+        rl_updates = max(1, round(10 * k))
         return cls(
-            rl_updates=max(1, round(10 * k)),
+            rl_updates=rl_updates,
+            # A learning curve of a few points per RL tenant in runs of 2 minutes and more.
+            eval_every=max(1, rl_updates // 3) if minutes >= 2 else 0,
             sft_updates=max(2, round(20 * k)),
             eval_episodes=1 if minutes < 2 else 2,
             phase_timeout_s=max(600.0, 300.0 * minutes),
@@ -196,6 +203,8 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
             horizon=cfg.horizon,
             action_horizon=cfg.action_horizon,
             seed=len(out),
+            eval_every=cfg.eval_every,
+            eval_episodes=max(1, cfg.eval_episodes),
             scheduling=Scheduling(
                 max_in_flight=max(2, cfg.workers + 1),
                 max_active_rollouts=cfg.workers,
@@ -507,10 +516,15 @@ async def _tenant_outcomes(
         states = snap.jobs_by_tenant_state.get(p.tenant, {})
         async with await dep.tenant(b, p.tenant) as c:
             version = await c.latest_version(p.spec.name)
-            eval_success = None
+            eval_success, history = None, []
             if p.spec.task_type == "rl" and eval_episodes:
                 report = await c.evaluate(p.spec.name, episodes=eval_episodes, version=version)
                 eval_success = report["success_rate"]
+                if p.spec.eval_every:  # the learning curve: periodic evaluations, then the final one
+                    history = [h for h in await c.eval_history(p.spec.name)
+                               if h.get("success_rate") is not None and h.get("version") != version]
+                    history.append({"version": version, "success_rate": eval_success,
+                                    "mean_return": report.get("mean_return")})
         result.tenants[base_tenant(p.tenant)] = {
             "task_type": p.spec.task_type,
             "env_or_dataset": p.spec.env or Path(p.spec.dataset).name,
@@ -520,6 +534,7 @@ async def _tenant_outcomes(
             "dropped_stale": states.get("dropped", 0),
             "failed": states.get("failed", 0),
             "eval_success": eval_success,
+            **({"eval_history": history} if history else {}),
         }
 
 

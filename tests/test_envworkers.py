@@ -119,3 +119,12 @@ def test_main_job_accounts_worker_lanes_and_tenants_per_batch() -> None:
     _account(r, metrics, [(10.0, 20.0)], {"acme1"})
     assert r.intervals["env acme w1"] == [(0.0, 2.0)] and r.env_steps == 16
     assert r.mean_tenants_per_batch() == 1.5
+
+
+def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
+    from joynexus.ops.paper import PaperConfig, plans
+
+    cfg = PaperConfig.for_minutes(4)
+    assert cfg.eval_every == 3 and PaperConfig.for_minutes(0.4).eval_every == 0
+    rl = [p.spec for p in plans(cfg, "d") if p.spec.task_type == "rl"]
+    assert rl and all(s.eval_every == 3 and s.eval_episodes == cfg.eval_episodes for s in rl)
