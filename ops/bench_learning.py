@@ -307,10 +307,51 @@ async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> 
     return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version}
 
 
+class _RLCurve:
+    """What the tenant's RL run reports on the metrics subjects, every 10 updates: the
+    rollouts' success (behaviour policy, with exploration) and the actor's PPO
+    statistics (losses, clip fraction, KL, the adaptive step's learning rate)."""
+
+    KEYS = ("policy_loss", "value_loss", "clip_frac", "approx_kl", "kl_after", "lr")
+
+    def __init__(self, workload: str, every: int = 10) -> None:
+        self.workload, self.every = workload, every
+        self.rows: list[dict[str, Any]] = []
+        self._rollouts: list[float] = []
+        self._stats: dict[str, list[float]] = {k: [] for k in self.KEYS}
+        self._updates = 0
+
+    def take(self, m: dict[str, Any]) -> dict[str, Any] | None:
+        if m.get("workload") != self.workload:
+            return None
+        if "rollout_success" in m:
+            self._rollouts.append(float(m["rollout_success"]))
+        if "loss" in m and "version" in m:
+            self._updates += 1
+            for k in self.KEYS:
+                if k in m:
+                    self._stats[k].append(float(m[k]))
+            if self._updates % self.every == 0:
+                return self._flush(int(m["version"]))
+        return None
+
+    def _flush(self, version: int) -> dict[str, Any]:
+        def mean(xs: list[float]) -> float | None:
+            return round(sum(xs) / len(xs), 6) if xs else None
+
+        row = {"version": version, "rollout_success": mean(self._rollouts),
+               **{k: mean(v) for k, v in self._stats.items()}}
+        self.rows.append(row)
+        self._rollouts, self._stats = [], {k: [] for k in self.KEYS}
+        return row
+
+
 async def _train_rl(
-    client: Any, plan: Plan, name: str, source: str, version: int, log: Any
+    client: Any, plan: Plan, name: str, source: str, version: int, log: Any, admin: Any = None,
 ) -> dict[str, Any]:
     """RL from ``source`` v``version`` through the service until rl_updates or the budget."""
+    import orjson
+
     from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 
     spec = WorkloadSpec(
@@ -338,6 +379,18 @@ async def _train_rl(
             max_policy_staleness=plan.rl_staleness,
         ),
     )
+    curve = _RLCurve(name)
+    sub = None
+    if admin is not None:  # the operator's view of the run's learning metrics
+        async def on_metric(msg: Any) -> None:
+            with contextlib.suppress(Exception):
+                row = curve.take(orjson.loads(msg.data))
+                if row:
+                    log(f"{plan.task} RL v{row['version']}: rollouts {row['rollout_success']} "
+                        f"value_loss {row['value_loss']} kl {row['kl_after']} lr {row['lr']} "
+                        f"clip {row['clip_frac']}")
+
+        sub = await admin.nc.subscribe(admin.names.metrics("learning", TENANT), cb=on_metric)
     t0 = time.perf_counter()
     wl = await client.create_workload(spec)
     last_version, t_last, dropped, failed, forwarded = 1, t0, 0, 0, 0
@@ -365,8 +418,11 @@ async def _train_rl(
         await asyncio.wait_for(follow(), max(1.0, deadline - time.perf_counter()))
     with contextlib.suppress(Exception):
         await client.cancel_workload(name)
+    if sub is not None:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
     return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version,
-            "dropped": dropped, "failed": failed, "forwarded": forwarded}
+            "dropped": dropped, "failed": failed, "forwarded": forwarded, "curve": curve.rows}
 
 
 async def run_learning(
@@ -447,7 +503,8 @@ async def run_learning(
                     f"after {row['updates']} updates in {row['train_s']} s")
                 if plan.rl_budget_s > 0:
                     row.update(await _rl_phase(client, plan, i, res["version"], ev, log,
-                                               eval_envs=eval_envs, eval_seed=eval_seed))
+                                               eval_envs=eval_envs, eval_seed=eval_seed,
+                                               admin=svc.admin))
                 out["tasks"][plan.key or plan.task] = {**row, **_base_row(plan, backbone_path)}
             out["restarts"] = dict(svc.restarts)
         out["plans"] = [asdict(p) for p in plans]
@@ -456,11 +513,11 @@ async def run_learning(
 
 async def _rl_phase(
     client: Any, plan: Plan, i: int, sft_version: int, before: dict[str, Any], log: Any, *,
-    eval_envs: int, eval_seed: int,
+    eval_envs: int, eval_seed: int, admin: Any = None,
 ) -> dict[str, Any]:
     """RL from the SFT version; success before (the SFT evaluation: same version, same
     seeds) and after (the final RL version, the same seeds)."""
-    res = await _train_rl(client, plan, f"rl{i}", f"sft{i}", sft_version, log)
+    res = await _train_rl(client, plan, f"rl{i}", f"sft{i}", sft_version, log, admin=admin)
     t1 = time.perf_counter()
     ev = await client.evaluate(
         f"rl{i}", version=res["version"], episodes=plan.episodes,
@@ -479,6 +536,8 @@ async def _rl_phase(
         "rl_jobs_actor_forward": res["forwarded"],
         "rl_eval_s": round(time.perf_counter() - t1, 1),
         "rl_mean_length_after": round(float(ev.get("mean_length", 0.0)), 2),
+        # every 10 updates: rollout success (with exploration) and the PPO statistics
+        "rl_curve": res["curve"],
     }
     log(f"{plan.task} RL: {row['rl_success_before']:.2f} -> {row['rl_success_after']:.2f} "
         f"after {row['rl_updates']} updates in {row['rl_train_s']} s")
