@@ -50,9 +50,9 @@ import numpy as np
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from joynexus.agents.envs.maniskill import run_episodes
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
 from joynexus.schemas.workloads import (

@@ -59,19 +59,24 @@ def _num_heads(width: int) -> int:
 
 class TokenAttention(nn.Module):
     """Multi-head attention of queries ``[B, Q, d]`` over a memory ``[B, L, d]``,
-    keys where ``real_B_L`` is False left out (every row must have a real key)."""
+    keys where ``real_B_L`` is False left out (every row must have a real key).
+
+    The keys have no bias: softmax ignores a shift shared by every key, so its
+    gradient is zero up to rounding, which Adam would blow up into steps of noise."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.heads = _num_heads(width)
         self.q = nn.Linear(width, width)
-        self.kv = nn.Linear(width, 2 * width)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width)
         self.o = nn.Linear(width, width)
 
     def memory(self, mem_B_L_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, heads, L, d/heads]`` (computed once per memory)."""
         b, L, d = mem_B_L_d.shape
-        k, v = self.kv(mem_B_L_d).view(b, L, 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        k = self.k(mem_B_L_d).view(b, L, self.heads, d // self.heads).transpose(1, 2)
+        v = self.v(mem_B_L_d).view(b, L, self.heads, d // self.heads).transpose(1, 2)
         return k, v
 
     def attend(self, x_B_Q_d: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -85,6 +90,11 @@ class TokenAttention(nn.Module):
     def forward(self, x_B_Q_d: torch.Tensor, mem_B_L_d: torch.Tensor,
                 real_B_L: torch.Tensor | None = None) -> torch.Tensor:
         return self.attend(x_B_Q_d, self.memory(mem_B_L_d), real_B_L)
+
+
+def _state_encoder(state_dim: int, width: int) -> nn.Sequential:
+    """The normalised robot state -> the head's width (two layers, as GR00T's state encoder)."""
+    return nn.Sequential(nn.Linear(state_dim, width), nn.GELU(), nn.Linear(width, width))
 
 
 def _ffn(width: int) -> nn.Sequential:
@@ -125,7 +135,7 @@ class OFTAttnHead(GaussianPolicy):
         d = cfg.hidden
         self.reader = _TokenReader(cfg.feature_dim, d)
         self.queries = nn.Parameter(torch.randn(cfg.action_horizon, d) * 0.02)
-        self.state_in = nn.Linear(cfg.state_dim, d)
+        self.state_in = _state_encoder(cfg.state_dim, d)
         self.q_norm = nn.LayerNorm(d)
         self.cross = TokenAttention(d)
         self.ffn_norm = nn.LayerNorm(d)
@@ -187,7 +197,7 @@ class GR00TFlowHead(ActionHead):
         self.action_in = nn.Linear(cfg.action_dim, d)
         self.step_pos = nn.Parameter(torch.randn(cfg.action_horizon, d) * 0.02)
         self.time_in = nn.Sequential(nn.Linear(self.t_dim, d), nn.SiLU(), nn.Linear(d, d))
-        self.state_in = nn.Linear(cfg.state_dim, d)
+        self.state_in = _state_encoder(cfg.state_dim, d)
         self.self_norm = nn.LayerNorm(d)
         self.self_attn = TokenAttention(d)
         self.cross_norm = nn.LayerNorm(d)
