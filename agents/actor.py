@@ -59,11 +59,11 @@ from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
 from joynexus.agents.models.heads import PPOBatch, TenantModule
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.trainerstate import TrainerStateStore
 from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError, StaleLease

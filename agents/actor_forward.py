@@ -36,11 +36,11 @@ from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import canonicalize_request
 from joynexus.agents.models.grouped import encode_for
 from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
 from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import TrainingJob

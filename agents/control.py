@@ -58,7 +58,7 @@ from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.direct import read_subject
 from joynexus.broker.kvmirror import KVMirror
-from joynexus.broker.policy import PolicyStore
+from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
 from joynexus.broker.subjects import parse_job_subject
@@ -167,7 +167,7 @@ class ControlPlane:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()  # one create at a time: slot allocation is check-then-write
         self._ids: Any = None
-        self._policies = PolicyStore(broker)
+        self._policies = PolicyRecords(broker)
         self._tq = TrainingQueue(broker)
         # Job events seen per tenant (a core subscription): wakes read_events long-polls.
         self._ticks: dict[str, int] = {}

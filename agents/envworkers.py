@@ -53,6 +53,7 @@ import numpy as np
 import orjson
 from opentelemetry import trace
 
+from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import (
     ACTIONS_FIELD,
@@ -68,7 +69,6 @@ from joynexus.agents.workloads import (
 )
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import JoyNexusError

@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from joynexus.agents.procs import die_with_parent
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import HEALTH_KIND
@@ -644,15 +645,13 @@ class HealthManager:
 
     # -- processes
     async def _spawn(self, slot: RoleSlot) -> None:
-        from joynexus.ops.natsserver import _die_with_parent
-
         out: Any = None
         if self.log_dir is not None:
             out = await asyncio.to_thread(_open_log, self.log_dir / f"{slot.instance}.log")
         env = {**os.environ, **slot.env} if slot.env else None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *slot.argv, stdout=out, stderr=out, env=env, preexec_fn=_die_with_parent
+                *slot.argv, stdout=out, stderr=out, env=env, preexec_fn=die_with_parent
             )
         finally:
             if out is not None:

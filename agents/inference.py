@@ -94,13 +94,13 @@ from joynexus.agents.models.features import (
 )
 from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
 from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 
 # Re-exported: the client is torch-free and lives in the broker layer (the SDK uses it).
 from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.layout import LayoutOptions, ensure_layout
-from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
 from joynexus.broker.subjects import check_token, model_token

@@ -34,10 +34,10 @@ from opentelemetry import trace
 from joynexus.agents.models.backbone import SIZES
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError

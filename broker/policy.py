@@ -10,18 +10,21 @@ racing for the same version number cannot both win (the loser gets
 versions; an inference request pinned to one of them is served with it.
 
 Inference engines ``watch()`` the bucket and load a version before serving it.
+
+This module stays at the bytes level (records, weights bytes, watch), so the
+broker layer never imports torch or the models; the conversions between a
+head and its bytes, and publishing or loading a head, live with the models in
+``agents/models/policyio.py`` (its ``PolicyStore`` extends :class:`PolicyRecords`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from nats.js.errors import (
     BucketNotFoundError,
@@ -44,107 +47,16 @@ from joynexus.schemas.inference import (
     UnknownPolicyVersion,
 )
 
-if TYPE_CHECKING:
-    from joynexus.agents.models.features import FeatureSchema
-    from joynexus.agents.models.heads import TenantModule
-
-__all__ = [
-    "IncompatibleSchema",
-    "PolicyStore",
-    "UnknownPolicyVersion",
-    "feature_schema_of",
-    "module_from_weights",
-    "schema_spec",
-    "weights_bytes",
-]
+__all__ = ["IncompatibleSchema", "PolicyRecords", "UnknownPolicyVersion"]
 
 log = logging.getLogger(__name__)
-
-
-# -- conversions (pure) --------------------------------------------------------
-
-
-def schema_spec(schema: FeatureSchema) -> FeatureSchemaSpec:
-    return FeatureSchemaSpec(
-        camera_slots=list(schema.camera_slots),
-        image_hw=list(schema.image_hw),
-        state_dim=schema.state_dim,
-        action_dim=schema.action_dim,
-        action_horizon=schema.action_horizon,
-        base_model=schema.base_model,
-        history_len=schema.history_len,
-        channels=schema.channels,
-        state_keys=list(schema.state_keys),
-    )
-
-
-def feature_schema_of(record: PolicyRecord) -> FeatureSchema:
-    """The FeatureSchema a record was published with; checks it against the signature."""
-    from joynexus.agents.models.features import FeatureSchema
-
-    s = record.feature_schema
-    schema = FeatureSchema(
-        tuple(s.camera_slots),
-        (int(s.image_hw[0]), int(s.image_hw[1])),
-        s.state_dim,
-        s.action_dim,
-        s.action_horizon,
-        base_model=s.base_model,
-        history_len=s.history_len,
-        channels=s.channels,
-        state_keys=tuple(s.state_keys),
-    )
-    if schema.signature() != record.schema_signature:
-        raise InvalidSpec(
-            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: feature_schema gives "
-            f"{schema.signature()!r} but the record says {record.schema_signature!r}; republish it"
-        )
-    return schema
-
-
-def weights_bytes(module: TenantModule, version: int | None = None) -> bytes:
-    """The head's weights as safetensors bytes, with the same metadata as
-    ``TenantModule.export_safetensors`` (so ``import_safetensors`` reads them);
-    ``version`` (default ``module.version``) is the published policy version."""
-    from safetensors.torch import save
-
-    tensors = {k: v.detach().cpu().contiguous() for k, v in module.head.state_dict().items()}
-    meta = {
-        "tenant": module.tenant,
-        "head_type": module.head_type,
-        "version": str(module.version if version is None else version),
-        "config": json.dumps(asdict(module.cfg)),
-    }
-    return bytes(save(tensors, metadata=meta))
-
-
-def module_from_weights(record: PolicyRecord, data: bytes) -> TenantModule:
-    """Rebuild the tenant's head (eval use) from a record and its safetensors bytes."""
-    from safetensors.torch import load
-
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
-
-    try:
-        cfg = HeadConfig(**record.head_config)
-        module = TenantModule(record.tenant_id, record.head_type, cfg)
-        module.head.load_state_dict(load(data))
-    except InvalidSpec:
-        raise
-    except Exception as e:  # bad bytes or a state dict of another shape
-        raise InvalidSpec(
-            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: weights "
-            f"{record.object_name!r} do not load into a {record.head_type} head ({e}); republish them"
-        ) from e
-    module.version = record.version
-    module.head.eval()
-    return module
 
 
 # -- the store ------------------------------------------------------------------
 
 
-class PolicyStore:
-    """Publish, look up and watch tenant policy versions."""
+class PolicyRecords:
+    """Publish (as bytes), look up and watch tenant policy versions."""
 
     def __init__(self, broker: Broker) -> None:
         self.b = broker
@@ -180,41 +92,26 @@ class PolicyStore:
         return Names.policy_key(check_token("tenant_id", tenant_id), check_token("policy_key", policy_key))
 
     # -- writing
-    async def publish(
+    async def publish_weights(
         self,
         tenant_id: str,
         policy_key: str,
-        module: TenantModule,
-        schema: FeatureSchema,
-        base_model: str | None = None,
+        weights: Callable[[int], bytes],
         *,
+        head_type: str,
+        head_config: dict[str, Any],
+        feature_schema: FeatureSchemaSpec,
+        schema_signature: str,
+        base_model: str,
         version: int | None = None,
     ) -> PolicyRecord:
-        """Publish ``module``'s head weights as a new version (weights first, record second).
+        """Publish a new version (weights first, record second); ``weights(version)``
+        gives the safetensors bytes of the version chosen.
 
         ``version`` defaults to the latest published + 1 (1 for the first);
         an explicit one must be above the latest. Raises ``Conflict`` if
         another publisher wrote the key meanwhile.
         """
-        base_model = base_model or schema.base_model
-        if schema.base_model != base_model:
-            raise InvalidSpec(
-                f"schema is for base model {schema.base_model!r} but base_model={base_model!r}; "
-                "build the FeatureSchema with the engine's base model"
-            )
-        cfg = module.cfg
-        if cfg.state_dim != schema.state_dim:
-            raise InvalidSpec(
-                f"head state_dim={cfg.state_dim} but schema state_dim={schema.state_dim}; they must match"
-            )
-        if module.head_type != "value" and (cfg.action_dim, cfg.action_horizon) != (
-            schema.action_dim,
-            schema.action_horizon,
-        ):
-            raise InvalidSpec(
-                f"head predicts {cfg.action_horizon}x{cfg.action_dim} actions but the schema says "
-                f"{schema.action_horizon}x{schema.action_dim}; they must match"
-            )
         kv = await self._bucket()
         key = self._key(tenant_id, policy_key)
         try:
@@ -233,17 +130,17 @@ class PolicyStore:
         if version < 1:
             raise InvalidSpec(f"version {version}: policy versions start at 1 (0 means 'latest')")
 
-        data = weights_bytes(module, version)
+        data = weights(version)
         object_name = self.b.names.weights_object(tenant_id, policy_key, version)
         await (await self._store()).put(object_name, data)
         record = PolicyRecord(
             tenant_id=tenant_id,
             policy_key=policy_key,
             version=version,
-            head_type=module.head_type,
-            head_config=asdict(cfg),
-            schema_signature=schema.signature(),
-            feature_schema=schema_spec(schema),
+            head_type=head_type,
+            head_config=head_config,
+            schema_signature=schema_signature,
+            feature_schema=feature_schema,
             base_model=base_model,
             object_name=object_name,
             size_bytes=len(data),
@@ -330,11 +227,6 @@ class PolicyStore:
                 "missing from the weights store; republish the version"
             ) from e
         return buf.getvalue()
-
-    async def load_module(self, record: PolicyRecord) -> TenantModule:
-        """Weights fetched and loaded into a fresh head (the parse runs off the event loop)."""
-        data = await self.load_weights(record)
-        return await asyncio.to_thread(module_from_weights, record, data)
 
     async def watch(
         self, *, ready: asyncio.Event | None = None, follow: bool = True

@@ -432,8 +432,8 @@ async def _real_sft_feed(rig: FaultRig) -> None:
     from joynexus.agents.models.backbone import BackboneConfig
     from joynexus.agents.models.features import FeatureSchema
     from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.policyio import PolicyStore
     from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
-    from joynexus.broker.policy import PolicyStore
     from joynexus.schemas.errors import JoyNexusError
     from joynexus.schemas.jobs import JobMetadata
 

@@ -163,7 +163,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     from joynexus.agents.inference import InferenceClient, InferenceEngine
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
-    from joynexus.broker.policy import PolicyStore
+    from joynexus.agents.models.policyio import PolicyStore
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
     schema = _schema(bb.config.base_model)
@@ -224,9 +224,9 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
     """Run every part against the NATS server at ``url``; returns the figures (JSON-ready)."""
     from joynexus.agents.inference import InferenceClient
     from joynexus.agents.models.backbone import SIZES, BackboneConfig
+    from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.broker.policy import PolicyStore
     from joynexus.ops.bench_group import bench_group
 
     t_start = time.perf_counter()

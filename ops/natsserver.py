@@ -14,7 +14,6 @@ demand (:meth:`EmbeddedNats.reload`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from joynexus.agents.procs import die_with_parent
 from joynexus.schemas.errors import JoyNexusError
 
 log = logging.getLogger(__name__)
@@ -191,18 +191,6 @@ def nats_server_binary() -> str:
             "or pass --nats URL of a running server"
         )
     return found
-
-
-def die_with_parent() -> None:
-    """preexec_fn for children: SIGTERM them when this process dies (PR_SET_PDEATHSIG)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-_die_with_parent = die_with_parent  # older name, still imported by agents/health.py
 
 
 class EmbeddedNats:

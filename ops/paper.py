@@ -64,6 +64,7 @@ import psutil
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from joynexus.agents.datasets import DATASETS_ENV
+from joynexus.agents.procs import die_with_parent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
@@ -71,7 +72,6 @@ from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.layout import ensure_layout
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
-from joynexus.ops.natsserver import die_with_parent
 from joynexus.ops.roles import DEPLOYMENT_ROLES
 from joynexus.ops.tenants import add_tenant
 from joynexus.schemas.errors import JoyNexusError

@@ -24,11 +24,11 @@ from joynexus.agents.advantage import AdvantageAgent, gae, to_trajectories
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.jobs import GlobalLimits, JobMetadata, JobState, TenantTaskPolicy, TrainingJob
 

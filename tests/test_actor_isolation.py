@@ -23,10 +23,10 @@ from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step
 from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.policyio import PolicyStore, schema_spec
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, schema_spec
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob

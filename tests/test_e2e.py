@@ -26,11 +26,11 @@ from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.policyio import PolicyStore, module_from_weights
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.workloads import PolicyInitializer, ProducerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
-from joynexus.broker.policy import PolicyStore, module_from_weights
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode

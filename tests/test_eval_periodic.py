@@ -21,10 +21,10 @@ from joynexus.agents.envs.video import EpisodeVideos, decode_frames
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.cli import build_parser
 from joynexus.ops.learning_cli import _evals

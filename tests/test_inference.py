@@ -32,8 +32,8 @@ from joynexus.agents.models.features import (
 )
 from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.policyio import PolicyStore, weights_bytes
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, weights_bytes
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import (
     InvalidMessage,

@@ -23,11 +23,11 @@ from joynexus.agents.envs import registry
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import PolicyInitializer, workload_schema
 from joynexus.broker.connection import Broker
-from joynexus.broker.policy import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
