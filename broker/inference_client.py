@@ -112,7 +112,8 @@ class InferenceClient:
                 self.b.names.infer(model, tenant_id),
                 payload,
                 timeout=wait_s,
-                headers=tracing.inject(),
+                # no trace to carry (tracing off): no header block to write and parse
+                headers=tracing.inject() or None,
             )
         except NoRespondersError as e:
             raise Unavailable(

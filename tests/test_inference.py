@@ -112,6 +112,10 @@ async def make_engine(broker: Broker, backbone: Backbone) -> AsyncIterator[Calla
     async def make(**kw: Any) -> InferenceEngine:
         kw.setdefault("max_batch", 8)
         kw.setdefault("max_wait_ms", 20)
+        if isinstance(kw.get("backbone"), GatedBackbone):
+            # Its forward blocks until the test opens the gate: on the forward thread, never
+            # on the event loop (where a short forward of a measured size would run).
+            kw.setdefault("inline_forward_ms", 0)
         e = InferenceEngine(broker, kw.pop("backbone", backbone), instance=f"e{len(started)}", **kw)
         started.append(e)
         await e.start()
@@ -162,11 +166,18 @@ class GatedBackbone:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def encode(self, batch: Any) -> torch.Tensor:
+    def _hold(self) -> None:
         self.entered.set()
         if not self.gate.wait(timeout=30):
             raise RuntimeError("gate never opened")
+
+    def encode(self, batch: Any) -> torch.Tensor:
+        self._hold()
         return self.inner.encode(batch)
+
+    def encode_tokens(self, batch: Any, tokens: bool = True) -> Any:
+        self._hold()
+        return self.inner.encode_tokens(batch, tokens)
 
 
 async def hold_busy(gated: GatedBackbone, client: InferenceClient, tenant: str,
@@ -700,6 +711,11 @@ class FlakyBackbone:
         if "boom" in batch.instructions:
             raise RuntimeError("boom")
         return self.inner.encode(batch)
+
+    def encode_tokens(self, batch: Any, tokens: bool = True) -> Any:
+        if "boom" in batch.instructions:
+            raise RuntimeError("boom")
+        return self.inner.encode_tokens(batch, tokens)
 
 
 async def test_failure_inside_a_batch_falls_back_per_request(
