@@ -16,8 +16,11 @@ Path of a request::
          engine runs at once, a busy one forms the next batch meanwhile)
       -> ONE preparation of the whole batch (images patchified in one vectorised
          call, instructions tokenised once per distinct text) and ONE backbone
-         forward over the concatenated rows (off the event loop)
+         forward over the concatenated rows (on the event loop when forwards of
+         its size are measured short, <= ``inline_forward_ms``; else on the
+         engine's forward thread, so the loop keeps taking requests meanwhile)
       -> split rows -> each tenant's head at its requested version -> reply
+      -> the batch's busy interval (a metric event, after the replies)
 
 Adaptive batching (issue 15). Every RL environment step waits for one round
 trip, so a lone request must not wait for company that is not coming: an idle
@@ -71,6 +74,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -266,8 +270,8 @@ class InferenceEngine:
         self._freed_at = 0.0  # when the last batch ended (perf_counter)
         self._idle = asyncio.Event()
         self._idle.set()
-        # Measured forward times (EWMA, ms) by (backbone key, rows' power of two).
-        self._forward_est: dict[tuple[str, int], float] = {}
+        # The last forward times measured (ms) by (backbone key, rows' power of two).
+        self._forward_ms: dict[tuple[str, int], deque[float]] = {}
         # One thread for this engine's long forwards (always the same OS thread, so
         # torch's intra-op pool is made once; a batch at a time, as the batcher runs them).
         self._executor: ThreadPoolExecutor | None = None
@@ -755,15 +759,23 @@ class InferenceEngine:
     def _forward_key(self, items: Sequence[_Pending], rows: int) -> tuple[str, int]:
         return (items[0].key, rows.bit_length())
 
+    def forward_estimate_ms(self, key: tuple[str, int]) -> float | None:
+        """The median of the last forwards of this size measured (None: not measured yet):
+        one stall from elsewhere on the machine does not move it."""
+        seen = self._forward_ms.get(key)
+        return statistics.median(seen) if seen else None
+
     def _runs_inline(self, key: tuple[str, int]) -> bool:
-        est = self._forward_est.get(key)
+        est = self.forward_estimate_ms(key)
         return est is not None and est <= self.inline_forward_ms
 
     def _note_forward(self, key: tuple[str, int], ms: float) -> None:
-        old = self._forward_est.get(key)
-        if old is None and len(self._forward_est) >= 1024:  # bounded: many schemas seen
-            self._forward_est.clear()
-        self._forward_est[key] = ms if old is None else old + 0.25 * (ms - old)
+        seen = self._forward_ms.get(key)
+        if seen is None:
+            if len(self._forward_ms) >= 1024:  # bounded: many schemas seen
+                self._forward_ms.clear()
+            seen = self._forward_ms[key] = deque(maxlen=9)
+        seen.append(ms)
 
     async def _call(
         self, fn: Callable[[Sequence[_Pending]], tuple[list[_Outcome], float]],

@@ -13,7 +13,10 @@
   (``inproc_p50_ms``) for the same work (canonicalize + backbone forward +
   head), alternated in one loop with a paired bootstrap 95% interval
   (``rr_overhead.rr_overhead_p50_ci95``), both with one request at a time, the engine set to B=1 (no batching wait) and running in this
-  process, so only NATS, the codec and the engine's plumbing differ.
+  process, so only NATS, the codec and the engine's plumbing differ. The client
+  has a connection of its own, as a tenant's SDK does; ``rr_overhead.same_connection_*``
+  is the same with the client on the engine's connection, in the same rounds, and
+  ``rr_overhead.inline_fraction`` the share of batches the engine ran on its loop.
 - ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
   (same load shape), next to the 7 extra heads' weight bytes.
 
@@ -157,13 +160,19 @@ async def _closed_loop(client: Any, schema: Any, tenants: Sequence[str], concurr
 
 
 async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
-    """Request-reply through an in-process engine (B=1: no batching wait) vs the in-process call."""
+    """Request-reply through an in-process engine (B=1: no batching wait) vs the in-process call.
+
+    The client asks on a connection of its own, as a tenant's SDK does (``rr``); the same
+    request from a client sharing the engine's connection (``rr_same_connection``: one
+    socket and one reader for both directions, how this was measured before issue 15's
+    last part) runs in the same loop, so both figures come from the same rounds."""
     import torch
 
     from joynexus.agents.inference import InferenceClient, InferenceEngine
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
     from joynexus.agents.models.policyio import PolicyStore
+    from joynexus.broker.connection import Broker
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
     schema = _schema(bb.config.base_model)
@@ -171,7 +180,9 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     await PolicyStore(b).publish("solo", "default", mod, schema)
     engine = InferenceEngine(b, bb, max_batch=1, max_wait_ms=0, instance="bench-overhead")
     await engine.start()
-    client = InferenceClient(b, base_model=bb.config.base_model)
+    own = await Broker.connect(b.url, name="bench-infer-solo-client", namespace=b.names.namespace)
+    client = InferenceClient(own, base_model=bb.config.base_model)
+    shared = InferenceClient(b, base_model=bb.config.base_model)
     obs = _obs(0)
 
     def inproc() -> None:
@@ -185,19 +196,31 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def remote() -> None:
         await client.request("solo", schema=schema, **obs)
 
+    async def remote_shared() -> None:
+        await shared.request("solo", schema=schema, **obs)
+
     try:
-        # In-process and request-reply alternate (ABBA), three warm-up rounds dropped.
+        # In-process and request-reply alternate (ABC CBA ...), three warm-up rounds dropped.
         ts = await benchstats.interleaved_async(
-            {"inproc": local, "rr": remote}, repeats=repeats, warmup=3
+            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared},
+            repeats=repeats,
+            warmup=3,
         )
     finally:
         await engine.stop()
+        await own.close()
     diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
+    sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
+    st = engine.stats
     return {
         "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
         "rr_p50_ms": round(_pct(ts["rr"], 50), 3),
         "rr_overhead_p50_ms": round(diff, 3),
         "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
+        "same_connection_overhead_p50_ms": round(sdiff, 3),
+        "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
+        # batches whose forward ran on the engine's event loop (short: no thread hop)
+        "inline_fraction": round(st.inline_batches / max(st.batches, 1), 3),
         "repeats": repeats,
     }
 
@@ -284,7 +307,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             n = max(30, 6 * c) if quick else max(200, 20 * c)
             per_level.append(await _closed_loop(client, schema, tenants, c, n))
         # 4. request-reply overhead vs in-process (own namespace, engine in this process)
-        overhead = await _overhead(solo, rr_size, 30 if quick else 200)
+        overhead = await _overhead(solo, rr_size, 60 if quick else 200)
 
         out = {
             "group_speedup": group["group_speedup"],

@@ -315,6 +315,53 @@ async def test_an_idle_engine_answers_a_lone_request_at_once(
         assert took_ms < wait_ms / 2, took_ms
 
 
+class ThreadRecordingBackbone:
+    """The real backbone; records the thread each forward ran on."""
+
+    def __init__(self, inner: Backbone) -> None:
+        self.inner = inner
+        self.threads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode_tokens(self, batch: Any, tokens: bool = True) -> Any:
+        self.threads.append(threading.current_thread().name)
+        return self.inner.encode_tokens(batch, tokens)
+
+
+async def test_short_forwards_run_on_the_loop_and_long_ones_on_the_forward_thread(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    """A batch of a size never measured runs on the forward thread; once its forwards are
+    known to be short (median <= inline_forward_ms) it runs on the event loop, with the
+    same actions; a limit below the measured time sends it back to the thread."""
+    module = make_module("acme")
+    await PolicyStore(broker).publish("acme", "default", module, SCHEMA)
+    rec = ThreadRecordingBackbone(backbone)
+    engine = await make_engine(backbone=rec, inline_forward_ms=60_000)
+    client = InferenceClient(broker)
+    loop_thread = threading.current_thread().name
+    forward_thread = f"{engine.instance}-forward"
+    for i in range(3):
+        o = make_obs(i)
+        r = await client.request("acme", schema=SCHEMA, **o)
+        np.testing.assert_allclose(r.actions.to_array(), expected(backbone, module, o), atol=ATOL, rtol=0)
+    assert rec.threads[0].startswith(forward_thread), rec.threads  # not measured yet
+    assert rec.threads[1:] == [loop_thread, loop_thread], rec.threads
+    assert engine.stats.inline_batches == 2
+    # Two rows: another size, measured on the thread first.
+    await client.request("acme", schema=SCHEMA, **make_obs(5, b=2))
+    assert rec.threads[-1].startswith(forward_thread), rec.threads
+    (one_row,) = [k for k in engine._forward_ms if k[1] == 1]  # (backbone key, rows' bit length)
+    est = engine.forward_estimate_ms(one_row)
+    assert est is not None and est > 0
+    engine.inline_forward_ms = est / 2  # the same size is now "long"
+    await client.request("acme", schema=SCHEMA, **make_obs(6))
+    assert rec.threads[-1].startswith(forward_thread), rec.threads
+    assert engine.stats.inline_batches == 2
+
+
 async def test_tenants_take_turns_each_in_fifo_order(
     broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
 ) -> None:
