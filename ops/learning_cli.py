@@ -226,9 +226,8 @@ def _bench_learning(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] or None
     plans = plans_for(args.quick, tasks)
 
-    def log(msg: str) -> None:
-        if not args.json:
-            print(msg, file=sys.stderr, flush=True)
+    def log(msg: str) -> None:  # progress on stderr, also with --json (the JSON is on stdout)
+        print(msg, file=sys.stderr, flush=True)
 
     result = asyncio.run(run_learning(plans, data_dir=args.data_dir, log=log))
     print(json.dumps(result, indent=None if args.json else 2))

@@ -70,6 +70,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.layout import ensure_layout
+from joynexus.broker.subjects import service_api
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
 from joynexus.ops.roles import DEPLOYMENT_ROLES
@@ -337,7 +338,7 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
                 )
             for service in list(pending):
                 with contextlib.suppress(Exception):
-                    await b.nc.request(f"$SRV.PING.{service}", b"", timeout=1)
+                    await b.nc.request(service_api("PING", service), b"", timeout=1)
                     pending.discard(service)
             await asyncio.sleep(0.5)
     finally:
