@@ -61,7 +61,7 @@ from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
-from joynexus.broker.subjects import parse_job_subject
+from joynexus.broker.subjects import CURSOR_KEYS, parse_job_subject
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter, UsageQuery
 from joynexus.schemas.base import decode, encode
@@ -136,7 +136,7 @@ RESERVED_TENANTS = frozenset({"cursor", "version", "global", "applied", "admin",
 _BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
 _TERMINAL = frozenset({JobState.COMPLETED.value, JobState.DROPPED.value, JobState.FAILED.value})
 #: Keys of the workloads bucket that are not workload records.
-_NOT_RECORDS = ("cursor.",)
+_NOT_RECORDS = (CURSOR_KEYS,)
 
 #: Verbs whose body carries data (rows, a spec); every other request is small.
 BIG_VERBS = frozenset({"put_data", "create_workload"})

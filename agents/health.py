@@ -57,7 +57,8 @@ import msgspec
 from joynexus.agents.procs import die_with_parent
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
-from joynexus.broker.subjects import HEALTH_KIND
+from joynexus.broker.headers import TTL
+from joynexus.broker.subjects import ALL_HEARTBEATS, HEALTH_KIND, kv_subject
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +424,7 @@ class Heartbeater:
         self.role, self.instance = role, instance
         self.interval_s = interval_s
         self.key = b.names.heartbeat_key(role, instance)
-        self.subject = f"$KV.{b.names.health_bucket}.{self.key}"
+        self.subject = kv_subject(b.names.health_bucket, self.key)
         self.started_at = time.time()
         self.beats = 0
         self.errors = _ErrorCounter()
@@ -452,7 +453,7 @@ class Heartbeater:
         await b.js.publish(
             self.subject,
             msgspec.json.encode(hb),
-            headers={"Nats-TTL": f"{ttl}s"},
+            headers={TTL: f"{ttl}s"},
             timeout=max(0.25, 0.9 * self.interval_s),
         )
         if self.errors.count > self._reported:
@@ -553,7 +554,7 @@ class HealthManager:
         kill_grace_s: float = 10.0,
         keep_decisions: int = 50,
         mode: Literal["supervise", "watch"] | None = None,
-        watch_keys: str = "hb.>",
+        watch_keys: str = ALL_HEARTBEATS,
         owned_only: bool = False,
     ) -> None:
         """``mode`` defaults to supervise with slots and watch without; a supervisor
@@ -837,10 +838,10 @@ class HealthManager:
                     last_state = now
                     with contextlib.suppress(Exception):
                         await self.b.js.publish(
-                            f"$KV.{self.b.names.health_bucket}."
-                            f"{self.b.names.supervisor_key(self.instance)}",
+                            kv_subject(self.b.names.health_bucket,
+                                       self.b.names.supervisor_key(self.instance)),
                             msgspec.json.encode(self.state()),
-                            headers={"Nats-TTL": f"{max(10, ttl_for(self.core.heartbeat_s) * 4)}s"},
+                            headers={TTL: f"{max(10, ttl_for(self.core.heartbeat_s) * 4)}s"},
                             timeout=1.0,
                         )
         finally:

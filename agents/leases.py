@@ -35,15 +35,14 @@ import msgspec
 from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
 
 from joynexus.broker.connection import Broker
-from joynexus.broker.eventlog import WRONG_LAST_SEQUENCE
+from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE
+from joynexus.broker.headers import EXPECTED_LAST_SUBJECT_SEQ, TTL
+from joynexus.broker.subjects import kv_subject
 from joynexus.schemas.errors import Unavailable
 
 __all__ = ["Deposed", "LeaseRecord", "RoleLease", "host_id"]
 
 log = logging.getLogger(__name__)
-
-H_TTL = "Nats-TTL"
-H_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
 
 
 def host_id() -> str:
@@ -77,7 +76,7 @@ class RoleLease:
         self.holder = holder
         self.ttl_s = int(ttl_s)
         self.key = b.names.lease_key(role)
-        self.subject = f"$KV.{b.names.health_bucket}.{self.key}"
+        self.subject = kv_subject(b.names.health_bucket, self.key)
         self._seq = 0  # sequence of our last write of the lease key
         self.epoch_seq = 0
         self.acquired_at = 0.0
@@ -119,7 +118,7 @@ class RoleLease:
         ack = await self.b.js.publish(
             self.subject,
             msgspec.json.encode(rec),
-            headers={H_TTL: f"{self.ttl_s}s", H_EXPECTED_SEQ: str(expected)},
+            headers={TTL: f"{self.ttl_s}s", EXPECTED_LAST_SUBJECT_SEQ: str(expected)},
         )
         return int(ack.seq)
 

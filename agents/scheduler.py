@@ -36,8 +36,9 @@ from joynexus.agents.lifecycle import SchedulerCore
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
+from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.broker.layout import LayoutOptions, ensure_layout
-from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
@@ -71,7 +72,7 @@ from joynexus.schemas.scheduler import (
 
 log = logging.getLogger(__name__)
 
-LIMITS_KEY = "_global.limits"
+LIMITS_KEY = GLOBAL_LIMITS_KEY
 MAX_WAIT_S = 25.0
 
 _REQUEST_TYPES: dict[str, type[Any]] = {
@@ -221,7 +222,7 @@ class SchedulerAgent:
             entry = await self._kv.get(key)
             if key == LIMITS_KEY:
                 self.core.limits = decode(entry.value, GlobalLimits)
-            elif key.startswith("version."):
+            elif key.startswith(VERSION_KEYS):
                 _, tenant, policy_key = key.split(".", 2)
                 self.core.versions[f"{tenant}.{policy_key}"] = int(entry.value)
             else:
@@ -266,8 +267,8 @@ class SchedulerAgent:
             reply = Reply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
         if reply.error is not None:
             headers = {
-                "Nats-Service-Error": reply.error.message[:200],
-                "Nats-Service-Error-Code": "400",
+                SERVICE_ERROR: reply.error.message[:200],
+                SERVICE_ERROR_CODE: "400",
             }
         with contextlib.suppress(Exception):
             await request.respond(encode(reply), headers=headers or None)
@@ -467,7 +468,7 @@ class SchedulerAgent:
     async def _on_set_version(self, req: SetVersionRequest) -> Reply:
         key = f"{req.tenant_id}.{req.policy_key}"
         version = max(self.core.versions.get(key, 0), req.version)
-        await self._kv.put(f"version.{key}", str(version).encode())
+        await self._kv.put(Names.version_key(req.tenant_id, req.policy_key), str(version).encode())
         self.core.versions[key] = version
         return Reply(count=version)
 

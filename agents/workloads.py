@@ -38,6 +38,7 @@ from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, modu
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.subjects import CURSOR_KEYS, Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
@@ -313,7 +314,7 @@ class SFTProducer:
         return await self.b.js.key_value(self.b.names.workloads_bucket)
 
     def _cursor_key(self) -> str:
-        return f"{CURSOR_PREFIX}{self.tenant}.{self.spec.name}"
+        return Names.cursor_key(self.tenant, self.spec.name)
 
     async def run(self, stop: asyncio.Event) -> None:
         from joynexus.agents.envs.lerobot_data import load_dataset
@@ -401,9 +402,6 @@ def _take(ds: Any, idx: list[int]) -> list[dict[str, Any]]:
     return [ds[i] for i in idx]
 
 
-CURSOR_PREFIX = "cursor."
-
-
 async def watch_workloads(
     b: Broker, stop: asyncio.Event, *, idle: Any = None
 ) -> AsyncIterator[tuple[str, WorkloadRecord]]:
@@ -417,7 +415,7 @@ async def watch_workloads(
                 entry = await watcher.updates(timeout=0.5)
             except Exception:  # nothing new within the timeout
                 entry = None
-            if entry is None or not entry.value or entry.key.startswith(CURSOR_PREFIX):
+            if entry is None or not entry.value or entry.key.startswith(CURSOR_KEYS):
                 if idle is not None:
                     idle()
                 continue

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 from joynexus.broker.connection import Broker
+from joynexus.broker.headers import NUM_PENDING, SEQUENCE
+from joynexus.broker.subjects import JS_API
 from joynexus.schemas.errors import Unavailable
 
 #: Records per direct-get round trip.
@@ -30,7 +32,7 @@ async def read_subject(
     ``limit``: ``([(stream seq, payload), ...], last seq seen)``, one round trip
     per ``batch`` records. The last seq is ``start_seq - 1`` when none was found."""
     nc = b.nc
-    prefix = getattr(b.js, "_prefix", "$JS.API")
+    prefix = getattr(b.js, "_prefix", JS_API)
     api = b.names.direct_get(stream, prefix)
     items: list[tuple[int, bytes]] = []
     last = start_seq - 1
@@ -52,13 +54,13 @@ async def read_subject(
                 if status == "404":
                     break
                 if status == "204":  # end of batch: more may remain
-                    more = int(hdrs.get("Nats-Num-Pending", "0")) > 0
+                    more = int(hdrs.get(NUM_PENDING, "0")) > 0
                     break
                 if status is not None:
                     raise Unavailable(
                         f"direct get on {stream} failed: {status} {hdrs.get('Description', '')}"
                     )
-                seq = int(hdrs["Nats-Sequence"])
+                seq = int(hdrs[SEQUENCE])
                 items.append((seq, msg.data))
                 last = seq
             if not more:

@@ -24,6 +24,12 @@ from nats.js.errors import APIError, NotFoundError
 
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_IN_FLIGHT
+from joynexus.broker.headers import (
+    EXPECTED_LAST_SUBJECT_SEQ,
+    EXPECTED_LAST_SUBJECT_SEQ_SUBJECT,
+    MSG_ID,
+)
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError, Unavailable
@@ -31,14 +37,6 @@ from joynexus.schemas.jobs import JobEvent
 
 log = logging.getLogger(__name__)
 
-WRONG_LAST_SEQUENCE = 10071
-#: The clustered form: an expectation that cannot be checked while a message it
-#: covers is still in flight (JSStreamWrongLastSequenceConstantErr).
-WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
-
-H_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
-H_EXPECTED_SUBJ = "Nats-Expected-Last-Subject-Sequence-Subject"
-H_MSG_ID = "Nats-Msg-Id"
 
 
 @dataclass(frozen=True)
@@ -98,9 +96,9 @@ class JobEventLog:
         )
         headers = tracing.inject(
             {
-                H_EXPECTED_SEQ: str(guard_seq),
-                H_EXPECTED_SUBJ: guard_subject,
-                H_MSG_ID: msg_id,
+                EXPECTED_LAST_SUBJECT_SEQ: str(guard_seq),
+                EXPECTED_LAST_SUBJECT_SEQ_SUBJECT: guard_subject,
+                MSG_ID: msg_id,
             }
         )
         try:
@@ -109,7 +107,7 @@ class JobEventLog:
             if e.err_code != WRONG_LAST_SEQUENCE:
                 raise
             last = await self.last_raw(job.tenant_id, job.job_id)
-            if last is not None and (last.headers or {}).get(H_MSG_ID) == msg_id:
+            if last is not None and (last.headers or {}).get(MSG_ID) == msg_id:
                 return Appended(seq=last.seq or 0, duplicate=True)
             if fence is not None:
                 raise Fenced(

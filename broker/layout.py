@@ -22,11 +22,10 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from joynexus.broker.connection import Broker
+from joynexus.broker.errcodes import STREAM_NAME_IN_USE
 from joynexus.schemas.errors import InvalidSpec
 
 DAY = 24 * 3600.0
-#: JetStream: "stream name already in use with a different configuration".
-STREAM_NAME_IN_USE = 10058
 
 
 def _default_replicas() -> int:

@@ -34,7 +34,29 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.broker.subjects import API, INFER, Names
+from joynexus.broker.subjects import (
+    ADMIN,
+    ALL_ADMIN_INBOXES,
+    ALL_INBOXES,
+    ALL_JS_ACKS,
+    ALL_JS_API,
+    ALL_JS_FLOW_CONTROL,
+    ALL_KV,
+    ALL_OBJECTS,
+    ALL_SERVICES,
+    API,
+    INFER,
+    JOB,
+    LEASE,
+    METRICS,
+    SCHED,
+    TQ,
+    Names,
+    any_namespace,
+    kv_stream,
+    kv_subject,
+    stream_api,
+)
 
 #: bcrypt cost: each connection's password check costs ~2^cost hash rounds on the
 #: server. The minimum (4): every password is 144 random bits (new_password), which
@@ -44,15 +66,14 @@ BCRYPT_ROUNDS = 4
 
 
 def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
-    ns = names.namespace
     return {
-        "publish": {"allow": [f"{ns}.{API}.{tenant_id}.*", f"{ns}.{INFER}.*.{tenant_id}"]},
+        "publish": {"allow": [names.api(tenant_id, "*"), names.tenant_infer(tenant_id)]},
         "subscribe": {"allow": [f"{names.inbox_prefix(tenant_id)}.>"]},
     }
 
 
 #: Subject tokens after a namespace that the service publishes on.
-_SERVICE_TOKENS = ("job", "tq", "sched", "metrics", "infer", "api", "lease")
+_SERVICE_TOKENS = (JOB, TQ, SCHED, METRICS, INFER, API, LEASE)
 
 
 def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,
@@ -60,37 +81,37 @@ def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,
     """What the agents may publish: a list, not "everything but admin". With
     ``control`` (the control plane's identity) also the identities buckets."""
     allow = [
-        "$JS.API.>",  # JetStream: streams, consumers, KV and object store management
-        "$JS.ACK.>",  # acks (nats-py publishes them to the message's reply subject)
-        "$JS.FC.>",  # flow-control replies of push consumers
-        "$KV.>",
-        "$O.>",
-        "_INBOX.>",
-        "$SRV.>",
-        *(f"*.{tok}.>" for tok in _SERVICE_TOKENS),
+        ALL_JS_API,  # JetStream: streams, consumers, KV and object store management
+        ALL_JS_ACKS,  # acks (nats-py publishes them to the message's reply subject)
+        ALL_JS_FLOW_CONTROL,  # flow-control replies of push consumers
+        ALL_KV,
+        ALL_OBJECTS,
+        ALL_INBOXES,
+        ALL_SERVICES,
+        *(any_namespace(tok) for tok in _SERVICE_TOKENS),
     ]
-    deny = ["*.admin.>", "$JS.API.STREAM.DELETE.>"]
+    deny = [any_namespace(ADMIN), stream_api("DELETE", ">")]
     for ns in sorted(set(namespaces)):
         n = Names(ns)
-        deny += [f"$JS.API.STREAM.PURGE.{n.jobs_stream}",
-                 f"$JS.API.STREAM.MSG.DELETE.{n.jobs_stream}"]
+        deny += [stream_api("PURGE", n.jobs_stream), stream_api("MSG.DELETE", n.jobs_stream)]
         if not control:
             ids = n.identities_bucket
-            deny += [f"$KV.{ids}.>", f"$JS.API.STREAM.PURGE.KV_{ids}",
-                     f"$JS.API.STREAM.MSG.DELETE.KV_{ids}"]
+            deny += [kv_subject(ids, ">"), stream_api("PURGE", kv_stream(ids)),
+                     stream_api("MSG.DELETE", kv_stream(ids))]
     return {
         "publish": {"allow": allow, "deny": deny},
-        "subscribe": {"allow": [">"], "deny": ["_INBOX.*._admin.>"]},
+        "subscribe": {"allow": [">"], "deny": [ALL_ADMIN_INBOXES]},
     }
 
 
 def responder_permissions() -> dict[str, Any]:
     """The request servers' answering connection: inboxes only."""
     return {
-        "publish": {"allow": ["_INBOX.>"]},
+        "publish": {"allow": [ALL_INBOXES]},
         "subscribe": {
-            "allow": [f"*.{API}.*.*", "*.admin.*", f"*.{INFER}.*.*", "$SRV.>", "_INBOX.>"],
-            "deny": ["_INBOX.*._admin.>"],
+            "allow": [any_namespace(API, "*.*"), any_namespace(ADMIN, "*"),
+                      any_namespace(INFER, "*.*"), ALL_SERVICES, ALL_INBOXES],
+            "deny": [ALL_ADMIN_INBOXES],
         },
     }
 
@@ -146,7 +167,7 @@ class Refusal:
 
     def tenant(self, names: Names) -> str:
         """The tenant behind the user, or ``_`` for a non-tenant user."""
-        prefix = f"{names.namespace}."
+        prefix = names.tenant_user("")
         return self.user[len(prefix) :] if self.user.startswith(prefix) else "_"
 
 

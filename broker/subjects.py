@@ -1,6 +1,9 @@
 """Every name on the wire: subjects, streams, consumers, buckets, services.
 
-Nothing else in the code base writes a subject string. All names hang off a
+Nothing else in the code base writes a subject string or a KV key (stream,
+bucket and consumer configs are in ``broker/layout.py``, header names in
+``broker/headers.py``, JetStream error codes in ``broker/errcodes.py``;
+tests/test_names.py checks it). All names hang off a
 :class:`Names` object whose ``namespace`` (default ``jnx``) prefixes them, so
 several deployments (or tests) can share one server without seeing each
 other. With the default namespace an operator sees::
@@ -35,6 +38,62 @@ TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
 HEALTH_KIND = "health"
 LEASE = "lease"
+
+# KV key prefixes: the health bucket's heartbeats and supervisor states, the
+# workloads bucket's producer cursors, the tenants bucket's policy versions.
+HEARTBEAT_KEYS = "hb."
+ALL_HEARTBEATS = f"{HEARTBEAT_KEYS}>"
+SUPERVISOR_KEYS = "mgr."
+LEASE_KEYS = "lease."
+#: An environment worker's assignment (agents/envworkers.py).
+ASSIGNMENT_KEYS = "env."
+CURSOR_KEYS = "cursor."
+VERSION_KEYS = "version."
+#: The tenants bucket's global admission limits.
+GLOBAL_LIMITS_KEY = "_global.limits"
+
+# The server's own subjects: the JetStream, KV, object store and micro-service APIs
+# and inboxes (what the service identities may use; ``broker/permissions.py``).
+JS_API = "$JS.API"
+ALL_JS_API = f"{JS_API}.>"
+ALL_JS_ACKS = "$JS.ACK.>"
+ALL_JS_FLOW_CONTROL = "$JS.FC.>"
+ALL_KV = "$KV.>"
+ALL_OBJECTS = "$O.>"
+ALL_SERVICES = "$SRV.>"
+ALL_INBOXES = "_INBOX.>"
+#: Every namespace's operator inboxes (``Names.admin_inbox_prefix``).
+ALL_ADMIN_INBOXES = "_INBOX.*._admin.>"
+#: JetStream's advisory when a stream (e.g. ``KV_<NS>_IDENTITIES``) is created.
+STREAM_CREATED_ADVISORIES = "$JS.EVENT.ADVISORY.STREAM.CREATED.*"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a KV put of ``key`` publishes to (a raw publish can carry headers
+    such as a per-message TTL, which nats-py's ``kv.put`` cannot)."""
+    return f"$KV.{bucket}.{key}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a KV bucket."""
+    return f"KV_{bucket}"
+
+
+def stream_api(op: str, stream: str) -> str:
+    """A JetStream stream API subject, e.g. ``stream_api("PURGE", "JNX_JOBS")``
+    (``op``: ``PURGE``, ``DELETE``, ``MSG.DELETE``, ...; ``stream`` may be ``>``)."""
+    return f"{JS_API}.STREAM.{op}.{stream}"
+
+
+def service_api(verb: str, service: str) -> str:
+    """A micro-service discovery subject, e.g. ``service_api("PING", "jnx-sched")``."""
+    return f"$SRV.{verb}.{service}"
+
+
+def any_namespace(token: str, tail: str = ">") -> str:
+    """``*.<token>.<tail>``: a subject of this layout in every namespace."""
+    return f"*.{token}.{tail}"
+
 
 SCHEDULER_VERBS = (
     "reserve",
@@ -187,6 +246,16 @@ class Names:
     def workload_key(tenant_id: str, name: str) -> str:
         return f"{tenant_id}.{name}"
 
+    @staticmethod
+    def cursor_key(tenant_id: str, name: str) -> str:
+        """Key in the workloads bucket of an SFT producer's dataset cursor."""
+        return f"{CURSOR_KEYS}{tenant_id}.{name}"
+
+    @staticmethod
+    def version_key(tenant_id: str, policy_key: str) -> str:
+        """Key in the tenants bucket of a policy's current version (``set_version``)."""
+        return f"{VERSION_KEYS}{tenant_id}.{policy_key}"
+
     @property
     def inference_service(self) -> str:
         return f"{self.namespace}-infer"
@@ -198,6 +267,10 @@ class Names:
         The tenant is a subject token so the broker can fence it: a tenant may
         publish only to its own, and the engine checks the payload against it."""
         return f"{self.namespace}.{INFER}.{model_token(base_model)}.{tenant_id}"
+
+    def tenant_infer(self, tenant_id: str) -> str:
+        """Every base model's inference subject of one tenant (what it may publish to)."""
+        return f"{self.namespace}.{INFER}.*.{tenant_id}"
 
     @staticmethod
     def policy_key(tenant_id: str, policy_key: str) -> str:
@@ -232,7 +305,7 @@ class Names:
     @staticmethod
     def lease_key(role: str) -> str:
         """Key in the health bucket of the lease on a single-instance role."""
-        return f"lease.{role}"
+        return f"{LEASE_KEYS}{role}"
 
     def lease_epoch(self, role: str) -> str:
         """Subject (in the jobs stream) of the epoch a new holder writes on taking over;
@@ -261,13 +334,18 @@ class Names:
         return f"{self.namespace}.{TQ}.{tenant_id}.{partition_id}.{TQ_CONSUMED}.{task_name}"
 
     @staticmethod
-    def direct_get(stream: str, api_prefix: str = "$JS.API") -> str:
+    def direct_get(stream: str, api_prefix: str = JS_API) -> str:
         """JetStream's direct-get API subject for ``stream`` (batched reads)."""
         return f"{api_prefix}.DIRECT.GET.{stream}"
 
     @property
     def all_tq(self) -> str:
         return f"{self.namespace}.{TQ}.>"
+
+    @property
+    def all_tq_indexes(self) -> str:
+        """The index records of every Training Queue partition."""
+        return f"{self.namespace}.{TQ}.*.*.{TQ_INDEX}"
 
     # -- the scheduler API
     def sched(self, verb: str) -> str:
@@ -291,12 +369,17 @@ class Names:
     @staticmethod
     def heartbeat_key(role: str, instance: str) -> str:
         """Key of one agent's heartbeat (per-message TTL): ``hb.<role>.<instance>``."""
-        return f"hb.{role}.{instance}"
+        return f"{HEARTBEAT_KEYS}{role}.{instance}"
+
+    @staticmethod
+    def heartbeats(role: str = "*") -> str:
+        """KV filter of every heartbeat (of one ``role``): ``hb.>`` / ``hb.<role>.>``."""
+        return ALL_HEARTBEATS if role == "*" else f"{HEARTBEAT_KEYS}{role}.>"
 
     @staticmethod
     def supervisor_key(instance: str) -> str:
         """Key of a health manager's state (its slots and recent decisions)."""
-        return f"mgr.{instance}"
+        return f"{SUPERVISOR_KEYS}{instance}"
 
     @property
     def health_events(self) -> str:

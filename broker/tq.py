@@ -34,6 +34,8 @@ from nats.js.errors import APIError, NotFoundError
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.direct import read_subject
+from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE
+from joynexus.broker.headers import EXPECTED_LAST_SUBJECT_SEQ
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     Conflict,
@@ -63,8 +65,6 @@ MiB = 1024 * 1024
 DEFAULT_MAX_PARTITION_BYTES = 256 * MiB
 #: Room left in a message for the subject and headers (traceparent, TTL, chunk header).
 HEADER_MARGIN = 16 * 1024
-#: JetStream error code of a failed compare-and-append ("wrong last sequence").
-WRONG_LAST_SEQUENCE = 10071
 #: Compare-and-append attempts before giving up; each failed round means another
 #: writer succeeded, so this bounds the number of writers racing on one subject.
 MAX_APPEND_ATTEMPTS = 64
@@ -77,7 +77,6 @@ REQUEST_TIMEOUT_S = 10.0
 #: Kinds of numpy dtypes that travel as raw bytes (bool, ints, floats, complex).
 _RAW_KINDS = "biufc"
 _FIELD = re.compile(r"^[a-z0-9_]{1,64}$")
-_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 
 ArrayLike = Any
 T = TypeVar("T")
@@ -581,7 +580,7 @@ class TrainingQueue:
         """Publish with TTL and trace context; returns the stream sequence."""
         hdrs = tracing.inject(headers if headers is not None else {})
         if expect_last_subject_seq is not None:
-            hdrs[_EXPECTED_LAST_SUBJECT_SEQ] = str(expect_last_subject_seq)
+            hdrs[EXPECTED_LAST_SUBJECT_SEQ] = str(expect_last_subject_seq)
         try:
             ack = await self.broker.js.publish(subject, payload,  # type: ignore[arg-type]
                                                timeout=REQUEST_TIMEOUT_S, headers=hdrs,

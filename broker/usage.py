@@ -308,7 +308,7 @@ def _sources(b: Broker) -> dict[str, tuple[str, str]]:
     n = b.names
     return {
         "metrics": (n.metrics_stream, n.metrics("system", "*")),
-        "tq": (n.tq_stream, f"{n.namespace}.tq.*.*.idx"),
+        "tq": (n.tq_stream, n.all_tq_indexes),
         "jobs": (n.jobs_stream, n.all_jobs),
     }
 

@@ -41,7 +41,7 @@ from joynexus.broker.permissions import (
     service_permissions,
     tenant_permissions,
 )
-from joynexus.broker.subjects import Names
+from joynexus.broker.subjects import STREAM_CREATED_ADVISORIES, Names, kv_subject
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import (
@@ -55,8 +55,7 @@ from joynexus.schemas.jobs import check_name
 log = logging.getLogger(__name__)
 
 AUTH_FILE = "auth.conf"
-#: JetStream's advisory when a stream (e.g. ``KV_<NS>_IDENTITIES``) is created.
-STREAM_CREATED = "$JS.EVENT.ADVISORY.STREAM.CREATED.*"
+STREAM_CREATED = STREAM_CREATED_ADVISORIES
 CREDS_DIR = "credentials"
 
 
@@ -441,7 +440,7 @@ class AuthSync:
                 Broker(nc=self.b.nc, js=self.b.js, names=names),
                 "_",
                 action="identity_record",
-                subject=f"$KV.{bucket}.{key}",
+                subject=kv_subject(bucket, key),
                 reason=f"identity record not applied: {why}",
                 source="auth-sync",
                 key=key,

@@ -53,7 +53,7 @@ import numpy as np
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
-from joynexus.broker.subjects import Names
+from joynexus.broker.subjects import Names, kv_subject, stream_api
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import JoyNexusError, PermissionDenied, error_from_code
 from joynexus.schemas.jobs import JobState
@@ -757,12 +757,12 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
     await vraw.nc.subscribe(victim_inbox, cb=on_inbox)  # exactly the target, not bolt's own
     await vraw.nc.flush()
     targets = [
-        f"$JS.API.STREAM.PURGE.{n.jobs_stream}",
-        f"$JS.API.STREAM.DELETE.{n.tq_stream}",
-        f"$KV.{n.workloads_bucket}.{vkey}",
-        f"$KV.{n.policy_bucket}.{n.policy_key(victim, VICTIM_WORKLOAD)}",
+        stream_api("PURGE", n.jobs_stream),
+        stream_api("DELETE", n.tq_stream),
+        kv_subject(n.workloads_bucket, vkey),
+        kv_subject(n.policy_bucket, n.policy_key(victim, VICTIM_WORKLOAD)),
         n.metrics("security", victim),
-        f"$KV.{n.identities_bucket}.evil",
+        kv_subject(n.identities_bucket, "evil"),
         victim_inbox,
     ]
     raw = await dep.raw(attacker)
@@ -1343,7 +1343,7 @@ async def attack_service_reads_admin_inbox(
     svc = dep.service_creds
     if svc is None:
         return AttackResult(False, "no service credentials to try with")
-    prefix = getattr(dep.names, "admin_inbox_prefix", f"_INBOX.{dep.namespace}._admin")
+    prefix = dep.names.admin_inbox_prefix
     r = await dep.raw_as(svc.user or "", svc.password or "")
     got: list[Any] = []
 
@@ -1351,8 +1351,7 @@ async def attack_service_reads_admin_inbox(
         got.append(msg)
 
     try:
-        for subject in (f"{prefix}.>", f"_INBOX.{dep.namespace}._admin.>"):
-            await r.nc.subscribe(subject, cb=on_msg)
+        await r.nc.subscribe(f"{prefix}.>", cb=on_msg)
         await r.nc.flush()
         await list_tenants(dep.admin)  # an operator request: its reply goes to that inbox
         for _ in range(50):  # the server's error arrives asynchronously

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from joynexus.broker.subjects import service_api
 from joynexus.ops.roles import ROLES
 
 
@@ -170,7 +171,7 @@ async def wait_answering(
                         b, by="launcher", call_timeout_s=1.0, deadline_s=1.0  # type: ignore[arg-type]
                     ).snapshot()
                 elif role in services:
-                    await b.nc.request(f"$SRV.PING.{services[role]}", b"", timeout=1.0)  # type: ignore[attr-defined]
+                    await b.nc.request(service_api("PING", services[role]), b"", timeout=1.0)  # type: ignore[attr-defined]
                 answered.add(role)
             except Exception:
                 pass

@@ -15,6 +15,7 @@ from nats.js.errors import NotFoundError
 
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
+from joynexus.broker.subjects import ASSIGNMENT_KEYS, SUPERVISOR_KEYS, service_api
 from joynexus.schemas.errors import Unavailable
 
 
@@ -61,7 +62,7 @@ async def collect(b: Broker) -> dict[str, Any]:
                 for e in r.get("endpoints", [])
             ],
         }
-        for r in await _gather_replies(b, f"$SRV.STATS.{b.names.inference_service}")
+        for r in await _gather_replies(b, service_api("STATS", b.names.inference_service))
     ]
     out["agents"] = await _heartbeats(b)
     out["env_workers"] = env_workers(out["agents"].get("managers", []))
@@ -193,10 +194,10 @@ async def _heartbeats(b: Broker) -> dict[str, Any]:
                 break
             with contextlib.suppress(ValueError):
                 value = json.loads(entry.value)
-                if entry.key.startswith("mgr."):  # a health manager: its slots and decisions
+                if entry.key.startswith(SUPERVISOR_KEYS):  # a health manager: its slots and decisions
                     managers.append(value)
                     continue
-                if entry.key.startswith("env."):  # an environment worker's assignment
+                if entry.key.startswith(ASSIGNMENT_KEYS):  # an environment worker's assignment
                     continue
                 value["age_s"] = round(now - float(value.get("at", now)), 1)
                 out.append(value)

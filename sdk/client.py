@@ -34,6 +34,7 @@ from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials, from_env_or_file
 from joynexus.broker.inference_client import InferenceClient
+from joynexus.broker.subjects import Names
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
@@ -158,7 +159,7 @@ class Client:
             name=f"sdk-{tenant}",
             namespace=namespace,
             credentials=creds,
-            inbox_prefix=f"_INBOX.{namespace}.{tenant}",
+            inbox_prefix=Names(namespace).inbox_prefix(tenant),
         )
         return cls(broker, tenant, timeout_s=timeout_s)
 

@@ -1,0 +1,12 @@
+"""JetStream API error codes the code base decides on (``APIError.err_code``), in one
+place as nats.py keeps its errors in ``nats.js.errors``."""
+
+from __future__ import annotations
+
+#: "wrong last sequence": a compare-and-append or a KV update met a newer message.
+WRONG_LAST_SEQUENCE = 10071
+#: The clustered form: an expectation that cannot be checked while a message it
+#: covers is still in flight (JSStreamWrongLastSequenceConstantErr).
+WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
+#: "stream name already in use with a different configuration".
+STREAM_NAME_IN_USE = 10058
