@@ -7,9 +7,10 @@ optimistically, append it to the log, then commit it with its stream
 sequence or revert it. Replaying the log's latest event per job through
 :meth:`SchedulerCore.load` rebuilds the same state after a restart.
 
-Lifecycle (RL may insert the actor_forward stage before advantages)::
+Lifecycle (bracketed steps are optional; an RL job may take actor_forward, then advantages)::
 
-    reserved -> [producing] -> [needs_advantages -> computing_advantages] -> ready
+    reserved -> [producing] -> [needs_actor_forward -> computing_actor_forward]
+             -> [needs_advantages -> computing_advantages] -> ready
              -> leased -> completed          (leased -> ready when a lease expires)
     any non-terminal -> dropped | failed
 """
