@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol, Self
 import numpy as np
 
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+from joynexus.schemas.samples import ACTION, OBS_IMAGES, OBS_STATE, tq_field
 
 # --- environment for the Vulkan loader, before sapien is imported anywhere ---
 
@@ -67,10 +68,8 @@ def configure_cpu_rendering() -> str | None:
 
 configure_cpu_rendering()
 
-# Key names shared with LeRobot datasets (lerobot.utils.constants spells them the same).
-OBS_STATE = "observation.state"
-OBS_IMAGES = "observation.images"
-ACTION = "action"
+# Key names shared with LeRobot datasets (lerobot.utils.constants spells them the same;
+# the observation and action keys live in joynexus.schemas.samples).
 TASK = "task"
 
 ObsMode = Literal["state", "rgb"]
@@ -697,20 +696,6 @@ _STEP_FIELDS = (
     "episode_seed",
     "chunk_step",
 )
-
-
-def tq_field(key: str) -> str:
-    """The Training Queue field name of an observation key.
-
-    "observation.state" -> "obs_state"; "observation.images.<cam>" -> "obs_image_<cam>".
-    (Training Queue fields become subject tokens: no dots.)
-    """
-    if key == OBS_STATE:
-        return "obs_state"
-    prefix = OBS_IMAGES + "."
-    if key.startswith(prefix):
-        return "obs_image_" + key[len(prefix) :].lower()
-    raise InvalidSpec(f"{key!r} is not an observation key: use {OBS_STATE!r} or '{prefix}<camera>'")
 
 
 def rollout_fields(spec: EnvSpec) -> tuple[str, ...]:
