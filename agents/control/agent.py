@@ -1,0 +1,238 @@
+"""The control plane's agent: serves the micro service ``<ns>-control`` on
+``<ns>.api.<tenant>.<verb>`` (the tenant from the subject, never the payload)
+and ``<ns>.admin.<verb>``, and dispatches each verb to its part: workloads,
+submissions, data gateway, operator API. The door's decisions (whose request,
+how large, which verb) are pure (:mod:`joynexus.agents.control.checks`).
+
+See docs/ARCHITECTURE.md ("Tenant isolation", "Layout and import root").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.js.errors import BucketNotFoundError
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from joynexus.agents.control.base import InitPolicy
+from joynexus.agents.control.checks import (
+    check_admin_verb,
+    oversized,
+    request_type,
+    tenant_of_subject,
+)
+from joynexus.agents.control.data import DataGateway
+from joynexus.agents.control.operator import OperatorAPI
+from joynexus.agents.control.submissions import SubmissionsAPI
+from joynexus.agents.control.workloads import WorkloadsAPI
+from joynexus.agents.datasets import default_root
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import metrics, tracing
+from joynexus.broker.connection import Broker
+from joynexus.broker.kvmirror import KVMirror
+from joynexus.broker.policy import PolicyRecords
+from joynexus.broker.quotas import QuotaBook
+from joynexus.broker.rpc import Responder
+from joynexus.broker.subjects import CURSOR_KEYS
+from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.usage import Meter
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import JoyNexusError, RateLimited
+from joynexus.schemas.identities import AdminReply, TenantRequest
+from joynexus.schemas.inference import decode_msgpack
+from joynexus.schemas.jobs import check_name
+from joynexus.schemas.scheduler import ErrorBody
+from joynexus.schemas.workloads import CONTENT_TYPE, MSGPACK, ApiReply, WorkloadRecord
+
+log = logging.getLogger(__name__)
+
+#: Keys of the workloads bucket that are not workload records.
+_NOT_RECORDS = (CURSOR_KEYS,)
+
+
+class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        init_policy: InitPolicy,
+        instance: str = "control-0",
+        open_job_ttl_s: float = 600.0,
+        datasets_root: str | Path | None = None,
+    ) -> None:
+        self.b = broker
+        self.n = broker.names
+        self.sched = SchedulerClient(broker, by=instance)
+        self.init_policy = init_policy
+        self.instance = instance
+        self._service: Any = None
+        self._kv = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._lock = asyncio.Lock()
+        self._ids = None
+        self._policies = PolicyRecords(broker)
+        self._tq = TrainingQueue(broker)
+        self._ticks = {}
+        self._tick = asyncio.Condition()
+        self._job_sub: Any = None
+        # A job still open after open_job_ttl_s (its client died) is failed: it holds a slot.
+        self.open_job_ttl_s = open_job_ttl_s
+        self._opened = {}
+        self._opened_by = {}
+        self.datasets_root = Path(datasets_root) if datasets_root else default_root()
+        self.quotas = QuotaBook(broker)
+        self.rpc = Responder(
+            broker, "control", limit=lambda t: self.quotas.get(t).max_requests_in_flight
+        )
+        # Workload records, from one watcher over the bucket: key -> record.
+        self._records_mirror = KVMirror(
+            broker, self.n.workloads_bucket, WorkloadRecord,
+            skip=lambda key: key.startswith(_NOT_RECORDS),
+            belongs=lambda key, rec: self.n.workload_key(rec.tenant_id, rec.spec.name) == key,
+        )
+        self._records_by_key = self._records_mirror.values
+        self._tq_bytes = {}
+        # Usage metering (broker.usage): folds busy intervals, queue puts and job ends
+        # into a checkpoint; answers the usage verb (the tenant's own figures only).
+        self.meter = Meter(broker, instance=f"{instance}-meter")
+
+    async def start(self, wait_layout_s: float = 30.0) -> None:
+        # The deployment's layout may still be being made (the server owner's auth
+        # sync runs ensure_layout as the server starts): wait for it a while.
+        deadline = asyncio.get_running_loop().time() + wait_layout_s
+        while True:
+            try:
+                self._kv = await self.b.js.key_value(self.n.workloads_bucket)
+                self._ids = await self.b.js.key_value(self.n.identities_bucket)
+                break
+            except BucketNotFoundError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        self._job_sub = await self.b.nc.subscribe(self.n.all_jobs, cb=self._on_job_event)
+        await self.quotas.start()
+        await self._records_mirror.start(10.0)
+        nc = await self.rpc.connection()
+        self._service = await add_service(
+            nc,
+            name=self.n.control_service,
+            version="0.1.0",
+            description="JoyNexus control plane: tenants' workload specs and slots",
+        )
+        await self._service.add_endpoint(name="api", subject=self.n.all_api, handler=self._handle)
+        await self._service.add_endpoint(
+            name="admin", subject=self.n.all_admin, handler=self._handle_admin
+        )
+        await self.b.nc.flush()  # subscribed on the server before start() returns
+        await nc.flush()
+        self._spawn(self._adopt_open_jobs())
+        self._spawn(self._expire_open_jobs())
+        self._spawn(self.meter.run())
+
+    async def stop(self) -> None:
+        if self._job_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._job_sub.unsubscribe()
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rpc.stop()
+        await self.quotas.stop()
+        await self._records_mirror.stop()
+
+    async def _handle(self, request: Request) -> None:
+        """Check the reply subject and the tenant's in-flight bound; never wait here
+        (nats-py runs one callback at a time per subscription)."""
+        tenant = tenant_of_subject(request.subject)
+        if not self.rpc.allowed(request, tenant):
+            return
+        if tenant is None:
+            self._spawn(self._serve(request, "_"))
+            return
+        verb = request.subject.split(".")[3]
+        # Refused before any decoding: a flood of big bodies costs a length check.
+        error: JoyNexusError | None = oversized(verb, len(request.data or b""), self.b.max_payload)
+        if error is None:
+            try:
+                self.rpc.admit(tenant)
+            except RateLimited as e:
+                error = e
+        if error is not None:
+            reply = ApiReply(error=ErrorBody(code=error.code, message=str(error)))
+            self._spawn(self._reply_now(request, reply))
+            return
+        task = self.rpc.spawn(self._serve(request, tenant))
+        who: str = tenant
+        task.add_done_callback(lambda _t: self.rpc.release(who))
+
+    async def _reply_now(self, request: Request, reply: Any) -> None:
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))
+
+    async def _handle_admin(self, request: Request) -> None:
+        if self.rpc.allowed(request, None):
+            self._spawn(self._serve_admin(request))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, request: Request, tenant: str) -> None:
+        verb = request.subject.split(".")[-1]
+
+        async def call() -> Any:
+            check_name("tenant", tenant)  # a token, never a wildcard
+            kind = request_type(verb)
+            if (request.headers or {}).get(CONTENT_TYPE) == MSGPACK:
+                req = decode_msgpack(request.data, kind, what=f"{verb} request")
+            else:
+                req = decode(request.data or b"{}", kind, what=f"{verb} request")
+            return await getattr(self, f"_{verb}")(tenant, req)
+
+        await self._answer(request, verb, ApiReply, call)
+
+    async def _serve_admin(self, request: Request) -> None:
+        verb = request.subject.split(".")[-1]
+
+        async def call() -> Any:
+            check_admin_verb(verb)
+            req = decode(request.data or b"{}", TenantRequest, what=f"{verb} request")
+            return await getattr(self, f"_{verb}")(req)
+
+        await self._answer(request, verb, AdminReply, call)
+
+    async def _answer(
+        self,
+        request: Request,
+        verb: str,
+        reply_type: type[ApiReply] | type[AdminReply],
+        call: Callable[[], Awaitable[Any]],
+    ) -> None:
+        """Run ``call`` in a span continuing the caller's trace; answer its reply, or
+        the error as ``reply_type(error=...)``; keep serving whatever happens."""
+        try:
+            with tracing.tracer.start_as_current_span(
+                f"control.{verb}", context=tracing.extract(request.headers)
+            ):
+                reply = await call()
+        except JoyNexusError as e:  # clipped: a tenant's 1 MB name is not echoed back
+            reply = reply_type(error=ErrorBody(code=e.code, message=metrics.clip(e, 600)))
+        except Exception:  # a bug: log it, tell the caller only a reference, keep serving
+            ref = uuid.uuid4().hex[:12]
+            log.exception("control request %s failed (ref %s)", metrics.clip(request.subject), ref)
+            reply = reply_type(error=ErrorBody(
+                code="error", message=f"internal error (reference {ref} in the control plane's log)"
+            ))
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))

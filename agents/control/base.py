@@ -1,0 +1,126 @@
+"""What every job of the control plane shares: its state and the lookups of a
+tenant's own workload records and jobs.
+
+:class:`ControlBase` declares the state :class:`~joynexus.agents.control.agent.ControlPlane`
+builds; the workload, submission, data and operator parts are mixins over it.
+See docs/ARCHITECTURE.md ("Layout and import root", "Tenant isolation").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError
+
+from joynexus.agents.control.checks import cancelled, open_jobs_of
+from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import metrics
+from joynexus.broker.connection import Broker
+from joynexus.broker.kvmirror import KVMirror
+from joynexus.broker.policy import PolicyRecords
+from joynexus.broker.quotas import QuotaBook
+from joynexus.broker.rpc import Responder
+from joynexus.broker.subjects import Names
+from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.usage import Meter
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import InvalidSpec, UnknownJob, UnknownTenant
+from joynexus.schemas.jobs import TrainingJob, check_name
+from joynexus.schemas.workloads import WorkloadRecord
+
+#: Publishes version 1 of a new workload's policy; returns its schema signature.
+InitPolicy = Callable[[WorkloadRecord], Awaitable[str]]
+
+
+class ControlBase:
+    b: Broker
+    n: Names
+    sched: SchedulerClient
+    init_policy: InitPolicy
+    instance: str
+    _kv: Any
+    _ids: Any
+    _lock: asyncio.Lock  # one create at a time: slot allocation is check-then-write
+    _policies: PolicyRecords
+    _tq: TrainingQueue
+    # Job events seen per tenant (a core subscription): wakes read_events long-polls.
+    _ticks: dict[str, int]
+    _tick: asyncio.Condition
+    # Jobs a tenant opened and has not closed: job id -> when (monotonic); job id -> tenant.
+    open_job_ttl_s: float
+    _opened: dict[str, float]
+    _opened_by: dict[str, str]
+    #: Where tenants' datasets live (<root>/<tenant>/..., or the quota's own root).
+    datasets_root: Path
+    quotas: QuotaBook
+    rpc: Responder
+    _records_mirror: KVMirror[WorkloadRecord]
+    _records_by_key: dict[str, WorkloadRecord]
+    # Training Queue bytes a tenant put, per open job (released when the job ends).
+    _tq_bytes: dict[str, dict[str, int]]
+    meter: Meter
+
+    async def _put_record(self, rec: WorkloadRecord) -> None:
+        key = self.n.workload_key(rec.tenant_id, rec.spec.name)
+        await self._kv.put(key, encode(rec))
+        self._records_mirror.put(key, rec)
+
+    async def _records(self, tenant: str) -> list[WorkloadRecord]:
+        """The tenant's workload records (from this process's watcher: no server resources)."""
+        return sorted(
+            (r for r in self._records_by_key.values() if r.tenant_id == tenant),
+            key=lambda r: (r.created_at, r.spec.name),
+        )
+
+    async def _get(self, tenant: str, name: str) -> WorkloadRecord:
+        try:
+            check_name("workload", name)
+        except InvalidSpec as e:
+            raise UnknownTenant(f"tenant {tenant!r} has no workload named like that ({e})") from e
+        try:
+            entry = await self._kv.get(self.n.workload_key(tenant, name))
+        except KeyNotFoundError as e:
+            raise UnknownTenant(f"tenant {tenant!r} has no workload {name!r}") from e
+        return decode(entry.value, WorkloadRecord)
+
+    async def _cancel(self, tenant: str, name: str) -> WorkloadRecord:
+        rec = await self._get(tenant, name)
+        if rec.state == "active":
+            rec = cancelled(rec)
+            await self._put_record(rec)
+        return rec
+
+    async def _tenant_job(self, tenant: str, job_id: str, verb: str) -> TrainingJob:
+        """One of the tenant's jobs; another tenant's is refused like an unknown one."""
+        try:
+            job = await self.sched.get_job(job_id)
+        except UnknownJob:
+            job = None
+        if job is not None and job.tenant_id != tenant:
+            await metrics.security(
+                self.b,
+                tenant,
+                action=verb,
+                subject=self.n.api(tenant, verb),
+                reason=f"tenant {tenant!r} named job {job_id!r} of tenant {job.tenant_id!r}",
+                source="control",
+            )
+        if job is None or job.tenant_id != tenant:  # never reveal another tenant's job
+            raise UnknownJob(f"tenant {tenant!r} has no job {job_id!r}")
+        return job
+
+    def usage(self, tenant: str) -> dict[str, int]:
+        """What ``tenant`` holds now, against its quota (status shows it)."""
+        return {
+            "tq_bytes": sum(self._tq_bytes.get(tenant, {}).values()),
+            "open_jobs": open_jobs_of(self._opened_by, tenant),
+            "requests_in_flight": self.rpc.in_flight.get(tenant, 0),
+        }
+
+    def _forget_open(self, job_id: str) -> str:
+        """Stop the open-job clock of ``job_id``; the tenant that held it ("" if none)."""
+        self._opened.pop(job_id, None)
+        return self._opened_by.pop(job_id, "")

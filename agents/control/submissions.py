@@ -1,0 +1,123 @@
+"""Tenant submissions: the jobs a tenant opens on its own ``source='tenant'``
+workloads (SFT batches, RL rollouts it ran itself), closes or aborts, and the
+clock that fails a job whose client died before closing it.
+
+The rows themselves travel through the data gateway
+(:mod:`joynexus.agents.control.data`). See docs/ARCHITECTURE.md ("Tenant isolation").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from joynexus.agents.control.base import ControlBase
+from joynexus.agents.control.checks import (
+    abort_reason,
+    check_open_job,
+    closed_state,
+    expired,
+    expiry_period_s,
+    open_jobs_of,
+    takes_tenant_data,
+)
+from joynexus.broker.connection import raise_if_cancelled
+from joynexus.schemas.base import decode
+from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.workloads import ApiReply, CloseJob, OpenJob, WorkloadRecord
+
+log = logging.getLogger(__name__)
+
+
+class SubmissionsAPI(ControlBase):
+    async def _open_job(self, tenant: str, req: OpenJob) -> ApiReply:
+        rec = await self._get(tenant, req.workload)
+        spec = rec.spec
+        check_open_job(
+            tenant, req.workload, rec, req.sample_count, self.quotas.get(tenant),
+            open_jobs_of(self._opened_by, tenant),
+        )
+        instruction = spec.instruction
+        if not instruction:
+            from joynexus.agents.workloads import workload_schema
+
+            instruction = (await asyncio.to_thread(workload_schema, spec))[1]
+        job = await self.sched.reserve(
+            tenant,
+            spec.task_type,
+            policy_key=spec.name,
+            domain=spec.env or Path(spec.dataset).name,  # no server path in job records
+            sample_count=req.sample_count,
+            behavior_policy_version=req.behavior_policy_version,
+            producer_role="tenant",
+            metadata=JobMetadata(
+                schema_signature=rec.schema_signature,
+                extra={"instruction": instruction, "advantage": spec.advantage},
+            ),
+        )
+        if job is not None:
+            self._opened[job.job_id] = asyncio.get_running_loop().time()
+            self._opened_by[job.job_id] = tenant
+        return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
+
+    async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
+        job = await self._tenant_job(tenant, req.job_id, "close_job")
+        job = await self.sched.mark(job.job_id, closed_state(job.task_type))
+        self._forget_open(job.job_id)
+        return ApiReply(job=job)
+
+    async def _abort_job(self, tenant: str, req: CloseJob) -> ApiReply:
+        job = await self._tenant_job(tenant, req.job_id, "abort_job")
+        self._forget_open(job.job_id)
+        if job.state != JobState.RESERVED or job.producer_role != "tenant":
+            return ApiReply(job=job)  # closed already (or not the tenant's to give up)
+        return ApiReply(job=await self.sched.fail(job.job_id, abort_reason(req.reason)))
+
+    async def _adopt_open_jobs(self) -> None:
+        """Start the clock for tenant jobs opened before this control plane started
+        (a restart must not let a dead client's job hold its slot forever)."""
+        try:
+            keys = await self._kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return
+        now = asyncio.get_running_loop().time()
+        for key in keys:
+            try:
+                entry = await self._kv.get(key)
+                rec = decode(entry.value, WorkloadRecord)
+                if not takes_tenant_data(rec.spec):
+                    continue
+                jobs = await self.sched.list_jobs(
+                    rec.tenant_id, policy_key=rec.spec.name, states=[JobState.RESERVED]
+                )
+            except Exception as e:  # one unreadable record must not stop the others
+                log.warning("adopting open jobs of %s failed: %s", key, e)
+                continue
+            for job in jobs:
+                if job.producer_role == "tenant":
+                    self._opened.setdefault(job.job_id, now)
+                    self._opened_by.setdefault(job.job_id, job.tenant_id)
+
+    async def _expire_open_jobs(self) -> None:
+        """Fail the jobs tenants opened and never closed (their client died mid-submit)."""
+        every = expiry_period_s(self.open_job_ttl_s)
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(every)
+            now = asyncio.get_running_loop().time()
+            for job_id, opened in expired(self._opened, now, self.open_job_ttl_s):
+                who = self._forget_open(job_id)
+                try:
+                    job = await self.sched.get_job(job_id)
+                    if job.state == JobState.RESERVED:
+                        await self.sched.fail(
+                            job_id,
+                            f"the tenant did not close it within {self.open_job_ttl_s:.0f}s "
+                            "of open_job (its client stopped mid-submit?)",
+                        )
+                except Exception as e:  # the scheduler restarting: try again next round
+                    raise_if_cancelled()
+                    log.warning("expiring open job %s failed: %s", job_id, e)
+                    self._opened[job_id] = opened
+                    self._opened_by[job_id] = who
