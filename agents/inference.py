@@ -199,13 +199,17 @@ class EngineStats:
 #: ``Nats-Service-Error-Code`` of an error reply (micro-service convention: HTTP-like).
 _STATUS_BY_CODE = {PermissionDenied.code: "403"}
 
-#: A batch whose forward is expected (measured: an EWMA per backbone key and power of
-#: two of rows) to take at most this long runs on the event loop instead of the forward
-#: thread. The thread hop costs ~0.3-0.7 ms per batch here (issue 15), a tenth of a 5 ms
-#: forward; holding the loop 5 ms delays no request more than the batching window T
-#: already may, and a longer forward keeps the loop free to take the next batch's
-#: requests meanwhile. A batch of a size not measured yet runs on the thread.
-INLINE_FORWARD_MS = 5.0
+#: A batch whose forward is expected (the median of the last ones of its backbone key
+#: and power of two of rows) to take at most this long runs on the event loop instead
+#: of the forward thread. The hop to the thread and back cost 0.4-1.3 ms per batch on
+#: the 2-core machine (issue 15; more when it is loaded), 3-9% of a 15 ms forward. While
+#: the loop is held no request is taken in, but none could join the running batch
+#: anyway: what a request arriving meanwhile loses is its intake (decode, checks,
+#: ~0.1-0.3 ms) overlapping the forward, so the loop wins while fewer than a few
+#: requests arrive per forward - the light load where a round trip is all latency. A
+#: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
+#: batches of many rows stay on the thread. A size not measured yet runs on the thread.
+INLINE_FORWARD_MS = 15.0
 
 
 def _error_of(e: BaseException) -> InferError:

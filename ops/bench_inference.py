@@ -8,7 +8,9 @@
   agent inference`` code path: B=16, T=5 ms) serves 8 tenants; closed-loop
   clients at rising concurrency report p50/p99 latency, throughput and the
   mean batch size per level. ``rr_p50_ms``/``rr_p99_ms`` are the lowest load
-  level's; ``throughput_rps`` is the best level's.
+  level's; ``throughput_rps`` is the best level's. ``c1_vs_inproc``: the same
+  eight tenants' requests at concurrency 1 alternated with the same calls in this
+  process (same backbone size and heads), and the gap's 95% interval.
 - ``rr_overhead_p50_ms``: request-reply p50 minus the in-process call
   (``inproc_p50_ms``) for the same work (canonicalize + backbone forward +
   head), alternated in one loop with a paired bootstrap 95% interval
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -225,6 +228,46 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     }
 
 
+async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequence[Any],
+                  size: str, repeats: int) -> dict[str, Any]:
+    """Concurrency 1 against the engine process vs the same requests in-process.
+
+    The same sequence (the eight tenants in turn, each with its own head: OFT MLP or
+    flow matching, and the same observations) alternates with an in-process call of the
+    same backbone and heads, so the gap is what serving through NATS and another
+    process adds at concurrency 1, like for like."""
+    import torch
+
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.features import canonicalize_request
+
+    bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
+    obs = [_obs(i) for i in range(16)]
+    n_rr, n_local = itertools.count(), itertools.count()
+
+    async def remote() -> None:
+        i = next(n_rr)
+        await client.request(tenants[i % len(tenants)], schema=schema, timeout_s=30, **obs[i % len(obs)])
+
+    async def local() -> None:
+        i = next(n_local)
+        o = obs[i % len(obs)]
+        fb = canonicalize_request(schema, {k: torch.from_numpy(v) for k, v in o["images"].items()},
+                                  o["instruction"], o["state"])
+        with torch.inference_mode():
+            mods[i % len(mods)].act(bb.encode(fb), fb.state_B_S)
+
+    ts = await benchstats.interleaved_async({"inproc": local, "rr": remote}, repeats=repeats, warmup=8)
+    gap, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
+    return {
+        "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
+        "rr_p50_ms": round(_pct(ts["rr"], 50), 3),
+        "gap_p50_ms": round(gap, 3),
+        "gap_p50_ci95": [round(lo, 3), round(hi, 3)],
+        "repeats": repeats,
+    }
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
@@ -306,7 +349,9 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
         for c in levels:
             n = max(30, 6 * c) if quick else max(200, 20 * c)
             per_level.append(await _closed_loop(client, schema, tenants, c, n))
-        # 4. request-reply overhead vs in-process (own namespace, engine in this process)
+        # 4. concurrency 1 through the engine process vs the same requests in this process
+        c1 = await _c1_gap(client, schema, tenants, mods, rr_size, 60 if quick else 200)
+        # 5. request-reply overhead vs in-process (own namespace, engine in this process)
         overhead = await _overhead(solo, rr_size, 60 if quick else 200)
 
         out = {
@@ -316,6 +361,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             "rr_p50_ms": per_level[0]["p50_ms"],
             "rr_p99_ms": per_level[0]["p99_ms"],
             "rr_by_load": per_level,
+            "c1_vs_inproc": c1,
             "rr_overhead_p50_ms": overhead["rr_overhead_p50_ms"],
             "rr_overhead": overhead,
             "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
