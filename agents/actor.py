@@ -323,6 +323,11 @@ class Actor:
         return [losses[i] for i in range(len(items))]
 
     async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
+        lr = extra_number(job, "learning_rate", 1e-9, 1.0, 0.0)
+        if lr and st.revision is None and not st.applied and st.module.lr != lr:
+            # A module the actor has never stepped (built from a published version, whose
+            # weights do not say how to train them): the workload's learning rate.
+            st.module.set_lr(lr)
         schema = feature_schema_of(st.record)
         fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(s) for s in schema.camera_slots]]
         ppo = job.task_type == "rl" and st.module.gaussian and uses_actor_forward(job)

@@ -267,6 +267,7 @@ class RLProducer:
         extra: dict[str, str] = {}
         if self.spec.exploration_std is not None:
             extra["exploration_std"] = repr(float(self.spec.exploration_std))
+        extra["learning_rate"] = repr(float(self.spec.learning_rate))
         extra["gamma"] = repr(float(self.spec.gamma))
         extra["gae_lambda"] = repr(float(self.spec.gae_lambda))
         if not (self.gaussian and self.spec.advantage == "gae"):
@@ -348,6 +349,9 @@ class RLProducer:
             self.tenant,
             workload=self.spec.name,
             rollout_success=float(out["success"].mean()),
+            # episodes that ended in the rollout, and how many of them succeeded
+            episodes_ended=int(out["dones"].sum()),
+            episodes_succeeded=int((out["success"] & out["dones"]).sum()),
             behavior_version=version,
             mean_reward=float(out["rewards"].mean()),
         )

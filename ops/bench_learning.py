@@ -309,7 +309,7 @@ async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> 
 
 class _RLCurve:
     """What the tenant's RL run reports on the metrics subjects, every 10 updates: the
-    rollouts' success (behaviour policy, with exploration) and the actor's PPO
+    success of the episodes its rollouts ended (behaviour policy, with exploration) and the actor's PPO
     statistics (losses, clip fraction, KL, the adaptive step's learning rate)."""
 
     KEYS = ("policy_loss", "value_loss", "clip_frac", "approx_kl", "kl_after", "lr")
@@ -317,15 +317,16 @@ class _RLCurve:
     def __init__(self, workload: str, every: int = 10) -> None:
         self.workload, self.every = workload, every
         self.rows: list[dict[str, Any]] = []
-        self._rollouts: list[float] = []
+        self._ended = self._succeeded = 0
         self._stats: dict[str, list[float]] = {k: [] for k in self.KEYS}
         self._updates = 0
 
     def take(self, m: dict[str, Any]) -> dict[str, Any] | None:
         if m.get("workload") != self.workload:
             return None
-        if "rollout_success" in m:
-            self._rollouts.append(float(m["rollout_success"]))
+        if "episodes_ended" in m:
+            self._ended += int(m["episodes_ended"])
+            self._succeeded += int(m.get("episodes_succeeded", 0))
         if "loss" in m and "version" in m:
             self._updates += 1
             for k in self.KEYS:
@@ -339,10 +340,13 @@ class _RLCurve:
         def mean(xs: list[float]) -> float | None:
             return round(sum(xs) / len(xs), 6) if xs else None
 
-        row = {"version": version, "rollout_success": mean(self._rollouts),
+        # success of the episodes the rollouts ended (behaviour policy, with exploration)
+        rate = round(self._succeeded / self._ended, 4) if self._ended else None
+        row = {"version": version, "rollout_success": rate, "rollout_episodes": self._ended,
                **{k: mean(v) for k, v in self._stats.items()}}
         self.rows.append(row)
-        self._rollouts, self._stats = [], {k: [] for k in self.KEYS}
+        self._ended = self._succeeded = 0
+        self._stats = {k: [] for k in self.KEYS}
         return row
 
 

@@ -250,3 +250,23 @@ def test_the_adaptive_step_shrinks_the_learning_rate_past_the_target_kl_and_grow
     m = TenantModule("acme", "oft_mlp", CFG, lr=1e-3)
     m.optimizer.param_groups[0]["lr"] = 4e-4
     assert TenantModule.from_state_dict(m.state_dict()).optimizer.param_groups[0]["lr"] == 4e-4
+
+
+def test_the_workload_learning_rate_applies_and_warm_up_leaves_it_alone() -> None:
+    torch.manual_seed(0)
+    m = TenantModule("acme", "oft_mlp", CFG)  # as rebuilt from a published version: lr 1e-3
+    m.set_lr(1e-4)
+    assert [g["lr"] for g in m.optimizer.param_groups] == [1e-4, 1e-3] and m.lr == 1e-4
+    head = m.head
+    assert isinstance(head, OFTMLPHead)
+    feats, state = torch.randn(16, 16), torch.randn(16, 5)
+    with torch.no_grad():
+        taken = head.act(feats, state) + 0.3 * torch.randn(16, CFG.action_horizon, CFG.action_dim)
+        old = head.log_prob(feats, state, taken)
+    for _ in range(3):  # the policy is held: its KL is 0, which must not grow its rate
+        m.stage_ppo(PPOBatch(old_logp_B=old, adv_B=torch.randn(16), returns_B=torch.zeros(16),
+                             policy_coef=0.0, target_kl=0.01))
+        m.train_step(feats, state, taken)
+    assert m.optimizer.param_groups[0]["lr"] == 1e-4
+    with pytest.raises(InvalidSpec):
+        m.set_lr(float("nan"))

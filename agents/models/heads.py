@@ -601,6 +601,14 @@ class TenantModule:
             )
         self._ppo = ppo
 
+    def set_lr(self, lr: float) -> None:
+        """Train at ``lr`` from now on (the policy group; the critic's at least CRITIC_LR)."""
+        if not (lr > 0 and math.isfinite(lr)):
+            raise InvalidSpec(f"TenantModule lr={lr!r}: must be a finite number > 0")
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = max(lr, CRITIC_LR) if group.get("name") == "critic" else lr
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.head.parameters())
 
@@ -691,7 +699,7 @@ class TenantModule:
             self.head.generator.set_state(gen_state)
             raise
         self.optimizer.zero_grad(set_to_none=True)
-        if ppo is not None and ppo.target_kl > 0:
+        if ppo is not None and ppo.target_kl > 0 and ppo.policy_coef > 0:  # not while the critic warms up
             stats = {**stats, **self._adapt_lr(feats_B_D, state_B_S, target, ppo)}
         self.version += 1
         self.last_stats = stats
