@@ -2,7 +2,7 @@
 the Training Queue.
 
 The shapes are checked against the workload's feature schema elsewhere (the
-control plane's ``_check_rows``); ``check_values`` checks what the shapes
+control plane's ``check_rows``, agents/control/checks.py); ``check_values`` checks what the shapes
 cannot: dtypes, that every number is finite, that magnitudes are in the range
 the policy heads are trained for, and that one call carries a sane number of
 rows. It is pure (numpy only) and raises ``InvalidSpec`` (``ShapeMismatch``

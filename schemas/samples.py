@@ -2,7 +2,7 @@
 
 One home (issue 16, item 2) for the keys simulators, datasets, producers, the
 actor, the advantage stage and the control plane share; see
-docs/ARCHITECTURE.md ("Layout and import root", "One home for every name").
+docs/ARCHITECTURE.md ("Layout and import root").
 Training Queue fields become subject tokens, so they carry no dots: an
 observation key maps onto one with :func:`tq_field`.
 """

@@ -10,8 +10,8 @@ tenant's only door to its own data; one module per job.
   weights, videos, usage); :mod:`.operator`: the operator API (tenants);
 - :mod:`.base`: the state they share and the tenant-scoped lookups.
 
-Every tenant input is hostile (issue 11); see docs/ARCHITECTURE.md ("Tenant
-isolation", "Layout and import root").
+Every tenant input is hostile (issue 11); see docs/ARCHITECTURE.md ("Layout and
+import root", "Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

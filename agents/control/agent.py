@@ -4,7 +4,8 @@ and ``<ns>.admin.<verb>``, and dispatches each verb to its part: workloads,
 submissions, data gateway, operator API. The door's decisions (whose request,
 how large, which verb) are pure (:mod:`joynexus.agents.control.checks`).
 
-See docs/ARCHITECTURE.md ("Tenant isolation", "Layout and import root").
+See docs/ARCHITECTURE.md ("Layout and import root",
+"Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ tenant's own workload records and jobs.
 
 :class:`ControlBase` declares the state :class:`~joynexus.agents.control.agent.ControlPlane`
 builds; the workload, submission, data and operator parts are mixins over it.
-See docs/ARCHITECTURE.md ("Layout and import root", "Tenant isolation").
+See docs/ARCHITECTURE.md ("Layout and import root",
+"Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ its own records, names, sizes, pages and slices.
 Each function takes data and returns a decision or raises the tenant's error
 (``InvalidSpec``, ``QuotaExceeded``, ...); none touches the server, so
 ``tests/test_control_checks.py`` tables them alone. The verbs and limits of the
-API are here too. See docs/ARCHITECTURE.md ("Tenant isolation").
+API are here too.
+See docs/ARCHITECTURE.md
+("Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

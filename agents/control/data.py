@@ -4,7 +4,7 @@ rows into its open jobs' Training Queue partitions (``put_data``, checked for
 shape, dtype and range first), its policy versions and weights
 (``get_policy``), evaluation videos (``get_video``) and usage (``usage``).
 
-See docs/ARCHITECTURE.md ("Tenant isolation").
+See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

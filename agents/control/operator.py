@@ -3,7 +3,7 @@ tenant its NATS user (a bcrypt hash stored, never the password), set its
 quota, revoke it (cancelling its active workloads), list tenants. The server's
 auth sync applies a change without a restart; the reply waits until it has.
 
-See docs/ARCHITECTURE.md ("Tenant isolation").
+See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
 """
 
 from __future__ import annotations

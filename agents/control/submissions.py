@@ -3,7 +3,9 @@ workloads (SFT batches, RL rollouts it ran itself), closes or aborts, and the
 clock that fails a job whose client died before closing it.
 
 The rows themselves travel through the data gateway
-(:mod:`joynexus.agents.control.data`). See docs/ARCHITECTURE.md ("Tenant isolation").
+(:mod:`joynexus.agents.control.data`).
+See docs/ARCHITECTURE.md
+("Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 policy version published, the admission policy registered), get, list, cancel.
 
 The checks are pure (:mod:`joynexus.agents.control.checks`); this module does
-the I/O around them. See docs/ARCHITECTURE.md ("Tenant isolation").
+the I/O around them.
+See docs/ARCHITECTURE.md
+("Workloads, from the SDK to a new policy version").
 """
 
 from __future__ import annotations
