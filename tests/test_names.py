@@ -46,8 +46,6 @@ HOMES: dict[str, set[str]] = {
 #: still write these names. Each entry is (file, kind, how many); move the name to
 #: its home and delete the entry (a stale entry fails too, so the list only shrinks).
 KNOWN_EXCEPTIONS: dict[tuple[str, str], int] = {
-    # issue 16 item 1 (one request/reply layer) moves the micro-service error headers
-    ("agents/inference.py", "header"): 2,
     # agents/envworkers.py: ASSIGN_PREFIX ("env.") and the env workers' heartbeat filter
     ("agents/envworkers.py", "kv-key"): 2,
     # ops/bench_faults.py: a health manager's state key read by hand

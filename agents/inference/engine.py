@@ -1,71 +1,14 @@
-"""The Inference Queue: batched, multi-tenant action serving on NATS request-reply.
+"""The engine: the loop around the batcher's choice, one forward per batch, the replies.
 
-An :class:`InferenceEngine` holds the shared frozen backbone and the heads of
-the tenants it serves. It is the NATS micro service ``<ns>-infer`` with one
-endpoint per base model on ``Names.infer(base_model)`` (``<ns>.infer.<model>.*``),
-in a queue group, so several engines (in one process or many) share the load.
-A tenant asks on ``<ns>.infer.<model>.<tenant>``: the broker lets a tenant
-publish only to its own subject, and the engine serves only the tenant the
-subject names. A request whose payload claims another tenant gets a
-``PermissionDenied`` reply (to it alone) and a ``security`` metric event.
-
-Path of a request::
-
-    handler (decode, look up the tenant's head, validate, enqueue; never waits)
-      -> batcher (tenants take turns, each in FIFO order; up to B requests; an idle
-         engine runs at once, a busy one forms the next batch meanwhile)
-      -> ONE preparation of the whole batch (images patchified in one vectorised
-         call, instructions tokenised once per distinct text) and ONE backbone
-         forward over the concatenated rows (on the event loop when forwards of
-         its size are measured short, <= ``inline_forward_ms``; else on the
-         engine's forward thread, so the loop keeps taking requests meanwhile)
-      -> split rows -> each tenant's head at its requested version -> reply
-      -> the batch's busy interval (a metric event, after the replies)
-
-Adaptive batching (issue 15). Every RL environment step waits for one round
-trip, so a lone request must not wait for company that is not coming: an idle
-engine runs what it has at once (one turn of the event loop, so requests that
-arrived together still share the forward). While a batch runs, requests
-accumulate and form the next batch (up to ``max_batch`` = B) the moment it
-ends; ``max_wait_ms`` (T) only bounds how long a request that arrived at a
-busy engine may then still wait for company, counted from when the engine
-could first have run it (so closed-loop clients that split into cohorts, one
-per running batch, merge again instead of alternating half-full batches).
-Batch size therefore follows load: 1 at concurrency 1, B when saturated.
-From Clipper (Crankshaw et al., NSDI'17) we took *delayed batching* - wait at
-most T for a batch to fill - but only under load, where it trades a little
-latency for throughput; not its AIMD search for B (B is fixed per engine: the
-shared forward is what the paper measures, and the queue bound and tenant
-turns keep latency in check). From vLLM's *continuous batching* (Kwon et al.,
-SOSP'23; Orca's iteration-level scheduling) we took that the scheduler never
-waits when it could run: the next batch is formed at the boundary of the
-running one from whatever has arrived. Not its preemption or paged KV: a
-request here is one forward, with no state kept between steps.
-
-Tenants are hostile to each other (issue 11): a request is answered only at
-its requester's own inbox, on the responder connection (inboxes only;
-:mod:`joynexus.broker.rpc`); at most ``max_requests_in_flight`` of a tenant's
-requests are taken at once (``rate_limited`` past it), each within its quota's
-``max_infer_rows`` and ``max_instruction_bytes``; and batches are formed by
-taking turns between tenants (each tenant's own requests in FIFO order), so a
-tenant that queues a thousand requests waits behind itself, not the others.
-
-A request is validated on its own before it joins a batch (tenant, version,
-schema signature, shapes, NaN/inf), so a bad one gets an error reply and never
-touches its batch-mates. If a batch still fails inside the shared forward, the
-batch falls back to one forward per request, so one request cannot fail others.
-
-Policies: the engine watches the policy KV and loads a new version's weights
-before it becomes the "latest" the engine serves; a request pinned to an older
-retained version is served by that version (loaded on demand). Per tenant
-policy, the latest version plus the most recently used others, at most
-``retain_versions`` in all, stay resident.
-
-:class:`EnginePool` scales engines inside one process (scale_up loads every
-tenant's weights before joining the queue group; scale_down drains: nothing
-taken is lost). Across processes the same holds: each ``joynexus agent
-inference`` process is one engine, joining only after it loaded the weights,
-and draining on SIGTERM before it exits.
+An :class:`InferenceEngine` holds the shared frozen backbone and the heads of the
+tenants it serves; it is one endpoint of the NATS micro service ``<ns>-infer``
+(``Names.infer(base_model)``, in a queue group, so engines share the load). The
+handler decodes, checks (:mod:`.admission`) and enqueues, never waits; the batch
+loop runs what :func:`.batcher.choose` says, ONE backbone forward over the
+batch's rows (on the event loop when forwards of its size are measured short,
+else on the engine's forward thread), each tenant's head, the replies, then the
+batch's busy metric. A batch whose shared forward fails falls back to one forward
+per request. See docs/ARCHITECTURE.md ("The Inference Queue").
 """
 
 from __future__ import annotations
@@ -82,97 +25,42 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from nats.micro import add_service
 from nats.micro.request import Request
 from opentelemetry import trace
 
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.models.features import (
-    FeatureBatch,
-    FeatureSchema,
-    TokenFeatures,
-    canonicalize_request,
-    concat_batches,
-    wire_view,
-)
+from joynexus.agents.inference import admission, batcher
+from joynexus.agents.inference.batcher import Pending
+from joynexus.agents.inference.policies import LoadedPolicy, PolicyCache
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.features import TokenFeatures, concat_batches
 from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
-from joynexus.agents.models.heads import TenantModule
-from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
+from joynexus.agents.models.policyio import PolicyStore
+from joynexus.broker import headers as hdr
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-
-# Re-exported: the client is torch-free and lives in the broker layer (the SDK uses it).
-from joynexus.broker.inference_client import InferenceClient
-from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Responder
-from joynexus.broker.subjects import check_token, model_token
+from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
     PermissionDenied,
-    QuotaExceeded,
-    ShapeMismatch,
     Unavailable,
 )
 from joynexus.schemas.inference import (
     BatchInfo,
-    IncompatibleSchema,
     InferError,
     InferRequest,
     InferResult,
     InferTimings,
-    Observation,
-    PolicyRecord,
     TensorBytes,
     decode_msgpack,
     encode_msgpack,
 )
 
-__all__ = [
-    "EnginePool",
-    "InferenceClient",
-    "InferenceEngine",
-    "LoadedPolicy",
-    "run_inference_agent",
-]
-
 log = logging.getLogger(__name__)
-
-PolicyId = tuple[str, str, int]  # (tenant, policy_key, version)
-
-
-@dataclass(frozen=True)
-class LoadedPolicy:
-    """One tenant policy version, resident and ready to decode."""
-
-    record: PolicyRecord
-    schema: FeatureSchema
-    module: TenantModule
-
-    @property
-    def id(self) -> PolicyId:
-        return (self.record.tenant_id, self.record.policy_key, self.record.version)
-
-
-@dataclass
-class _Pending:
-    """A validated request waiting for (or in) a batch."""
-
-    request: Request
-    req: InferRequest
-    policy: LoadedPolicy
-    batch: FeatureBatch
-    noise: torch.Tensor | None
-    key: str  # backbone key: who may share a forward
-    span: Any
-    received: float
-    enqueued: float = 0.0
-    answered: bool = False
-    #: arrived while a batch was running (only such a request may wait for company)
-    busy: bool = False
 
 
 @dataclass
@@ -262,12 +150,14 @@ class InferenceEngine:
         self.stats = EngineStats()
         self.state = "new"  # new -> prepared -> serving -> draining -> stopped
 
-        self._policies: dict[PolicyId, LoadedPolicy] = {}
-        self._used: dict[PolicyId, int] = {}  # last use, for eviction
-        self._uses = itertools.count()
-        self._latest: dict[tuple[str, str], int] = {}
-        self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
-        self._queue: deque[_Pending] = deque()
+        self.cache = PolicyCache(
+            self.policies,
+            backbone,
+            base_model=self.base_model,
+            retain_versions=retain_versions,
+            instance=instance,
+        )
+        self._queue: deque[Pending] = deque()
         self._wake = asyncio.Event()
         self._inflight = 0
         self._running = False  # a batch is in its forward
@@ -304,7 +194,7 @@ class InferenceEngine:
         if self._own_quotas:
             await self.quotas.start()
         ready = asyncio.Event()
-        self._watcher = asyncio.create_task(self._watch_loop(ready), name=f"{self.instance}-watch")
+        self._watcher = asyncio.create_task(self.cache.watch(ready), name=f"{self.instance}-watch")
         self._watcher.add_done_callback(self._watch_ended)
         waiter = asyncio.create_task(ready.wait())
         try:
@@ -393,10 +283,10 @@ class InferenceEngine:
 
     # ------------------------------------------------------------ policies
     def loaded_versions(self, tenant_id: str, policy_key: str = "default") -> list[int]:
-        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, policy_key))
+        return self.cache.loaded_versions(tenant_id, policy_key)
 
     def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
-        return self._latest.get((tenant_id, policy_key))
+        return self.cache.latest_version(tenant_id, policy_key)
 
     def _watch_ended(self, task: asyncio.Task[None]) -> None:
         if self.state in ("prepared", "serving") and not task.cancelled() and task.exception():
@@ -405,103 +295,6 @@ class InferenceEngine:
                 self.instance,
                 task.exception(),
             )
-
-    async def _watch_loop(self, ready: asyncio.Event) -> None:
-        async for rec in self.policies.watch(ready=ready):
-            if rec.base_model != self.base_model:
-                continue
-            try:
-                await self._ensure_loaded(rec)
-            except Exception as e:
-                if not ready.is_set():
-                    raise  # a current version that does not load fails prepare()
-                log.warning(
-                    "engine %s: version %d of %s.%s does not load, keeps serving v%s: %s",
-                    self.instance,
-                    rec.version,
-                    rec.tenant_id,
-                    rec.policy_key,
-                    self._latest.get((rec.tenant_id, rec.policy_key)),
-                    e,
-                )
-                continue
-            self._advance_latest(rec)
-
-    def _advance_latest(self, rec: PolicyRecord) -> None:
-        tk = (rec.tenant_id, rec.policy_key)
-        if rec.version > self._latest.get(tk, 0):
-            self._latest[tk] = rec.version
-            self._evict(tk)
-
-    def _evict(self, tk: tuple[str, str]) -> None:
-        """Keep the latest version and the most recently used others, ``retain_versions`` in all
-        (a request in flight holds its own reference, so eviction never affects it)."""
-        latest = self._latest.get(tk)
-        others = [pid for pid in self._policies if pid[:2] == tk and pid[2] != latest]
-        keep = self.retain_versions - (
-            1 if latest is not None and (*tk, latest) in self._policies else 0
-        )
-        others.sort(key=lambda pid: self._used.get(pid, -1), reverse=True)
-        for pid in others[max(0, keep) :]:
-            self._policies.pop(pid, None)
-            self._used.pop(pid, None)
-
-    async def _ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
-        pid = (rec.tenant_id, rec.policy_key, rec.version)
-        lp = self._policies.get(pid)
-        if lp is not None:
-            return lp
-        fut = self._loading.get(pid)
-        if fut is None:
-            fut = asyncio.ensure_future(self._load(rec))
-            self._loading[pid] = fut
-            fut.add_done_callback(lambda _f: self._loading.pop(pid, None))
-        return await asyncio.shield(fut)
-
-    async def _load(self, rec: PolicyRecord) -> LoadedPolicy:
-        if rec.base_model != self.base_model:
-            raise IncompatibleSchema(
-                f"tenant {rec.tenant_id!r} policy {rec.policy_key!r} v{rec.version} is for base model "
-                f"{rec.base_model!r}; this endpoint serves {self.base_model!r}"
-            )
-        schema = feature_schema_of(rec)
-        fd = rec.head_config.get("feature_dim")
-        if fd != self.backbone.feature_dim:
-            raise IncompatibleSchema(
-                f"tenant {rec.tenant_id!r} v{rec.version}: head expects features of dim {fd} but "
-                f"{self.base_model} gives {self.backbone.feature_dim}; retrain the head on this backbone"
-            )
-        module = await self.policies.load_module(rec)
-        lp = LoadedPolicy(rec, schema, module)
-        self._policies[lp.id] = lp
-        self._used[lp.id] = next(self._uses)
-        self._evict((rec.tenant_id, rec.policy_key))
-        log.info(
-            "engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version
-        )
-        return lp
-
-    def _lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
-        v = version or self._latest.get((tenant_id, policy_key))
-        if v is None:
-            return None
-        lp = self._policies.get((tenant_id, policy_key, v))
-        if lp is not None:
-            self._used[lp.id] = next(self._uses)
-        return lp
-
-    async def _resolve(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy:
-        """The policy a request asks for, loading it from the store when not resident."""
-        lp = self._lookup(tenant_id, policy_key, version)
-        if lp is not None:
-            return lp
-        rec = await self.policies.get(
-            tenant_id, policy_key, version
-        )  # UnknownTenant / UnknownPolicyVersion
-        lp = await self._ensure_loaded(rec)
-        if not version:
-            self._advance_latest(rec)
-        return lp
 
     # ------------------------------------------------------------ requests
     def _spawn(self, coro: Awaitable[Any]) -> None:
@@ -523,11 +316,7 @@ class InferenceEngine:
         callback at a time per subscription). A tenant version that is not
         resident yet is loaded in a task of its own."""
         received = time.perf_counter()
-        tenant: str | None = request.subject.rsplit(".", 1)[-1]
-        try:
-            check_token("tenant", tenant or "")
-        except InvalidSpec:
-            tenant = None
+        tenant = admission.subject_tenant(request.subject)
         if not self.rpc.allowed(request, tenant):
             self.stats.rejected += 1
             return  # dropped, unanswered: the reply subject is not the requester's
@@ -550,9 +339,9 @@ class InferenceEngine:
                 self._admitted[id(request)] = tenant
             req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
             self._check_tenant(request.subject, req)
-            self._check_quota(req)
+            admission.check_quota(req, self.quotas.get(req.tenant_id))
             span.set_attribute("joynexus.tenant", req.tenant_id)
-            lp = self._lookup(req.tenant_id, req.policy_key, req.policy_version)
+            lp = self.cache.lookup(req.tenant_id, req.policy_key, req.policy_version)
             if lp is None:
                 self._spawn(self._admit_later(request, req, span, received))
                 return
@@ -560,49 +349,14 @@ class InferenceEngine:
         except Exception as e:
             self._spawn(self._reply_error(request, e, span))
 
-    def _check_quota(self, req: InferRequest) -> None:
-        """Rows and instruction bytes within the tenant's quota (before any decoding)."""
-        q = self.quotas.get(req.tenant_id)
-        obs = req.observation
-        shape = obs.state.shape
-        rows = int(shape[0]) if len(shape) == 2 else 1
-        if rows > q.max_infer_rows:
-            raise QuotaExceeded(
-                f"{rows} rows in one inference request; tenant {req.tenant_id!r}'s quota is "
-                f"{q.max_infer_rows}: split the batch"
-            )
-        texts = [obs.instruction] if isinstance(obs.instruction, str) else obs.instruction
-        if len(texts) > max(rows, 1):
-            raise ShapeMismatch(f"{len(texts)} instructions for {rows} rows")
-        longest = max((len(t.encode()) for t in texts), default=0)
-        if longest > q.max_instruction_bytes:
-            raise QuotaExceeded(
-                f"an instruction of {longest} bytes; tenant {req.tenant_id!r}'s quota is "
-                f"{q.max_instruction_bytes} bytes"
-            )
-
     def _check_tenant(self, subject: str, req: InferRequest) -> None:
         """The tenant is the subject's last token (the broker fences who may publish
         there); a payload that claims another tenant is refused, to its requester
         alone, and reported as a security event (never awaited here)."""
-        tenant = subject.rsplit(".", 1)[-1]
-        try:
-            check_token("tenant", tenant)
-        except InvalidSpec:
-            tenant = "_"  # no tenant's subject (a literal wildcard token): nobody to serve
-        else:
-            if req.tenant_id == tenant:
-                return
-        if tenant == "_":
-            reason = (
-                f"request on {metrics.clip(subject, 80)} names no tenant (claims tenant "
-                f"{metrics.clip(req.tenant_id, 40)!r})"
-            )
-        else:
-            reason = (
-                f"request on {subject} claims tenant {metrics.clip(req.tenant_id, 40)!r}: a tenant may ask only "
-                f"for its own policies (this subject is tenant {tenant!r}'s)"
-            )
+        claim = admission.tenant_claim(subject, req)
+        if claim is None:
+            return
+        tenant, reason = claim
         self._spawn(
             metrics.security(
                 self.b,
@@ -619,7 +373,7 @@ class InferenceEngine:
         self, request: Request, req: InferRequest, span: Any, received: float
     ) -> None:
         try:
-            lp = await self._resolve(req.tenant_id, req.policy_key, req.policy_version)
+            lp = await self.cache.resolve(req.tenant_id, req.policy_key, req.policy_version)
             self._admit(request, req, lp, span, received)
         except Exception as e:
             await self._reply_error(request, e, span)
@@ -628,23 +382,8 @@ class InferenceEngine:
         self, request: Request, req: InferRequest, lp: LoadedPolicy, span: Any, received: float
     ) -> None:
         """Validate one request against its tenant's policy; enqueue it (raises on bad input)."""
-        rec = lp.record
-        if req.schema_signature != rec.schema_signature:
-            raise IncompatibleSchema(
-                f"request schema {req.schema_signature!r} does not match tenant {req.tenant_id!r} "
-                f"policy {req.policy_key!r} v{rec.version}, trained on {rec.schema_signature!r}; "
-                "send observations in the policy's schema"
-            )
-        batch = _canonical(lp.schema, req.observation)
-        noise = None
-        if req.noise is not None:
-            noise = torch.from_numpy(req.noise.to_array("noise").astype(np.float32))
-            want = (batch.batch_size, lp.schema.action_horizon, lp.schema.action_dim)
-            if tuple(noise.shape) != want:
-                raise ShapeMismatch(f"noise: expected {list(want)}, got {list(noise.shape)}")
-            if not bool(torch.isfinite(noise).all()):
-                raise InvalidSpec("noise contains NaN/inf: send finite numbers only")
-        p = _Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
+        batch, noise = admission.validate(req, lp)
+        p = Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
         p.enqueued = time.perf_counter()
         p.busy = self._running
         self._queue.append(p)
@@ -668,8 +407,8 @@ class InferenceEngine:
             with trace.use_span(span, end_on_exit=False):
                 tracing.inject(headers)
         if isinstance(reply, InferError):
-            headers["Nats-Service-Error"] = reply.message[:200]
-            headers["Nats-Service-Error-Code"] = _STATUS_BY_CODE.get(reply.code, "400")
+            headers[hdr.SERVICE_ERROR] = reply.message[:200]
+            headers[hdr.SERVICE_ERROR_CODE] = _STATUS_BY_CODE.get(reply.code, "400")
         try:
             await request.respond(encode_msgpack(reply), headers=headers or None)
         except Exception as e:  # the caller is gone or the connection dropped
@@ -680,32 +419,6 @@ class InferenceEngine:
                 self.rpc.release(tenant)
 
     # ------------------------------------------------------------ the batcher
-    def _plan(self) -> list[_Pending]:
-        """The next batch: tenants take turns (the one served longest ago first, then
-        arrival), one request per tenant per round, each tenant's own requests in
-        FIFO order; a tenant whose next request cannot share the batch's backbone
-        forward sits this batch out. With one tenant this is the FIFO-compatible
-        prefix."""
-        lines: dict[str, deque[_Pending]] = {}
-        for p in self._queue:
-            lines.setdefault(p.req.tenant_id, deque()).append(p)
-        order = sorted(lines, key=lambda t: self._last_served.get(t, -1))  # stable: arrival
-        key = lines[order[0]][0].key
-        out: list[_Pending] = []
-        while len(out) < self.max_batch:
-            took = False
-            for t in order:
-                line = lines[t]
-                if line and line[0].key == key and len(out) < self.max_batch:
-                    out.append(line.popleft())
-                    took = True
-            if not took:
-                break
-        return out
-
-    def _prefix_len(self) -> int:
-        return len(self._plan())
-
     async def _batch_loop(self) -> None:
         """Adaptive batching: an idle engine runs what it has at once; while a batch runs,
         requests accumulate and form the next one (up to ``max_batch``, tenants taking
@@ -719,34 +432,32 @@ class InferenceEngine:
             # One turn of the event loop: requests already delivered to this connection
             # join (nats-py hands them to the handler one after another, without waiting).
             await asyncio.sleep(0)
-            head = self._queue[0]
-            # Waiting behind the running batch is not waiting for company: T counts from
-            # when the engine could first have run the request.
-            deadline = (
-                max(head.enqueued, self._freed_at) + self.max_wait_s if head.busy else head.enqueued
-            )
             while True:
-                n = self._prefix_len()
-                # Full, or blocked by an incompatible request behind: waiting cannot grow it.
-                if n >= self.max_batch or n < len(self._queue):
-                    break
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
+                now = time.perf_counter()
+                queue = list(self._queue)
+                choice = batcher.choose(
+                    queue,
+                    self._last_served,
+                    now=now,
+                    freed_at=self._freed_at,
+                    max_batch=self.max_batch,
+                    max_wait_s=self.max_wait_s,
+                )
+                if choice.until is None:
                     break
                 self._wake.clear()
                 waiter = loop.create_task(self._wake.wait())
                 try:
-                    await asyncio.wait({waiter}, timeout=remaining)
+                    await asyncio.wait({waiter}, timeout=choice.until - now)
                 finally:
                     waiter.cancel()
-            items = self._plan()
-            chosen = {id(p) for p in items}
-            self._queue = deque(p for p in self._queue if id(p) not in chosen)
+            chosen = set(choice.take)
+            items = [queue[i] for i in choice.take]
+            self._queue = deque(p for i, p in enumerate(queue) if i not in chosen)
             turn = next(self._batch_ids_served)
-            for p in items:
-                self._last_served[p.req.tenant_id] = turn
-            if len(self._last_served) > 4 * self.max_queue:  # forget long-gone tenants
-                self._last_served = {p.req.tenant_id: turn for p in items}
+            self._last_served = batcher.served(
+                self._last_served, [p.tenant for p in items], turn, 4 * self.max_queue
+            )
             self._running = True
             try:
                 await self._run_batch(items)
@@ -760,7 +471,7 @@ class InferenceEngine:
                 self._running = False
                 self._freed_at = time.perf_counter()
 
-    def _forward_key(self, items: Sequence[_Pending], rows: int) -> tuple[str, int]:
+    def _forward_key(self, items: Sequence[Pending], rows: int) -> tuple[str, int]:
         return (items[0].key, rows.bit_length())
 
     def forward_estimate_ms(self, key: tuple[str, int]) -> float | None:
@@ -782,8 +493,8 @@ class InferenceEngine:
         seen.append(ms)
 
     async def _call(
-        self, fn: Callable[[Sequence[_Pending]], tuple[list[_Outcome], float]],
-        items: Sequence[_Pending], inline: bool,
+        self, fn: Callable[[Sequence[Pending]], tuple[list[_Outcome], float]],
+        items: Sequence[Pending], inline: bool,
     ) -> tuple[tuple[list[_Outcome], float], float]:
         """``fn(items)`` on the event loop or on the forward thread, and its wall time (ms)
         where it ran (the hop to the thread and back not counted)."""
@@ -799,7 +510,7 @@ class InferenceEngine:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.instance}-forward")
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
 
-    async def _run_batch(self, items: list[_Pending]) -> None:
+    async def _run_batch(self, items: list[Pending]) -> None:
         batch_id = f"{self.instance}-{next(self._batch_ids)}"
         rows = sum(p.batch.batch_size for p in items)
         started = time.perf_counter()
@@ -890,7 +601,7 @@ class InferenceEngine:
             )
 
     @staticmethod
-    def _decode(p: _Pending, feats: TokenFeatures) -> _Outcome:
+    def _decode(p: Pending, feats: TokenFeatures) -> _Outcome:
         t0 = time.perf_counter()
         try:
             kw = {} if p.noise is None else {"noise": p.noise}
@@ -899,7 +610,7 @@ class InferenceEngine:
         except Exception as e:
             return _Outcome(error=e)
 
-    def _forward_grouped(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:
+    def _forward_grouped(self, items: Sequence[Pending]) -> tuple[list[_Outcome], float]:
         """ONE backbone forward over every request's rows, then each head on its own rows
         (pooled features, or token features for heads that read tokens: one forward)."""
         t0 = time.perf_counter()
@@ -909,7 +620,7 @@ class InferenceEngine:
         parts = feats.split(shared.slices)
         return [self._decode(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
 
-    def _forward_each(self, items: Sequence[_Pending]) -> tuple[list[_Outcome], float]:
+    def _forward_each(self, items: Sequence[Pending]) -> tuple[list[_Outcome], float]:
         """Fallback: one forward per request; a failure stays with its request."""
         t0 = time.perf_counter()
         outs = []
@@ -922,17 +633,6 @@ class InferenceEngine:
             except Exception as e:
                 outs.append(_Outcome(error=e))
         return outs, (time.perf_counter() - t0) * 1e3
-
-
-def _canonical(schema: FeatureSchema, obs: Observation) -> FeatureBatch:
-    """The request's tensors, read from the wire bytes. Images (nearly all the bytes) stay
-    read-only views of the message (``np.frombuffer``, no copy): canonicalisation and the
-    batch's preparation only read them. State and history (a few floats) are copied, so a
-    head owns what it is given."""
-    images = {slot: wire_view(t.to_array(f"images[{slot!r}]")) for slot, t in obs.images.items()}
-    state = obs.state.to_array("state").copy()
-    history = None if obs.history is None else obs.history.to_array("history").copy()
-    return canonicalize_request(schema, images, obs.instruction, state, history)
 
 
 async def _drain_service(service: Any) -> None:
@@ -953,130 +653,3 @@ async def _drain_service(service: Any) -> None:
     service._endpoints = []
     with contextlib.suppress(Exception):
         await service.stop()
-
-
-# ---------------------------------------------------------------- the pool
-
-
-class EnginePool:
-    """Elastic engines in one process, sharing one backbone (each engine has its own heads).
-
-    Scale operations are serialized. ``scale_up`` loads every tenant's current
-    weights before the new engine joins the queue group, and rolls back (the
-    engine never joined) if that fails. ``scale_down`` drains the newest
-    engine: it stops taking requests, answers every request it took, stops.
-    """
-
-    def __init__(
-        self,
-        broker: Broker,
-        backbone: Backbone,
-        *,
-        base_model: str | None = None,
-        max_batch: int = 16,
-        max_wait_ms: float = 5.0,
-        retain_versions: int = 4,
-        instance_prefix: str = "infer",
-    ) -> None:
-        self.b = broker
-        self.backbone = backbone
-        self.kw: dict[str, Any] = dict(
-            base_model=base_model,
-            max_batch=max_batch,
-            max_wait_ms=max_wait_ms,
-            retain_versions=retain_versions,
-        )
-        self.instance_prefix = instance_prefix
-        self.engines: list[InferenceEngine] = []
-        self._lock = asyncio.Lock()
-        self._seq = itertools.count()
-        self.quotas = QuotaBook(broker)  # one watcher for all the pool's engines
-        self._quotas_started = False
-
-    def __len__(self) -> int:
-        return len(self.engines)
-
-    async def scale_up(self) -> InferenceEngine:
-        async with self._lock:
-            if not self._quotas_started:
-                await self.quotas.start()
-                self._quotas_started = True
-            engine = InferenceEngine(
-                self.b,
-                self.backbone,
-                instance=f"{self.instance_prefix}-{next(self._seq)}",
-                quotas=self.quotas,
-                **self.kw,
-            )
-            try:
-                await engine.prepare()
-                await engine.join()
-            except BaseException:
-                await engine.close()
-                raise
-            self.engines.append(engine)
-            return engine
-
-    async def scale_down(self) -> InferenceEngine | None:
-        async with self._lock:
-            if not self.engines:
-                return None
-            engine = self.engines.pop()
-            await engine.stop()
-            return engine
-
-    async def scale_to(self, n: int) -> None:
-        while len(self.engines) < n:
-            await self.scale_up()
-        while len(self.engines) > n:
-            await self.scale_down()
-
-    async def close(self) -> None:
-        await self.scale_to(0)
-        await self.quotas.stop()
-        self._quotas_started = False
-
-
-async def run_inference_agent(
-    broker: Broker,
-    stop: asyncio.Event,
-    *,
-    base_model: str | None = None,
-    size: str = "tiny",
-    max_batch: int = 16,
-    max_wait_ms: float = 5.0,
-    instance: str = "infer-0",
-    engines: int = 1,
-    backbone_path: str | None = None,
-    threads: int | None = None,
-    layout: LayoutOptions | None = None,
-) -> None:
-    """``joynexus agent inference``: build the backbone, serve until ``stop`` is set, then drain.
-
-    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``).
-    """
-    await ensure_layout(broker, layout)
-    cfg = BackboneConfig(size=size, path=backbone_path, threads=threads)  # type: ignore[arg-type]
-    backbone = await asyncio.to_thread(Backbone.build, cfg)
-    pool = EnginePool(
-        broker,
-        backbone,
-        base_model=base_model,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        instance_prefix=instance,
-    )
-    try:
-        await pool.scale_to(engines)
-        log.info(
-            "inference %s serving %s on %s (B=%d, T=%gms, %d engine(s))",
-            instance,
-            pool.engines[0].base_model,
-            broker.names.infer(pool.engines[0].base_model),
-            max_batch,
-            max_wait_ms,
-            engines,
-        )
-        await stop.wait()
-    finally:
-        await pool.close()

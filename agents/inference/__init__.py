@@ -1,0 +1,38 @@
+"""The Inference Queue: batched, multi-tenant action serving on NATS request-reply;
+one module per job:
+
+- :mod:`.policies`: :class:`LoadedPolicy` and the cache of resident tenant policy
+  versions (loading, the policy KV watch, eviction);
+- :mod:`.admission`: the pure checks a request passes before it joins a batch
+  (the subject's tenant, quotas, schema, shapes);
+- :mod:`.batcher`: the pending queue's entries and :func:`.batcher.choose`, the
+  pure "which prefix now", tested alone in tests/test_batcher.py;
+- :mod:`.engine`: :class:`InferenceEngine`, the loop around those decisions, the
+  forward (on the loop or the forward thread) and the replies;
+- :mod:`.pool`: :class:`EnginePool` and ``run_inference_agent``.
+
+The client is torch-free and lives in the broker layer
+(:mod:`joynexus.broker.inference_client`; re-exported here). See
+docs/ARCHITECTURE.md ("The Inference Queue").
+"""
+
+from __future__ import annotations
+
+from joynexus.agents.inference import admission
+from joynexus.agents.inference.engine import INLINE_FORWARD_MS, EngineStats, InferenceEngine
+from joynexus.agents.inference.policies import LoadedPolicy
+from joynexus.agents.inference.pool import EnginePool, run_inference_agent
+from joynexus.broker.inference_client import InferenceClient
+
+#: A request's tensors read from the wire (tests/test_inference.py reads it by this name).
+_canonical = admission.canonical
+
+__all__ = [
+    "INLINE_FORWARD_MS",
+    "EnginePool",
+    "EngineStats",
+    "InferenceClient",
+    "InferenceEngine",
+    "LoadedPolicy",
+    "run_inference_agent",
+]

@@ -1,0 +1,143 @@
+"""The pending queue's entries and the batcher's choice, a pure function.
+
+Adaptive batching (issue 15): an idle engine runs what it has at once; while a
+batch runs, requests accumulate and form the next one (up to ``max_batch``) the
+moment it ends; ``max_wait`` only bounds how long a request that arrived at a
+busy engine may then still wait for company, counted from when the engine could
+first have run it. Tenants take turns, each in FIFO order, so a tenant that
+queues a thousand requests waits behind itself. :func:`choose` decides "which
+prefix now" from the pending requests' keys and arrival times alone; the engine
+only runs what it says. See docs/ARCHITECTURE.md ("The Inference Queue").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from nats.micro.request import Request
+
+    from joynexus.agents.inference.policies import LoadedPolicy
+    from joynexus.agents.models.features import FeatureBatch
+    from joynexus.schemas.inference import InferRequest
+
+
+class Waiting(Protocol):
+    """What the choice reads of a pending request."""
+
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def key(self) -> str: ...  # backbone key: who may share a forward
+    @property
+    def enqueued(self) -> float: ...  # when it joined the queue (perf_counter)
+    @property
+    def busy(self) -> bool: ...  # it arrived while a batch was running
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A pending request as the choice sees it (a row of the batcher's tables)."""
+
+    tenant: str
+    key: str
+    enqueued: float = 0.0
+    busy: bool = False
+
+
+@dataclass
+class Pending:
+    """A validated request waiting for (or in) a batch."""
+
+    request: Request
+    req: InferRequest
+    policy: LoadedPolicy
+    batch: FeatureBatch
+    noise: torch.Tensor | None
+    key: str  # backbone key: who may share a forward
+    span: Any
+    received: float
+    enqueued: float = 0.0
+    answered: bool = False
+    #: arrived while a batch was running (only such a request may wait for company)
+    busy: bool = False
+
+    @property
+    def tenant(self) -> str:
+        return self.req.tenant_id
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Run ``take`` (indices into the queue, in batch order) now, or wait until ``until``
+    (perf_counter) or an arrival, whichever comes first, and choose again."""
+
+    take: tuple[int, ...] = ()
+    until: float | None = None
+
+
+def plan(queue: Sequence[Waiting], last_served: Mapping[str, int], max_batch: int) -> list[int]:
+    """The next batch (indices into ``queue``): tenants take turns (the one served longest
+    ago first, then arrival), one request per tenant per round, each tenant's own requests
+    in FIFO order; a tenant whose next request cannot share the batch's backbone forward
+    sits this batch out. With one tenant this is the largest FIFO-compatible prefix."""
+    if not queue:
+        return []
+    lines: dict[str, deque[int]] = {}
+    for i, p in enumerate(queue):
+        lines.setdefault(p.tenant, deque()).append(i)
+    order = sorted(lines, key=lambda t: last_served.get(t, -1))  # stable: arrival
+    key = queue[lines[order[0]][0]].key
+    out: list[int] = []
+    while len(out) < max_batch:
+        took = False
+        for t in order:
+            line = lines[t]
+            if line and queue[line[0]].key == key and len(out) < max_batch:
+                out.append(line.popleft())
+                took = True
+        if not took:
+            break
+    return out
+
+
+def choose(
+    queue: Sequence[Waiting],
+    last_served: Mapping[str, int],
+    *,
+    now: float,
+    freed_at: float,
+    max_batch: int,
+    max_wait_s: float,
+) -> Choice:
+    """Which batch to run now from an idle engine's queue, or how long to wait for company.
+
+    Runs at once when the batch is full, when an incompatible request behind it blocks
+    it from growing, or when the head did not arrive at a busy engine. A head that did
+    may wait until ``max_wait_s`` after the engine could first have run it (``freed_at``:
+    when the last batch ended): waiting behind the running batch is not waiting for
+    company. An empty queue gives an empty choice with nothing to wait for."""
+    take = plan(queue, last_served, max_batch)
+    if not take:
+        return Choice()
+    head = queue[0]
+    deadline = max(head.enqueued, freed_at) + max_wait_s if head.busy else head.enqueued
+    if len(take) >= max_batch or len(take) < len(queue) or deadline - now <= 0:
+        return Choice(take=tuple(take))
+    return Choice(until=deadline)
+
+
+def served(
+    last_served: dict[str, int], tenants: Sequence[str], turn: int, forget_above: int
+) -> dict[str, int]:
+    """``last_served`` after batch number ``turn`` served ``tenants``; past
+    ``forget_above`` tenants, only this batch's are remembered (long-gone ones forgotten)."""
+    for t in tenants:
+        last_served[t] = turn
+    if len(last_served) > forget_above:
+        return dict.fromkeys(tenants, turn)
+    return last_served

@@ -1,0 +1,175 @@
+"""The tenant policies an engine keeps resident: loading, the watch, eviction.
+
+The engine watches the policy KV and loads a new version's weights before it
+becomes the "latest" it serves; a request pinned to an older retained version is
+served by that version (loaded on demand). Per tenant policy the latest version
+plus the most recently used others, at most ``retain_versions`` in all, stay
+resident. See docs/ARCHITECTURE.md ("The Inference Queue").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.features import FeatureSchema
+from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
+from joynexus.schemas.inference import IncompatibleSchema, PolicyRecord
+
+log = logging.getLogger(__name__)
+
+PolicyId = tuple[str, str, int]  # (tenant, policy_key, version)
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    """One tenant policy version, resident and ready to decode."""
+
+    record: PolicyRecord
+    schema: FeatureSchema
+    module: TenantModule
+
+    @property
+    def id(self) -> PolicyId:
+        return (self.record.tenant_id, self.record.policy_key, self.record.version)
+
+
+def evictions(
+    resident: Iterable[PolicyId], latest: int | None, used: Mapping[PolicyId, int], retain: int
+) -> list[PolicyId]:
+    """Which of one tenant policy's resident versions to drop: the latest stays, and of
+    the others the most recently used, ``retain`` in all (a request in flight holds its
+    own reference, so eviction never affects it)."""
+    resident = list(resident)
+    others = [pid for pid in resident if pid[2] != latest]
+    keep = retain - (1 if latest is not None and any(pid[2] == latest for pid in resident) else 0)
+    others.sort(key=lambda pid: used.get(pid, -1), reverse=True)
+    return others[max(0, keep) :]
+
+
+class PolicyCache:
+    """The resident versions of the tenant policies for one base model."""
+
+    def __init__(
+        self,
+        store: PolicyStore,
+        backbone: Backbone,
+        *,
+        base_model: str,
+        retain_versions: int,
+        instance: str,
+    ) -> None:
+        self.store = store
+        self.backbone = backbone
+        self.base_model = base_model
+        self.retain_versions = retain_versions
+        self.instance = instance
+        self._policies: dict[PolicyId, LoadedPolicy] = {}
+        self._used: dict[PolicyId, int] = {}  # last use, for eviction
+        self._uses = itertools.count()
+        self._latest: dict[tuple[str, str], int] = {}
+        self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
+
+    def loaded_versions(self, tenant_id: str, policy_key: str = "default") -> list[int]:
+        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, policy_key))
+
+    def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
+        return self._latest.get((tenant_id, policy_key))
+
+    async def watch(self, ready: asyncio.Event) -> None:
+        """Load every version the policy KV announces for this base model; ``ready`` is
+        set once the current ones are loaded (a current one that fails raises)."""
+        async for rec in self.store.watch(ready=ready):
+            if rec.base_model != self.base_model:
+                continue
+            try:
+                await self.ensure_loaded(rec)
+            except Exception as e:
+                if not ready.is_set():
+                    raise  # a current version that does not load fails prepare()
+                log.warning(
+                    "engine %s: version %d of %s.%s does not load, keeps serving v%s: %s",
+                    self.instance,
+                    rec.version,
+                    rec.tenant_id,
+                    rec.policy_key,
+                    self._latest.get((rec.tenant_id, rec.policy_key)),
+                    e,
+                )
+                continue
+            self.advance_latest(rec)
+
+    def advance_latest(self, rec: PolicyRecord) -> None:
+        tk = (rec.tenant_id, rec.policy_key)
+        if rec.version > self._latest.get(tk, 0):
+            self._latest[tk] = rec.version
+            self._evict(tk)
+
+    def _evict(self, tk: tuple[str, str]) -> None:
+        resident = [pid for pid in self._policies if pid[:2] == tk]
+        for pid in evictions(resident, self._latest.get(tk), self._used, self.retain_versions):
+            self._policies.pop(pid, None)
+            self._used.pop(pid, None)
+
+    async def ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
+        pid = (rec.tenant_id, rec.policy_key, rec.version)
+        lp = self._policies.get(pid)
+        if lp is not None:
+            return lp
+        fut = self._loading.get(pid)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load(rec))
+            self._loading[pid] = fut
+            fut.add_done_callback(lambda _f: self._loading.pop(pid, None))
+        return await asyncio.shield(fut)
+
+    async def _load(self, rec: PolicyRecord) -> LoadedPolicy:
+        if rec.base_model != self.base_model:
+            raise IncompatibleSchema(
+                f"tenant {rec.tenant_id!r} policy {rec.policy_key!r} v{rec.version} is for base model "
+                f"{rec.base_model!r}; this endpoint serves {self.base_model!r}"
+            )
+        schema = feature_schema_of(rec)
+        fd = rec.head_config.get("feature_dim")
+        if fd != self.backbone.feature_dim:
+            raise IncompatibleSchema(
+                f"tenant {rec.tenant_id!r} v{rec.version}: head expects features of dim {fd} but "
+                f"{self.base_model} gives {self.backbone.feature_dim}; retrain the head on this backbone"
+            )
+        module = await self.store.load_module(rec)
+        lp = LoadedPolicy(rec, schema, module)
+        self._policies[lp.id] = lp
+        self._used[lp.id] = next(self._uses)
+        self._evict((rec.tenant_id, rec.policy_key))
+        log.info(
+            "engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version
+        )
+        return lp
+
+    def lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
+        """The resident policy a request asks for (None: not resident)."""
+        v = version or self._latest.get((tenant_id, policy_key))
+        if v is None:
+            return None
+        lp = self._policies.get((tenant_id, policy_key, v))
+        if lp is not None:
+            self._used[lp.id] = next(self._uses)
+        return lp
+
+    async def resolve(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy:
+        """The policy a request asks for, loading it from the store when not resident."""
+        lp = self.lookup(tenant_id, policy_key, version)
+        if lp is not None:
+            return lp
+        rec = await self.store.get(
+            tenant_id, policy_key, version
+        )  # UnknownTenant / UnknownPolicyVersion
+        lp = await self.ensure_loaded(rec)
+        if not version:
+            self.advance_latest(rec)
+        return lp

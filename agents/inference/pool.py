@@ -1,0 +1,148 @@
+"""Engines by the number: :class:`EnginePool` scales engines inside one process, and
+``joynexus agent inference`` runs one pool until told to stop.
+
+``scale_up`` loads every tenant's weights before an engine joins the queue group;
+``scale_down`` drains (nothing taken is lost). Across processes the same holds:
+each ``joynexus agent inference`` process joins only after it loaded the weights
+and drains on SIGTERM before it exits. See docs/ARCHITECTURE.md ("The Inference
+Queue").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from joynexus.agents.inference.engine import InferenceEngine
+from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.broker.connection import Broker
+from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.quotas import QuotaBook
+
+log = logging.getLogger(__name__)
+
+
+class EnginePool:
+    """Elastic engines in one process, sharing one backbone (each engine has its own heads).
+
+    Scale operations are serialized. ``scale_up`` loads every tenant's current
+    weights before the new engine joins the queue group, and rolls back (the
+    engine never joined) if that fails. ``scale_down`` drains the newest
+    engine: it stops taking requests, answers every request it took, stops.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        backbone: Backbone,
+        *,
+        base_model: str | None = None,
+        max_batch: int = 16,
+        max_wait_ms: float = 5.0,
+        retain_versions: int = 4,
+        instance_prefix: str = "infer",
+    ) -> None:
+        self.b = broker
+        self.backbone = backbone
+        self.kw: dict[str, Any] = dict(
+            base_model=base_model,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            retain_versions=retain_versions,
+        )
+        self.instance_prefix = instance_prefix
+        self.engines: list[InferenceEngine] = []
+        self._lock = asyncio.Lock()
+        self._seq = itertools.count()
+        self.quotas = QuotaBook(broker)  # one watcher for all the pool's engines
+        self._quotas_started = False
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    async def scale_up(self) -> InferenceEngine:
+        async with self._lock:
+            if not self._quotas_started:
+                await self.quotas.start()
+                self._quotas_started = True
+            engine = InferenceEngine(
+                self.b,
+                self.backbone,
+                instance=f"{self.instance_prefix}-{next(self._seq)}",
+                quotas=self.quotas,
+                **self.kw,
+            )
+            try:
+                await engine.prepare()
+                await engine.join()
+            except BaseException:
+                await engine.close()
+                raise
+            self.engines.append(engine)
+            return engine
+
+    async def scale_down(self) -> InferenceEngine | None:
+        async with self._lock:
+            if not self.engines:
+                return None
+            engine = self.engines.pop()
+            await engine.stop()
+            return engine
+
+    async def scale_to(self, n: int) -> None:
+        while len(self.engines) < n:
+            await self.scale_up()
+        while len(self.engines) > n:
+            await self.scale_down()
+
+    async def close(self) -> None:
+        await self.scale_to(0)
+        await self.quotas.stop()
+        self._quotas_started = False
+
+
+async def run_inference_agent(
+    broker: Broker,
+    stop: asyncio.Event,
+    *,
+    base_model: str | None = None,
+    size: str = "tiny",
+    max_batch: int = 16,
+    max_wait_ms: float = 5.0,
+    instance: str = "infer-0",
+    engines: int = 1,
+    backbone_path: str | None = None,
+    threads: int | None = None,
+    layout: LayoutOptions | None = None,
+) -> None:
+    """``joynexus agent inference``: build the backbone, serve until ``stop`` is set, then drain.
+
+    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``).
+    """
+    await ensure_layout(broker, layout)
+    cfg = BackboneConfig(size=size, path=backbone_path, threads=threads)  # type: ignore[arg-type]
+    backbone = await asyncio.to_thread(Backbone.build, cfg)
+    pool = EnginePool(
+        broker,
+        backbone,
+        base_model=base_model,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        instance_prefix=instance,
+    )
+    try:
+        await pool.scale_to(engines)
+        log.info(
+            "inference %s serving %s on %s (B=%d, T=%gms, %d engine(s))",
+            instance,
+            pool.engines[0].base_model,
+            broker.names.infer(pool.engines[0].base_model),
+            max_batch,
+            max_wait_ms,
+            engines,
+        )
+        await stop.wait()
+    finally:
+        await pool.close()
