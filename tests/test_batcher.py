@@ -1,0 +1,139 @@
+"""The batcher's choice (agents/inference/batcher.py) as tables: which requests of an
+idle engine's queue run now, or how long the engine waits for company. No server, no
+model: each row is the pending requests' tenants, backbone keys and arrival times, the
+engine's limits and clock in, a batch (indices into the queue) or a deadline out."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from joynexus.agents.inference.batcher import Arrival, Choice, choose, plan, served
+
+
+def q(*items: str, t: float = 0.0, busy: bool = False) -> list[Arrival]:
+    """``"a"`` or ``"a:k2"``: tenant a, backbone key k (default) or k2, all arrived at
+    ``t`` (busy: while a batch ran)."""
+    out = []
+    for s in items:
+        tenant, _, key = s.partition(":")
+        out.append(Arrival(tenant, key or "k", t, busy))
+    return out
+
+
+W = 0.005  # max_wait_s
+
+
+@pytest.mark.parametrize(
+    ("queue", "last_served", "max_batch", "now", "freed_at", "want"),
+    [
+        # nothing pending: nothing to run, nothing to wait for
+        ([], {}, 16, 1.0, 0.0, Choice()),
+        # an idle engine runs a lone request at once (no company is coming)
+        (q("a", t=1.0), {}, 16, 1.0, 0.0, Choice(take=(0,))),
+        # ... and what arrived together shares the forward
+        (q("a", "a", "b", t=1.0), {}, 16, 1.0, 0.0, Choice(take=(0, 2, 1))),
+        # a request that arrived at a busy engine waits T from when the engine was freed
+        (q("a", t=1.0, busy=True), {}, 16, 1.011, 1.010, Choice(until=1.010 + W)),
+        # ... not from its arrival (waiting behind the running batch is not waiting for company)
+        (q("a", t=1.0, busy=True), {}, 16, 1.006, 1.010, Choice(until=1.010 + W)),
+        # ... and runs when that deadline has passed
+        (q("a", t=1.0, busy=True), {}, 16, 1.016, 1.010, Choice(take=(0,))),
+        (q("a", t=1.0, busy=True), {}, 16, 1.0151, 1.010, Choice(take=(0,))),
+        # arrived after the engine was freed (busy at arrival): T counts from its arrival
+        (q("a", t=1.020, busy=True), {}, 16, 1.021, 1.010, Choice(until=1.020 + W)),
+        # a full batch runs at once, waiting or not
+        (q("a", "b", t=1.0, busy=True), {}, 2, 1.011, 1.010, Choice(take=(0, 1))),
+        (q("a", "a", "a", t=1.0, busy=True), {}, 2, 1.011, 1.010, Choice(take=(0, 1))),
+        # blocked by an incompatible request behind: waiting cannot grow it, so run now
+        (q("a", "a:k2", t=1.0, busy=True), {}, 16, 1.011, 1.010, Choice(take=(0,))),
+        # one tenant: the largest FIFO-compatible prefix (its own order is never broken)
+        (q("a", "a", "a:k2", "a"), {}, 16, 0.0, 0.0, Choice(take=(0, 1))),
+        (q("a:k2", "a", "a"), {}, 16, 0.0, 0.0, Choice(take=(0,))),
+        # tenants take turns, one request each per round, then arrival order
+        (q("a", "a", "a", "b"), {}, 16, 0.0, 0.0, Choice(take=(0, 3, 1, 2))),
+        (q("a", "a", "a", "b"), {}, 3, 0.0, 0.0, Choice(take=(0, 3, 1))),
+        (q("a", "a", "a", "b", "c"), {}, 2, 0.0, 0.0, Choice(take=(0, 3))),
+        # the tenant served longest ago goes first (never served: before all)
+        (q("a", "a", "b"), {"a": 5, "b": 3}, 16, 0.0, 0.0, Choice(take=(2, 0, 1))),
+        (q("a", "b", "c"), {"a": 2, "b": 1}, 2, 0.0, 0.0, Choice(take=(2, 1))),
+        # the batch's key is that of the first tenant in turn, not of the queue's head
+        (q("a", "b:k2"), {"a": 5}, 16, 0.0, 0.0, Choice(take=(1,))),
+        # a tenant whose next request cannot share the forward sits this batch out
+        (q("a", "b:k2", "a", "c"), {}, 16, 0.0, 0.0, Choice(take=(0, 3, 2))),
+        # ... even if it has compatible requests behind that one (its FIFO order holds)
+        (q("a", "b:k2", "b", "a"), {}, 16, 0.0, 0.0, Choice(take=(0, 3))),
+        # B = 1
+        (q("a", "b"), {}, 1, 0.0, 0.0, Choice(take=(0,))),
+    ],
+)
+def test_choose(
+    queue: list[Arrival],
+    last_served: dict[str, int],
+    max_batch: int,
+    now: float,
+    freed_at: float,
+    want: Choice,
+) -> None:
+    got = choose(queue, last_served, now=now, freed_at=freed_at, max_batch=max_batch, max_wait_s=W)
+    assert got.take == want.take
+    if want.until is None:
+        assert got.until is None
+    else:
+        assert got.until == pytest.approx(want.until, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("max_wait_s", "now", "want"),
+    [
+        (0.0, 1.010, Choice(take=(0,))),  # T = 0: no waiting even under load
+        (0.020, 1.011, Choice(until=1.030)),
+        (0.020, 1.0301, Choice(take=(0,))),
+    ],
+)
+def test_choose_max_wait(max_wait_s: float, now: float, want: Choice) -> None:
+    got = choose(q("a", t=1.0, busy=True), {}, now=now, freed_at=1.010, max_batch=16,
+                 max_wait_s=max_wait_s)
+    assert got.take == want.take
+    assert got.until == (None if want.until is None else pytest.approx(want.until))
+
+
+def test_plan_invariants_on_random_queues() -> None:
+    """Whatever the queue: at most B, one key, each tenant's requests a FIFO prefix of its
+    own, and nothing left that could have joined (fewer than B means every tenant with a
+    compatible request next in its line was drained to an incompatible one or to empty)."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(1, 12)
+        queue = [Arrival(rng.choice("abc"), rng.choice(["k", "k", "k2"]), float(i)) for i in range(n)]
+        last = {t: rng.randint(0, 3) for t in "abc" if rng.random() < 0.5}
+        b = rng.randint(1, 6)
+        take = plan(queue, last, b)
+        assert 1 <= len(take) <= b
+        assert len(set(take)) == len(take)
+        keys = {queue[i].key for i in take}
+        assert len(keys) == 1
+        for t in "abc":
+            mine = [i for i, p in enumerate(queue) if p.tenant == t]
+            chosen = [i for i in take if queue[i].tenant == t]
+            assert chosen == mine[: len(chosen)], (queue, take)  # a prefix, in order
+            if len(take) < b and len(chosen) < len(mine):
+                assert queue[mine[len(chosen)]].key not in keys  # blocked, not forgotten
+
+
+@pytest.mark.parametrize(
+    ("before", "tenants", "turn", "forget_above", "after"),
+    [
+        ({}, ["a", "b", "a"], 1, 10, {"a": 1, "b": 1}),
+        ({"a": 1, "c": 2}, ["a"], 3, 10, {"a": 3, "c": 2}),
+        # past the bound only this batch's tenants are remembered
+        ({"a": 1, "c": 2}, ["b"], 3, 2, {"b": 3}),
+        ({"a": 1, "c": 2}, ["a"], 3, 2, {"a": 3, "c": 2}),
+    ],
+)
+def test_served(
+    before: dict[str, int], tenants: list[str], turn: int, forget_above: int,
+    after: dict[str, int],
+) -> None:
+    assert served(dict(before), tenants, turn, forget_above) == after
