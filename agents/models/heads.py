@@ -343,6 +343,19 @@ class GaussianPolicy(ActionHead):
         """The policy's std in the env's action units (what a producer samples with)."""
         return self.std_A(std_floor) * self.action_std
 
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """The mean chunk, in the env's action units."""
+        return self.denorm_action(self._predict(feats_B_D, state_B_S))
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
+        """SFT: L1 or MSE of the mean chunk to the target chunk, in normalised units."""
+        pred_B_H_A = self._predict(feats_B_D, state_B_S)
+        self._check_target(target, tuple(pred_B_H_A.shape))
+        target = self.norm_action(target)
+        err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
+        return _weighted_mean(err.flatten(1).mean(1), weight_B)
+
     def critic_parameters(self) -> list[nn.Parameter]:
         """The critic's weights (modules named ``critic*``): an optimizer group of their own."""
         return [p for n, p in self.named_parameters() if n.split(".")[0].startswith("critic")]
@@ -429,17 +442,6 @@ class OFTMLPHead(GaussianPolicy):
         self._check(feats_B_D, state_B_S)
         x = torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1)
         return self.net(x).view(-1, self.cfg.action_horizon, self.cfg.action_dim)
-
-    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return self.denorm_action(self._predict(feats_B_D, state_B_S))
-
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
-             weight_B: torch.Tensor | None = None) -> torch.Tensor:
-        pred_B_H_A = self._predict(feats_B_D, state_B_S)
-        self._check_target(target, tuple(pred_B_H_A.shape))
-        target = self.norm_action(target)
-        err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
-        return _weighted_mean(err.flatten(1).mean(1), weight_B)
 
 
 def _time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:

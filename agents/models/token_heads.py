@@ -171,17 +171,6 @@ class OFTAttnHead(GaussianPolicy):
         x = torch.cat([self.critic_norm(pooled_B_d), self.norm_state(state_B_S)], dim=-1)
         return self.critic(x).squeeze(-1)
 
-    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return self.denorm_action(self._predict(feats_B_D, state_B_S))
-
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
-             weight_B: torch.Tensor | None = None) -> torch.Tensor:
-        pred_B_H_A = self._predict(feats_B_D, state_B_S)
-        self._check_target(target, tuple(pred_B_H_A.shape))
-        target = self.norm_action(target)
-        err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
-        return _weighted_mean(err.flatten(1).mean(1), weight_B)
-
 
 @register("gr00t_flow")
 class GR00TFlowHead(ActionHead):
