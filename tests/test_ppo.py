@@ -270,3 +270,30 @@ def test_the_workload_learning_rate_applies_and_warm_up_leaves_it_alone() -> Non
     assert m.optimizer.param_groups[0]["lr"] == 1e-4
     with pytest.raises(InvalidSpec):
         m.set_lr(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("target_kl", -0.01), ("target_kl", float("nan")), ("target_kl", 5.0), ("gamma", 0.0),
+     ("gamma", 1.5), ("gae_lambda", float("inf")), ("critic_warmup", -1), ("critic_warmup", 10**9),
+     ("critic_warmup", True)],
+)
+def test_the_ppo_knobs_a_tenant_sets_are_bounded(field: str, bad: object) -> None:
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    with pytest.raises(InvalidSpec, match=field):
+        WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", **{field: bad})
+
+
+def test_job_metadata_numbers_out_of_bounds_fall_back_to_defaults() -> None:
+    """A tenant-submitted job's metadata may hold anything: the stages never take it raw."""
+    from joynexus.agents.actor_forward import extra_number
+    from joynexus.schemas.jobs import JobMetadata, TrainingJob
+
+    def job(**extra: str) -> TrainingJob:
+        return TrainingJob(job_id="j", tenant_id="acme", task_type="rl", policy_key="p",
+                           metadata=JobMetadata(extra=extra))
+
+    for raw in ("nan", "inf", "-1", "1e9", "x"):
+        assert extra_number(job(target_kl=raw), "target_kl", 0.0, 1.0, 0.01) == 0.01
+    assert extra_number(job(target_kl="0.02"), "target_kl", 0.0, 1.0, 0.01) == 0.02
