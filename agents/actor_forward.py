@@ -1,24 +1,14 @@
 """The ``actor_forward`` stage: behaviour log-probabilities and values of an RL job.
 
-An RL job whose policy has a tractable likelihood (a Gaussian head, see
-``joynexus.agents.models.heads.GaussianPolicy``) goes
-``producing -> needs_actor_forward -> computing_actor_forward ->
-needs_advantages``: this stage worker loads the tenant's module at the job's
-``behavior_policy_version`` (the version the rollout acted with), runs the
-resident frozen base over the rollout's rows and writes two derived fields
-against the same Training Queue rows:
+PPO needs ``old_logp`` (log-prob of the taken chunk ``actions`` under the
+policy the rollout acted with, with the std floor it sampled with) and the
+critic's ``values`` for GAE; computing them here, on the resident frozen base
+at the job's ``behavior_policy_version``, keeps the producers free of a model.
+The stage is leased and retried exactly like the advantage stage (durable
+consumer ``stage-actor-forward``); every work call claims all rows under a
+task of its own, so a retry rewrites both fields whole.
 
-* ``old_logp`` [M]: log pi_behaviour(taken chunk | observation), the chunk the
-  actor learns from (``actions``), with the std floor the rollout sampled with
-  (``metadata.extra["exploration_std"]``);
-* ``values`` [M]: the critic's V(observation) at that version, which the
-  advantage stage uses for GAE.
-
-The stage is leased and retried exactly like the advantage stage (a
-:class:`~joynexus.agents.stage.StageWorker` on the durable consumer
-``stage-actor-forward``); every lease reads all rows under a claim task of its
-own, so a retry after a crash rewrites both fields whole. Its durable consumer
-is ``stage-actor-forward``.
+See docs/ARCHITECTURE.md, "RL: PPO, the actor_forward stage, exploration".
 """
 
 from __future__ import annotations

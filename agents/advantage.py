@@ -1,11 +1,13 @@
 """Advantages for RL jobs: the pure math and the stage agent that applies it.
 
-Rollout partitions hold one row per (env, step): ``env_id`` and ``step``
-say where a row sits in its trajectory, ``rewards`` and ``dones`` what
-happened, and ``values`` (optional) the critic's estimates. The advantage
-agent leases a job's ``advantages`` stage, reads those fields through the
-Training Queue, writes ``advantages`` and ``returns`` back against the same
-rows, and marks the job ready.
+GAE (with the critic's ``values`` when the job went through actor_forward,
+else 0) or GRPO are pure functions of one job's rows, tested without a server;
+:class:`AdvantageAgent` is only a stage worker around them that writes
+``advantages`` and ``returns`` against the same Training Queue rows and marks
+the job ready.
+
+See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version"
+and "RL: PPO, the actor_forward stage, exploration".
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Tenants' dataset spaces: where an SFT workload's ``dataset`` may point.
 
-Every tenant has a directory of its own under the service's datasets root
-(``$JOYNEXUS_DATASETS``, default ``.jnx/datasets``): ``<root>/<tenant>``, or
-the directory the operator set in the tenant's quota (``Quota.dataset_root``).
-A workload's ``dataset`` names a LeRobot dataset inside it (a relative path;
-an absolute one only if it lies inside). The control plane resolves it once,
-when the workload is created (symlinks followed, containment checked), and
-stores the resolved absolute path in the record; the producers, the policy
-initializer and the evaluator read only that.
+A workload's ``dataset`` names a LeRobot dataset inside the tenant's own
+directory (``<root>/<tenant>``, root ``$JOYNEXUS_DATASETS`` or
+``.jnx/datasets``, or the quota's ``dataset_root``). The control plane resolves
+it once, at create time (symlinks followed, containment checked), and stores
+the absolute path; producers, the initializer and the evaluator read only that.
+Every refusal is the same sentence whatever the cause, so a tenant learns
+nothing about the machine's files from it.
 
-Every refusal is the same sentence whatever the cause (no such path, a path
-outside the tenant's space, a symlink out of it, a file, a folder that is not
-a dataset), so a tenant learns nothing about the machine's files from it.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

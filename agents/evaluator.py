@@ -1,37 +1,17 @@
 """The evaluator: runs eval workloads, pinned to one policy version throughout.
 
-It watches the workloads bucket for active ``eval`` workloads, runs N
-episodes in the workload's ManiSkill task with actions from the Inference
-Queue pinned to the evaluated version (no exploration noise, nothing in the
-Training Queue), and writes the result into the workload record (state
-``done``), which the SDK's ``evaluate`` future waits for.
+Evaluations share the evaluator fairly whatever their size, so a tenant's
+huge evaluation takes turns with another's small one instead of holding it:
+at most ``max_open`` evaluations have an env open at once and at most
+``max_concurrent`` rounds (``num_envs`` episodes side by side) run at once,
+both handed out round-robin by tenant (per-tenant bounds are the control
+plane's, at create time). A cancelled evaluation stops before its next round
+(within a step if one runs) and keeps the episodes finished so far as its
+result; on ``stop`` every evaluation stops within a step and stays ``active``
+for the next evaluator, and ``run`` returns within ``grace_s``.
 
-Evaluations share the evaluator fairly, whatever their size:
-
-* each evaluation runs as a task of its own; at most ``max_open`` of them
-  have an env open at once (admitted round-robin by tenant), and at most
-  ``max_concurrent`` rounds (``num_envs`` episodes side by side) run at once,
-  each round a turn handed out round-robin by tenant. A tenant's 10^9-episode
-  evaluation takes turns with another tenant's 2-episode one instead of
-  holding the evaluator (the control plane bounds episodes and concurrent
-  evaluations per tenant at create time; here only the global bounds live).
-* a cancelled evaluation (its record's state leaves ``active``: the watch
-  sees it at once, and a KV get before every round checks again) stops
-  before its next round, or within a step if a round is under way; its
-  record keeps state ``cancelled`` and gets the episodes finished so far as
-  its result (``cancelled`` = 1).
-* on ``stop`` (SIGTERM of the role process: ``joynexus agent evaluator``)
-  every evaluation stops within a step, the records stay ``active`` (the next
-  evaluator starts them afresh), and ``run`` returns within ``grace_s``.
-
-Evaluation every K versions: a training workload whose spec has
-``eval_every`` = K gets an eval record ``<workload>-v<version>`` for versions
-K, 2K, ... (``periodic``, pinned ``init_from``): the evaluator watches the
-policy KV and *creates* the record, so one exists per (tenant, workload,
-version) whatever restarts; on start it looks at every retained version, so
-versions published while no evaluator ran are not lost. ``eval_videos``
-episodes are saved as video in the object store (``save_videos``); the
-control plane serves them to their tenant (``get_video``).
+See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version"
+(the evaluator, evaluation every K versions, videos).
 """
 
 from __future__ import annotations

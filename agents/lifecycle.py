@@ -1,18 +1,14 @@
 """The Training Scheduler's pure core: lifecycle rules, admission, lease order.
 
 No I/O and no clock reads: every function takes ``now`` (monotonic seconds,
-used only for lease deadlines) from its caller. The scheduler agent is a
-thin loop around :class:`SchedulerCore`: decide (returns an event), apply it
-optimistically, append it to the log, then commit it with its stream
-sequence or revert it. Replaying the log's latest event per job through
+used only for lease deadlines) from its caller, so every (state, event) pair
+is tabled in tests/test_lifecycle.py. The agent is a thin loop around
+:class:`SchedulerCore` (decide, apply optimistically, append, then commit the
+stream sequence or revert), and replaying each job's latest event through
 :meth:`SchedulerCore.load` rebuilds the same state after a restart.
 
-Lifecycle (bracketed steps are optional; an RL job may take actor_forward, then advantages)::
-
-    reserved -> [producing] -> [needs_actor_forward -> computing_actor_forward]
-             -> [needs_advantages -> computing_advantages] -> ready
-             -> leased -> completed          (leased -> ready when a lease expires)
-    any non-terminal -> dropped | failed
+See docs/ARCHITECTURE.md, "The job lifecycle is an event log" (the states,
+actor_forward included) and "The Training Scheduler: one decider, many callers".
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Child processes of agents and operator tools: they die with their parent.
 
-The health manager (agents/health.py) and the embedded nats-server
-(ops/natsserver.py) both start children; this is their one helper, kept in the
-agents layer so the agents never import ops (layers: docs/ARCHITECTURE.md).
+The health manager and the embedded nats-server (ops/natsserver.py) both
+start children; this is their one helper, kept in the agents layer so that
+agents never import ops.
+
+See docs/ARCHITECTURE.md, "Layout and import root" (layers point down).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Synthetic producers, stage work and actors: the whole job lifecycle with
 fake numbers instead of a simulator and a model.
 
-They exercise exactly the paths the real agents use (scheduler API, Training
-Queue, durable stage consumer), so the demo and the scheduler benchmark
-measure the service itself. ``with_data=False`` skips the Training Queue to
-measure the scheduler alone.
+They take exactly the paths the real agents take (scheduler API, Training
+Queue, durable stage consumer), so the demo, role ``synthetic`` and the
+scheduler benchmark measure the service itself; ``with_data=False`` skips the
+Training Queue to measure the scheduler alone.
+
+See docs/ARCHITECTURE.md, "Measured".
 """
 
 from __future__ import annotations

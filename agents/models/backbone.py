@@ -1,29 +1,18 @@
 """The resident base model: a frozen Qwen2.5-VL backbone shared by all tenants.
 
-One ``Backbone`` per process holds the transformers ``Qwen2_5_VLModel`` (vision
-tower + language model, no LM head), a byte-level tokenizer and the Qwen2-VL
-image processor. It is frozen and in eval mode; tenants never train it, they
-only read its features. Everything works offline: the model is built from a
-config (``size="tiny"`` for tests, ``"bench"`` for benchmarks, random weights)
-or loaded from a local directory with ``from_pretrained`` (the same path real
-weights take). Nothing is fetched from a hub.
+One ``Backbone`` per process (the transformers ``Qwen2_5_VLModel`` without an
+LM head, a tokenizer, the Qwen2-VL image processor) is frozen: tenants only
+read its features, so one forward can serve many tenants. It is built from a
+config (``size="tiny"``/``"bench"``, random weights) or loaded from a local
+directory with ``from_pretrained``; nothing is fetched from a hub.
 
-Prompt layout per sample (token ids), right-padded to the batch's longest::
+Things to keep true: prompts are right-padded and attention is causal, so
+padding never changes a real token's features; positions are the 3-D M-RoPE
+ids from ``get_rope_index``, passed explicitly (never the 1-D fallback);
+``feats_B_D`` is the mean of the last hidden states over real tokens.
 
-    <|im_start|> (<|vision_start|> <|image_pad|>*n <|vision_end|>) per camera
-    instruction bytes (at most max_text_tokens) <|im_end|> <|endoftext|>...
-
-Positions are the 3-D M-RoPE ids from ``get_rope_index`` (temporal, height,
-width rows), passed explicitly so the model never falls back to 1-D positions.
-Every sample of a compatible batch shares the same prefix layout, so one row is
-computed and broadcast. Attention is causal, so right padding never changes the
-features of real tokens.
-
-Features (``encode``/``forward``): ``feats_B_D`` float32, the mean of the last
-hidden states over each sample's real tokens (pads excluded); D = hidden size.
-``features``/``encode_tokens`` return a ``TokenFeatures``: the same pooled
-features plus, with ``tokens=True``, the last hidden states ``[B, L, D]`` and the
-real-token mask, from the same forward (for heads that read tokens).
+See docs/ARCHITECTURE.md, "A base that sees (issue 12 point 3) and a real
+tokenizer (issue 15 point 3)" and "Heads that read token features".
 """
 
 from __future__ import annotations

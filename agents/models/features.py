@@ -1,42 +1,17 @@
 """Canonical VLA inputs, and the rules for sharing one backbone forward.
 
-A tenant's request is canonicalized once at the edge into a ``FeatureBatch``:
-camera images as uint8 ``[B, C, H, W]`` per camera slot, one instruction string
-per sample, robot state float32 ``[B, S]`` and optional state history
-``[B, Hh, S]``. The ``FeatureSchema`` says what a tenant's policy expects; its
-``signature()`` string names it on the wire.
+A tenant's request is canonicalised once at the edge into a ``FeatureBatch``
+(uint8 images ``[B, C, H, W]`` per camera slot, instructions, state ``[B, S]``,
+optional history ``[B, Hh, S]``); its ``FeatureSchema.signature()`` names a
+policy's inputs on the wire. The sharing rule: batches of different tenants
+go through ONE backbone forward when their ``backbone_key()`` matches (base,
+camera slots in order, image channels and size); state, action dim and
+horizon reach only the heads. Right padding under causal attention keeps a
+sample's features independent of who shares its forward. Everything here is
+pure: no model, no I/O (``wire_view`` never copies, nothing writes an input).
 
-Sharing rule: batches of different tenants may go through ONE backbone forward
-when their ``backbone_key()`` matches (same base model, same camera slots in
-the same order, same image channels/size). State dim, action dim and horizon
-may differ: they only reach the per-tenant heads, never the shared backbone.
-
-Padding rules: instructions are byte-tokenized and right-padded to the longest
-sequence of the (grouped) batch; because the backbone attends causally, right
-padding never changes the features of real tokens, so a sample's features do
-not depend on which other samples share its forward. State history shorter
-than ``history_len`` is left-padded by repeating its oldest frame.
-
-Cheap preparation (issue 15): the inference engine prepares a whole batch in
-one call, never per request. ``patchify`` turns every image of a batch into
-the Qwen2-VL patch rows in one vectorised torch expression (the same numbers
-as ``Qwen2VLImageProcessor`` for images already at the processor's size, which
-loops over images in numpy); ``TokenCache`` tokenises each distinct
-instruction once (a bounded LRU keyed by the text), since an RL rollout sends
-the same instruction at every step; ``wire_view`` reads tensor bytes off the
-wire without copying them (a read-only view: nothing here writes to an input).
-
-Token features (issue 12): ``TokenFeatures`` is what one backbone forward hands
-the heads: the pooled ``feats_B_D`` (the mean over real tokens, what pooled heads
-read) and, when a head of the group reads tokens, the last hidden states
-``[B, L, D]`` with the real-token mask ``[B, L]``. ``split`` gives each tenant its
-rows (trimmed to its own longest row, so its tokens are laid out as in a forward
-of its own); ``tokens()`` packs a tenant's rows into ONE float32 tensor
-``[B, L, D + 1]`` (hidden states zeroed at pads, the mask as the last channel):
-a head's generic code (PPO, finiteness checks, ``train_step``) treats features as
-one tensor with rows first, and packing keeps that true for token heads.
-
-Everything here is pure: no model, no I/O.
+See docs/ARCHITECTURE.md, "Heads that read token features" (``TokenFeatures``,
+packed tokens) and "The Inference Queue" (where preparation is paid).
 """
 
 from __future__ import annotations

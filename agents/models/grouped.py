@@ -1,28 +1,16 @@
 """Group execution: one shared backbone forward for several tenants.
 
-Inference (``grouped_forward``): compatible requests of different tenants are
-laid end to end, the frozen backbone runs ONCE over all rows, the features are
-split back by recorded slices and each tenant's head decodes its own rows.
-``serial_forward`` is the reference: one backbone forward per tenant.
+Compatible rows of different tenants run through the frozen backbone ONCE
+(``grouped_forward``, ``grouped_train_step``), the features are split back by
+slices, and each tenant's own head decodes or takes its own loss, backward and
+AdamW step. Nothing is averaged across tenants, so a tenant's loss curve is
+the one it would have alone (``serial_forward`` and ``serial_train_step`` are
+the references; the tests hold the tolerance). ``isolated_train_step`` turns
+whatever goes wrong with one tenant's item into that item's error
+(``InvalidSpec`` unless it is one of ours already), its module untouched,
+while the others still step.
 
-Training (``grouped_train_step``): one shared backbone forward without grad,
-features split, then each tenant's private loss, backward and AdamW step on
-that tenant's head only. Nothing is averaged or summed across tenants, so a
-tenant's loss curve is the one it would have alone, up to the last bits that
-batched matmuls may change (see tests for the tolerance).
-
-Features (issue 12): the forward gives a ``TokenFeatures`` (pooled features,
-plus the last hidden states and the real-token mask when a head of the group
-reads tokens), split by the group's row slices; ``features_for`` gives each head
-the kind it ``reads`` ("pooled" ``[B, D]`` or packed "tokens" ``[B, L, D + 1]``).
-A group may mix both: ONE backbone forward, pooled once from the same hidden
-states, so a pooled head's features are exactly ``Backbone.encode``'s.
-
-``isolated_train_step`` is the same step for a service: whatever goes wrong
-with one tenant's item (its rows spoil the shared forward, its loss raises,
-its loss or gradients are non-finite) becomes that item's result, an
-``InvalidSpec`` saying why, with that tenant's module untouched; the other
-tenants still step.
+See docs/ARCHITECTURE.md, "Heads that read token features" (``features_for``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """Tenant action modules: the only trainable part of a tenant's policy.
 
-Each tenant owns a small head (well under 1% of the backbone at bench size and
-above), its own optimizer state and its own version counter; nothing here is
-shared or averaged across tenants. Heads are chosen by a type name from a
-registry (``@register("oft_mlp")``, ``build_head(type_name, cfg)``):
+Each tenant owns a small head, its optimizer state and its version counter;
+nothing here is shared or averaged across tenants. Heads are chosen by type
+name from the one registry (``@register``, ``build_head``, ``HEADS``):
+``oft_mlp`` (a :class:`GaussianPolicy` with a critic), ``flow_matching`` and
+``value``. Every head has ``loss(feats, state, target)`` and ``act(feats,
+state)``, normalises with its data's statistics held as buffers (so they
+travel with the weights), and ``TenantModule`` bundles head, AdamW and version.
 
-- ``oft_mlp``: OFT-style MLP regressing an action chunk ``[B, horizon, action_dim]``
-  from backbone features ``[B, D]`` + robot state ``[B, S]``; L1 or MSE loss. It is
-  also a Gaussian policy (:class:`GaussianPolicy`): the chunk is the mean of a
-  diagonal Gaussian with a learned log-std per action dimension, and it carries
-  a critic (a value head on the same inputs), so RL can use PPO on it.
-- ``flow_matching``: GR00T-style velocity field conditioned on features + state,
-  trained with the rectified-flow loss, sampled with a few Euler steps from
-  noise; deterministic given the noise tensor (or the head's seeded generator).
-- ``value``: scalar value per sample for RL (``[B]``), MSE to returns.
-
-Every head normalises what it reads and writes with its training data's
-statistics (buffers ``state_mean/std``, ``action_mean/std``: part of the
-weights, so they travel with checkpoints, published versions and exports):
-the state enters as (s - mean) / std, losses are computed on normalised
-actions, and ``act`` returns actions in the data's own units.
-
-Every head has ``loss(feats_B_D, state_B_S, target) -> scalar`` and
-``act(feats_B_D, state_B_S) -> tensor``. ``TenantModule`` bundles head,
-AdamW optimizer and version, with a ``state_dict`` that includes the optimizer
-and a safetensors export of the head weights.
+See docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation,
+SFT targets" and "RL: PPO, the actor_forward stage, exploration".
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 ``broker/policy.py`` keeps versions as records and safetensors bytes and never
 imports torch; this module converts between those and a :class:`TenantModule`
-and its :class:`FeatureSchema`, and its :class:`PolicyStore` adds publishing and
-loading a head to the bytes-level store. Layers: docs/ARCHITECTURE.md.
+with its :class:`FeatureSchema`, and :class:`PolicyStore` adds publishing and
+loading a head.
+
+See docs/ARCHITECTURE.md, "Layout and import root" (why the store is split).
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Tenant heads that read token features (the paper's QwenOFT and QwenGR00T heads).
 
-Both read the packed token features ``[B, L, D + 1]`` of the shared backbone
-forward (``reads = "tokens"``; ``features.pack_tokens``: the last hidden states,
-zero at pads, and the real-token mask as the last channel) and mask the pads out
-of every attention, so a row's output does not depend on how much padding the
-group it was batched with added. Token features are projected to the head's
-width ``cfg.hidden`` first (a LayerNorm and one linear layer): attention then
-runs at that width, so a head stays well under 1% of the bench backbone.
+``oft_attn`` (action-placeholder queries cross-attending the tokens; a
+:class:`GaussianPolicy`, so PPO applies) and ``gr00t_flow`` (flow matching
+over action tokens; RL by advantage weights) read the packed token features
+``[B, L, D + 1]`` and mask pads out of every attention, so a row's output does
+not depend on the padding of the group it was batched with. Tokens are
+projected to ``cfg.hidden`` first, keeping a head well under 1% of the bench
+base. Importing ``joynexus.agents.models`` registers both.
 
-- ``oft_attn`` (OpenVLA-OFT style, action placeholders): ``action_horizon``
-  learned query tokens, each plus the normalised robot state's embedding,
-  cross-attend over the tokens (multi-head, pads masked), then an MLP block and
-  a linear read-out give the whole chunk in one pass. It is a
-  :class:`GaussianPolicy`: ``_predict`` is the mean chunk, and the critic reads an
-  attention-pooled vector of the (actor-projected, detached) tokens plus the
-  state, so PPO applies as for ``oft_mlp``.
-- ``gr00t_flow`` (GR00T N1 style flow matching): the noisy chunk's steps become
-  action tokens (a linear embedding + a learned position per step + the flow
-  time's embedding), a state token goes first, and one small transformer
-  decoder block (self-attention over the state and action tokens,
-  cross-attention to the masked backbone tokens, MLP) predicts the velocity of
-  every step. Trained with the rectified-flow loss as ``flow_matching``
-  (noise and time drawn from the head's own generator), sampled with Euler
-  steps from noise (deterministic given the noise). No tractable likelihood:
-  RL trains it with advantage weights, as ``flow_matching``.
-
-Importing ``joynexus.agents.models`` registers them (the package imports this
-module), so ``build_head``/``HEADS`` know them wherever heads are built.
+See docs/ARCHITECTURE.md, "Heads that read token features (issue 12 point 2)".
 """
 
 from __future__ import annotations
