@@ -3,6 +3,8 @@
 nats-py's defaults give up reconnecting after ~2 minutes and cap the outbound
 buffer at 2 MB; a service that must outlive a broker restart and move
 multi-MB Training Queue partitions needs neither limit.
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker" (identities).
 """
 
 from __future__ import annotations

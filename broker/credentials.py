@@ -1,23 +1,17 @@
 """Who connects: a NATS identity plus how to reach the server, in one file.
 
-With authorization on (the default of ``joynexus up`` / ``joynexus server``)
-every connection authenticates:
-
-- a **tenant** with the user ``<ns>.<tenant>`` the control plane issued it
-  (``joynexus tenant add``): the file names the tenant, and its connection
-  must use the inbox prefix ``_INBOX.<ns>.<tenant>`` (the only subjects it may
-  subscribe to);
-- the **agents** with the service identity, the **operator** with the admin
-  identity; both are generated into ``<data-dir>/credentials/`` when the
-  embedded server first starts.
-
-A credentials file is JSON, readable by its owner only (mode 0600)::
+With authorization on, every connection authenticates with one of these: a
+tenant's (the control plane issued it; its connection must use the inbox
+prefix ``_INBOX.<ns>.<tenant>``) or a service-side identity generated into
+``<data-dir>/credentials/``. A file is JSON, readable by its owner only
+(mode 0600)::
 
     {"kind": "tenant", "tenant": "acme", "namespace": "jnx",
      "url": "nats://127.0.0.1:4222", "user": "jnx.acme", "password": "...",
      "ca_file": null}
 
-This module needs only the base install (the SDK uses it).
+It needs only the base install, because the SDK uses it.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ sequence on, without creating a consumer (no server-side state to leak).
 
 The Training Queue reads its index and claim records this way, and the
 control plane pages a tenant's job events for the SDK.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker" (``read_events``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ class decides whether the message is retried later (nak with a delay),
 dropped (term), or acknowledged because the work is moot, and whether the
 job itself must be failed. No other module wraps calls in retry loops for
 message handling; JetStream's max_deliver bounds redeliveries.
+
+See docs/ARCHITECTURE.md, "Stage workers and failures".
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """JetStream API error codes the code base decides on (``APIError.err_code``), in one
-place as nats.py keeps its errors in ``nats.js.errors``."""
+place as nats.py keeps its errors in ``nats.js.errors``. See docs/ARCHITECTURE.md,
+"Layout and import root" (one home for every name)."""
 
 from __future__ import annotations
 

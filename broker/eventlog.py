@@ -1,13 +1,12 @@
 """The job event log: compare-and-append on JetStream.
 
-A job's events live on ``<ns>.job.<tenant>.<job>.<state>``; its current state
-is the last message matching ``<ns>.job.<tenant>.<job>.*``. An append names
-the sequence of that last message (``Nats-Expected-Last-Subject-Sequence``
-with the per-job wildcard in ``...-Subject``), so two writers can never both
-move a job: the loser gets JetStream error 10071. Every append also carries a
-unique ``Nats-Msg-Id``; when a retried append meets 10071, the log reads the
-job's last message and, if that message is the one we sent, reports success
-instead of a conflict (the first try landed, only its ack was lost).
+A job's current state is the last message on ``<ns>.job.<tenant>.<job>.*``,
+and every append names that message's sequence, so two writers can never
+both move a job (the loser gets 10071). The one subtlety: a retried append
+whose first try landed also meets 10071; the log then reads the job's last
+message and, if its unique ``Nats-Msg-Id`` is ours, reports success.
+
+See docs/ARCHITECTURE.md, "The job lifecycle is an event log".
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ consumer per request (a ``watch`` or ``keys()`` creates one); a mirror costs
 one, for the life of the process. The watcher is re-created when it fails
 (disconnected, the bucket not made yet); a value that does not decode, or
 does not belong under its key, is skipped.
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

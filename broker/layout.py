@@ -1,8 +1,11 @@
 """The JetStream layout of a deployment, created idempotently.
 
 Any agent may call :func:`ensure_layout` at start; the first creates the
-streams and buckets, the rest find them. Descriptions are written for the
-operator reading ``nats stream ls``.
+streams and buckets, the rest find them (and an existing stream is never
+scaled down). Descriptions are written for the operator reading
+``nats stream ls``.
+
+See docs/ARCHITECTURE.md, "Names an operator sees".
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Metric events on ``<ns>.metrics.<kind>.<tenant>`` (captured by the metrics stream).
 
-Kinds: ``learning`` (losses, eval scores), ``control`` (queue depths, policy
-freshness), ``system`` (health, weight-sync time, utilization), ``security``.
-Fire-and-forget: a lost metric never blocks training.
+Fire-and-forget: a lost metric never blocks training. Every string published
+is :func:`clip`-ped (bounded, printable), because refusals carry what an
+attacker sent and must neither grow the stream nor forge log lines; identical
+refusals are counted, not copied (:class:`RefusalCounter`: the first at once,
+the repeats within :data:`REFUSAL_WINDOW_S` as one event with ``count``).
 
-Every string published is :func:`clip`-ped (bounded, printable): refusals carry
-what an attacker sent (a subject, a claimed user or tenant), which must neither
-grow the metrics stream nor forge log lines. Identical refusals are counted, not
-copied (:class:`RefusalCounter`): the first is published at once, the repeats
-within a window (:data:`REFUSAL_WINDOW_S`) as one summary event carrying ``count``.
+See docs/ARCHITECTURE.md, "Traces and monitoring".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """What each identity may do on the broker, as nats-server authorization.
 
-Three kinds of identity (see :mod:`joynexus.broker.credentials`):
+The broker, not the agents' good manners, fences tenants: a tenant may
+publish only to its own API and inference subjects and read only its own
+inbox; the service, control, responder and admin identities get exactly the
+rights their job needs (the responder only inboxes, so a reply subject a
+tenant names reaches nothing else even if a check in the code were missed).
+:func:`parse_refusal` turns a refusal line of the server's log into a
+security event.
 
-- a **tenant** ``<ns>.<tenant>`` may publish only to its own API subjects
-  (``<ns>.api.<tenant>.*``) and its own inference subject
-  (``<ns>.infer.*.<tenant>``), and subscribe only to its own inbox
-  (``_INBOX.<ns>.<tenant>.>``, where its replies arrive). No JetStream API,
-  no job event subject, no Training Queue, policy or weights subject: the
-  control plane reads and writes those for it, taking the tenant from the
-  subject the server let it publish on.
-- the **service** identity (every agent) may publish only to the subjects the
-  service owns, listed (the JetStream, KV and object store APIs, its own job,
-  Training Queue, scheduler, metrics and inference subjects, inboxes); never
-  the operator API, never the identities bucket, never delete a stream, and it
-  may not read the operator's inbox (``_INBOX.<ns>._admin.>``).
-- the **control** identity (the control plane) has the service's rights plus
-  writing the identities bucket: only it issues and revokes tenants.
-- the **responder** identity is the connection the request servers (control
-  plane, inference engines) answer on: it may publish to inboxes only, so a
-  reply subject a tenant names cannot reach a stream, a bucket or the
-  JetStream API even if a check in the code were missed.
-- the **admin** identity (operators, the ``nats`` CLI) may do anything.
-
-The server's refusals are in its log; :func:`parse_refusal` turns such a line
-into a security event (the auth sync publishes it on the metrics stream).
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker" (every identity's rights).
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Policy publication: tenant action-module weights and their versions.
 
-A version is two writes, in this order: the head's weights as safetensors
-bytes into the object store (``Names.weights_object``), then a
-:class:`PolicyRecord` into the policy KV under ``<tenant>.<policy_key>``.
-A reader that sees a record can therefore always fetch its weights. The KV
-write is a compare-and-set on the key's last revision, so two publishers
-racing for the same version number cannot both win (the loser gets
-``Conflict``). The key's history (bucket ``history``) holds the retained
-versions; an inference request pinned to one of them is served with it.
+A version is two writes, in this order: the weights into the object store,
+then a :class:`PolicyRecord` into the policy KV (``<tenant>.<policy_key>``,
+compare-and-set on the key's revision), so a reader that sees a record can
+always fetch its weights and two publishers of one version cannot both win
+(``Conflict``). The key's history holds the retained versions. It stays at
+the bytes level, so the broker never imports torch; ``PolicyStore`` in
+``agents/models/policyio.py`` adds the heads.
 
-Inference engines ``watch()`` the bucket and load a version before serving it.
-
-This module stays at the bytes level (records, weights bytes, watch), so the
-broker layer never imports torch or the models; the conversions between a
-head and its bytes, and publishing or loading a head, live with the models in
-``agents/models/policyio.py`` (its ``PolicyStore`` extends :class:`PolicyRecords`).
+See docs/ARCHITECTURE.md, "Layout and import root" (why the store is split).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Every tenant's quota as this process sees it: one watcher on the identities bucket.
 
-The control plane and the inference engines check tenants' requests against
-:class:`~joynexus.schemas.quotas.Quota`. Each process mirrors the identities
-bucket (:class:`~joynexus.broker.kvmirror.KVMirror`: one watch, not one
-lookup per request), and answers the defaults for a tenant without a record
-(a deployment without authorization).
+The control plane and the inference engines check every request against a
+:class:`~joynexus.schemas.quotas.Quota`; a mirror of the identities bucket
+(one watch, not one lookup per request) answers it, with the defaults for a
+tenant without a record (a deployment without authorization).
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""Every name on the wire: subjects, streams, consumers, buckets, services.
+"""Every name on the wire: subjects, KV keys, streams, consumers, buckets, services.
 
-Nothing else in the code base writes a subject string or a KV key (stream,
-bucket and consumer configs are in ``broker/layout.py``, header names in
-``broker/headers.py``, JetStream error codes in ``broker/errcodes.py``;
-tests/test_names.py checks it). All names hang off a
-:class:`Names` object whose ``namespace`` (default ``jnx``) prefixes them, so
-several deployments (or tests) can share one server without seeing each
-other. With the default namespace an operator sees::
+Nothing else writes a subject string or a KV key (tests/test_names.py checks
+it). All names hang off a :class:`Names` whose ``namespace`` (default ``jnx``)
+prefixes them, so several deployments (or tests) share one server without
+seeing each other. With the default namespace an operator sees::
 
     nats stream ls        -> JNX_JOBS, JNX_TQ, JNX_METRICS, JNX_ADVISORIES
-    nats kv ls            -> JNX_TENANTS, JNX_WORKLOADS, JNX_POLICY, JNX_HEALTH
-    nats object ls        -> JNX_WEIGHTS
-    nats kv ls            -> ... JNX_IDENTITIES (tenant users, with authorization on)
+    nats kv ls            -> JNX_TENANTS, JNX_WORKLOADS, JNX_POLICY, JNX_HEALTH,
+                             JNX_TRAINER, JNX_USAGE, JNX_IDENTITIES (with authorization on)
+    nats object ls        -> JNX_WEIGHTS, JNX_CHECKPOINTS
     nats micro ls         -> jnx-sched, jnx-control, jnx-infer
+
+See docs/ARCHITECTURE.md, "Layout and import root" and "Names an operator sees".
 """
 
 from __future__ import annotations

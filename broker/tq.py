@@ -1,21 +1,15 @@
 """The Training Queue: a sample-oriented tensor store on JetStream (TransferQueue-style).
 
-Producers put fields (tensors with a leading row dimension) into a partition of
-a tenant; consumers ask for rows whose requested fields are all produced and
-claim them per task. Everything lives in the ``<NS>_TQ`` stream, so any agent
-in any process can use a partition and it survives restarts of either side:
+Producers put fields (tensors with a leading row dimension) into a tenant's
+partition; consumers claim rows whose requested fields are all produced,
+per task. Everything is in one stream, so any agent in any process can use a
+partition and it survives restarts of either side. The invariants: an index
+record is written after its chunks (the commit point); row ids and claims are
+compare-and-append, so producers never share ids and two consumers of a task
+never get the same row; tensors travel as raw bytes with dtype and shape in a
+header, never pickle.
 
-* ``<ns>.tq.<tenant>.<partition>.d.<field>``  raw tensor bytes, in chunks of at
-  most ``chunk_bytes`` (dtype and shape in a NATS header, never pickle);
-* ``<ns>.tq.<tenant>.<partition>.idx``  one index record per put, written
-  after its chunks are stored: the commit point. New rows get their ids by
-  compare-and-append on this subject, so concurrent producers never share ids;
-* ``<ns>.tq.<tenant>.<partition>.c.<task>``  claims of one task, appended with
-  compare-and-append, so two consumers of a task never get the same row.
-
-Every message carries a per-message TTL (orphaned partitions expire) and the
-caller's trace context. Reads of index and claim records use one batched
-direct get per subject; chunks are fetched concurrently by sequence.
+See docs/ARCHITECTURE.md, "The Training Queue" (subjects, TTLs, clearing).
 """
 
 from __future__ import annotations

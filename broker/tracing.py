@@ -3,6 +3,8 @@
 Every message the broker layer publishes carries the caller's current trace
 context; every consumer restores it, so one training job or one inference
 request is one trace across agents.
+
+See docs/ARCHITECTURE.md, "Traces and monitoring".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Trainer state in JetStream: a tenant's training checkpoint, readable from any host.
 
-What makes an actor's step exactly-once is its per-tenant checkpoint: the
-action module, its optimizer state, the version, and the jobs already applied.
-Kept on one host's disk, a host lost takes it along and a new actor elsewhere
-would start without the optimizer state and might step an applied job again.
-Here it lives in the cluster:
+An actor's step is exactly-once because of its per-tenant checkpoint (module,
+optimizer state, version, jobs applied); on one host's disk a lost host would
+take it along. So the bytes go into the object store under a fresh name (a
+half-written object is never referenced), then a :class:`CheckpointRecord`
+is written with a compare-and-set on the revision the writer last read: the
+commit point. A writer that lost the race gets ``Conflict`` and must reload;
+objects no record points to are swept afterwards. The bytes are opaque here
+(no torch) and a digest in the record is checked on load.
 
-- the checkpoint's bytes go into the object store (``<NS>_CHECKPOINTS``) under a
-  name of their own (``<tenant>/<policy_key>/v<version>-<nonce>.ckpt``): a
-  half-written object is never referenced;
-- then a :class:`CheckpointRecord` is written to the KV (``<NS>_TRAINER``, key
-  ``<tenant>.<policy_key>``) with a compare-and-set on the revision the writer
-  last read. That write is the commit point: a crash before it leaves the old
-  checkpoint in force, after it the new one. A writer whose revision is no
-  longer the latest (another actor committed meanwhile: a deposed holder) gets
-  ``Conflict`` and must reload instead of overwriting newer state;
-- the objects no record points to any more are deleted afterwards, best effort
-  (the next save sweeps what a crash left behind).
-
-The bytes are opaque here (the actor serialises torch state into them), so the
-broker layer needs no torch. A digest in the record is checked on load.
+See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version" (the actor).
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """Usage metering per tenant: what each tenant used of the shared services.
 
-Folded from events that already exist, in stream-sequence order:
+Nothing new is recorded for it: the :class:`Meter` folds events that already
+exist (busy intervals split by rows, Training Queue index records, terminal
+job events) in stream-sequence order, and checkpoints every total with the
+last sequence folded from each stream in one value written with
+compare-and-set. So a meter that dies folds the same events again from its
+last checkpoint (each counted once) and two meters cannot both advance it.
 
-* ``system`` metric events (``broker.metrics.busy``) on ``<NS>_METRICS``:
-  a training step's busy interval (``service="train"``) is split among the
-  tenants in it **by rows** (``tenant_rows``: the samples each tenant's item
-  had in the grouped step, the actor's batch dimension); an inference batch
-  (``service="infer"``) likewise by its rows (``tenant_rows``) and it counts
-  each tenant's requests (``tenant_requests``); an environment worker's rollout
-  (``service="env"``) is its tenant's simulator time. An interval's parts add
-  up to the interval exactly (the last tenant gets the remainder), so every
-  tenant's parts add up to the service's measured busy time.
-* Training Queue index records (``<ns>.tq.<tenant>.<partition>.idx`` on
-  ``<NS>_TQ``): the bytes each put committed, at the record's stream time;
-  their partition's job reaching a terminal state (``<NS>_JOBS``) ends their
-  stay: byte-seconds = bytes x (terminal time - put time). Bytes still queued
-  accrue up to the time of a report.
-* terminal job events: jobs completed, dropped and failed per tenant.
-
-Exact across restarts: the whole state (every total and the last stream
-sequence folded from each of the three streams) is one value in the KV bucket
-``<NS>_USAGE`` (key ``meter``), written with compare-and-set on its revision.
-A meter that dies between two checkpoints restarts from the last one and folds
-the same events again from the sequence after it: each event is counted once,
-whatever the crash point; two meters cannot both advance one checkpoint (the
-loser reloads). Lost only: events a stream dropped before the meter read them
-(the metrics stream keeps a day; counted as ``events_missed`` from the gap in
-sequences), and Training Queue puts whose partition was purged while no meter
-ran (the index record is gone with it).
-
-The control plane runs the :class:`Meter` and answers a tenant's ``usage``
-verb from it with that tenant's figures only; operators read the checkpoint
-plus the events after it (``joynexus usage``).
+See docs/ARCHITECTURE.md, "Usage metering" (what is split how, what is lost).
 """
 
 from __future__ import annotations
