@@ -1,4 +1,5 @@
-"""The base of every wire struct, and the codecs that read and write them."""
+"""The base of every wire struct (``Wire``, strict under ``JOYNEXUS_STRICT_DECODE=1``), and
+the codecs that read and write them; see the package docstring."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ stands for, so callers can catch either. Each error has a stable ``code``
 that travels in error replies, so the far side raises the same class.
 Whether a failed message is retried is decided from the class in
 ``joynexus.broker.disposition``, nowhere else.
+
+See docs/ARCHITECTURE.md, "Stage workers and failures".
 """
 
 from __future__ import annotations

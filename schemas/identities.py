@@ -1,13 +1,12 @@
 """Tenant identities: the NATS users the control plane issues, and the operator API.
 
-A tenant slot is allocated by an operator (``joynexus tenant add acme``, the
-admin identity, subject ``<ns>.admin.tenant_add``). The control plane
-receives only the bcrypt hash of a password the operator's client generated
-(the password never leaves the operator's machine; the CLI writes it to an
-owner-only credentials file) and stores it with the tenant's quota in the
-identities bucket (``<NS>_IDENTITIES``, key = tenant). Each server's auth
-sync renders the bucket into that server's authorization and reloads it, then
-records the bucket revision it applied under ``_applied.<server name>``.
+The record a tenant's access hangs on: the bcrypt hash of a password the
+operator's client generated (the password never leaves the operator's
+machine) and the tenant's quota, in the identities bucket under the tenant's
+name; each server's auth sync renders the bucket into its authorization and
+records the revision it applied under ``_applied.<server name>``.
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Wire messages of the Inference Queue (``<ns>.infer.<model>``) and policy records.
 
-Requests and replies travel as msgpack (msgspec): observations are camera
-images and robot state, carried as raw little-endian bytes with dtype and
-shape (:class:`TensorBytes`), never pickle. A reply is a tagged union,
+Observations travel as raw little-endian bytes with dtype and shape
+(:class:`TensorBytes`), never pickle; a reply is a tagged union,
 ``InferResult | InferError`` (field ``t``), decoded once at the client.
-
 :class:`PolicyRecord` is the JSON value of ``<tenant>.<policy_key>`` in the
-policy bucket (readable with ``nats kv get``); its history holds the
-retained versions. Weights live in the object store under ``object_name``.
+policy bucket (readable with ``nats kv get``). Inference's own errors live
+here so client and engine share them; :func:`inference_error_from_code`
+rebuilds any error by code.
 
-The errors specific to inference (unknown policy version, schema that does
-not match the tenant's policy) are defined here so that client and engine
-share them; :func:`inference_error_from_code` rebuilds any error by code.
+See docs/ARCHITECTURE.md, "The Inference Queue".
 """
 
 from __future__ import annotations

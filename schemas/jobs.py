@@ -1,9 +1,10 @@
 """The training job descriptor (the paper's Table 3), its states and events.
 
-A job's history is a sequence of immutable events on the job event log. Each
-event carries a snapshot of the job *after* the event, so the current state
-of any job is its last event; the rules for which event may follow which
-live in ``joynexus.agents.lifecycle`` (pure, no I/O).
+Each event carries a snapshot of the job *after* it, so a job's current state
+is its last event; which event may follow which is decided in
+``joynexus.agents.lifecycle`` (pure, no I/O).
+
+See docs/ARCHITECTURE.md, "The job lifecycle is an event log".
 """
 
 from __future__ import annotations

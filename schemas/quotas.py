@@ -1,17 +1,14 @@
 """What one tenant may take from a shared deployment: its quota and priority class.
 
-An operator sets them (``joynexus tenant add/set acme --quota key=value``);
-they live in the tenant's identity record (``<NS>_IDENTITIES``, key =
-tenant), so one write changes a tenant's credentials and bounds together.
-A tenant never sets its own priority: its workloads' ``scheduling.priority``
-is replaced by the value of its operator-assigned class, and every number a
-tenant asks for is checked against its quota at the door (the control plane,
-the inference engine, the evaluator).
+An operator sets them (``joynexus tenant add/set acme --quota key=value``) in
+the tenant's identity record, so one write changes its credentials and bounds
+together. A tenant never sets its own priority (its class's replaces the
+spec's), and every number it asks for is checked against its quota at the
+door. The defaults are sized for a shared deployment of this size (2 cores,
+one trainer): generous for one honest tenant, too small for one tenant to
+fill what the others need; without authorization every tenant gets them.
 
-The defaults protect a shared deployment of this size (2 cores, one trainer):
-generous for one honest tenant, small enough that one tenant cannot fill what
-the others need. A deployment without authorization (no identities) applies
-the defaults to every tenant.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Value checks on the rows a tenant hands in (``put_data``), before they reach
 the Training Queue.
 
-The shapes are checked against the workload's feature schema elsewhere (the
-control plane's ``check_rows``, agents/control/checks.py); ``check_values`` checks what the shapes
-cannot: dtypes, that every number is finite, that magnitudes are in the range
-the policy heads are trained for, and that one call carries a sane number of
-rows. It is pure (numpy only) and raises ``InvalidSpec`` (``ShapeMismatch``
-for a row-count or rank problem) with a message that names the field and says
-what is allowed, so a bad batch fails its own job at the door instead of the
-shared actor's training step.
-
-What the service's own producers write, and what the SDK documents, is what
-passes:
+Shapes are checked against the workload's schema by the control plane
+(``check_rows`` in agents/control/checks.py); ``check_values`` checks what
+shapes cannot (dtypes, finiteness, ranges the heads train for, a sane row
+count), so a bad batch fails its own job at the door instead of the shared
+actor's step. It is pure and raises ``InvalidSpec`` (``ShapeMismatch`` for a
+row-count or rank problem) naming the field and what is allowed. What passes
+is what the service's own producers write and the SDK documents:
 
 ==========================  =================================  =====================
 field                       dtype                              values
@@ -30,6 +26,8 @@ field                       dtype                              values
 ``values`` ``log_probs``...
 any other field             any numeric dtype                  finite if float
 ==========================  =================================  =====================
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Names of a training sample: LeRobot observation keys and Training Queue fields.
 
-One home (issue 16, item 2) for the keys simulators, datasets, producers, the
-actor, the advantage stage and the control plane share; see
-docs/ARCHITECTURE.md ("Layout and import root").
-Training Queue fields become subject tokens, so they carry no dots: an
-observation key maps onto one with :func:`tq_field`.
+One home for the keys simulators, datasets, producers, the actor, the
+advantage stage and the control plane share. Training Queue fields become
+subject tokens, so they carry no dots: an observation key maps onto one with
+:func:`tq_field`.
+
+See docs/ARCHITECTURE.md, "Layout and import root".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Wire records of the Training Queue (stream ``<NS>_TQ``).
 
-A partition is a growing table of rows with named fields. Producers publish a
-field's tensor as raw bytes in one or more chunk messages (described by
-:class:`TqChunkHeader` in a NATS header), then commit them with one
-:class:`TqIndexRecord` on the partition's ``idx`` subject: rows exist for
-readers only once their index record does. Consumers claim rows per task with
-:class:`TqClaimRecord` on ``c.<task>``. :class:`BatchMeta` is what the API
-hands around: rows plus, per field, the chunk references needed to read them
-(plain data, so it can travel inside other messages).
-
-Row ranges are half-open ``(start, stop)`` pairs, listed in the order the
+Rows exist for readers only once their :class:`TqIndexRecord` does (written
+after the field's chunks, each described by a :class:`TqChunkHeader`);
+:class:`TqClaimRecord` claims rows per task. :class:`BatchMeta` is plain data
+(rows plus the chunk references to read them), so it can travel inside other
+messages. Row ranges are half-open ``(start, stop)`` pairs, in the order the
 rows appear along the tensor's leading dimension.
+
+See docs/ARCHITECTURE.md, "The Training Queue".
 """
 
 from __future__ import annotations

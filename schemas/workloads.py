@@ -1,10 +1,13 @@
 """Workloads: what a tenant asks the service to run, and the control plane's API.
 
-A workload is one tenant's task: SFT on a LeRobot dataset, RL in a ManiSkill
-task, or evaluation. Its ``name`` is the policy key of the action module it
-trains (``<tenant>.<name>`` in the policy bucket). Specs validate themselves
-on construction and on decode, so a bad spec is refused with a message that
+A workload is one tenant's task: SFT on a LeRobot dataset, RL in a simulator
+(ManiSkill or LIBERO, by env name), or evaluation. Its ``name`` is the policy
+key of the action module it trains (``<tenant>.<name>`` in the policy bucket).
+Specs validate themselves on construction and on decode, torch-free, so a bad
+spec is refused before any simulator or model is imported, with a message that
 names the field and says what would be accepted.
+
+See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version".
 """
 
 from __future__ import annotations
