@@ -1,20 +1,15 @@
 """Authorization on the embedded server: bootstrap identities and the auth sync.
 
-The process that owns the embedded nats-server (``joynexus up``, ``joynexus
-server``, ``joynexus demo``, the tests) runs it with authorization on:
+Only the process that owns the server can rewrite its ``auth.conf`` and
+reload it, so it runs both: :func:`bootstrap` generates the service-side
+identities into ``<data-dir>/credentials/`` (owner-only) and writes
+``auth.conf`` if it does not exist yet; :class:`AuthSync` (as admin) renders
+the identities bucket into it on every change, reloads the server with
+SIGHUP, records the revision under ``_applied.<server name>`` (which the
+control plane waits for), and turns the server's logged refusals into
+``security`` events.
 
-1. :func:`bootstrap` generates the admin and service identities into
-   ``<data-dir>/credentials/{admin,service}.json`` (owner-only) on first start
-   and writes ``<data-dir>/auth.conf`` (users with bcrypt hashes and
-   permissions, included by the server's config) if it does not exist yet.
-2. :class:`AuthSync` (connected as admin) watches the identities bucket, which
-   the control plane writes when an operator adds or removes a tenant, renders
-   it into ``auth.conf`` and reloads the server (SIGHUP: no restart, live
-   connections of a removed tenant are closed), then records the revision it
-   applied under ``_applied.<server name>`` (one key per node of a cluster),
-   which the control plane waits for.
-3. It turns the server's refusals (permission violations, failed
-   authentications, from its log) into ``security`` metric events.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """``joynexus bench faults``: kill roles while they hold work and measure recovery.
 
-A deployment of real role processes (``joynexus agent <role>``) runs under an
-in-process :class:`~joynexus.agents.health.HealthManager`; synthetic
-producers feed two tenants (RL and SFT). For each fault the bench waits until
-the victim holds work (the scheduler's view: a job leased by it, a stage
-lease, ...), injects the fault, and measures:
+Real role processes run under an in-process health manager, fed by synthetic
+producers for two tenants (RL and SFT); each fault is injected only once its
+victim holds work (the scheduler's view), and measured as:
 
 * ``detect_s``: fault -> the manager's restart decision;
 * ``restart_s``: fault -> the first heartbeat of the new process;
 * ``jobs_lost`` / ``jobs_doubled`` / ``partitions_leaked``: from an audit of
-  the job event log and the Training Queue after the producers stop and
-  every job has drained (a job is lost if it never reaches a terminal state,
-  doubled if it has two ``completed`` events);
-* ``releases``: work redone (actor leases and stage leases granted more than
-  once), ``progress``: jobs each tenant completed after the fault.
+  the job log and the Training Queue once every job drained (lost: never
+  terminal; doubled: two ``completed`` events);
+* ``releases``: actor and stage leases granted more than once (work redone),
+  ``progress``: jobs each tenant completed after the fault.
 
 :func:`audit` and :class:`FaultRig` are shared with ``tests/test_chaos.py``.
+See docs/ARCHITECTURE.md, "Health: heartbeats and in-place restarts".
 """
 
 from __future__ import annotations

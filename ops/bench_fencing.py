@@ -5,12 +5,13 @@
 - ``connect_ms``: a tenant's ``Client.connect`` (the server checks a bcrypt
   hash on every connect), p50 over several connects.
 - ``submit_mb_s`` vs ``direct_put_mb_s``: a tenant's ``submit_rollout``
-  (open_job, the rows relayed through the control plane in put_data
-  requests, close_job) against the service writing the same rows straight
-  into the Training Queue; ``relay_ratio`` = submit / direct, per size.
-- ``event_latency_ms``: from a job event's append (its ``at``) to the
-  tenant's ``events()`` iterator yielding it (long-polled through the
-  control plane), p50/p99.
+  (rows relayed through the control plane) against the service writing the
+  same rows straight into the Training Queue; ``relay_ratio`` = submit /
+  direct, per size.
+- ``event_latency_ms``: a job event's append to the tenant's ``events()``
+  yielding it (long-polled through the control plane), p50/p99.
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

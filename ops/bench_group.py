@@ -1,19 +1,16 @@
 """Benchmark: shared-forward speedup of grouped vs serial execution.
 
-For each T x B (T tenants, each with a local batch of B samples):
-serial = T backbone forwards of batch B + T head decodes; grouped = one
-backbone forward of T*B rows (inputs joined with ``concat_inputs``) + T head
-decodes. Inputs are prepared (tokenized, patchified) beforehand for both, as
-the inference agent does when a request arrives; that per-request cost is the
-same in both paths and is reported separately as ``prepare_ms_per_request``.
-Torch threads = 2; serial and grouped alternate in one loop (``ops.benchstats``),
-the warm-up round dropped; each speedup is the ratio of medians with a paired
-bootstrap 95% interval (``group_speedup_ci95``), and the load average is kept.
+For each T x B (T tenants, B samples each): serial = T backbone forwards of
+B rows, grouped = one forward of T*B rows, each plus T head decodes. Inputs
+are prepared beforehand in both (as the engine does on arrival; reported
+apart as ``prepare_ms_per_request``). Torch threads = 2; the arms alternate
+in one loop (``ops.benchstats``) and each speedup is a ratio of medians with
+a paired bootstrap 95% interval (``group_speedup_ci95``). ``measure_rss``
+gives the process RSS with the base plus 1 vs 8 tenant modules.
 
     .venv/bin/python -m joynexus.ops.bench_group [--quick]
 
-prints the JSON result. ``measure_rss`` reports the process RSS with the base
-model plus 1 vs 8 tenant modules (measured in-process, before the timings).
+See docs/ARCHITECTURE.md, "The Inference Queue" (the grid's figures).
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 Runs every attack of :data:`joynexus.ops.isolation.CATALOGUE` (the one the
 adversarial suite asserts) against a fresh secured embedded deployment, or
-against ``--nats URL`` with the admin credentials (then the service's
-agents must be running, and ``--datasets-root`` is their datasets root on
-this machine). Each attack is preceded by a baseline window of the victim
-tenant's probe in the same run, so its latency ratios compare like with like.
+against ``--nats URL`` with the admin credentials (the service's agents must
+be running, and ``--datasets-root`` is their datasets root on this machine).
+Each attack follows a baseline window of the victim tenant's probe in the
+same run, so its latency ratios compare like with like. Per attack:
+``name``, ``held``, ``victim_ok``, ``victim_p50_ratio``/``victim_p99_ratio``
+(during / baseline), ``detail``; then ``attacks_tried``, ``attacks_held``,
+``victim_ok`` and the bound the victim is held to. Nothing is left running.
 
-One JSON object: ``attacks`` (per attack ``name``, ``held``, ``victim_ok``,
-``victim_p50_ratio``, ``victim_p99_ratio`` (during / baseline), ``detail``
-and more), ``attacks_tried``, ``attacks_held``, ``victim_ok`` (attacks the
-victim went through unharmed) and the bound the victim is held to.
-Nothing is left running.
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

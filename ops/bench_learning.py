@@ -1,35 +1,18 @@
-"""Does the service teach? SFT through the SDK on a fresh deployment, per task (JSON).
+"""Does the service teach? SFT (and optionally RL) through the SDK on a fresh deployment (JSON).
 
-For every task: the scripted expert writes ``demos`` successful episodes as a
-LeRobot dataset into the tenant's dataset space (with the observation the
-plan names: privileged object/goal state by default), a tenant creates an
-SFT workload on it through the SDK (``completion_target`` = the planned
-updates, stopped early at the training budget), then ``Client.evaluate``
-runs ``episodes`` evaluation episodes pinned to the final version. Where the
-plan has an RL phase (``rl_budget_s`` > 0), an RL workload starts from that SFT
-version (``init_from_workload``), trains with PPO through the service
-(rollouts in ManiSkill, the ``actor_forward`` stage, GAE, the actor) for at
-most ``rl_budget_s`` with the staleness bound on, and is evaluated again on the
-same evaluation seeds. Printed:
+Per task: the scripted expert writes ``demos`` episodes as a LeRobot dataset
+into the tenant's space, an SFT workload trains on it through the SDK until
+its planned updates or the budget, and ``Client.evaluate`` runs ``episodes``
+episodes pinned to the final version; a plan with ``rl_budget_s`` > 0 then
+runs PPO from that version (``init_from_workload``) and evaluates again on
+the same seeds. The deployment is the real one in one process, secured, each
+role restarted if it crashes (``restarts``), the tenant under its own
+credentials. ``train_s`` is wall time from creation to the last update (the
+whole service path), ``sft_ci95`` a Wilson 95% interval; a
+``base="pretrained"`` plan first makes its base with ``ops/pretrain_base.py``.
 
-    {"tasks": {task: {demos, updates, train_s, sft_success, sft_ci95,
-                      [rl_success_before, rl_success_after, rl_train_s, rl_updates], ...}}, ...}
-
-``train_s`` is wall time from the workload's creation to its last update
-(the whole service path: producer, Training Queue, actor, publication);
-``sft_ci95`` is the Wilson 95% interval of the success rate. The deployment
-is the real one in one process: an embedded nats-server with authorization
-on, the scheduler, the control plane, an inference engine, the SFT producer,
-the actor and the evaluator (and for RL the RL producer, the actor_forward and
-advantage stages), each restarted if it crashes (as ``joynexus up``'s health
-manager would; counted in ``restarts``), with the tenant connected under its own
-credentials (``joynexus tenant add``'s path).
-
-A plan with ``base="pretrained"`` (``PushCube-v1/images``: joint positions and
-the camera only) runs on a fresh deployment of its own whose frozen base is
-made first by ``joynexus base pretrain`` (``ops/pretrain_base.py``) on that
-task's renders, or taken from ``run_learning(base_dir=...)``; its row adds the
-base's render/train seconds and probe errors.
+See docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation,
+SFT targets" and "RL: PPO, the actor_forward stage, exploration" (the figures).
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """``joynexus bench rollouts``: aggregate environment steps/s with 1, 2 and 3 RL
 tenants at once, each with an environment worker process of its own.
 
-One deployment (scheduler, control plane, inference engine, the environment
-worker supervisor ``producer-rl`` with 3 warm workers); then, on it, 1, 2 and
-3 RL tenants (fresh ones each time: PickCube, PushCube, StackCube) roll out
-at once with actions from the shared inference engine. There is no trainer:
-a sink in this process drops every job as soon as its rollout is in the
-Training Queue (``needs_advantages``), so admission never holds a worker back
-and the figure is the simulators' and the inference engine's. Each step
-count comes from the workers' rollout busy intervals (``service="env"``)
-inside a window that opens once every tenant of the round finished its first
-rollout (so the env build and the first policy load are not in it).
+There is no trainer: a sink drops every job once its rollout is in the
+Training Queue, so admission never holds a worker back and the figure is the
+simulators' and the inference engine's. Steps come from the workers' rollout
+busy intervals inside a window that opens once every tenant of the round
+finished its first rollout (env build and first policy load excluded). What
+limits it here is the cores: simulators, renderers and the engine share two.
 
-What limits it here: the cores. Every worker steps its simulator and renders
-on the CPU, and the inference engine (a small transformer forward per step)
-shares the same two cores; with one tenant the worker waits for the engine
-and the engine for the worker, so one tenant leaves part of the machine idle,
-which is what a second and third tenant fill.
+See docs/ARCHITECTURE.md, "Environment workers" (the figures).
 """
 
 from __future__ import annotations

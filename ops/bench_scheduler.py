@@ -1,11 +1,12 @@
 """Training Scheduler throughput: full job lifecycles per second and the
 latency of each transition, with the scheduler agent in its own process.
 
-Each lifecycle is reserve -> needs_advantages -> computing_advantages ->
-ready -> leased -> completed (six events, each a compare-and-append on the
-job event log), driven by synthetic producers, advantage stage workers (the
-durable consumer path) and actors in this process. No tensors move (the
+Each lifecycle is six compare-and-append events (reserve -> needs_advantages
+-> computing_advantages -> ready -> leased -> completed), driven by synthetic
+producers, stage workers and actors in this process. No tensors move (the
 Training Queue has its own benchmark), so this measures the scheduler.
+
+See docs/ARCHITECTURE.md, "Measured".
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Each round writes, per size, one partition holding one float32 field of that
 size, reads it back whole as one task would, checks it, and clears it
 (clearing is not timed); sizes alternate within the round.
-``python -m joynexus.ops.bench_tq [URL]`` prints the JSON; without
-a URL it runs against an embedded nats-server in a temporary directory.
+``python -m joynexus.ops.bench_tq [URL]`` prints the JSON; without a URL it
+runs against an embedded nats-server in a temporary directory.
+See docs/ARCHITECTURE.md, "Measured".
 """
 
 from __future__ import annotations

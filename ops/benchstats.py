@@ -1,12 +1,12 @@
 """Measurements that hold still on a noisy machine: interleaved arms, ratios with intervals.
 
-Every benchmark that compares two ways of doing the same work (serial vs
-grouped, in-process vs request-reply, one consumer vs several) measures them
-in the same loop, alternating the order each round (ABBA...), so a burst of
-load from elsewhere lands on both arms alike. The warm-up rounds are thrown
-away. A ratio is reported with a 95% interval from a bootstrap over the
-rounds (each round's pair resampled together, so the pairing is kept), and the
-machine's load average is recorded before and after.
+Two arms of one comparison are measured in the same loop, alternating their
+order each round (ABBA...), so a burst of load from elsewhere lands on both
+alike; warm-up rounds are dropped. A ratio carries a 95% interval from a
+bootstrap over rounds that resamples each round's pair together, and the
+load average is recorded before and after.
+
+See docs/ARCHITECTURE.md, "Measured".
 """
 
 from __future__ import annotations

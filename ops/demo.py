@@ -1,11 +1,13 @@
-"""``joynexus demo``: the main job (for now, synthetic workers).
+"""``joynexus demo --synthetic``: the scheduler-only demo, with synthetic workers.
 
 Two RL tenants and one SFT tenant share the scheduler and the Training Queue
-under the paper's admission: at most 2 jobs in flight per RL tenant, 1 active
-rollout per tenant and 3 globally, SFT prefetch up to 16, ready RL before SFT,
-a staleness bound of 1 version. It shows progress while it runs, then prints
-what happened: jobs per tenant and state, one job's event trail from the log,
-and the Training Queue's bytes (zero once every job is terminal).
+under the paper's admission (2 jobs in flight per RL tenant, 1 active rollout
+per tenant and 3 globally, SFT prefetch 16, ready RL before SFT, staleness
+bound 1) in seconds and without models. It then prints jobs per tenant and
+state, one job's event trail, and the Training Queue's bytes (zero once every
+job is terminal). The main job itself is ``ops/paper.py``.
+
+See docs/ARCHITECTURE.md, "The main job".
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Where a command's NATS comes from: ``--nats URL``, or an embedded server.
 
-The embedded server runs with authorization on unless ``auth=False``: the
-admin and service identities are generated into ``<data-dir>/credentials/``,
-an auth sync (in a thread of this process, which owns the server) keeps the
-server's users equal to the tenants the control plane issued, and this
-process acts as the operator (``$JOYNEXUS_CREDS`` = the admin credentials,
-which every :meth:`Broker.connect` without explicit credentials uses).
+The embedded server runs with authorization on unless ``auth=False``, and
+this process then owns it: it runs the auth sync in a thread and acts as the
+operator (``$JOYNEXUS_CREDS`` = the admin credentials, which every
+:meth:`Broker.connect` without explicit credentials uses); ``role_env``
+gives the processes it starts their identity.
+
+See docs/ARCHITECTURE.md, "Tenants fenced by the broker".
 """
 
 from __future__ import annotations

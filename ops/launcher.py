@@ -1,13 +1,15 @@
 """``joynexus up``: one OS process per agent role, supervised by the health manager.
 
 Each role is ``python -m joynexus.ops.cli agent <role> --instance <role>-0``,
-exactly what an operator would run on separate machines. The launcher process
-is the health manager in supervise mode (:class:`joynexus.agents.health.HealthManager`):
-it starts every role, restarts a failed one in place (same instance, same
-arguments) within its restart budget, publishes every decision as a
-``health`` metric event and its state under ``mgr.<instance>`` in the health
-bucket (``joynexus status`` shows both). Ctrl-C stops the roles (SIGTERM:
-they drain and stop; SIGKILL after a grace period).
+exactly what an operator would run on separate machines; which roles, in
+what order and with which arguments comes from the registry in
+:mod:`joynexus.ops.roles`. The launcher process is the health manager in
+supervise mode: it restarts a failed role in place within its restart budget,
+and prints "deployment up" only once every role beats and the request servers
+answer. Ctrl-C stops the roles (SIGTERM: they drain and stop; SIGKILL after a
+grace period).
+
+See docs/ARCHITECTURE.md, "Processes" and "Health: heartbeats and in-place restarts".
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from joynexus.broker.subjects import service_api
-from joynexus.ops.roles import ROLES
+from joynexus.ops.roles import REGISTRY, ROLES, by_name
 
 
 def role_command(
-    role: str,
+    name: str,
     url: str,
     namespace: str,
     *,
@@ -38,7 +40,7 @@ def role_command(
         "-m",
         "joynexus.ops.cli",
         "agent",
-        role,
+        name,
         "--nats",
         url,
         "--namespace",
@@ -46,7 +48,7 @@ def role_command(
         "--instance",
         instance,
     ]
-    if role == "actor":
+    if by_name(name).writes_checkpoints:
         cmd += ["--out", str(out_dir)]
     # Local output (traces, monitor data) beside the checkpoints: <data-dir>/actor.
     cmd += ["--data-dir", str(out_dir.parent)]
@@ -194,7 +196,7 @@ async def wait_answering(
 def launch(
     url: str, namespace: str, roles: list[str], *, out_dir: Path, host_id: str | None = None
 ) -> int:
-    bad = [r for r in roles if r not in ROLES or r == "health"]
+    bad = [r for r in roles if r not in REGISTRY or not REGISTRY[r].supervised]
     if bad:
         print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """``joynexus dataset generate``, ``joynexus evals`` and ``joynexus bench learning``
-(registered by ops/cli.py)."""
+(registered by ops/cli.py). See README.md and docs/ARCHITECTURE.md, "Policies that learn"."""
 
 from __future__ import annotations
 

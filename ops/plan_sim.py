@@ -1,32 +1,18 @@
 """The capacity planner's simulator: the real :class:`SchedulerCore` on a simulated clock.
 
-A discrete-event simulation (no I/O, no wall clock, deterministic for a seed)
-of one deployment: the Training Scheduler is the real pure core
-(``agents.lifecycle``: admission, stage and actor leases, lease order,
-staleness drops), driven exactly as the scheduler agent drives it (decide,
-apply, commit with a stream sequence). Around it, models of
+A discrete-event simulation (no I/O, no wall clock, deterministic for a
+seed) whose scheduler is the real pure core, driven as the agent drives it,
+so admission, leases, lease order and staleness drops are the service's own.
+Around it are cost models: a grouped step costs ``train_step_s +
+train_per_job_s * (jobs - 1) + train_per_row_s * rows`` (plus
+``actor_overhead_s`` per job), an inference batch ``infer_batch_s +
+infer_per_row_s * rows`` (plus ``batcher_s`` per request), a rollout
+``calls`` requests with ``sim_per_call_s`` of simulator time after each, and
+every scheduler decision ``1 / sched_decisions_per_s`` (one at a time, so its
+utilization shows when it is the bottleneck). The window ends at the first
+progress poll after every tenant reached its updates.
 
-* the training service: ``trainers`` actor instances, each leasing up to
-  ``max_group`` ready jobs of distinct tenant policies and running one grouped
-  step (cost ``train_step_s + train_per_job_s * (jobs - 1) + train_per_row_s *
-  rows``, rows packed into microbatches of ``microbatch`` rows when set), then
-  completing each job (``actor_overhead_s`` each: data load, save, publish);
-* the inference service: ``engines`` engines batching requests with a cap of
-  ``max_batch`` rows and ``max_wait_s`` (an idle engine runs at once; a freed
-  engine waits up to ``max_wait_s`` for company), a batch costing
-  ``infer_batch_s + infer_per_row_s * rows``; its batcher (request preparation,
-  one per service) costs ``batcher_s`` per request;
-* environment pools: per RL tenant ``workers`` environment workers, each
-  looping reserve -> rollout (``calls`` inference requests of ``num_envs``
-  rows, ``sim_per_call_s`` of simulator time after each) -> put -> needs
-  advantages; an advantages stage (``advantages_s``); SFT producers that
-  prepare a batch in ``sft_produce_s`` and mark it ready;
-* the scheduler's own service time (``1 / sched_decisions_per_s`` per
-  decision, one at a time): its utilization says when it is the bottleneck.
-
-Each tenant starts after its ``startup_s`` (a recorded run's time to its
-first reservation), the window ends at the first progress poll (``poll_s``)
-after every tenant reached its updates.
+See docs/ARCHITECTURE.md, "The capacity planner".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """``joynexus base pretrain``: make a frozen base whose features see, on a machine with no hub.
 
-A randomly initialised backbone's mean-pooled features hardly say where the
-cube is (a linear probe from them misses the cube by about as much as
-guessing the mean). This command pre-trains the tiny Qwen2.5-VL once on
-simulator renders and saves it with ``save_pretrained``; the service then
-loads it frozen for every tenant (``--backbone-path DIR`` of the inference
-and actor roles, the ``from_pretrained``-from-a-local-directory path).
+A randomly initialised backbone's pooled features hardly say where the cube
+is, and no pre-trained image encoder comes without a download, so this
+pre-trains the tiny Qwen2.5-VL once on CPU ManiSkill renders (the scripted
+expert plus action noise, ground-truth positions as ``LABELS``): the whole
+backbone plus a linear read-out per task learn the positions through the
+very features the heads read, then the read-outs are dropped and the base is
+saved with ``save_pretrained`` (with its BPE tokenizer). A ridge probe on
+held-out episodes, random base vs pre-trained, decides; it is written to
+``DIR/pretrain_report.json``.
 
-1. Renders: the task's scripted expert, with action noise so the scenes
-   spread beyond the expert's own path, steps CPU ManiSkill envs; every
-   observed frame is kept with the simulator's ground truth (object, goal
-   and gripper-centre positions; ``LABELS``).
-2. Pre-training: the whole backbone (vision tower and language model) plus
-   one linear read-out per task learn to predict those positions from the
-   image and the task's instruction, through the very features the heads
-   read (``Backbone.hidden_states`` then ``Backbone.pool``: the mean of the
-   last hidden states). The read-outs are dropped; what stays is a base whose
-   pooled features carry the positions linearly.
-3. The measurement that decides: a ridge probe fitted on the features of the
-   training episodes, scored on held-out episodes, for the random base and
-   for the pre-trained one (position error in cm). Written to
-   ``DIR/pretrain_report.json`` and printed.
-
-The tokenizer saved with the base is the BPE of ``train_tokenizer`` (merges
-learned here from the instruction corpus plus the tasks' instructions).
+See docs/ARCHITECTURE.md, "A base that sees (issue 12 point 3) and a real
+tokenizer (issue 15 point 3)".
 """
 
 from __future__ import annotations

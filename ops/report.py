@@ -1,18 +1,11 @@
 """The benchmark report: plots and tables from plain, JSON-ready results.
 
-Pure functions: they take dicts and lists (what a benchmark writes as JSON)
-and write PNGs (matplotlib, Agg backend) and ``report.md`` / ``report.json``.
-No broker, no clock. The figures follow the JoyNexus paper:
-
-* :func:`plot_utilization_timeline`: Figure 9, busy intervals of the
-  training and inference services over time, shared run vs isolated baseline;
-* :func:`plot_loss_curves`: Figure 12, per-tenant loss, grouped vs serial;
-* :func:`plot_speedup_grid`: Figure 10, grouped shared-forward speedup over
-  tenants x batch size;
-* :func:`plot_eval_curves`: success rate against policy version per tenant,
-  from the periodic evaluations (a workload's ``eval_every``).
-
-The results dict that :func:`write_report` reads (every key optional)::
+Pure functions (no broker, no clock) from what a benchmark writes as JSON to
+PNGs (matplotlib, Agg) and ``report.md`` / ``report.json``, after the paper's
+figures: the utilization timeline (Figure 9), loss curves grouped vs serial
+(Figure 12), the speedup grid (Figure 10), and success against version from
+the periodic evaluations. The results dict :func:`write_report` reads (every
+key optional)::
 
     {"title": str,
      "runs": {"shared" | "isolated" | <name>: {
@@ -25,6 +18,7 @@ The results dict that :func:`write_report` reads (every key optional)::
 
 Missing ratios are computed from the ``shared`` and ``isolated`` runs:
 device time isolated / shared, utilization shared / isolated.
+See docs/ARCHITECTURE.md, "The main job".
 """
 
 from __future__ import annotations

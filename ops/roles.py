@@ -1,34 +1,23 @@
-"""Every agent role as one coroutine: ``run_role(role, broker, stop, opts)``.
+"""Every agent role, by name, in one registry: ``run_role(role, broker, stop, opts)``.
 
-``joynexus agent <role>`` runs one of these per process; the launcher and
-the tests start several in one process. Each role resumes from durable
-state on restart (its durable consumer, the event log, its checkpoint).
+A role is a :class:`Role`: what it imports before its first heartbeat, where
+``joynexus up`` starts it, and its runner; ``ROLES`` and ``DEPLOYMENT_ROLES``
+are read off :data:`REGISTRY`, so a new role is one entry. ``joynexus agent
+<role>`` runs one per process; the launcher and the tests start several in
+one process. Every role beats while it runs and resumes from durable state
+(its durable consumer, the event log, its checkpoint) when restarted.
 
-Every role beats into the health bucket while it runs
-(``hb.<role>.<instance>``, :class:`joynexus.agents.health.Heartbeater`) and
-counts the errors it logs into its beats. Role ``health`` is the health
-manager in watch mode (heartbeats only: it owns no processes here);
-``joynexus up`` runs it in supervise mode, owning one process per role.
+Knobs the CLI has no flags for come from the environment (the health manager
+passes them unchanged to the processes it restarts): ``JOYNEXUS_HEARTBEAT_S``
+(default 1), ``JOYNEXUS_ACK_WAIT_S`` (stage workers' ack wait, 30),
+``JOYNEXUS_LEASE_TTL_S`` (the scheduler's lease, 6), ``JOYNEXUS_SYNTHETIC_WORK_S``
+(role ``synthetic``: seconds each stage and actor lease is held, 0),
+``JOYNEXUS_DATASETS`` (role ``control``: root of ``<root>/<tenant>/<dataset>``,
+``.jnx/datasets``), ``JOYNEXUS_MAX_EVALS`` (role ``evaluator``: rounds at once,
+2), ``JOYNEXUS_ENV_SPARES`` and ``JOYNEXUS_ENV_WORKERS_MAX`` (role
+``producer-rl``: warm idle environment workers, 1, and at most, 8).
 
-Knobs the CLI has no flags for yet come from the environment (the health
-manager passes them to the processes it restarts unchanged):
-``JOYNEXUS_HEARTBEAT_S`` (heartbeat interval, default 1) and
-``JOYNEXUS_ACK_WAIT_S`` (stage workers' ack wait, default 30),
-``JOYNEXUS_SYNTHETIC_WORK_S`` (role ``synthetic``: seconds each stage lease and
-actor lease is held, as a real step would; default 0),
-``JOYNEXUS_DATASETS`` (role ``control``: the root of the tenants' dataset
-spaces, ``<root>/<tenant>/<dataset>``; default ``.jnx/datasets``) and
-``JOYNEXUS_MAX_EVALS`` (role ``evaluator``: evaluation rounds run at once,
-handed out round-robin by tenant; default 2), ``JOYNEXUS_ENV_SPARES`` and
-``JOYNEXUS_ENV_WORKERS_MAX`` (role ``producer-rl``: warm idle environment
-workers, default 1, and worker processes at most, default 8).
-
-Role ``actor-forward`` runs the ``actor_forward`` stage (behaviour
-log-probabilities and critic values of RL jobs, with its own copy of the frozen
-base; :mod:`joynexus.agents.actor_forward`).
-
-Role ``producer-rl`` supervises environment worker processes (role
-``env-worker``, one or more per RL workload; :mod:`joynexus.agents.envworkers`).
+See docs/ARCHITECTURE.md, "Processes".
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,36 +37,6 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 
 log = logging.getLogger(__name__)
-
-ROLES = (
-    "scheduler",
-    "control",
-    "inference",
-    "producer-rl",
-    "producer-sft",
-    "advantage",
-    "actor-forward",
-    "actor",
-    "evaluator",
-    "monitor",
-    "synthetic",
-    "health",
-    "env-worker",
-)
-
-#: What `joynexus up` starts, in this order (the scheduler first: others call it).
-DEPLOYMENT_ROLES = (
-    "scheduler",
-    "control",
-    "inference",
-    "advantage",
-    "actor-forward",
-    "actor",
-    "producer-rl",
-    "producer-sft",
-    "evaluator",
-    "monitor",
-)
 
 
 @dataclass
@@ -106,172 +66,186 @@ class RoleOptions:
     nats_url: str = ""
 
 
-#: Modules a role imports, loaded before its first heartbeat: an import of
-#: torch blocks the event loop for seconds and would read as a frozen agent.
-_ROLE_MODULES = {
-    "scheduler": ["joynexus.agents.scheduler"],
-    "control": ["joynexus.agents.control", "joynexus.agents.workloads"],
-    "inference": ["joynexus.agents.inference"],
-    "producer-rl": ["joynexus.agents.envworkers", "joynexus.agents.health"],
-    "env-worker": ["joynexus.agents.envworkers", "joynexus.agents.inference"],
-    "producer-sft": ["joynexus.agents.workloads"],
-    "advantage": ["joynexus.agents.advantage"],
-    "actor-forward": ["joynexus.agents.actor_forward", "joynexus.agents.models.backbone"],
-    "actor": ["joynexus.agents.actor", "joynexus.agents.models.backbone"],
-    "evaluator": ["joynexus.agents.evaluator"],
-    "synthetic": ["joynexus.agents.synthetic"],
-    "health": ["joynexus.agents.health"],
-}
+Runner = Callable[[Broker, asyncio.Event, RoleOptions], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role: its name, what it needs loaded, whether `joynexus up` starts it."""
+
+    name: str
+    run: Runner
+    #: Imported before the first heartbeat: an import of torch blocks the event
+    #: loop for seconds and would read as a frozen agent.
+    imports: tuple[str, ...] = ()
+    #: Place in what `joynexus up` starts by default (the scheduler first:
+    #: others call it); None: not started by default.
+    up_order: int | None = None
+    #: Whether `joynexus up --roles` may name it (not ``health``: the launcher
+    #: is the health manager itself).
+    supervised: bool = True
+    #: Takes `--out` (its checkpoints' directory) when the launcher starts it.
+    writes_checkpoints: bool = False
 
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-async def run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
-    """Run ``role`` until ``stop``, beating into the health bucket all along."""
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
-    for module in _ROLE_MODULES.get(role, []):
-        importlib.import_module(module)
-    await ensure_layout(b)
-    from joynexus.agents.health import Heartbeater
+async def _scheduler(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.leases import RoleLease, host_id
+    from joynexus.agents.scheduler import SchedulerAgent
 
-    async with Heartbeater(b, role, o.instance, interval_s=o.heartbeat_s).running():
-        await _run_role(role, b, stop, o)
-
-
-async def _run_role(role: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
-    if role == "scheduler":
-        from joynexus.agents.leases import RoleLease, host_id
-        from joynexus.agents.scheduler import SchedulerAgent
-
-        # One decider across hosts: serve while holding the lease, stand by otherwise.
-        lease = RoleLease(
-            b,
-            "scheduler",
-            f"{host_id()}/{o.instance}",
-            ttl_s=int(os.environ.get("JOYNEXUS_LEASE_TTL_S", "6")),
-        )
-        agent = SchedulerAgent(b, instance=o.instance, lease_ttl_s=o.lease_ttl_s, lease=lease)
-        if not await agent.stand_by(stop):
-            return
-        await agent.start()
-        _say(
-            f"{o.instance}: serving {b.names.scheduler_service} ({agent.rebuild_stats['jobs']} jobs "
-            f"rebuilt; lease held as {lease.holder})"
-        )
-        stopped = asyncio.create_task(stop.wait())
-        deposed = asyncio.create_task(agent.deposed.wait())
-        await asyncio.wait({stopped, deposed}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        deposed.cancel()
-        if agent.deposed.is_set():
-            await agent.stop()
-            # Exit non-zero: the supervisor restarts it in place, and it stands by.
-            raise SystemExit(f"{o.instance}: deposed: another host's scheduler holds the lease")
+    # One decider across hosts: serve while holding the lease, stand by otherwise.
+    lease = RoleLease(
+        b,
+        "scheduler",
+        f"{host_id()}/{o.instance}",
+        ttl_s=int(os.environ.get("JOYNEXUS_LEASE_TTL_S", "6")),
+    )
+    agent = SchedulerAgent(b, instance=o.instance, lease_ttl_s=o.lease_ttl_s, lease=lease)
+    if not await agent.stand_by(stop):
+        return
+    await agent.start()
+    _say(
+        f"{o.instance}: serving {b.names.scheduler_service} ({agent.rebuild_stats['jobs']} jobs "
+        f"rebuilt; lease held as {lease.holder})"
+    )
+    stopped = asyncio.create_task(stop.wait())
+    deposed = asyncio.create_task(agent.deposed.wait())
+    await asyncio.wait({stopped, deposed}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    deposed.cancel()
+    if agent.deposed.is_set():
         await agent.stop()
-        await lease.release()
-    elif role == "control":
-        from joynexus.agents.control import ControlPlane
-        from joynexus.agents.workloads import PolicyInitializer
+        # Exit non-zero: the supervisor restarts it in place, and it stands by.
+        raise SystemExit(f"{o.instance}: deposed: another host's scheduler holds the lease")
+    await agent.stop()
+    await lease.release()
 
-        control = ControlPlane(
-            b,
-            init_policy=PolicyInitializer(b),
-            instance=o.instance,
-            datasets_root=o.datasets_root,
-        )
-        await control.start()
-        _say(
-            f"{o.instance}: serving {b.names.control_service} on {b.names.all_api} "
-            f"(datasets under {o.datasets_root}/<tenant>)"
-        )
-        await stop.wait()
-        await control.stop()
-    elif role == "inference":
-        from joynexus.agents.inference import run_inference_agent
 
-        await run_inference_agent(
-            b,
-            stop,
-            size=o.backbone_size,
-            backbone_path=o.backbone_path,
-            max_batch=o.max_batch,
-            max_wait_ms=o.max_wait_ms,
-            instance=o.instance,
-        )
-    elif role == "producer-rl":
-        from joynexus.agents.envworkers import EnvSupervisor
+async def _control(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.control import ControlPlane
+    from joynexus.agents.workloads import PolicyInitializer
 
-        url = o.nats_url or b.nc.connected_url.geturl()  # type: ignore[union-attr]
-        _say(f"{o.instance}: environment workers for the RL workloads (hb.env-worker.*)")
-        await EnvSupervisor(
-            b, instance=o.instance, url=url, data_dir=o.data_dir, heartbeat_s=o.heartbeat_s
-        ).run(stop)
-    elif role == "env-worker":
-        from joynexus.agents.envworkers import EnvWorker
+    control = ControlPlane(
+        b,
+        init_policy=PolicyInitializer(b),
+        instance=o.instance,
+        datasets_root=o.datasets_root,
+    )
+    await control.start()
+    _say(
+        f"{o.instance}: serving {b.names.control_service} on {b.names.all_api} "
+        f"(datasets under {o.datasets_root}/<tenant>)"
+    )
+    await stop.wait()
+    await control.stop()
 
-        await EnvWorker(b, instance=o.instance).run(stop)
-    elif role == "producer-sft":
-        from joynexus.agents.workloads import ProducerAgent
 
-        await ProducerAgent(b, "sft", instance=o.instance).run(stop)
-    elif role == "advantage":
-        from joynexus.agents.advantage import AdvantageAgent
+async def _inference(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.inference import run_inference_agent
 
-        await AdvantageAgent(b, instance=o.instance, ack_wait_s=o.ack_wait_s).worker.run(stop)
-    elif role == "actor-forward":
-        from joynexus.agents.actor_forward import ActorForwardAgent
-        from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    await run_inference_agent(
+        b,
+        stop,
+        size=o.backbone_size,
+        backbone_path=o.backbone_path,
+        max_batch=o.max_batch,
+        max_wait_ms=o.max_wait_ms,
+        instance=o.instance,
+    )
 
-        # The resident frozen base (the same one the actor and the engine load).
-        backbone = await asyncio.to_thread(
-            Backbone.build,
-            BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
-        )
-        await ActorForwardAgent(b, backbone, instance=o.instance, ack_wait_s=o.ack_wait_s).run(stop)
-    elif role == "actor":
-        from joynexus.agents.actor import Actor
-        from joynexus.agents.models.backbone import Backbone, BackboneConfig
 
-        backbone = await asyncio.to_thread(
-            Backbone.build,
-            BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
-        )
-        await Actor(b, backbone, instance=o.instance, out_dir=o.out_dir).run(stop)
-    elif role == "evaluator":
-        from joynexus.agents.evaluator import Evaluator
+async def _producer_rl(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.envworkers import EnvSupervisor
 
-        # Stops within a step on `stop` (SIGTERM/SIGINT of `joynexus agent`), leaving
-        # unfinished evaluations active for the next evaluator.
-        await Evaluator(b, instance=o.instance, max_concurrent=max(1, o.max_evals)).run(stop)
-    elif role == "monitor":
-        from joynexus.agents.monitor import MonitorAgent
+    url = o.nats_url or b.nc.connected_url.geturl()  # type: ignore[union-attr]
+    _say(f"{o.instance}: environment workers for the RL workloads (hb.env-worker.*)")
+    await EnvSupervisor(
+        b, instance=o.instance, url=url, data_dir=o.data_dir, heartbeat_s=o.heartbeat_s
+    ).run(stop)
 
-        await MonitorAgent(b, out_dir=o.data_dir / "monitor", instance=o.instance).run(stop)
-    elif role == "synthetic":
-        from joynexus.agents.stage import StageWorker
 
-        pipe = _paced_pipeline(b, o.instance, float(os.environ.get("JOYNEXUS_SYNTHETIC_WORK_S", 0)))
-        stage = StageWorker(
-            b,
-            pipe.client("advantage-0"),
-            "advantages",
-            pipe.advantage_work,
-            batch=32,
-            ack_wait_s=o.ack_wait_s,
-        )
-        await asyncio.gather(stage.run(stop), pipe.actor(stop=stop))
-    elif role == "health":
-        from joynexus.agents.health import HealthCore, HealthManager
+async def _env_worker(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.envworkers import EnvWorker
 
-        _say(f"{o.instance}: watching heartbeats in {b.names.health_bucket}")
-        await HealthManager(b, instance=o.instance, core=HealthCore(heartbeat_s=o.heartbeat_s)).run(
-            stop
-        )
-    else:
-        raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+    await EnvWorker(b, instance=o.instance).run(stop)
+
+
+async def _producer_sft(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.workloads import ProducerAgent
+
+    await ProducerAgent(b, "sft", instance=o.instance).run(stop)
+
+
+async def _advantage(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.advantage import AdvantageAgent
+
+    await AdvantageAgent(b, instance=o.instance, ack_wait_s=o.ack_wait_s).worker.run(stop)
+
+
+async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.actor_forward import ActorForwardAgent
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+
+    # The resident frozen base (the same one the actor and the engine load).
+    backbone = await asyncio.to_thread(
+        Backbone.build,
+        BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
+    )
+    await ActorForwardAgent(b, backbone, instance=o.instance, ack_wait_s=o.ack_wait_s).run(stop)
+
+
+async def _actor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.actor import Actor
+    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+
+    backbone = await asyncio.to_thread(
+        Backbone.build,
+        BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
+    )
+    await Actor(b, backbone, instance=o.instance, out_dir=o.out_dir).run(stop)
+
+
+async def _evaluator(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.evaluator import Evaluator
+
+    # Stops within a step on `stop` (SIGTERM/SIGINT of `joynexus agent`), leaving
+    # unfinished evaluations active for the next evaluator.
+    await Evaluator(b, instance=o.instance, max_concurrent=max(1, o.max_evals)).run(stop)
+
+
+async def _monitor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.monitor import MonitorAgent
+
+    await MonitorAgent(b, out_dir=o.data_dir / "monitor", instance=o.instance).run(stop)
+
+
+async def _synthetic(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.stage import StageWorker
+
+    pipe = _paced_pipeline(b, o.instance, float(os.environ.get("JOYNEXUS_SYNTHETIC_WORK_S", 0)))
+    stage = StageWorker(
+        b,
+        pipe.client("advantage-0"),
+        "advantages",
+        pipe.advantage_work,
+        batch=32,
+        ack_wait_s=o.ack_wait_s,
+    )
+    await asyncio.gather(stage.run(stop), pipe.actor(stop=stop))
+
+
+async def _health(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    # Watch mode (heartbeats only, it owns no processes); `joynexus up` runs the
+    # manager in supervise mode instead (ops/launcher.py).
+    from joynexus.agents.health import HealthCore, HealthManager
+
+    _say(f"{o.instance}: watching heartbeats in {b.names.health_bucket}")
+    await HealthManager(b, instance=o.instance, core=HealthCore(heartbeat_s=o.heartbeat_s)).run(
+        stop
+    )
 
 
 def _paced_pipeline(b: Broker, instance: str, work_s: float) -> Any:
@@ -297,3 +271,69 @@ def _paced_pipeline(b: Broker, instance: str, work_s: float) -> Any:
             return c
 
     return Paced(b, instance=instance)
+
+
+_A = "joynexus.agents."
+
+#: Every role by name, in the order `joynexus agent --help` lists them.
+REGISTRY: dict[str, Role] = {
+    r.name: r
+    for r in (
+        Role("scheduler", _scheduler, (_A + "scheduler",), up_order=0),
+        Role("control", _control, (_A + "control", _A + "workloads"), up_order=1),
+        Role("inference", _inference, (_A + "inference",), up_order=2),
+        Role("producer-rl", _producer_rl, (_A + "envworkers", _A + "health"), up_order=6),
+        Role("producer-sft", _producer_sft, (_A + "workloads",), up_order=7),
+        Role("advantage", _advantage, (_A + "advantage",), up_order=3),
+        Role(
+            "actor-forward",
+            _actor_forward,
+            (_A + "actor_forward", _A + "models.backbone"),
+            up_order=4,
+        ),
+        Role(
+            "actor",
+            _actor,
+            (_A + "actor", _A + "models.backbone"),
+            up_order=5,
+            writes_checkpoints=True,
+        ),
+        Role("evaluator", _evaluator, (_A + "evaluator",), up_order=8),
+        Role("monitor", _monitor, (), up_order=9),
+        Role("synthetic", _synthetic, (_A + "synthetic",)),
+        Role("health", _health, (_A + "health",), supervised=False),
+        # Started by producer-rl, one or more per RL workload (agents/envworkers.py).
+        Role("env-worker", _env_worker, (_A + "envworkers", _A + "inference")),
+    )
+}
+
+ROLES: tuple[str, ...] = tuple(REGISTRY)
+
+#: What `joynexus up` starts, in this order.
+DEPLOYMENT_ROLES: tuple[str, ...] = tuple(
+    name
+    for _, name in sorted(
+        (r.up_order, r.name) for r in REGISTRY.values() if r.up_order is not None
+    )
+)
+
+
+def by_name(name: str) -> Role:
+    """The role called ``name``; ValueError naming the roles for any other."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown role {name!r}; roles are {ROLES}") from None
+
+
+async def run_role(name: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    """Run role ``name`` until ``stop``, beating into the health bucket all along
+    (``hb.<role>.<instance>``; the beats count the errors it logs)."""
+    r = by_name(name)
+    for module in r.imports:
+        importlib.import_module(module)
+    await ensure_layout(b)
+    from joynexus.agents.health import Heartbeater
+
+    async with Heartbeater(b, r.name, o.instance, interval_s=o.heartbeat_s).running():
+        await r.run(b, stop, o)

@@ -1,4 +1,6 @@
-"""``joynexus status``: what the scheduler and JetStream say, as tables or JSON."""
+"""``joynexus status``: what the scheduler and JetStream say, as tables or JSON.
+
+See docs/ARCHITECTURE.md, "Names an operator sees" and "Health: heartbeats and in-place restarts"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """Where the traces go: OpenTelemetry setup for every JoyNexus process.
 
-``broker/tracing.py`` carries the W3C trace context through NATS headers; it
-only creates spans. This module decides where finished spans are exported:
+``broker/tracing.py`` only creates spans and carries their context; this
+decides where finished spans go: OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT``
+(or ``..._TRACES_ENDPOINT``) is set (the exporter imported lazily, its
+absence a clear error), and ``<out_dir>/traces.jsonl`` when ``out_dir`` is
+given. Several processes may append to one file: each batch is one ``write``
+on an ``O_APPEND`` descriptor, so lines do not interleave on a local file
+system. ``load_traces`` / ``traces_by_id`` read it back.
 
-* an OTLP exporter when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
-  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set; the exporter package is
-  imported lazily, and its absence is a clear error naming what to install;
-* a local file, ``<out_dir>/traces.jsonl``, one JSON object per finished span,
-  when ``out_dir`` is given (with or without OTLP: the report reads the file).
-
-Several processes of one deployment may append to the same ``traces.jsonl``:
-each batch is one ``write`` on an ``O_APPEND`` descriptor, so lines do not
-interleave on a local file system. ``load_traces`` / ``traces_by_id`` read it
-back for the report and the tests.
+See docs/ARCHITECTURE.md, "Traces and monitoring".
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 Reads the meter's checkpoint (KV ``<NS>_USAGE``) and folds the events after it
 (read-only), so the figures are current even between two checkpoints.
+See docs/ARCHITECTURE.md, "Usage metering".
 """
 
 from __future__ import annotations

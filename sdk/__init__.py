@@ -1,10 +1,17 @@
-"""The JoyNexus tenant SDK: the whole public surface is listed in ``__all__``.
+"""The JoyNexus tenant SDK: the whole public surface is listed in ``__all__`` (pinned by
+tests/test_sdk_surface.py).
 
-async with await Client.connect(credentials="acme.json") as client:  # from `joynexus tenant add`
-    wl = await client.create_workload(WorkloadSpec(name="pick", task_type="sft",
-                                                   dataset="/data/acme_pick"))
-    async for event in wl.events():
-        print(event.job.state)
+A tenant reaches the service only through the control plane and the Inference
+Queue, under its own credentials; calls return futures to await, and
+``sdk.sync`` is the blocking facade for scripts::
+
+    async with await Client.connect(credentials="acme.json") as client:  # from `joynexus tenant add`
+        wl = await client.create_workload(WorkloadSpec(name="pick", task_type="sft",
+                                                       dataset="pick"))  # in acme's dataset space
+        async for event in wl.events():
+            print(event.job.state)
+
+See README.md and docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version".
 """
 
 from joynexus.schemas.errors import (
