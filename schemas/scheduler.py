@@ -1,4 +1,9 @@
-"""Requests and replies of the Training Scheduler's API (``jnx.sched.<verb>``)."""
+"""Requests and replies of the Training Scheduler's API (``jnx.sched.<verb>``).
+
+Every verb is idempotent (by a client-chosen id or target state), so a client may retry
+a call that got no answer. See docs/ARCHITECTURE.md, "The Training Scheduler: one
+decider, many callers" (the verbs).
+"""
 
 from __future__ import annotations
 
