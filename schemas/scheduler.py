@@ -1,8 +1,8 @@
 """Requests and replies of the Training Scheduler's API (``jnx.sched.<verb>``).
 
-Every verb is idempotent (by a client-chosen id or target state), so a client may retry
-a call that got no answer. See docs/ARCHITECTURE.md, "The Training Scheduler: one
-decider, many callers" (the verbs).
+Every verb is idempotent (reserve by job_id, marks by target state, leases by holder or
+request_id, complete by attempt), so a client may retry a call that got no answer.
+See docs/ARCHITECTURE.md, "The Training Scheduler: one decider, many callers".
 """
 
 from __future__ import annotations
