@@ -1,5 +1,6 @@
 """The base of every wire struct (``Wire``, strict under ``JOYNEXUS_STRICT_DECODE=1``), and
-the codecs that read and write them; see the package docstring."""
+the codecs that read and write them (see the package docstring for why; docs/ARCHITECTURE.md,
+"Layout and import root")."""
 
 from __future__ import annotations
 
