@@ -1,0 +1,408 @@
+"""Where a request/reply round trip goes: interleaved (ABAB) arms, JSON out.
+
+Two parts, each its arms alternating in one loop (order reversed every other
+round, warm-up rounds dropped), every figure with its bootstrap 95% interval
+and the machine's load before and after:
+
+- ``echo``: a responder in its own process answers at once; the client asks
+  with ``nc.request`` or :class:`joynexus.broker.fastpath.FastPath` (the
+  responder answers with ``msg.respond`` or ``FastPath.respond``, on the same
+  connection it listens on), with a 16-byte payload and with a real
+  Inference Queue request's bytes (two 56x56 RGB images, state, instruction).
+- ``engine``: the real Inference Queue engine (``joynexus agent inference``'s
+  code path, tiny backbone, B=1) in child processes that differ in one thing:
+  torch intra-op threads 2 (the default here), 2 with ``OMP_WAIT_POLICY=PASSIVE``
+  set before torch loads, or 1. The client sends the same request to each in
+  turn and records the round trip and the engine's own receipt-to-reply time
+  (``timings.total_ms``); ``outside_ms`` = round trip - that: the two NATS legs,
+  the client's codec and the engine's handler before receipt. ``gap_ms``
+  between requests keeps one engine's spinning threads out of the next one's
+  round.
+
+    .venv/bin/python -m joynexus.ops.bench_rr [--part echo|engine|all] [--repeats N] [--nats URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from joynexus.ops import benchstats
+
+__all__ = ["bench_rr", "main"]
+
+ECHO_SUBJECT = "bench.rr.echo"
+HOLD_S = 0.006
+
+#: name -> (torch threads, extra environment, fast path on both sides) of the engine processes compared.
+ENGINE_ARMS: dict[str, tuple[int, dict[str, str], bool]] = {
+    "threads2": (2, {}, False),
+    "threads2_passive": (2, {"OMP_WAIT_POLICY": "PASSIVE"}, False),
+    "threads1": (1, {}, False),
+    "fastpath": (2, {}, True),
+}
+_FAST_ENV = "JOYNEXUS_BENCH_RR_FASTPATH"
+
+
+def _real_request_payload() -> bytes:
+    """The bytes of one Inference Queue request as the bench's tenants send it."""
+    from joynexus.ops.bench_inference import _obs, _schema
+    from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
+
+    o = _obs(0)
+    req = InferRequest(
+        tenant_id="t0",
+        policy_key="default",
+        session_id="",
+        schema_signature=_schema("qwen2.5-vl-tiny").signature(),
+        policy_version=None,
+        observation=Observation(
+            images={s: TensorBytes.from_array(x) for s, x in o["images"].items()},
+            instruction=o["instruction"],
+            state=TensorBytes.from_array(o["state"]),
+            history=None,
+        ),
+        noise=None,
+    )
+    return encode_msgpack(req)
+
+
+def _stats_of(ts: Mapping[str, Sequence[float]], base: str) -> dict[str, Any]:
+    out: dict[str, Any] = {name: benchstats.summarize(list(xs)) for name, xs in ts.items()}
+    for name, xs in ts.items():
+        if name == base:
+            continue
+        d, lo, hi = benchstats.difference_ci(list(xs), list(ts[base]))
+        out[f"{name}_minus_{base}_p50_ms"] = [round(d, 3), round(lo, 3), round(hi, 3)]
+    return out
+
+
+async def _interleave(
+    arms: Mapping[str, Callable[[], Awaitable[Any]]], repeats: int, warmup: int, gap_s: float
+) -> dict[str, list[float]]:
+    """``benchstats.interleaved_async`` with a pause after every call (outside the timing)."""
+    names = tuple(arms)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for n in names if r % 2 == 0 else tuple(reversed(names)):
+            t0 = time.perf_counter()
+            await arms[n]()
+            dt = (time.perf_counter() - t0) * 1e3
+            if r >= warmup:
+                out[n].append(dt)
+            if gap_s:
+                await asyncio.sleep(gap_s)
+    return out
+
+
+# ---------------------------------------------------------------- echo
+
+
+def _echo_server(url: str) -> None:
+    """Body of the echo child: answer every request at once, two ways."""
+    import nats
+
+    from joynexus.broker.fastpath import FastPath
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        nc = await nats.connect(url, name="bench-rr-echo")
+        fp = FastPath(nc)
+
+        async def plain(msg: Any) -> None:
+            await nc.publish(msg.reply, msg.data[:16])
+
+        async def fast(msg: Any) -> None:
+            await fp.respond(msg, msg.data[:16])
+
+        async def hold(msg: Any) -> None:
+            # as an engine's forward: answer after ~6 ms, saying how long it held the request
+            t0 = time.perf_counter()
+            await asyncio.sleep(HOLD_S)
+            await nc.publish(msg.reply, f"{(time.perf_counter() - t0) * 1e3:.4f}".encode())
+
+        async def hold_fast(msg: Any) -> None:
+            t0 = time.perf_counter()
+            await asyncio.sleep(HOLD_S)
+            await fp.respond(msg, f"{(time.perf_counter() - t0) * 1e3:.4f}".encode())
+
+        await nc.subscribe(ECHO_SUBJECT + ".plain", cb=plain)
+        await nc.subscribe(ECHO_SUBJECT + ".fast", cb=fast)
+        await nc.subscribe(ECHO_SUBJECT + ".hold", cb=hold)
+        await nc.subscribe(ECHO_SUBJECT + ".holdfast", cb=hold_fast)
+        await nc.flush()
+        print("ready", flush=True)
+        await stop.wait()
+        await nc.close()
+
+    asyncio.run(run())
+
+
+async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
+    import nats
+
+    from joynexus.broker.fastpath import FastPath
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "joynexus.ops.bench_rr", "--echo-server", url,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    nc = await nats.connect(url, name="bench-rr-client")
+    fp = FastPath(nc)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if line.strip() != b"ready":
+            raise RuntimeError(f"echo server: {line!r}")
+        payloads = {"small": b"x" * 16, "real": _real_request_payload()}
+        out: dict[str, Any] = {"payload_bytes": {k: len(v) for k, v in payloads.items()}}
+        for label, data in payloads.items():
+
+            def arm(how: str, data: bytes = data) -> Callable[[], Awaitable[Any]]:
+                if how == "nats":
+                    return lambda: nc.request(ECHO_SUBJECT + ".plain", data, timeout=5)
+                return lambda: fp.request(ECHO_SUBJECT + ".fast", data, timeout=5)
+
+            ts = await _interleave({"nats": arm("nats"), "fastpath": arm("fast")}, repeats, 20, gap_s)
+            out[label] = _stats_of(ts, "nats")
+        # the real request held ~6 ms by the responder, as by a forward: round trip - hold
+        data = payloads["real"]
+        held: dict[str, list[float]] = {"nats": [], "fastpath": []}
+
+        def hold_arm(how: str) -> Callable[[], Awaitable[Any]]:
+            async def one() -> None:
+                if how == "nats":
+                    m = await nc.request(ECHO_SUBJECT + ".hold", data, timeout=5)
+                else:
+                    m = await fp.request(ECHO_SUBJECT + ".holdfast", data, timeout=5)
+                held[how].append(float(m.data))
+            return one
+
+        ts = await _interleave({"nats": hold_arm("nats"), "fastpath": hold_arm("fastpath")}, repeats, 20, gap_s)
+        out["real_held_6ms_outside"] = _stats_of(
+            {k: [rt - h for rt, h in zip(ts[k], held[k][20:], strict=True)] for k in ts}, "nats"
+        )
+        out["fastpath_counts"] = dict(fp.counts)
+        out["fastpath_reason"] = fp.reason
+        return out
+    finally:
+        await nc.close()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+# ---------------------------------------------------------------- engine
+
+
+class _FastNC:
+    """A nats-py connection whose ``request`` takes the fast path (the rest is the connection's)."""
+
+    def __init__(self, nc: Any) -> None:
+        from joynexus.broker.fastpath import FastPath
+
+        self._nc = nc
+        self.request = FastPath(nc).request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nc, name)
+
+
+class _FastBroker:
+    """A Broker whose ``nc.request`` is the fast path: InferenceClient, unchanged, over it."""
+
+    def __init__(self, b: Any) -> None:
+        self._b = b
+        self.nc = _FastNC(b.nc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._b, name)
+
+
+def _serve_engine(url: str, namespace: str, threads: int) -> None:
+    """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); with
+    ``$JOYNEXUS_BENCH_RR_FASTPATH`` set, nats.micro's ``Request.respond`` answers
+    through a FastPath on the request's connection (this process only)."""
+    if os.environ.get(_FAST_ENV):
+        from nats.micro.request import Request
+
+        from joynexus.broker.fastpath import FastPath
+
+        paths: dict[int, FastPath] = {}
+
+        async def respond(self: Any, data: bytes = b"", headers: dict[str, str] | None = None) -> None:
+            nc = self._msg._client
+            fp = paths.get(id(nc))
+            if fp is None:
+                fp = paths[id(nc)] = FastPath(nc)
+            await fp.respond(self, data, headers=headers)
+
+        Request.respond = respond  # type: ignore[method-assign]
+    from joynexus.ops.bench_inference import _serve
+
+    _serve(url, namespace, "tiny", 1, 0.0, threads)
+
+
+async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> dict[str, Any]:
+    """The real engine in one child process per arm, asked in turn by one client."""
+    from joynexus.agents.inference import InferenceClient
+    from joynexus.agents.models.backbone import SIZES
+    from joynexus.agents.models.policyio import PolicyStore
+    from joynexus.broker.connection import Broker
+    from joynexus.broker.layout import delete_layout, ensure_layout
+    from joynexus.ops.bench_inference import _module, _obs, _schema, _wait_engine
+
+    suffix = os.urandom(3).hex()
+    feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
+    schema = _schema("qwen2.5-vl-tiny")
+    mod = _module("t0", 0, feature_dim)
+    obs = _obs(0)
+    brokers: dict[str, Any] = {}
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    logs: dict[str, Any] = {}
+    try:
+        for i, arm in enumerate(arms):
+            threads, extra, fast = ENGINE_ARMS[arm]
+            ns = f"rr{i}{suffix}"
+            b = await Broker.connect(url, name=f"bench-rr-{arm}", namespace=ns)
+            brokers[arm] = b
+            await ensure_layout(b)
+            await PolicyStore(b).publish("t0", "default", mod, schema)
+            logs[arm] = tempfile.NamedTemporaryFile(prefix=f"bench-rr-{arm}-", suffix=".log", delete=False)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+            env.update(extra)
+            if fast:
+                env[_FAST_ENV] = "1"
+            procs[arm] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "joynexus.ops.bench_rr", "--serve", url, "--namespace", ns,
+                "--threads", str(threads),
+                stdout=logs[arm], stderr=subprocess.STDOUT, env=env,
+            )
+        for arm in arms:
+            await _wait_engine(brokers[arm], procs[arm])
+        clients = {
+            arm: InferenceClient(
+                cast(Broker, _FastBroker(brokers[arm])) if ENGINE_ARMS[arm][2] else brokers[arm],
+                base_model="qwen2.5-vl-tiny",
+            )
+            for arm in arms
+        }
+        inside: dict[str, list[float]] = {arm: [] for arm in arms}
+        warmup = 20
+
+        def ask(arm: str) -> Callable[[], Awaitable[Any]]:
+            async def one() -> None:
+                r = await clients[arm].request("t0", schema=schema, timeout_s=30, **obs)
+                inside[arm].append(r.timings.total_ms)
+            return one
+
+        ts = await _interleave({arm: ask(arm) for arm in arms}, repeats, warmup, gap_s)
+        # the engine's receipt-to-reply time of the counted rounds (warm-up dropped)
+        outside = {arm: [rr - t for rr, t in zip(ts[arm], inside[arm][warmup:], strict=True)] for arm in arms}
+        return {
+            "round_trip": _stats_of(ts, arms[0]),
+            "engine_total": _stats_of({a: inside[a][warmup:] for a in arms}, arms[0]),
+            "outside": _stats_of(outside, arms[0]),
+            "arms": {a: {"threads": ENGINE_ARMS[a][0], "env": ENGINE_ARMS[a][1], "fastpath": ENGINE_ARMS[a][2]}
+                     for a in arms},
+        }
+    except BaseException:
+        for arm, f in logs.items():
+            f.flush()
+            text = await asyncio.to_thread(Path(f.name).read_text, errors="replace")
+            sys.stderr.write(f"{arm} engine log (tail):\n" + text[-2000:])
+        raise
+    finally:
+        for p in procs.values():
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                await asyncio.wait_for(p.wait(), 30)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+        for f in logs.values():
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(f.name)
+        for b in brokers.values():
+            with contextlib.suppress(Exception):
+                await delete_layout(b)
+            await b.close()
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+async def bench_rr(
+    url: str, *, part: str = "all", repeats: int = 200, gap_ms: float = 20.0,
+    arms: Sequence[str] = tuple(ENGINE_ARMS),
+) -> dict[str, Any]:
+    """Run the chosen parts against the NATS server at ``url``; returns the figures (JSON-ready)."""
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"load": {"before": benchstats.load()}}
+    if part in ("echo", "all"):
+        out["echo"] = await _echo(url, repeats, gap_ms / 1e3)
+    if part in ("engine", "all"):
+        out["engine"] = await _engine(url, repeats, gap_ms / 1e3, arms)
+    out["load"]["after"] = benchstats.load()
+    out["config"] = {"repeats": repeats, "gap_ms": gap_ms, "cpus": os.cpu_count()}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+async def _with_server(url: str | None, **kw: Any) -> dict[str, Any]:
+    if url:
+        return await bench_rr(url, **kw)
+    from joynexus.ops.natsserver import EmbeddedNats
+
+    with tempfile.TemporaryDirectory() as d, EmbeddedNats(d) as server:
+        return await bench_rr(server.url, **kw)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--part", choices=("echo", "engine", "all"), default="all")
+    ap.add_argument("--repeats", type=int, default=200, help="counted rounds per part (default 200)")
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="pause after every request (default 20)")
+    ap.add_argument("--arms", default=",".join(ENGINE_ARMS),
+                    help=f"engine arms, comma-separated, the first is the base (of {', '.join(ENGINE_ARMS)})")
+    ap.add_argument("--nats", default=None, help="NATS URL (default: an embedded nats-server)")
+    ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--namespace", default="jnx", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        _serve_engine(a.serve, a.namespace, a.threads)
+        return
+    if a.echo_server:
+        _echo_server(a.echo_server)
+        return
+    arms = tuple(x for x in a.arms.split(",") if x)
+    bad = [x for x in arms if x not in ENGINE_ARMS]
+    if bad or not arms:
+        ap.error(f"--arms: unknown {bad or 'none given'}; choose from {', '.join(ENGINE_ARMS)}")
+    print(json.dumps(asyncio.run(_with_server(a.nats, part=a.part, repeats=a.repeats, gap_ms=a.gap_ms,
+                                              arms=arms))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""broker/fastpath.py against the real nats-server: same answers, errors and order
+as nats-py's own request/publish, and nats-py's path whenever the fast one can't hold."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import nats.aio.client as nac
+import pytest
+from nats import errors
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from joynexus.broker.fastpath import SUPPORTED_NATS, FastPath, unsupported_reason
+from joynexus.ops.natsserver import EmbeddedNats
+
+
+def _subj(what: str) -> str:
+    return f"fp.{what}.{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    c = await nats.connect(nats_server.url, name="test-fastpath")
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+async def responder(nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    c = await nats.connect(nats_server.url, name="test-fastpath-responder")
+    yield c
+    await c.close()
+
+
+async def _echo(responder: Any, subject: str, *, delay: bool = False) -> None:
+    """Reply with the request's payload reversed and its headers (after a random pause)."""
+
+    async def handle(msg: Any) -> None:
+        if delay:
+            await asyncio.sleep(random.random() * 0.02)
+        await responder.publish(msg.reply, msg.data[::-1], headers=msg.headers)
+
+    tasks: set[asyncio.Future[None]] = set()
+
+    async def spawn(msg: Any) -> None:  # many at once, answered out of order
+        t = asyncio.ensure_future(handle(msg))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    await responder.subscribe(subject, cb=spawn)
+    await responder.flush()
+
+
+async def test_payload_and_headers_as_nc_request(nc: Any, responder: Any) -> None:
+    subject = _subj("echo")
+    await _echo(responder, subject)
+    fp = FastPath(nc)
+    assert fp.enabled, fp.reason
+    payload = bytes(range(256)) * 80  # binary, with CR/LF bytes, 20 KB
+    headers = {"Trace-Id": "abc", "X-Odd": "  a\r\nb  ", "Empty": ""}
+    got = await fp.request(subject, payload, timeout=5, headers=headers)
+    ref = await nc.request(subject, payload, timeout=5, headers=headers)
+    assert got.data == payload[::-1] == ref.data
+    assert got.headers == ref.headers
+    assert got.headers is not None and got.headers["Trace-Id"] == "abc"
+    plain = await fp.request(subject, b"hello", timeout=5)
+    assert plain.data == b"olleh" and not plain.headers
+    empty = await fp.request(subject, b"", timeout=5)
+    assert empty.data == b""
+    assert fp.counts["fast_request"] == 3 and fp.counts["fallback_request"] == 0
+    with pytest.raises(errors.BadHeaderError):
+        await fp.request(subject, b"x", timeout=5, headers={"bad key": "v"})
+    with pytest.raises(errors.BadSubjectError):
+        await fp.request("bad subject", b"x", timeout=5)
+    await fp.close()
+
+
+async def test_many_concurrent_requests_get_their_own_replies(nc: Any, responder: Any) -> None:
+    subject = _subj("many")
+    await _echo(responder, subject, delay=True)
+    fp = FastPath(nc)
+    payloads = [f"request-{i}-{uuid.uuid4().hex}".encode() for i in range(300)]
+    replies = await asyncio.gather(*(fp.request(subject, p, timeout=10) for p in payloads))
+    assert [r.data for r in replies] == [p[::-1] for p in payloads]
+    assert fp.counts["fast_request"] == 300
+    assert not fp._futures  # nothing left waiting
+
+
+async def test_no_responders_and_timeout_raise_as_nc_request(nc: Any, responder: Any) -> None:
+    fp = FastPath(nc)
+    nobody = _subj("nobody")
+    with pytest.raises(errors.NoRespondersError):
+        await nc.request(nobody, b"x", timeout=2)
+    with pytest.raises(errors.NoRespondersError):
+        await fp.request(nobody, b"x", timeout=2)
+
+    silent = _subj("silent")
+    async def ignore(msg: Any) -> None:  # listens, never answers
+        pass
+
+    await responder.subscribe(silent, cb=ignore)
+    await responder.flush()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(errors.TimeoutError) as info:
+        await fp.request(silent, b"x", timeout=0.3)
+    assert isinstance(info.value, asyncio.TimeoutError)
+    assert 0.29 <= loop.time() - t0 < 2.0
+    assert not fp._futures
+    # a late answer to a request that timed out is dropped, not delivered to the next one
+    echo = _subj("after")
+    await _echo(responder, echo)
+    assert (await fp.request(echo, b"ab", timeout=5)).data == b"ba"
+
+
+async def test_respond_answers_micro_and_plain_requests(nc: Any, responder: Any) -> None:
+    fp_resp = FastPath(responder)
+    name = "fp" + uuid.uuid4().hex[:8]
+
+    async def handler(req: Request) -> None:
+        await fp_resp.respond(req, req.data.upper(), headers={"Served-By": "fast"})
+
+    svc = await add_service(responder, name=name, version="0.0.1")
+    await svc.add_endpoint(name="up", subject=f"{name}.up", handler=handler)
+    plain = _subj("plain")
+
+    async def plain_cb(msg: Any) -> None:
+        await fp_resp.respond(msg, b"plain:" + msg.data)
+
+    await responder.subscribe(plain, cb=plain_cb)
+    await responder.flush()
+    m = await nc.request(f"{name}.up", b"abc", timeout=5, headers={"Ignored": "1"})
+    assert m.data == b"ABC" and m.headers == {"Served-By": "fast"}
+    m2 = await FastPath(nc).request(plain, b"x", timeout=5)
+    assert m2.data == b"plain:x" and not m2.headers
+    assert fp_resp.counts["fast_publish"] == 2
+    with pytest.raises(ValueError):
+        await fp_resp.respond(m2, b"no reply subject")
+    await svc.stop()
+
+
+async def test_order_kept_behind_nats_py_pending_publishes(nc: Any, responder: Any) -> None:
+    subject = _subj("order")
+    seen: list[bytes] = []
+    done = asyncio.Event()
+    total = 200
+
+    async def collect(msg: Any) -> None:
+        seen.append(msg.data)
+        if len(seen) == total:
+            done.set()
+
+    await responder.subscribe(subject, cb=collect)
+    await responder.flush()
+    fp = FastPath(nc)
+    rng = random.Random(7)
+    sent: list[bytes] = []
+    for i in range(total):
+        data = str(i).encode()
+        sent.append(data)
+        if rng.random() < 0.5:
+            # nats-py buffers this one until its flusher task runs (no await yields before)
+            await nc.publish(subject, data)
+        else:
+            await fp.publish(subject, data)
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+    await asyncio.wait_for(done.wait(), 10)
+    assert seen == sent
+    # both of the fast path's ways were taken: straight to the socket, and behind nats-py's buffer
+    assert fp.counts["fast_publish"] > 0 and fp.counts["fallback_publish"] > 0
+
+
+async def test_unsupported_nats_py_falls_back_to_the_public_api(
+    nc: Any, responder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    low, high = SUPPORTED_NATS
+    assert unsupported_reason(nc) is None
+    assert "outside" in (unsupported_reason(nc, f"{high[0]}.{high[1]}.0") or "")
+    assert "outside" in (unsupported_reason(nc, f"{low[0]}.{low[1] - 1}.9") or "")
+    assert "not a nats-py Client" in (unsupported_reason(object()) or "")
+    monkeypatch.setattr(nac, "__version__", f"{high[0]}.{high[1]}.0")
+    fp = FastPath(nc)
+    assert not fp.enabled and fp.reason and "outside" in fp.reason
+    subject = _subj("fallback")
+    await _echo(responder, subject)
+    m = await fp.request(subject, b"abc", timeout=5, headers={"K": "v"})
+    assert m.data == b"cba" and m.headers == {"K": "v"}
+    with pytest.raises(errors.NoRespondersError):
+        await fp.request(_subj("nobody"), b"x", timeout=2)
+    await fp.publish(subject + ".void", b"x")
+    assert fp.counts == {"fast_publish": 0, "fallback_publish": 1, "fast_request": 0, "fallback_request": 2}
+    off = FastPath(nc, enabled=False)
+    assert not off.enabled and (await off.request(subject, b"xy", timeout=5)).data == b"yx"
+
+
+class _Proxy:
+    """A TCP relay in front of the server that can drop every connection and refuse new ones."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _accept(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(*self.target)
+        self._writers += [w, uw]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        for t in (asyncio.ensure_future(pump(r, uw)), asyncio.ensure_future(pump(ur, w))):
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def cut(self) -> None:
+        """Stop listening and drop every relayed connection."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for w in self._writers:
+            w.close()
+        self._writers = []
+
+
+async def test_reconnect_falls_back_then_takes_the_fast_path_again(
+    nats_server: EmbeddedNats, responder: Any
+) -> None:
+    host, port = nats_server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = _Proxy(host, int(port))
+    await proxy.start()
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    c = await nats.connect(f"nats://127.0.0.1:{proxy.port}", name="test-fastpath-proxy",
+                           reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                           reconnected_cb=on_reconnect)
+    try:
+        subject = _subj("reconnect")
+        await _echo(responder, subject)
+        fp = FastPath(c)
+        assert (await fp.request(subject, b"one", timeout=5)).data == b"eno"
+        await proxy.cut()
+        for _ in range(200):  # until nats-py sees the connection gone
+            if not c.is_connected:
+                break
+            await asyncio.sleep(0.01)
+        assert not c.is_connected
+        # while disconnected: nats-py's own request (its publish waits in its buffer)
+        pending = asyncio.ensure_future(fp.request(subject, b"two", timeout=10))
+        await asyncio.sleep(0.3)
+        assert fp.counts["fallback_request"] == 1 and not pending.done()
+        await proxy.start()  # the same port again
+        assert (await pending).data == b"owt"
+        await asyncio.wait_for(reconnected.wait(), 10)
+        # reconnected: the fast path again, its reply subscription replayed by nats-py
+        assert (await fp.request(subject, b"three", timeout=5)).data == b"eerht"
+        assert fp.counts["fast_request"] == 2 and fp.counts["fallback_request"] == 1
+    finally:
+        await c.close()
+        await proxy.cut()
