@@ -82,6 +82,9 @@ ENV_ROLE = "env-worker"
 ASSIGN_PREFIX = "env."
 SPARES_ENV = "JOYNEXUS_ENV_SPARES"
 MAX_WORKERS_ENV = "JOYNEXUS_ENV_WORKERS_MAX"
+#: Seconds a worker taken off a workload has to end its own rollout before its
+#: supervisor fails whatever job of that workload it still holds.
+RELEASE_GRACE_ENV = "JOYNEXUS_ENV_RELEASE_S"
 
 
 THREADS_ENV = "JOYNEXUS_ENV_THREADS"
@@ -104,6 +107,9 @@ class Assignment(msgspec.Struct, kw_only=True):
 
     #: ``<tenant>.<workload>`` (a key of the workloads bucket); "" = standby.
     workload: str = ""
+    #: The workload it served before this one (a restarted worker fails its orphans
+    #: there too: a worker killed just after being taken off a cancelled workload).
+    previous: str = ""
     supervisor: str = ""
     at: float = 0.0
 
@@ -324,14 +330,19 @@ class RLProducer:
         async def act(obs: dict[str, Any]) -> np.ndarray:
             if stop.is_set():
                 raise _Stopped
-            chunk_N_H_A = await self.infer.act(
-                self.tenant,
-                schema=schema,
-                policy_key=self.spec.name,
-                policy_version=version,
-                images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
-                instruction=instruction,
-                state=obs[OBS_STATE],
+            # A stop (the workload cancelled, the worker taken off it) does not wait for
+            # an engine that is down: the request retries for up to retry_for_s.
+            chunk_N_H_A = await _unless_stopped(
+                self.infer.act(
+                    self.tenant,
+                    schema=schema,
+                    policy_key=self.spec.name,
+                    policy_version=version,
+                    images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
+                    instruction=instruction,
+                    state=obs[OBS_STATE],
+                ),
+                stop,
             )
             if self.gaussian:  # the policy's own distribution: N(mean chunk, its std)
                 std: Any = await self._policy_std(version)
@@ -366,6 +377,24 @@ class RLProducer:
         # Where the policy decided, and how much of its chunk ran (the PPO sample).
         out[DECISION_FIELD] = decision_lengths(out["chunk_step"], out["env_id"], out["step"])
         return out
+
+
+async def _unless_stopped(aw: Any, stop: asyncio.Event) -> Any:
+    """``await aw``, or raise :class:`_Stopped` (cancelling it) as soon as ``stop`` is set."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this rollout itself is cancelled
+        task.cancel()
+        stopper.cancel()
+        raise
+    stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})
+    raise _Stopped
 
 
 # ---------------------------------------------------------------- the worker
@@ -430,12 +459,17 @@ class EnvWorker:
     async def _fail_own_orphans(self, health: Any, workloads: Any) -> None:
         """A restarted worker first frees the admission slots its previous incarnation
         held (before the slow warm-up)."""
-        with contextlib.suppress(Exception):
+        try:
             a = msgspec.json.decode(
                 (await health.get(assignment_key(self.instance))).value, type=Assignment
             )
-            if a.workload:
-                rec = decode((await workloads.get(a.workload)).value, WorkloadRecord)
+        except Exception:  # no assignment yet: nothing left behind
+            return
+        # Also the workload it served before: taken off it (a cancel) and killed before
+        # it failed its own job, the job would stay producing.
+        for key in dict.fromkeys(k for k in (a.workload, a.previous) if k):
+            with contextlib.suppress(Exception):
+                rec = decode((await workloads.get(key)).value, WorkloadRecord)
                 await RLProducer(
                     self.b, rec, instance=self.instance, own_orphans_only=True
                 )._fail_orphans()
@@ -531,6 +565,7 @@ class EnvSupervisor:
         spares: int | None = None,
         max_workers: int | None = None,
         log_dir: Any = None,
+        release_grace_s: float | None = None,
     ) -> None:
         self.b = broker
         self.instance = instance
@@ -551,8 +586,21 @@ class EnvSupervisor:
         self._changed = asyncio.Event()
         self.sched = SchedulerClient(broker, by=instance)
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Pending :meth:`_release` sweeps (cancelled when this supervisor stops: the
+        #: next incarnation fails what its workers left, see :meth:`reconcile`).
+        self._releases: set[asyncio.Task[Any]] = set()
         #: Workloads whose jobs left by a previous incarnation's workers were failed.
         self._cleaned: set[str] = set()
+        #: instance -> the last workload it served (kept while it stands by).
+        self.served: dict[str, str] = {}
+        #: Ended workloads first seen by this incarnation, swept one at a time.
+        self._ended: asyncio.Queue[str] = asyncio.Queue()
+        self._ended_seen: set[str] = set()
+        self.release_grace_s = (
+            float(os.environ.get(RELEASE_GRACE_ENV, "15"))
+            if release_grace_s is None
+            else release_grace_s
+        )
 
     def _argv(self, inst: str) -> list[str]:
         argv = [
@@ -571,10 +619,55 @@ class EnvSupervisor:
         return f"{self.instance}-w{k}"
 
     async def _assign(self, inst: str, key: str) -> None:
+        left = self.pool.get(inst, "")
+        previous = self.served.get(inst, "")
         self.pool[inst] = key
         self.manager.details[inst] = key
-        a = Assignment(workload=key, supervisor=self.instance, at=time.time())
+        if key:
+            self.served[inst] = key
+        a = Assignment(
+            workload=key,
+            previous=previous if previous != key else "",
+            supervisor=self.instance,
+            at=time.time(),
+        )
         await self.kv.put(assignment_key(inst), msgspec.json.encode(a))
+        if left and left != key:
+            self._background(self._release(inst, left), self._releases)
+
+    def _background(self, coro: Any, tasks: set[asyncio.Task[Any]] | None = None) -> None:
+        into = self._tasks if tasks is None else tasks
+        t = asyncio.create_task(coro)
+        into.add(t)
+        t.add_done_callback(into.discard)
+
+    async def _release(self, inst: str, key: str) -> None:
+        """A worker taken off workload ``key`` (cancelled, done, or its share shrank)
+        fails its own rollout's job at its next policy call; whatever job of ``key``
+        it still holds after the grace (it was killed, restarted with its new
+        assignment, or hangs) is failed here, so a cancel ends every job in a bound."""
+        await asyncio.sleep(self.release_grace_s)
+        if self.pool.get(inst) == key:
+            return  # serving it again (its jobs are live)
+        await self._fail_jobs_retrying({inst}, [key])
+
+    async def _sweep_ended(self) -> None:
+        """Jobs a previous incarnation's workers left in workloads that ended since."""
+        while True:
+            key = await self._ended.get()
+            if key not in self.active:  # made again meanwhile: reconcile cleans it first
+                await self._fail_jobs_retrying(None, [key])
+
+    async def _fail_jobs_retrying(
+        self, instances: set[str] | None, keys: list[str], *, tries: int = 10
+    ) -> None:
+        """:meth:`_fail_jobs_of` until the scheduler answered for every job (it may be
+        restarting), at most ``tries`` times."""
+        for i in range(tries):
+            if await self._fail_jobs_of(instances, keys):
+                return
+            await asyncio.sleep(min(1.0 * 2**i, 10.0))
+        log.warning("%s: jobs of %s in %s may stay open", self.instance, instances, keys)
 
     async def _spawn(self, key: str) -> str:
         from joynexus.agents.health import RoleSlot
@@ -587,21 +680,26 @@ class EnvSupervisor:
         return inst
 
     def _remove(self, inst: str) -> None:
-        key = self.pool.pop(inst, "")
+        # A worker on standby has key "": what it served last is where its jobs are
+        # (a worker taken off a cancelled workload, then stopped as a spare too many).
+        keys = [k for k in dict.fromkeys((self.pool.pop(inst, ""), self.served.pop(inst, ""))) if k]
         self.warm.discard(inst)
 
         async def gone() -> None:
-            await self.manager.remove_slot(inst)
+            await self.manager.remove_slot(inst)  # returns once the process is gone
             with contextlib.suppress(Exception):
                 await self.kv.delete(assignment_key(inst))
-            await self._fail_jobs_of({inst}, [key] if key else list(self.active))
+            if keys:
+                await self._fail_jobs_retrying({inst}, keys)
 
-        t = asyncio.create_task(gone())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._background(gone())
 
-    async def _fail_jobs_of(self, instances: set[str] | None, keys: list[str]) -> None:
-        """Fail jobs left reserved/producing by these workers (None: by any of ours)."""
+    async def _fail_jobs_of(self, instances: set[str] | None, keys: list[str]) -> bool:
+        """Fail jobs left reserved/producing by these workers (None: by any of ours);
+        False if the scheduler did not answer for some of them."""
+        from joynexus.schemas.errors import IllegalTransition, UnknownJob
+
+        answered = True
         for key in keys:
             tenant, _, name = key.partition(".")
             try:
@@ -610,13 +708,21 @@ class EnvSupervisor:
                 )
             except JoyNexusError as e:
                 log.warning("%s: cannot list %s: %s", self.instance, key, e)
+                answered = False
                 continue
             for job in jobs:
                 who = job.metadata.extra.get("producer", "")
                 ours = who.startswith(f"{self.instance}-w") if instances is None else who in instances
-                if ours:
-                    with contextlib.suppress(JoyNexusError):
-                        await self.sched.fail(job.job_id, "environment worker stopped mid-rollout")
+                if not ours:
+                    continue
+                try:
+                    await self.sched.fail(job.job_id, "environment worker stopped mid-rollout")
+                except (IllegalTransition, UnknownJob):
+                    pass  # ended meanwhile (by its worker): terminal either way
+                except JoyNexusError as e:
+                    log.warning("%s: cannot fail %s: %s", self.instance, job.job_id, e)
+                    answered = False
+        return answered
 
     async def reconcile(self) -> None:
         """Workers to the workloads that want them, the rest to standby; spares kept."""
@@ -671,6 +777,11 @@ class EnvSupervisor:
                     self.done.discard(key)
                 self.active[key] = rec
             else:
+                if key not in self.active and key not in self._ended_seen:
+                    # Ended while no incarnation of ours watched it (this supervisor was
+                    # being restarted): our previous workers are gone, fail what they left.
+                    self._ended_seen.add(key)
+                    self._ended.put_nowait(key)
                 self.active.pop(key, None)
                 self.done.discard(key)
             self._changed.set()
@@ -696,6 +807,7 @@ class EnvSupervisor:
         mgr_stop = asyncio.Event()
         manager = asyncio.create_task(self.manager.run(mgr_stop))
         watch = asyncio.create_task(self._watch(stop))
+        sweeper = asyncio.create_task(self._sweep_ended())
         announced = False
         try:
             while not stop.is_set():
@@ -715,10 +827,15 @@ class EnvSupervisor:
                     raise JoyNexusError("the environment workers' manager stopped")
         finally:
             watch.cancel()
+            sweeper.cancel()
+            for t in list(self._releases):
+                t.cancel()
             with contextlib.suppress(BaseException):
                 await sub.unsubscribe()
             mgr_stop.set()
-            await asyncio.gather(manager, watch, *self._tasks, return_exceptions=True)
+            await asyncio.gather(
+                manager, watch, sweeper, *self._tasks, *self._releases, return_exceptions=True
+            )
             for inst in list(self.pool):
                 with contextlib.suppress(Exception):
                     await self.kv.delete(assignment_key(inst))

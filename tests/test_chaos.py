@@ -253,7 +253,7 @@ async def test_real_producer_and_inference_killed_mid_work(
         for c in clients:
             await c.cancel_workload("pick")
         a = await rig.drain(within=120)
-        assert not a.nonterminal, f"jobs lost: {a.nonterminal}"
+        assert not a.nonterminal, f"jobs lost: {a.nonterminal}; {await _lost_jobs_seen(rig, a)}"
         assert not a.doubled, f"jobs completed twice: {a.doubled}"
         assert not a.leaked, f"partitions leaked: {a.leaked}"
         # The producer's orphan (reserved/producing when it died) was failed, not lost.
@@ -264,6 +264,27 @@ async def test_real_producer_and_inference_killed_mid_work(
             with contextlib.suppress(Exception):
                 await c.close()
         await rig.close()
+
+
+async def _lost_jobs_seen(rig: FaultRig, a: object) -> str:
+    """Diagnostics for a failed drain: who produced each job left open (its worker),
+    and what the environment workers' supervisor last decided about that worker."""
+    import orjson
+
+    out = []
+    with contextlib.suppress(Exception):
+        kv = await rig.b.js.key_value(rig.b.names.health_bucket)
+        mgr = orjson.loads((await kv.get("mgr.producer-rl-0")).value or b"{}")
+        for lost in a.nonterminal:  # type: ignore[attr-defined]
+            job = await rig.sched.get_job(lost.split("/")[1].split(":")[0])
+            who = job.metadata.extra.get("producer", "")
+            slot = [s for s in mgr.get("slots", []) if s.get("instance") == who]
+            said = [
+                (d.get("action"), d.get("reason")) for d in mgr.get("decisions", [])
+                if d.get("instance") == who
+            ]
+            out.append(f"{job.job_id} by {who or '?'} (slot now {slot}, decisions {said[-4:]})")
+    return "; ".join(out) or "no diagnostics"
 
 
 async def _env_worker_killed_mid_rollout(rig: FaultRig) -> None:

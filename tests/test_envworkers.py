@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from joynexus.agents.envworkers import EnvSupervisor
 from joynexus.ops.status import env_workers, render
 from joynexus.schemas.workloads import Scheduling, WorkloadRecord, WorkloadSpec
@@ -41,17 +43,19 @@ def _rec(tenant: str, rollouts: int, at: float) -> WorkloadRecord:
 
 
 async def test_pool_assigns_warm_spares_first_and_takes_workers_back() -> None:
+    import asyncio
     from types import SimpleNamespace
 
     from joynexus.broker.subjects import Names
 
     b = SimpleNamespace(names=Names("jnx"))
-    sup = EnvSupervisor(b, instance="p", url="nats://x", spares=1, max_workers=4)  # type: ignore[arg-type]
+    sup = EnvSupervisor(b, instance="p", url="nats://x", spares=1, max_workers=4, release_grace_s=0.0)  # type: ignore[arg-type]
     sup.manager, sup.kv = _Manager(), _KV()  # type: ignore[assignment]
     failed: list[tuple[Any, list[str]]] = []
 
-    async def fail_jobs_of(instances: Any, keys: list[str]) -> None:
+    async def fail_jobs_of(instances: Any, keys: list[str]) -> bool:
         failed.append((instances, keys))
+        return True
 
     sup._fail_jobs_of = fail_jobs_of  # type: ignore[method-assign]
     await sup.reconcile()  # nothing active: one spare
@@ -72,6 +76,50 @@ async def test_pool_assigns_warm_spares_first_and_takes_workers_back() -> None:
     await sup.reconcile()
     assert list(sup.pool.values()).count("bolt.rl") == 1
     assert list(sup.pool.values()).count("") == 1 and len(sup.pool) == 2
+    await asyncio.gather(*sup._tasks, *sup._releases)
+
+
+async def test_a_worker_taken_off_a_cancelled_workload_has_its_jobs_failed() -> None:
+    """A cancel puts the workload's workers on standby and stops the spares too many:
+    the jobs a stopped worker left are looked for in the workload it served (not in
+    the workloads still active), and a worker that stays on standby has whatever it
+    still holds of that workload failed after the grace."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from joynexus.agents.envworkers import Assignment
+    from joynexus.broker.subjects import Names
+
+    b = SimpleNamespace(names=Names("jnx"))
+    sup = EnvSupervisor(b, instance="p", url="nats://x", spares=1, max_workers=4, release_grace_s=0.0)  # type: ignore[arg-type]
+    sup.manager, sup.kv = _Manager(), _KV()  # type: ignore[assignment]
+    failed: list[tuple[Any, list[str]]] = []
+
+    async def fail_jobs_of(instances: Any, keys: list[str]) -> bool:
+        failed.append((instances, sorted(keys)))
+        return True
+
+    sup._fail_jobs_of = fail_jobs_of  # type: ignore[method-assign]
+    sup.active = {"acme.rl": _rec("acme", 2, 1.0), "bolt.rl": _rec("bolt", 1, 2.0)}
+    await sup.reconcile()
+    acme = sorted(i for i, k in sup.pool.items() if k == "acme.rl")
+    assert len(acme) == 2
+    sup.warm.update(acme)  # warm: the cold spare is stopped first, then one of these
+    failed.clear()
+    del sup.active["acme.rl"]  # cancelled: the watcher drops it
+    await sup.reconcile()
+    await asyncio.gather(*sup._tasks, *sup._releases)
+    # One of acme's two workers stays a spare, the other is stopped; both have their
+    # acme jobs failed (the stopped one once it is gone, the spare after the grace).
+    standby = [i for i in acme if sup.pool.get(i) == ""]
+    stopped = [i for i in acme if i not in sup.pool]
+    assert len(standby) == 1 and len(stopped) == 1
+    for inst in acme:
+        assert ({inst}, ["acme.rl"]) in failed, failed
+    assert not any("bolt.rl" in keys for _, keys in failed)
+    # The spare's assignment names what it served, for a restart that comes first.
+    a = msgspec.json.decode(sup.kv.values[f"env.{standby[0]}"], type=Assignment)  # type: ignore[attr-defined]
+    assert (a.workload, a.previous) == ("", "acme.rl")
 
 
 def test_status_counts_env_workers_per_workload() -> None:
