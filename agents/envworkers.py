@@ -33,9 +33,15 @@ time.
   failed, terminal) and none is trained twice (its data never reached
   ``needs_advantages``).
 
+A cancelled workload's jobs all end in a bound: a worker taken off it fails its
+rollout's job even inside a policy call that waits on a down engine; the
+supervisor fails what a stopped worker left in the workload it *served*, and what
+a standby worker still holds after ``JOYNEXUS_ENV_RELEASE_S``.
+
 Knobs (environment): ``JOYNEXUS_ENV_SPARES`` (warm idle workers, default 1),
 ``JOYNEXUS_ENV_WORKERS_MAX`` (worker processes at most, default 8),
-``JOYNEXUS_ENV_THREADS`` (compute threads per worker, default 1).
+``JOYNEXUS_ENV_THREADS`` (compute threads per worker, default 1),
+``JOYNEXUS_ENV_RELEASE_S`` (that grace, default 15 s).
 """
 
 from __future__ import annotations
