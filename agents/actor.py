@@ -55,6 +55,7 @@ from joynexus.agents.actor_forward import (
     uses_decisions,
 )
 from joynexus.agents.advantage import awr_weights
+from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
@@ -230,7 +231,7 @@ class Actor:
                 await self._give_up(job, InvalidSpec(f"its data could not be loaded: {type(e).__name__}: {e}"))
         if not todo:
             return
-        hb = asyncio.create_task(self._keep_leases([j for j, _, _ in todo]))  # noqa: RUF006
+        hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo]))  # noqa: RUF006
         t0 = time.perf_counter()
         wall_start = time.time()
         cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
@@ -441,15 +442,6 @@ class Actor:
             await self.sched.fail(
                 job.job_id, f"actor: {type(error).__name__}: {error}", attempt=job.attempt
             )
-
-    async def _keep_leases(self, jobs: list[TrainingJob]) -> None:
-        while True:
-            await asyncio.sleep(max(1.0, self.sched_ttl / 3))
-            for job in jobs:
-                with contextlib.suppress(JoyNexusError):
-                    await self.sched.touch(job)
-
-    sched_ttl: float = 30.0
 
     def tenant_summary(self) -> dict[str, Any]:
         return {f"{t}.{k}": st.module.version for (t, k), st in self.tenants.items()}

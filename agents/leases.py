@@ -19,6 +19,10 @@ renewing. Two pieces make this safe:
   old holder's admissions are refused by the server itself, even if the old
   holder does not know yet that it was deposed (a paused process, a slow
   network). Every other append is already a per-job compare-and-append.
+
+The job leases the scheduler grants (stage and actor leases) are kept alive by
+:func:`keep_leases`, one loop for every holder: it touches each lease every
+third of the TTL the scheduler's last lease reply carried.
 """
 
 from __future__ import annotations
@@ -29,18 +33,23 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
 
+from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE
 from joynexus.broker.headers import EXPECTED_LAST_SUBJECT_SEQ, TTL
 from joynexus.broker.subjects import kv_subject
-from joynexus.schemas.errors import Unavailable
+from joynexus.schemas.errors import JoyNexusError, Unavailable
+from joynexus.schemas.jobs import TrainingJob
 
-__all__ = ["Deposed", "LeaseRecord", "RoleLease", "host_id"]
+__all__ = ["Deposed", "LeaseRecord", "RoleLease", "host_id", "keep_leases", "leases_kept"]
+
+#: A job lease is never touched more often than this (a tiny TTL from a test).
+MIN_TOUCH_EVERY_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +210,52 @@ class RoleLease:
         kv = await self.b.js.key_value(self.b.names.health_bucket)
         with contextlib.suppress(Exception):
             await kv.delete(self.key, last=self._seq)
+
+
+# ------------------------------------------------------------ job leases
+def touch_every_s(ttl_s: float, every_s: float | None = None) -> float:
+    """How often a job lease of ``ttl_s`` is touched: a third of it (at least
+    MIN_TOUCH_EVERY_S), or ``every_s`` when that is sooner (the holder has something
+    else to keep alive, e.g. a JetStream message's ack wait)."""
+    period = max(MIN_TOUCH_EVERY_S, ttl_s / 3)
+    return period if every_s is None else min(period, every_s)
+
+
+async def keep_leases(
+    sched: SchedulerClient,
+    jobs: Sequence[TrainingJob],
+    *,
+    also: Callable[[], Awaitable[object]] | None = None,
+    every_s: float | None = None,
+) -> None:
+    """Touch every job's lease until cancelled, driven by the scheduler's lease TTL
+    (``sched.lease_ttl_s``, from its last lease reply); ``also()`` runs first on each
+    beat (it ends the loop if it fails). A touch the scheduler refuses (the lease
+    moved on) is logged and the others go on; completing says the rest."""
+    while True:
+        await asyncio.sleep(touch_every_s(sched.lease_ttl_s, every_s))
+        if also is not None:
+            await also()
+        for job in jobs:
+            try:
+                await sched.touch(job)
+            except JoyNexusError as e:
+                log.info("touching the lease of job %s failed: %s", job.job_id, e)
+
+
+@contextlib.asynccontextmanager
+async def leases_kept(
+    sched: SchedulerClient,
+    jobs: Sequence[TrainingJob],
+    *,
+    also: Callable[[], Awaitable[object]] | None = None,
+    every_s: float | None = None,
+) -> AsyncIterator[None]:
+    """:func:`keep_leases` while the block runs."""
+    task = asyncio.create_task(keep_leases(sched, jobs, also=also, every_s=every_s))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task

@@ -33,10 +33,9 @@ from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
 from joynexus.agents.lifecycle import SchedulerCore
-from joynexus.broker import tracing
+from joynexus.broker import rpc
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
-from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
 from joynexus.broker.tq import TrainingQueue
@@ -74,6 +73,11 @@ log = logging.getLogger(__name__)
 
 LIMITS_KEY = GLOBAL_LIMITS_KEY
 MAX_WAIT_S = 25.0
+#: Requests served at once (long polls included); past it ``rate_limited``, which
+#: the scheduler's clients retry.
+MAX_IN_FLIGHT = 10_000
+#: Verbs whose reply holds a lease, and so says its TTL.
+_LEASE_VERBS = frozenset({"lease_stage", "lease_next", "touch"})
 
 _REQUEST_TYPES: dict[str, type[Any]] = {
     "reserve": ReserveRequest,
@@ -127,7 +131,15 @@ class SchedulerAgent:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._lease_requests: dict[str, str] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # Requests are answered by the rpc layer (agents' subjects: no reply check).
+        self.rpc = rpc.Server(
+            broker,
+            "scheduler",
+            error_reply=lambda code, message: Reply(error=ErrorBody(code=code, message=message)),
+            clip=None,
+            internal="internal error: {error}",
+            total=MAX_IN_FLIGHT,
+        )
         self._loops: list[asyncio.Task[Any]] = []
         self._service: Any = None
         self._kv: Any = None
@@ -193,9 +205,8 @@ class SchedulerAgent:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.rpc.stop()
 
     async def rebuild(self) -> None:
         """Replay the last event of every job from the log into a fresh core."""
@@ -230,48 +241,24 @@ class SchedulerAgent:
                 self.core.policies[p.key] = p
 
     # ------------------------------------------------------------ plumbing
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _handler(self, verb: str) -> Callable[[Request], Awaitable[None]]:
         typ = _REQUEST_TYPES[verb]
         method: Callable[[Any], Awaitable[Reply]] = getattr(self, f"_on_{verb}")
+        span = f"scheduler.{typ.__name__}"
+        # A lease reply says how long the lease lasts untouched (the keep-alive's period).
+        ttl = self.core.lease_ttl_s if verb in _LEASE_VERBS else 0.0
 
-        async def handle(request: Request) -> None:
-            # nats-py runs one callback at a time per subscription: hand the
-            # work to a task so a long poll or an append never blocks others.
-            self._spawn(self._serve(request, typ, method))
+        async def handle(request: Request) -> Reply:
+            reply = await method(decode(request.data or b"{}", typ, what=typ.__name__))
+            if ttl and reply.job is not None:
+                reply.lease_ttl_s = ttl
+            return reply
 
-        return handle
+        async def on_request(request: Request) -> None:
+            # The events this request appends carry the caller's trace, if it has one.
+            self.rpc.serve(request, lambda: handle(request), span=span, traced_only=True)
 
-    async def _serve(
-        self, request: Request, typ: type[Any], method: Callable[[Any], Awaitable[Reply]]
-    ) -> None:
-        headers: dict[str, str] = {}
-        try:
-            req = decode(request.data or b"{}", typ, what=f"{typ.__name__}")
-            if tracing.traceparent(request.headers):
-                # Continue the caller's trace: the events this request appends carry it.
-                with tracing.tracer.start_as_current_span(
-                    f"scheduler.{typ.__name__}", context=tracing.extract(request.headers)
-                ):
-                    reply = await method(req)
-            else:  # no trace to join: thousands of root spans a second would only cost
-                reply = await method(req)
-        except JoyNexusError as e:
-            reply = Reply(error=ErrorBody(code=e.code, message=str(e)))
-        except Exception as e:  # a bug: say so to the caller, keep serving
-            log.exception("scheduler request failed")
-            reply = Reply(error=ErrorBody(code="error", message=f"internal error: {e!r}"))
-        if reply.error is not None:
-            headers = {
-                SERVICE_ERROR: reply.error.message[:200],
-                SERVICE_ERROR_CODE: "400",
-            }
-        with contextlib.suppress(Exception):
-            await request.respond(encode(reply), headers=headers or None)
+        return on_request
 
     @contextlib.asynccontextmanager
     async def _job_lock(self, job_id: str) -> AsyncIterator[None]:
@@ -306,7 +293,7 @@ class SchedulerAgent:
         if job.state is JobState.READY:
             self._wake(job.consumer_role)
         for tenant, partition in self.core.effects_of(job).clear_partitions:
-            self._spawn(self._clear_partition(tenant, partition))
+            self.rpc.spawn(self._clear_partition(tenant, partition))
         return job
 
     async def _append_fenced(self, event: JobEvent, expected: int) -> Any:

@@ -2,24 +2,23 @@
 
 Every verb is idempotent on the scheduler's side (reserve by job_id, marks
 by target state, leases by holder or request_id, complete by attempt), so
-this client retries a call that got no answer, in one place, until its
-deadline; errors the scheduler reports come back as the same exception
-classes (by code).
+this client retries a call that got no answer, until its deadline
+(``broker.rpc.SCHEDULER``); errors the scheduler reports come back as the same
+exception classes (by code). Lease replies carry the scheduler's lease TTL,
+which the keep-alive (``agents.leases.keep_leases``) renews by.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
+from dataclasses import replace
 from typing import Any
 
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-
-from joynexus.broker import tracing
+from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
-from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import Unavailable, error_from_code
+from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.schemas.base import encode
+from joynexus.schemas.errors import Unavailable
 from joynexus.schemas.jobs import (
     GlobalLimits,
     JobMetadata,
@@ -29,6 +28,7 @@ from joynexus.schemas.jobs import (
     TrainingJob,
 )
 from joynexus.schemas.scheduler import (
+    DEFAULT_LEASE_TTL_S,
     CompleteRequest,
     EndRequest,
     GetJobRequest,
@@ -51,6 +51,10 @@ def new_job_id() -> str:
     return "j" + secrets.token_hex(10)
 
 
+#: Each verb's reply decoder (an error reply raises its typed error).
+_REPLY = {verb: rpc.checked(Reply, f"scheduler reply to {verb}") for verb in SCHEDULER_VERBS}
+
+
 class SchedulerClient:
     def __init__(
         self, broker: Broker, *, by: str, call_timeout_s: float = 5.0, deadline_s: float = 60.0
@@ -59,32 +63,30 @@ class SchedulerClient:
         self.by = by
         self.call_timeout_s = call_timeout_s
         self.deadline_s = deadline_s
+        self.retry = replace(rpc.SCHEDULER, deadline_s=deadline_s)
+        #: The TTL of the scheduler's job leases, as its last lease reply said (replies
+        #: of a scheduler that does not say keep the default): drives the keep-alive.
+        self.lease_ttl_s = DEFAULT_LEASE_TTL_S
 
     async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> Reply:
-        subject = self.b.names.sched(verb)
-        payload = encode(req)
-        headers = tracing.inject()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.deadline_s + extra_wait
-        delay = 0.05
-        while True:
-            try:
-                msg = await self.b.nc.request(
-                    subject, payload, timeout=self.call_timeout_s + extra_wait, headers=headers
-                )
-                break
-            except (NoRespondersError, NatsTimeout, TimeoutError) as e:
-                # No scheduler right now (restarting?) or no answer: retry until the deadline.
-                if loop.time() + delay > deadline:
-                    raise Unavailable(
-                        f"scheduler did not answer {verb} within {self.deadline_s:.0f}s ({type(e).__name__}); "
-                        "is `joynexus agent scheduler` running?"
-                    ) from e
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        reply = decode(msg.data, Reply, what=f"scheduler reply to {verb}")
-        if reply.error is not None:
-            raise error_from_code(reply.error.code, reply.error.message)
+        def unanswered(e: Unavailable) -> Unavailable:
+            return Unavailable(
+                f"scheduler did not answer {verb} within {self.deadline_s:.0f}s "
+                f"({type(e.__cause__ or e).__name__}); is `joynexus agent scheduler` running?"
+            )
+
+        reply = await rpc.call(
+            self.b,
+            self.b.names.sched(verb),
+            encode(req),
+            _REPLY[verb],
+            timeout_s=self.call_timeout_s + extra_wait,
+            headers=tracing.inject(),
+            retry=self.retry.within(extra_wait),
+            unanswered=unanswered,
+        )
+        if reply.lease_ttl_s > 0:
+            self.lease_ttl_s = reply.lease_ttl_s
         return reply
 
     # -- policies

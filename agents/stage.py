@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from joynexus.agents.leases import leases_kept
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import disposition, tracing
 from joynexus.broker.connection import Broker
@@ -140,16 +141,6 @@ class StageWorker:
                 await msg.nak(delay=d.delay_s)
 
     async def _work_with_heartbeat(self, msg: Msg, job: TrainingJob) -> int | None:
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(self.ack_wait_s / 3)
-                await msg.in_progress()
-                await self.sched.touch(job)
-
-        hb = asyncio.create_task(beat())
-        try:
+        # The message (in_progress, within its ack wait) and the stage lease (touch).
+        async with leases_kept(self.sched, [job], also=msg.in_progress, every_s=self.ack_wait_s / 3):
             return await self.work(job)
-        finally:
-            hb.cancel()
-            with contextlib.suppress(BaseException):
-                await hb

@@ -10,15 +10,12 @@ values, permission denied).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
-from joynexus.broker import tracing
+from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import check_token
 from joynexus.schemas.errors import Timeout, Unavailable
@@ -36,6 +33,14 @@ from joynexus.schemas.inference import (
 
 class _HasSignature(Protocol):
     def signature(self) -> str: ...
+
+
+def _result(data: bytes) -> InferResult:
+    """The engine's result, or its error raised as the engine's class."""
+    reply: InferReply = decode_msgpack(data, InferReply, what="inference reply")
+    if isinstance(reply, InferError):
+        raise reply.to_exception()
+    return reply
 
 
 class InferenceClient:
@@ -56,6 +61,7 @@ class InferenceClient:
         self.base_model = base_model
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
+        self.retry = rpc.inference_policy(retry_for_s)
 
     async def request(
         self,
@@ -91,40 +97,30 @@ class InferenceClient:
         )
         model = base_model or self.base_model
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        payload = encode_msgpack(req)
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.retry_for_s
-        delay = 0.1
-        while True:
-            try:
-                return await self._once(model, payload, tenant_id, timeout)
-            except Unavailable:  # no engine, a dropped request (Timeout), or an overloaded engine
-                if loop.time() + delay > give_up_at:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return await self._once(model, encode_msgpack(req), tenant_id, timeout, self.retry)
 
     async def _once(
-        self, model: str, payload: bytes, tenant_id: str, wait_s: float
+        self, model: str, payload: bytes, tenant_id: str, wait_s: float,
+        retry: rpc.RetryPolicy = rpc.ONCE,
     ) -> InferResult:
-        try:
-            msg = await self.b.nc.request(
-                self.b.names.infer(model, tenant_id),
-                payload,
-                timeout=wait_s,
-                # no trace to carry (tracing off): no header block to write and parse
-                headers=tracing.inject() or None,
-            )
-        except NoRespondersError as e:
-            raise Unavailable(
-                f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
-            ) from e
-        except (NatsTimeout, TimeoutError) as e:
-            raise Timeout(f"no inference reply for tenant {tenant_id!r} within {wait_s:g}s") from e
-        reply: InferReply = decode_msgpack(msg.data, InferReply, what="inference reply")
-        if isinstance(reply, InferError):
-            raise reply.to_exception()
-        return reply
+        def unanswered(e: Unavailable) -> Unavailable:
+            if isinstance(e, rpc.NoResponders):
+                return Unavailable(
+                    f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
+                )
+            return Timeout(f"no inference reply for tenant {tenant_id!r} within {wait_s:g}s")
+
+        return await rpc.call(
+            self.b,
+            self.b.names.infer(model, tenant_id),
+            payload,
+            _result,
+            timeout_s=wait_s,
+            # no trace to carry (tracing off): no header block to write and parse
+            headers=tracing.inject() or None,
+            retry=retry,
+            unanswered=unanswered,
+        )
 
     async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
         """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""

@@ -1,8 +1,12 @@
-"""The serving side of request/reply, in one place: who may be answered, and how
-many of a tenant's requests are served at once.
+"""Request/reply, in one place: the asking side (:func:`call`, :class:`RetryPolicy`)
+and the serving side (:class:`Server`: who may be answered, how many requests at
+once, the span, the error body, the reply).
 
-Every request server of the service (the control plane's tenant and operator
-APIs, the inference engines) answers through :class:`Responder`:
+Every client of the service (the scheduler's, the inference queue's, the SDK,
+the operator's tenant commands) asks through :func:`call`, and every request
+server (the scheduler, the control plane's tenant and operator APIs, the
+inference engines) answers through a :class:`Server`. See docs/ARCHITECTURE.md
+("Request/reply: one layer"). What the serving side guards:
 
 - **Replies go only to the requester's own inbox.** A tenant names the reply
   subject of its request; the service must not publish where it says (a reply
@@ -14,10 +18,16 @@ APIs, the inference engines) answers through :class:`Responder`:
   ``reply``). Behind the check, the answers travel on a connection of their
   own, as the responder identity, which the broker lets publish to inboxes
   only (:func:`joynexus.broker.permissions.responder_permissions`).
-- **A bounded number of requests in flight per tenant.** Past the tenant's
-  bound (its quota's ``max_requests_in_flight``) a request is answered at once
-  with ``rate_limited`` (retryable) instead of being spawned; a global bound
-  keeps the sum of all tenants' finite too.
+- **A bounded number of requests in flight**, per tenant (its quota's
+  ``max_requests_in_flight``) and in all: past the bound a request is answered
+  at once with ``rate_limited`` (retryable) instead of being spawned.
+- **A handler that raises answers an error body** (the error's stable code,
+  its message clipped; a bug answers ``error`` and is logged) with the
+  micro-service error headers, and the server keeps serving.
+
+The transport is a seam: :func:`call` sends with ``nc.request`` unless a faster
+raw request (same signature) is plugged for that connection (:func:`plug`) or
+passed in; a :class:`Server` answers through its ``respond`` function.
 """
 
 from __future__ import annotations
@@ -25,22 +35,199 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
-from joynexus.broker import metrics
+from nats.errors import NoRespondersError
+
+from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.broker.subjects import Names
-from joynexus.schemas.errors import RateLimited
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import (
+    JoyNexusError,
+    PermissionDenied,
+    RateLimited,
+    Unavailable,
+    error_from_code,
+)
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 #: The longest reply subject answered (an inbox is ~60 characters).
 MAX_REPLY_LEN = 256
 #: Requests of all tenants served at once by one server.
 MAX_IN_FLIGHT_TOTAL = 1024
+#: The longest error message a tenant-facing server echoes back.
+MAX_ERROR_CHARS = 600
+
+#: ``nc.request``'s shape: ``(subject, payload, *, timeout, headers) -> Msg`` (``.data``).
+RawRequest = Callable[..., Awaitable[Any]]
+#: How a server answers one request: ``(request, data, headers or None)``.
+RawRespond = Callable[[Any, bytes, "dict[str, str] | None"], Awaitable[Any]]
 
 
+# ------------------------------------------------------------ asking
+class NoResponders(Unavailable):
+    """Nobody serves the subject (the server's no-responders status)."""
+
+
+class NoReply(Unavailable):
+    """A request got no reply within its timeout."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When :func:`call` asks again, as data. A failure whose error is one of
+    ``retry_on`` (the typed error of a reply, or :class:`NoResponders` /
+    :class:`NoReply` for no answer) is tried again after a backoff of ``base_s``,
+    times ``factor`` each time, at most ``cap_s``, while fewer than ``attempts``
+    tries were made (0: no bound) and ``deadline_s`` after the call began has not
+    passed (0: no deadline; the last sleep is cut to the deadline). Anything else
+    is raised at once."""
+
+    name: str
+    attempts: int = 1
+    deadline_s: float = 0.0
+    base_s: float = 0.05
+    cap_s: float = 1.0
+    factor: float = 2.0
+    retry_on: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.attempts < 0 or self.deadline_s < 0 or self.base_s < 0 or self.cap_s < 0:
+            raise ValueError(f"retry policy {self.name}: negative bound")
+        if self.attempts == 0 and self.deadline_s == 0 and self.retry_on:
+            raise ValueError(f"retry policy {self.name}: neither attempts nor a deadline bound it")
+
+    def within(self, extra_s: float) -> RetryPolicy:
+        """The same policy with a deadline ``extra_s`` longer (a long poll's wait)."""
+        if extra_s <= 0 or not self.deadline_s:
+            return self
+        return replace(self, deadline_s=self.deadline_s + extra_s)
+
+
+#: Fail at once.
+ONCE = RetryPolicy("once")
+#: The scheduler's verbs are idempotent: a call that got no answer (the scheduler
+#: restarting, its lease moving to another host) or found it saturated is asked
+#: again until 60 s have passed; backoff 50 ms doubling to 1 s.
+SCHEDULER = RetryPolicy("scheduler", attempts=0, deadline_s=60.0, base_s=0.05, cap_s=1.0,
+                        retry_on=(NoResponders, NoReply, RateLimited))
+#: Inference is idempotent: no engine, a request an engine dropped (it died mid
+#: batch) or an overloaded engine is asked again, here for 10 s (the client's
+#: ``retry_for_s`` sets it: :func:`inference_policy`); backoff 100 ms doubling to 2 s.
+INFERENCE = RetryPolicy("inference", attempts=0, deadline_s=10.0, base_s=0.1, cap_s=2.0,
+                        retry_on=(Unavailable,))
+#: A tenant's control plane call: a ``rate_limited`` answer (too many of its
+#: requests in flight) is asked again 5 times, backoff 50 ms doubling.
+TENANT_API = RetryPolicy("tenant_api", attempts=6, base_s=0.05, cap_s=0.8,
+                         retry_on=(RateLimited,))
+#: An operator's request: no responders (a deployment still starting, the control
+#: role restarting) is asked again every second for 60 s; nobody got the request,
+#: so asking again cannot do it twice. A timeout is not retried.
+OPERATOR = RetryPolicy("operator", attempts=0, deadline_s=60.0, base_s=1.0, cap_s=1.0,
+                       factor=1.0, retry_on=(NoResponders,))
+
+
+def inference_policy(retry_for_s: float) -> RetryPolicy:
+    """:data:`INFERENCE` for ``retry_for_s`` (0: fail at once)."""
+    return replace(INFERENCE, deadline_s=retry_for_s) if retry_for_s > 0 else ONCE
+
+
+_plugged: weakref.WeakKeyDictionary[Any, RawRequest] = weakref.WeakKeyDictionary()
+
+
+def plug(b: Broker, request: RawRequest | None) -> None:
+    """Send every :func:`call` on ``b``'s connection with ``request`` (the signature
+    of ``nc.request``) instead of nats-py's; None: back to nats-py's."""
+    if request is None:
+        _plugged.pop(b.nc, None)
+    else:
+        _plugged[b.nc] = request
+
+
+async def call(
+    b: Broker,
+    subject: str,
+    payload: bytes,
+    decode: Callable[[bytes], R],
+    *,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
+    retry: RetryPolicy = ONCE,
+    request: RawRequest | None = None,
+    unanswered: Callable[[Unavailable], BaseException] | None = None,
+    on_retry: Callable[[BaseException, float], None] | None = None,
+) -> R:
+    """Ask ``subject`` and return ``decode(reply.data)``, which raises the typed error
+    of an error reply (:func:`checked`). No responders and no reply within
+    ``timeout_s`` become :class:`NoResponders` and :class:`NoReply`; ``retry`` says
+    which failures are asked again; ``unanswered`` words the error raised when
+    no answer came (else the NoResponders / NoReply itself); ``on_retry(error,
+    sleep_s)`` is told before each backoff."""
+    send = request or (_plugged.get(b.nc) if _plugged else None) or b.nc.request
+    deadline = 0.0
+    if retry.deadline_s:
+        deadline = asyncio.get_running_loop().time() + retry.deadline_s
+    tries = 0
+    delay = retry.base_s
+    while True:
+        tries += 1
+        try:
+            msg = await send(subject, payload, timeout=timeout_s, headers=headers)
+            return decode(msg.data)
+        except NoRespondersError as e:
+            err: BaseException = NoResponders(f"nobody serves {subject}")
+            err.__cause__ = e
+        except JoyNexusError as e:  # before TimeoutError: the typed Timeout of a reply is one
+            err = e
+        except TimeoutError as e:  # nats-py's timeout is asyncio's, the builtin in 3.11
+            err = NoReply(f"no reply on {subject} within {timeout_s:g}s")
+            err.__cause__ = e
+        if not isinstance(err, retry.retry_on) or (retry.attempts and tries >= retry.attempts):
+            raise _final(err, unanswered)
+        sleep = delay
+        if deadline:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise _final(err, unanswered)
+            sleep = min(delay, remaining)
+        if on_retry is not None:
+            on_retry(err, sleep)
+        await asyncio.sleep(sleep)
+        delay = min(delay * retry.factor, retry.cap_s)
+
+
+def _final(err: BaseException, unanswered: Callable[[Unavailable], BaseException] | None) -> BaseException:
+    if unanswered is not None and isinstance(err, (NoResponders, NoReply)):
+        final = unanswered(err)
+        final.__cause__ = err.__cause__
+        return final
+    return err
+
+
+def checked(reply_type: type[R], what: str) -> Callable[[bytes], R]:
+    """A decoder of a JSON reply whose ``error`` field (an :class:`ErrorBody`-like
+    ``code`` and ``message``) is raised as its typed error."""
+
+    def decode_checked(data: bytes) -> R:
+        reply = decode(data, reply_type, what=what)
+        error = getattr(reply, "error", None)
+        if error is not None:
+            raise error_from_code(error.code, error.message)
+        return reply
+
+    return decode_checked
+
+
+# ------------------------------------------------------------ serving
 def reply_allowed(names: Names, reply: str, tenant: str | None) -> bool:
     """May a request on ``tenant``'s subject (None: an operator or agent subject)
     be answered at ``reply``?"""
@@ -59,8 +246,20 @@ def _reply_of(request: Any) -> str:
     return reply if isinstance(reply, str) else str(reply)
 
 
+#: ``Nats-Service-Error-Code`` of an error reply (micro-service convention: HTTP-like).
+STATUS_BY_CODE = {PermissionDenied.code: "403"}
+
+
+def error_headers(code: str, message: str, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """The micro-service error headers of an error reply (added to ``headers``)."""
+    headers = {} if headers is None else headers
+    headers[SERVICE_ERROR] = message[:200]
+    headers[SERVICE_ERROR_CODE] = STATUS_BY_CODE.get(code, "400")
+    return headers
+
+
 class Responder:
-    """Reply checks, per-tenant in-flight bounds and the answering connection of
+    """Reply checks, in-flight bounds, spawned tasks and the answering connection of
     one request server (``source`` names it in security events)."""
 
     def __init__(
@@ -76,7 +275,9 @@ class Responder:
         self.source = source
         self.limit = limit or (lambda _tenant: 32)
         self.total = total
+        #: Requests being served, per tenant ("" counts those of no tenant).
         self.in_flight: dict[str, int] = {}
+        self._in_flight_total = 0
         self.refused = 0
         self.rate_limited = 0
         self._conn: Broker | None = None
@@ -118,25 +319,31 @@ class Responder:
         )
         return False
 
-    def admit(self, tenant: str) -> None:
-        """Count one request of ``tenant`` in; RateLimited past its bound."""
-        n = self.in_flight.get(tenant, 0)
-        total = sum(self.in_flight.values())
-        bound = self.limit(tenant)
-        if n >= bound or total >= self.total:
+    def admit(self, tenant: str | None) -> None:
+        """Count one request of ``tenant`` (None: of no tenant, bound by the total
+        only) in; RateLimited past its bound."""
+        key = tenant or ""
+        n = self.in_flight.get(key, 0)
+        bound = self.limit(key) if tenant else self.total
+        if n >= bound or self._in_flight_total >= self.total:
             self.rate_limited += 1
+            who = f"tenant {tenant!r} has" if tenant else "there are"
             raise RateLimited(
-                f"tenant {tenant!r} has {n} requests being served by {self.source} "
-                f"(its bound is {bound}); wait for answers before sending more, or retry shortly"
+                f"{who} {n} requests being served by {self.source} "
+                f"(the bound is {min(bound, self.total)}); wait for answers before sending more, "
+                "or retry shortly"
             )
-        self.in_flight[tenant] = n + 1
+        self.in_flight[key] = n + 1
+        self._in_flight_total += 1
 
-    def release(self, tenant: str) -> None:
-        n = self.in_flight.get(tenant, 0) - 1
+    def release(self, tenant: str | None) -> None:
+        key = tenant or ""
+        n = self.in_flight.get(key, 0) - 1
         if n > 0:
-            self.in_flight[tenant] = n
+            self.in_flight[key] = n
         else:
-            self.in_flight.pop(tenant, None)
+            self.in_flight.pop(key, None)
+        self._in_flight_total = max(0, self._in_flight_total - 1)
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -150,3 +357,114 @@ class Responder:
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.close()
+
+
+class Server(Responder):
+    """A :class:`Responder` that also runs each request's handler and answers it.
+
+    ``error_reply(code, message)`` builds the reply that carries an error (the
+    server's reply type), ``encode`` writes a reply; ``clip``: the longest error
+    message echoed back (None: whole, for the agents' own APIs); ``internal``: what
+    a bug answers (``{ref}``: a reference logged with it; ``{error}``: its repr);
+    ``respond``: the raw answer (None: the request's own ``respond``, nats-py's)."""
+
+    def __init__(
+        self,
+        b: Broker,
+        source: str,
+        *,
+        error_reply: Callable[[str, str], Any],
+        encode: Callable[[Any], bytes] = encode,
+        clip: int | None = MAX_ERROR_CHARS,
+        internal: str = "internal error (reference {ref} in the {source}'s log)",
+        limit: Callable[[str], int] | None = None,
+        total: int = MAX_IN_FLIGHT_TOTAL,
+        respond: RawRespond | None = None,
+    ) -> None:
+        super().__init__(b, source, limit=limit, total=total)
+        self.error_reply = error_reply
+        self.encode = encode
+        self.clip = clip
+        self.internal = internal
+        self.respond = respond
+
+    def error_of(self, e: BaseException) -> tuple[str, str]:
+        """(code, message) of a failed request: the error's own, clipped; a bug's
+        reference (the traceback is logged, not sent)."""
+        if isinstance(e, JoyNexusError):  # clipped: a tenant's 1 MB name is not echoed back
+            return e.code, (str(e) if self.clip is None else metrics.clip(e, self.clip))
+        ref = uuid.uuid4().hex[:12]
+        log.error("%s request failed (ref %s)", self.source, ref, exc_info=e)
+        return "error", self.internal.format(ref=ref, source=self.source, error=repr(e))
+
+    def serve(
+        self,
+        request: Any,
+        handle: Callable[[], Awaitable[Any]],
+        *,
+        span: str,
+        tenant: str | None = None,
+        traced_only: bool = False,
+        error_reply: Callable[[str, str], Any] | None = None,
+    ) -> None:
+        """Answer ``request`` with what ``handle()`` returns, in a task of its own
+        (nats-py runs one callback at a time per subscription: a long poll never
+        blocks the others), counted against ``tenant``'s in-flight bound (past it:
+        ``rate_limited`` at once). ``handle`` decodes the request and does the work
+        in a span ``span`` continuing the caller's trace (``traced_only``: only when
+        the request carries one; thousands of root spans a second would only cost);
+        ``error_reply``: this request's, instead of the server's."""
+        try:
+            self.admit(tenant)
+        except RateLimited as e:
+            self.spawn(self.answer_error(request, e, error_reply=error_reply))
+            return
+        task = self.spawn(self._answer(request, handle, span, traced_only, error_reply))
+        task.add_done_callback(lambda _t: self.release(tenant))
+
+    async def _answer(
+        self,
+        request: Any,
+        handle: Callable[[], Awaitable[Any]],
+        span: str,
+        traced_only: bool,
+        error_reply: Callable[[str, str], Any] | None,
+    ) -> None:
+        headers = request.headers
+        try:
+            if traced_only and not tracing.traceparent(headers):
+                reply = await handle()
+            else:
+                with tracing.tracer.start_as_current_span(span, context=tracing.extract(headers)):
+                    reply = await handle()
+        except Exception as e:  # the tenant's error or a bug: answer it, keep serving
+            await self.answer_error(request, e, error_reply=error_reply)
+            return
+        await self.send(request, self.encode(reply))
+
+    async def answer_error(
+        self,
+        request: Any,
+        e: BaseException,
+        headers: dict[str, str] | None = None,
+        *,
+        error_reply: Callable[[str, str], Any] | None = None,
+    ) -> tuple[str, str]:
+        """Answer the error body of ``e`` (with the error headers); its (code, message)."""
+        code, message = self.error_of(e)
+        body = (error_reply or self.error_reply)(code, message)
+        await self.send(request, self.encode(body), error_headers(code, message, headers))
+        return code, message
+
+    async def send(self, request: Any, data: bytes, headers: dict[str, str] | None = None) -> bool:
+        """Respond; False (logged) when the answer could not be sent (the caller is
+        gone, the connection dropped)."""
+        try:
+            if self.respond is None:
+                await request.respond(data, headers=headers or None)
+            else:
+                await self.respond(request, data, headers or None)
+            return True
+        except Exception as e:
+            log.warning("%s: reply not sent: %s", self.source, e)
+            return False

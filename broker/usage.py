@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from joynexus.broker.connection import Broker, raise_if_cancelled
-from joynexus.schemas.base import Wire
+from joynexus.schemas.api import UsageQuery
 from joynexus.schemas.errors import InvalidSpec
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,6 @@ FIELDS = ("train_s", "infer_s", "env_s", "tq_byte_s", "rows_trained", "rows_infe
           "jobs_completed", "jobs_dropped", "jobs_failed")
 _TERMINAL = {"completed": "jobs_completed", "dropped": "jobs_dropped", "failed": "jobs_failed"}
 SOURCES = ("metrics", "tq", "jobs")
-
-
-class UsageQuery(Wire, kw_only=True, omit_defaults=True):
-    """The ``usage`` verb's request: figures since this time (epoch seconds, 0: all)."""
-
-    since: float = 0.0
 
 
 def bucket_name(b: Broker) -> str:

@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-
+from joynexus.broker import rpc
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import hash_password, new_password
-from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import JoyNexusError, Unavailable, error_from_code
+from joynexus.schemas.base import encode
+from joynexus.schemas.errors import JoyNexusError, Unavailable
 from joynexus.schemas.identities import AdminReply, TenantInfo, TenantRequest
 from joynexus.schemas.quotas import Quota
 
@@ -48,40 +47,37 @@ async def admin_request(
     timeout_s: float = 30.0,
     wait_s: float = WAIT_FOR_CONTROL_S,
 ) -> AdminReply:
+    """One operator request; no responders is asked again for ``wait_s``
+    (``broker.rpc.OPERATOR``), saying once on stderr that it waits."""
     subject = b.names.admin(verb)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    said = False
-    while True:
-        try:
-            msg = await b.nc.request(subject, encode(req), timeout=timeout_s)
-            break
-        except NoRespondersError as e:
-            # Nobody got the request, so asking again cannot do it twice.
-            if loop.time() >= deadline:
-                raise _unanswered(verb, subject, e) from e
-            if not said:
-                said = True
-                print(
-                    f"waiting up to {wait_s:.0f}s for the control plane to answer on {subject} "
-                    "(is the deployment still starting?) ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            await asyncio.sleep(min(1.0, max(0.0, deadline - loop.time())))
-        except (NatsTimeout, TimeoutError) as e:
-            raise _unanswered(verb, subject, e) from e
-    reply = decode(msg.data, AdminReply, what=f"reply to {verb}")
-    if reply.error is not None:
-        raise error_from_code(reply.error.code, reply.error.message)
-    return reply
+    said: list[bool] = []
 
+    def waiting(_e: BaseException, _sleep_s: float) -> None:
+        if not said:
+            said.append(True)
+            print(
+                f"waiting up to {wait_s:.0f}s for the control plane to answer on {subject} "
+                "(is the deployment still starting?) ...",
+                file=sys.stderr,
+                flush=True,
+            )
 
-def _unanswered(verb: str, subject: str, e: Exception) -> Unavailable:
-    return Unavailable(
-        f"the control plane did not answer {verb} on {subject} ({type(e).__name__}): is "
-        "the deployment up, and are you connected as the admin identity "
-        "(--creds <data-dir>/credentials/admin.json)?"
+    def unanswered(e: Exception) -> Unavailable:
+        return Unavailable(
+            f"the control plane did not answer {verb} on {subject} ({type(e.__cause__ or e).__name__}): "
+            "is the deployment up, and are you connected as the admin identity "
+            "(--creds <data-dir>/credentials/admin.json)?"
+        )
+
+    return await rpc.call(
+        b,
+        subject,
+        encode(req),
+        rpc.checked(AdminReply, f"reply to {verb}"),
+        timeout_s=timeout_s,
+        retry=replace(rpc.OPERATOR, deadline_s=wait_s) if wait_s > 0 else rpc.ONCE,
+        unanswered=unanswered,
+        on_retry=waiting,
     )
 
 

@@ -131,6 +131,11 @@ class ErrorBody(Wire, kw_only=True):
     message: str
 
 
+#: The job lease TTL a client assumes when the scheduler's reply does not say
+#: (a scheduler from before replies carried it); the scheduler's own default.
+DEFAULT_LEASE_TTL_S = 30.0
+
+
 class Reply(Wire, kw_only=True, omit_defaults=True):
     """Every scheduler reply: a job, a refusal, a count, or an error."""
 
@@ -141,3 +146,6 @@ class Reply(Wire, kw_only=True, omit_defaults=True):
     error: ErrorBody | None = None
     snapshot: SchedulerSnapshot | None = None
     jobs: list[TrainingJob] = []
+    #: With a lease (``lease_stage``, ``lease_next``, ``touch``): how long it lasts
+    #: untouched, in seconds (0: not said; the client assumes DEFAULT_LEASE_TTL_S).
+    lease_ttl_s: float = 0.0

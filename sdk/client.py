@@ -27,23 +27,21 @@ from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
-from nats.errors import ConnectionClosedError, NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
+from nats.errors import ConnectionClosedError
 
-from joynexus.broker import tracing
+from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials, from_env_or_file
 from joynexus.broker.inference_client import InferenceClient
 from joynexus.broker.subjects import Names
+from joynexus.schemas.api import VERBS, UsageQuery
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
     InvalidSpec,
     JoyNexusError,
     PermissionDenied,
-    RateLimited,
     Timeout,
     Unavailable,
-    error_from_code,
 )
 from joynexus.schemas.inference import PolicyRecord, TensorBytes, encode_msgpack
 from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
@@ -72,8 +70,8 @@ IMAGE_PREFIX = "obs_image_"
 PUT_CHUNK_BYTES = 6 * 1024 * 1024
 #: How long one read_events request waits for new events.
 EVENTS_WAIT_S = 5.0
-#: How often a rate_limited answer is retried (backoff 50 ms, doubling) before it is raised.
-RATE_LIMIT_RETRIES = 5
+#: Each verb's reply decoder (an error reply raises its typed error).
+_REPLIES = {verb: rpc.checked(ApiReply, f"reply to {verb}") for verb in VERBS}
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
 __all__ = ["Client", "Credentials", "Workload"]
@@ -246,42 +244,37 @@ class Client:
     ) -> ApiReply:
         """One control plane request; ``binary``: msgpack (tensors stay raw bytes).
         A ``rate_limited`` answer (too many of this tenant's requests in flight) is
-        retried a few times with backoff before it reaches the caller."""
-        for attempt in range(RATE_LIMIT_RETRIES + 1):
-            try:
-                return await self._api_once(verb, req, timeout_s=timeout_s, binary=binary)
-            except RateLimited:
-                if attempt == RATE_LIMIT_RETRIES:
-                    raise
-                await asyncio.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    async def _api_once(
-        self, verb: str, req: Any, *, timeout_s: float | None, binary: bool
-    ) -> ApiReply:
+        retried a few times with backoff before it reaches the caller
+        (``broker.rpc.TENANT_API``)."""
+        if not isinstance(req, VERBS[verb]):  # the one table of verbs the control plane serves
+            raise TypeError(f"{verb} takes a {VERBS[verb].__name__}, not {type(req).__name__}")
         subject = self._b.names.api(self.tenant, verb)
         headers = tracing.inject()
         if binary:
             headers[CONTENT_TYPE] = MSGPACK
-        try:
-            msg = await self._guarded(
-                subject,
-                self._b.nc.request(
-                    subject,
-                    encode_msgpack(req) if binary else encode(req),
-                    timeout=timeout_s or self.timeout_s,
-                    headers=headers,
-                ),
+
+        def guarded(subject: str, payload: bytes, *, timeout: float, headers: Any) -> Any:
+            return self._guarded(
+                subject, self._b.nc.request(subject, payload, timeout=timeout, headers=headers)
             )
-        except (NoRespondersError, NatsTimeout, TimeoutError) as e:
-            raise Unavailable(
-                f"the JoyNexus control plane did not answer {verb} ({type(e).__name__}); "
-                "is the service running (`joynexus up`)?"
-            ) from e
-        reply = decode(msg.data, ApiReply, what=f"reply to {verb}")
-        if reply.error is not None:
-            raise error_from_code(reply.error.code, reply.error.message)
-        return reply
+
+        def unanswered(e: Exception) -> Unavailable:
+            return Unavailable(
+                f"the JoyNexus control plane did not answer {verb} "
+                f"({type(e.__cause__ or e).__name__}); is the service running (`joynexus up`)?"
+            )
+
+        return await rpc.call(
+            self._b,
+            subject,
+            encode_msgpack(req) if binary else encode(req),
+            _REPLIES[verb],
+            timeout_s=timeout_s or self.timeout_s,
+            headers=headers,
+            retry=rpc.TENANT_API,
+            request=guarded,
+            unanswered=unanswered,
+        )
 
     # ------------------------------------------------------------ workloads
     def create_workload(self, spec: WorkloadSpec) -> asyncio.Future[Workload]:
@@ -454,8 +447,6 @@ class Client:
         seconds (counted from the hour holding it)."""
 
         async def go() -> dict[str, Any]:
-            from joynexus.broker.usage import UsageQuery
-
             reply = await self._api("usage", UsageQuery(since=float(since)))
             out: dict[str, Any] = json.loads(reply.data or b"{}")
             return out

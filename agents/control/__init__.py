@@ -19,15 +19,13 @@ from __future__ import annotations
 from joynexus.agents.control.agent import ControlPlane
 from joynexus.agents.control.base import InitPolicy
 from joynexus.agents.control.checks import (
-    ADMIN_VERBS,
-    BIG_VERBS,
     MAX_EVENTS_PAGE,
     MAX_EVENTS_WAIT_S,
     MAX_SMALL_REQUEST,
     RESERVED_TENANTS,
-    VERBS,
     check_rows,
 )
+from joynexus.schemas.api import ADMIN_VERBS, BIG_VERBS, VERBS
 
 __all__ = [
     "ADMIN_VERBS",

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +33,15 @@ from joynexus.agents.control.submissions import SubmissionsAPI
 from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Responder
+from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import CURSOR_KEYS
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
-from joynexus.schemas.base import decode, encode
-from joynexus.schemas.errors import JoyNexusError, RateLimited
+from joynexus.schemas.base import decode
 from joynexus.schemas.identities import AdminReply, TenantRequest
 from joynexus.schemas.inference import decode_msgpack
 from joynexus.schemas.jobs import check_name
@@ -53,6 +49,10 @@ from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import CONTENT_TYPE, MSGPACK, ApiReply, WorkloadRecord
 
 log = logging.getLogger(__name__)
+
+def _admin_error(code: str, message: str) -> AdminReply:
+    return AdminReply(error=ErrorBody(code=code, message=message))
+
 
 #: Keys of the workloads bucket that are not workload records.
 _NOT_RECORDS = (CURSOR_KEYS,)
@@ -75,7 +75,6 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         self.instance = instance
         self._service: Any = None
         self._kv = None
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()
         self._ids = None
         self._policies = PolicyRecords(broker)
@@ -89,8 +88,12 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         self._opened_by = {}
         self.datasets_root = Path(datasets_root) if datasets_root else default_root()
         self.quotas = QuotaBook(broker)
-        self.rpc = Responder(
-            broker, "control", limit=lambda t: self.quotas.get(t).max_requests_in_flight
+        self.rpc = Server(
+            broker,
+            "control",
+            error_reply=lambda code, message: ApiReply(error=ErrorBody(code=code, message=message)),
+            internal="internal error (reference {ref} in the control plane's log)",
+            limit=lambda t: self.quotas.get(t).max_requests_in_flight,
         )
         # Workload records, from one watcher over the bucket: key -> record.
         self._records_mirror = KVMirror(
@@ -133,9 +136,9 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         )
         await self.b.nc.flush()  # subscribed on the server before start() returns
         await nc.flush()
-        self._spawn(self._adopt_open_jobs())
-        self._spawn(self._expire_open_jobs())
-        self._spawn(self.meter.run())
+        self.rpc.spawn(self._adopt_open_jobs())
+        self.rpc.spawn(self._expire_open_jobs())
+        self.rpc.spawn(self.meter.run())
 
     async def stop(self) -> None:
         if self._job_sub is not None:
@@ -144,9 +147,6 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.stop()
         await self.quotas.stop()
         await self._records_mirror.stop()
@@ -157,53 +157,30 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         tenant = tenant_of_subject(request.subject)
         if not self.rpc.allowed(request, tenant):
             return
-        if tenant is None:
-            self._spawn(self._serve(request, "_"))
-            return
-        verb = request.subject.split(".")[3]
-        # Refused before any decoding: a flood of big bodies costs a length check.
-        error: JoyNexusError | None = oversized(verb, len(request.data or b""), self.b.max_payload)
-        if error is None:
-            try:
-                self.rpc.admit(tenant)
-            except RateLimited as e:
-                error = e
-        if error is not None:
-            reply = ApiReply(error=ErrorBody(code=error.code, message=str(error)))
-            self._spawn(self._reply_now(request, reply))
-            return
-        task = self.rpc.spawn(self._serve(request, tenant))
-        who: str = tenant
-        task.add_done_callback(lambda _t: self.rpc.release(who))
-
-    async def _reply_now(self, request: Request, reply: Any) -> None:
-        with contextlib.suppress(Exception):
-            await request.respond(encode(reply))
-
-    async def _handle_admin(self, request: Request) -> None:
-        if self.rpc.allowed(request, None):
-            self._spawn(self._serve_admin(request))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _serve(self, request: Request, tenant: str) -> None:
         verb = request.subject.split(".")[-1]
+        if tenant is not None:
+            # Refused before any decoding: a flood of big bodies costs a length check.
+            error = oversized(verb, len(request.data or b""), self.b.max_payload)
+            if error is not None:
+                self.rpc.spawn(self.rpc.answer_error(request, error))
+                return
+
+        who = tenant or "_"
 
         async def call() -> Any:
-            check_name("tenant", tenant)  # a token, never a wildcard
+            check_name("tenant", who)  # a token, never a wildcard
             kind = request_type(verb)
             if (request.headers or {}).get(CONTENT_TYPE) == MSGPACK:
                 req = decode_msgpack(request.data, kind, what=f"{verb} request")
             else:
                 req = decode(request.data or b"{}", kind, what=f"{verb} request")
-            return await getattr(self, f"_{verb}")(tenant, req)
+            return await getattr(self, f"_{verb}")(who, req)
 
-        await self._answer(request, verb, ApiReply, call)
+        self.rpc.serve(request, call, span=f"control.{verb}", tenant=tenant)
 
-    async def _serve_admin(self, request: Request) -> None:
+    async def _handle_admin(self, request: Request) -> None:
+        if not self.rpc.allowed(request, None):
+            return
         verb = request.subject.split(".")[-1]
 
         async def call() -> Any:
@@ -211,29 +188,4 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
             req = decode(request.data or b"{}", TenantRequest, what=f"{verb} request")
             return await getattr(self, f"_{verb}")(req)
 
-        await self._answer(request, verb, AdminReply, call)
-
-    async def _answer(
-        self,
-        request: Request,
-        verb: str,
-        reply_type: type[ApiReply] | type[AdminReply],
-        call: Callable[[], Awaitable[Any]],
-    ) -> None:
-        """Run ``call`` in a span continuing the caller's trace; answer its reply, or
-        the error as ``reply_type(error=...)``; keep serving whatever happens."""
-        try:
-            with tracing.tracer.start_as_current_span(
-                f"control.{verb}", context=tracing.extract(request.headers)
-            ):
-                reply = await call()
-        except JoyNexusError as e:  # clipped: a tenant's 1 MB name is not echoed back
-            reply = reply_type(error=ErrorBody(code=e.code, message=metrics.clip(e, 600)))
-        except Exception:  # a bug: log it, tell the caller only a reference, keep serving
-            ref = uuid.uuid4().hex[:12]
-            log.exception("control request %s failed (ref %s)", metrics.clip(request.subject), ref)
-            reply = reply_type(error=ErrorBody(
-                code="error", message=f"internal error (reference {ref} in the control plane's log)"
-            ))
-        with contextlib.suppress(Exception):
-            await request.respond(encode(reply))
+        self.rpc.serve(request, call, span=f"control.{verb}", error_reply=_admin_error)

@@ -23,7 +23,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Responder
+from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
@@ -57,7 +57,7 @@ class ControlBase:
     #: Where tenants' datasets live (<root>/<tenant>/..., or the quota's own root).
     datasets_root: Path
     quotas: QuotaBook
-    rpc: Responder
+    rpc: Server
     _records_mirror: KVMirror[WorkloadRecord]
     _records_by_key: dict[str, WorkloadRecord]
     # Training Queue bytes a tenant put, per open job (released when the job ends).

@@ -3,8 +3,8 @@ its own records, names, sizes, pages and slices.
 
 Each function takes data and returns a decision or raises the tenant's error
 (``InvalidSpec``, ``QuotaExceeded``, ...); none touches the server, so
-``tests/test_control_checks.py`` tables them alone. The verbs and limits of the
-API are here too.
+``tests/test_control_checks.py`` tables them alone. The limits of the API are
+here too (its verbs are in ``schemas/api.py``).
 See docs/ARCHITECTURE.md
 ("Workloads, from the SDK to a new policy version").
 """
@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from joynexus.broker import metrics
-from joynexus.broker.usage import UsageQuery
+from joynexus.schemas.api import ADMIN_VERBS, BIG_VERBS, VERBS
 from joynexus.schemas.errors import (
     InvalidSpec,
     PayloadTooLarge,
@@ -32,35 +32,12 @@ from joynexus.schemas.jobs import JobState, TrainingJob, check_name
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.samples import ACTIONS_FIELD, IMAGE_FIELD_PREFIX, STATE_FIELD
 from joynexus.schemas.workloads import (
-    CloseJob,
-    CreateWorkload,
-    NamedWorkload,
-    OpenJob,
-    PolicyQuery,
     PutData,
     ReadEvents,
     VideoQuery,
     WorkloadRecord,
     WorkloadSpec,
 )
-
-#: The tenant API: verb -> request type.
-VERBS: dict[str, type[Any]] = {
-    "create_workload": CreateWorkload,
-    "get_workload": NamedWorkload,
-    "list_workloads": NamedWorkload,
-    "cancel_workload": NamedWorkload,
-    "open_job": OpenJob,
-    "close_job": CloseJob,
-    "abort_job": CloseJob,
-    "read_events": ReadEvents,
-    "put_data": PutData,
-    "get_policy": PolicyQuery,
-    "get_video": VideoQuery,
-    "usage": UsageQuery,
-}
-
-ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list")
 
 #: Tenant names that would collide with internal keys (``cursor.<tenant>.<wl>`` in
 #: the workloads bucket, ``version.<tenant>.<wl>`` in the tenants bucket, ...).
@@ -69,8 +46,7 @@ RESERVED_TENANTS = frozenset({"cursor", "version", "global", "applied", "admin",
 _BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
 TERMINAL_STATES = frozenset({JobState.COMPLETED.value, JobState.DROPPED.value, JobState.FAILED.value})
 
-#: Verbs whose body carries data (rows, a spec); every other request is small.
-BIG_VERBS = frozenset({"put_data", "create_workload"})
+#: Requests of every other verb than BIG_VERBS are small.
 MAX_SMALL_REQUEST = 64 * 1024
 
 #: Longest long-poll of read_events (the SDK's request timeout must exceed it).

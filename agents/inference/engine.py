@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +37,13 @@ from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import TokenFeatures, concat_batches
 from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
 from joynexus.agents.models.policyio import PolicyStore
-from joynexus.broker import headers as hdr
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Responder
+from joynexus.broker.rpc import Server, error_headers
 from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import (
     InvalidSpec,
-    JoyNexusError,
     PermissionDenied,
     Unavailable,
 )
@@ -84,9 +82,6 @@ class EngineStats:
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
-#: ``Nats-Service-Error-Code`` of an error reply (micro-service convention: HTTP-like).
-_STATUS_BY_CODE = {PermissionDenied.code: "403"}
-
 #: A batch whose forward is expected (the median of the last ones of its backbone key
 #: and power of two of rows) to take at most this long runs on the event loop instead
 #: of the forward thread. The hop to the thread and back cost 0.4-1.3 ms per batch on
@@ -98,12 +93,6 @@ _STATUS_BY_CODE = {PermissionDenied.code: "403"}
 #: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
 #: batches of many rows stay on the thread. A size not measured yet runs on the thread.
 INLINE_FORWARD_MS = 15.0
-
-
-def _error_of(e: BaseException) -> InferError:
-    if isinstance(e, JoyNexusError):  # clipped: hostile strings are not echoed back
-        return InferError(code=e.code, message=metrics.clip(e, 600))
-    return InferError(code="error", message="internal error (see the inference engine's log)")
 
 
 class InferenceEngine:
@@ -171,14 +160,19 @@ class InferenceEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._batch_ids = itertools.count(1)
         self._batch_ids_served = itertools.count(1)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._service: Any = None
         self._own_quotas = quotas is None
         self.quotas = quotas or QuotaBook(broker)
-        self.rpc = Responder(
-            broker, "inference", limit=lambda t: self.quotas.get(t).max_requests_in_flight
+        # Replies are msgpack; an error is an InferError (its message clipped).
+        self.rpc = Server(
+            broker,
+            "inference",
+            error_reply=lambda code, message: InferError(code=code, message=message),
+            encode=encode_msgpack,
+            internal="internal error (reference {ref} in the inference engine's log)",
+            limit=lambda t: self.quotas.get(t).max_requests_in_flight,
         )
         # Request (by id) -> the tenant it was counted against; released when answered.
         self._admitted: dict[int, str] = {}
@@ -270,9 +264,6 @@ class InferenceEngine:
             with contextlib.suppress(Exception):
                 await self._service.stop()
             self._service = None
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -297,11 +288,6 @@ class InferenceEngine:
             )
 
     # ------------------------------------------------------------ requests
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _begin(self) -> None:
         self._inflight += 1
         self._idle.clear()
@@ -343,11 +329,11 @@ class InferenceEngine:
             span.set_attribute("joynexus.tenant", req.tenant_id)
             lp = self.cache.lookup(req.tenant_id, req.policy_key, req.policy_version)
             if lp is None:
-                self._spawn(self._admit_later(request, req, span, received))
+                self.rpc.spawn(self._admit_later(request, req, span, received))
                 return
             self._admit(request, req, lp, span, received)
         except Exception as e:
-            self._spawn(self._reply_error(request, e, span))
+            self.rpc.spawn(self._reply_error(request, e, span))
 
     def _check_tenant(self, subject: str, req: InferRequest) -> None:
         """The tenant is the subject's last token (the broker fences who may publish
@@ -357,7 +343,7 @@ class InferenceEngine:
         if claim is None:
             return
         tenant, reason = claim
-        self._spawn(
+        self.rpc.spawn(
             metrics.security(
                 self.b,
                 tenant,
@@ -390,13 +376,11 @@ class InferenceEngine:
         self._wake.set()
 
     async def _reply_error(self, request: Request, e: BaseException, span: Any) -> None:
-        err = _error_of(e)
-        if err.code == "error":
-            log.error("engine %s: request failed: %r", self.instance, e)
+        code, message = self.rpc.error_of(e)  # a bug is logged there, with a reference
         self.stats.errors += 1
-        span.set_attribute("joynexus.error", err.code)
+        span.set_attribute("joynexus.error", code)
         try:
-            await self._respond(request, err, span)
+            await self._respond(request, InferError(code=code, message=message), span)
         finally:
             span.end()
             self._end()
@@ -407,12 +391,9 @@ class InferenceEngine:
             with trace.use_span(span, end_on_exit=False):
                 tracing.inject(headers)
         if isinstance(reply, InferError):
-            headers[hdr.SERVICE_ERROR] = reply.message[:200]
-            headers[hdr.SERVICE_ERROR_CODE] = _STATUS_BY_CODE.get(reply.code, "400")
+            error_headers(reply.code, reply.message, headers)
         try:
-            await request.respond(encode_msgpack(reply), headers=headers or None)
-        except Exception as e:  # the caller is gone or the connection dropped
-            log.warning("engine %s: reply not sent: %s", self.instance, e)
+            await self.rpc.send(request, encode_msgpack(reply), headers)
         finally:
             tenant = self._admitted.pop(id(request), None)
             if tenant is not None:
