@@ -19,6 +19,10 @@
   has a connection of its own, as a tenant's SDK does; ``rr_overhead.same_connection_*``
   is the same with the client on the engine's connection, in the same rounds, and
   ``rr_overhead.inline_fraction`` the share of batches the engine ran on its loop.
+  ``rr_overhead_fastpath_p50_ms`` (``rr_overhead.fastpath_*``): the same request in
+  the same rounds with :class:`joynexus.broker.fastpath.FastPath` on both sides
+  (the client's request and the engine's reply), and ``fastpath_minus_rr_p50_ms``
+  the paired difference against ``rr`` with its interval.
 - ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
   (same load shape), next to the 7 extra heads' weight bytes.
 
@@ -43,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -176,6 +180,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     from joynexus.agents.models.features import canonicalize_request
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
+    from joynexus.ops.bench_rr import FastBroker, FastRespondSwitch
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
     schema = _schema(bb.config.base_model)
@@ -186,6 +191,8 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     own = await Broker.connect(b.url, name="bench-infer-solo-client", namespace=b.names.namespace)
     client = InferenceClient(own, base_model=bb.config.base_model)
     shared = InferenceClient(b, base_model=bb.config.base_model)
+    fast = InferenceClient(cast(Broker, FastBroker(own)), base_model=bb.config.base_model)
+    switch = FastRespondSwitch()  # the engine answers through a FastPath while on
     obs = _obs(0)
 
     def inproc() -> None:
@@ -202,18 +209,28 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def remote_shared() -> None:
         await shared.request("solo", schema=schema, **obs)
 
+    async def remote_fast() -> None:
+        switch.active = True
+        try:
+            await fast.request("solo", schema=schema, **obs)
+        finally:
+            switch.active = False
+
     try:
-        # In-process and request-reply alternate (ABC CBA ...), three warm-up rounds dropped.
+        # In-process and request-reply alternate (ABCD DCBA ...), three warm-up rounds dropped.
         ts = await benchstats.interleaved_async(
-            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared},
+            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared, "rr_fastpath": remote_fast},
             repeats=repeats,
             warmup=3,
         )
     finally:
+        switch.restore()
         await engine.stop()
         await own.close()
     diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
     sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
+    fdiff, flo, fhi = benchstats.difference_ci(ts["rr_fastpath"], ts["inproc"])
+    gain, glo, ghi = benchstats.difference_ci(ts["rr_fastpath"], ts["rr"])
     st = engine.stats
     return {
         "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
@@ -222,6 +239,11 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
         "same_connection_overhead_p50_ms": round(sdiff, 3),
         "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
+        "fastpath_rr_p50_ms": round(_pct(ts["rr_fastpath"], 50), 3),
+        "fastpath_overhead_p50_ms": round(fdiff, 3),
+        "fastpath_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
+        "fastpath_minus_rr_p50_ms": round(gain, 3),
+        "fastpath_minus_rr_p50_ci95": [round(glo, 3), round(ghi, 3)],
         # batches whose forward ran on the engine's event loop (short: no thread hop)
         "inline_fraction": round(st.inline_batches / max(st.batches, 1), 3),
         "repeats": repeats,
@@ -363,6 +385,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             "rr_by_load": per_level,
             "c1_vs_inproc": c1,
             "rr_overhead_p50_ms": overhead["rr_overhead_p50_ms"],
+            "rr_overhead_fastpath_p50_ms": overhead["fastpath_overhead_p50_ms"],
             "rr_overhead": overhead,
             "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
             "rss_mb": {

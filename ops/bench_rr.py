@@ -40,7 +40,7 @@ from typing import Any, cast
 
 from joynexus.ops import benchstats
 
-__all__ = ["bench_rr", "main"]
+__all__ = ["FastBroker", "FastRespondSwitch", "bench_rr", "main"]
 
 ECHO_SUBJECT = "bench.rr.echo"
 HOLD_S = 0.006
@@ -211,7 +211,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- engine
 
 
-class _FastNC:
+class FastNC:
     """A nats-py connection whose ``request`` takes the fast path (the rest is the connection's)."""
 
     def __init__(self, nc: Any) -> None:
@@ -224,15 +224,47 @@ class _FastNC:
         return getattr(self._nc, name)
 
 
-class _FastBroker:
+class FastBroker:
     """A Broker whose ``nc.request`` is the fast path: InferenceClient, unchanged, over it."""
 
     def __init__(self, b: Any) -> None:
         self._b = b
-        self.nc = _FastNC(b.nc)
+        self.nc = FastNC(b.nc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._b, name)
+
+
+class FastRespondSwitch:
+    """While ``active``, nats.micro's ``Request.respond`` (how engines answer) goes
+    through a FastPath on the request's connection; a benchmark's switch, in the
+    process that uses it only, undone by ``restore``."""
+
+    def __init__(self) -> None:
+        from nats.micro.request import Request
+
+        from joynexus.broker.fastpath import FastPath
+
+        self.active = False
+        self._cls = Request
+        self._orig = Request.respond
+        paths: dict[int, FastPath] = {}
+        orig, switch = self._orig, self
+
+        async def respond(req: Any, data: bytes = b"", headers: dict[str, str] | None = None) -> None:
+            if not switch.active:
+                await orig(req, data, headers=headers)
+                return
+            nc = req._msg._client
+            fp = paths.get(id(nc))
+            if fp is None or fp.nc is not nc:
+                fp = paths[id(nc)] = FastPath(nc)
+            await fp.respond(req, data, headers=headers)
+
+        Request.respond = respond  # type: ignore[method-assign]
+
+    def restore(self) -> None:
+        self._cls.respond = self._orig  # type: ignore[method-assign]
 
 
 def _serve_engine(url: str, namespace: str, threads: int) -> None:
@@ -240,20 +272,7 @@ def _serve_engine(url: str, namespace: str, threads: int) -> None:
     ``$JOYNEXUS_BENCH_RR_FASTPATH`` set, nats.micro's ``Request.respond`` answers
     through a FastPath on the request's connection (this process only)."""
     if os.environ.get(_FAST_ENV):
-        from nats.micro.request import Request
-
-        from joynexus.broker.fastpath import FastPath
-
-        paths: dict[int, FastPath] = {}
-
-        async def respond(self: Any, data: bytes = b"", headers: dict[str, str] | None = None) -> None:
-            nc = self._msg._client
-            fp = paths.get(id(nc))
-            if fp is None:
-                fp = paths[id(nc)] = FastPath(nc)
-            await fp.respond(self, data, headers=headers)
-
-        Request.respond = respond  # type: ignore[method-assign]
+        FastRespondSwitch().active = True
     from joynexus.ops.bench_inference import _serve
 
     _serve(url, namespace, "tiny", 1, 0.0, threads)
@@ -298,7 +317,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
             await _wait_engine(brokers[arm], procs[arm])
         clients = {
             arm: InferenceClient(
-                cast(Broker, _FastBroker(brokers[arm])) if ENGINE_ARMS[arm][2] else brokers[arm],
+                cast(Broker, FastBroker(brokers[arm])) if ENGINE_ARMS[arm][2] else brokers[arm],
                 base_model="qwen2.5-vl-tiny",
             )
             for arm in arms
