@@ -15,12 +15,16 @@ from joynexus.ops.cli import build_parser
 JNX = [sys.executable, "-m", "joynexus.ops.cli"]
 
 
-def nats_servers() -> set[int]:
+def nats_servers(under: Path) -> set[int]:
+    """The nats-server processes whose command line names a path below ``under``
+    (other test sessions' servers on the machine come and go meanwhile)."""
     out = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "nats-server":
+                if Path(f"/proc/{pid}/comm").read_text().strip() != "nats-server":
+                    continue
+                if str(under) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                     out.add(int(pid))
             except OSError:
                 pass
@@ -61,9 +65,11 @@ def test_the_installed_command_prints_help() -> None:
     assert r.returncode == 0 and "usage: joynexus" in r.stdout and "demo" in r.stdout
 
 
-def test_demo_runs_and_reports_every_job_terminal() -> None:
-    before = nats_servers()
-    r = run("demo", "--synthetic", "--seconds", "3", "--json", timeout=120)
+def test_demo_runs_and_reports_every_job_terminal(tmp_path: Path) -> None:
+    r = run(
+        "demo", "--synthetic", "--seconds", "3", "--json", "--data-dir", str(tmp_path),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["tq_bytes_left"] == 0
@@ -73,7 +79,8 @@ def test_demo_runs_and_reports_every_job_terminal() -> None:
         assert not {k for k in t if k not in ("task", "version", "completed", "dropped", "failed")}
     assert summary["tenants"]["acme"]["version"] == summary["tenants"]["acme"]["completed"]
     assert summary["example_trail"][0].startswith("reserved")
-    assert nats_servers() == before  # the embedded server is gone
+    assert (tmp_path / "nats-server.conf").exists()  # the server was started with this store
+    assert not nats_servers(tmp_path)  # the embedded server is gone
 
 
 def test_bench_scheduler_prints_the_figures() -> None:
