@@ -261,7 +261,7 @@ class FastRespondSwitch:
                 fp = paths[id(nc)] = FastPath(nc)
             await fp.respond(req, data, headers=headers)
 
-        Request.respond = respond  # type: ignore[method-assign]
+        Request.respond = respond  # type: ignore[method-assign,assignment]
 
     def restore(self) -> None:
         self._cls.respond = self._orig  # type: ignore[method-assign]

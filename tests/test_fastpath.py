@@ -25,6 +25,14 @@ def _subj(what: str) -> str:
     return f"fp.{what}.{uuid.uuid4().hex[:8]}"
 
 
+async def _settled(c: Any) -> None:
+    """Until the server has ``c``'s subscriptions: nats-py's flush() writes its PING
+    ahead of commands still in its buffer, so one PONG does not prove a SUB arrived;
+    the second PING goes out after the buffer."""
+    await c.flush()
+    await c.flush()
+
+
 @pytest.fixture
 async def nc(nats_server: EmbeddedNats) -> AsyncIterator[Any]:
     c = await nats.connect(nats_server.url, name="test-fastpath")
@@ -55,7 +63,7 @@ async def _echo(responder: Any, subject: str, *, delay: bool = False) -> None:
         t.add_done_callback(tasks.discard)
 
     await responder.subscribe(subject, cb=spawn)
-    await responder.flush()
+    await _settled(responder)
 
 
 async def test_payload_and_headers_as_nc_request(nc: Any, responder: Any) -> None:
@@ -106,7 +114,7 @@ async def test_no_responders_and_timeout_raise_as_nc_request(nc: Any, responder:
         pass
 
     await responder.subscribe(silent, cb=ignore)
-    await responder.flush()
+    await _settled(responder)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(errors.TimeoutError) as info:
@@ -135,7 +143,7 @@ async def test_respond_answers_micro_and_plain_requests(nc: Any, responder: Any)
         await fp_resp.respond(msg, b"plain:" + msg.data)
 
     await responder.subscribe(plain, cb=plain_cb)
-    await responder.flush()
+    await _settled(responder)
     m = await nc.request(f"{name}.up", b"abc", timeout=5, headers={"Ignored": "1"})
     assert m.data == b"ABC" and m.headers == {"Served-By": "fast"}
     m2 = await FastPath(nc).request(plain, b"x", timeout=5)
@@ -158,7 +166,7 @@ async def test_order_kept_behind_nats_py_pending_publishes(nc: Any, responder: A
             done.set()
 
     await responder.subscribe(subject, cb=collect)
-    await responder.flush()
+    await _settled(responder)
     fp = FastPath(nc)
     rng = random.Random(7)
     sent: list[bytes] = []
