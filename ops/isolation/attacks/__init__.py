@@ -1,0 +1,70 @@
+"""The attack catalogue: one module per family, and their order.
+
+Each attack runs as tenant ``acme`` against ``bolt`` and checks its own effect
+precisely where it would show (the job stream was not purged, bolt's record
+still decodes, the consumer count stayed bounded...); :data:`CATALOGUE` names
+each by the class of the issue it belongs to. The adversarial suite
+(``tests/test_adversarial.py``) and ``joynexus bench isolation`` both run this
+list. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
+"""
+
+from __future__ import annotations
+
+from joynexus.ops.isolation.attacks.data import (
+    attack_foreign_dataset,
+    attack_nan_batch,
+    attack_nan_in_step,
+)
+from joynexus.ops.isolation.attacks.floods import attack_long_strings, attack_request_flood
+from joynexus.ops.isolation.attacks.identities import (
+    attack_bad_identity_record,
+    attack_failed_logins,
+)
+from joynexus.ops.isolation.attacks.inputs import (
+    HOSTILE_BODIES,
+    attack_hostile_bodies,
+    attack_non_finite_wait,
+)
+from joynexus.ops.isolation.attacks.quotas import attack_quotas
+from joynexus.ops.isolation.attacks.subjects import (
+    attack_reply_subject,
+    attack_service_reads_admin_inbox,
+)
+from joynexus.ops.isolation.kit import Attack
+
+CATALOGUE: list[Attack] = [
+    Attack("request_flood", attack_request_flood, "3: per-call server resources", 120),
+    Attack("nan_batch", attack_nan_batch, "4: a bad batch takes the actor down", 60),
+    Attack("nan_in_step", attack_nan_in_step, "4: a bad batch takes the actor down", 60,
+           in_process=True),
+    Attack("foreign_dataset", attack_foreign_dataset, "5: reads other tenants' files", 90),
+    Attack("quotas", attack_quotas, "6: no quotas, no operator bounds", 150),
+    Attack("long_strings", attack_long_strings, "7: unbounded strings", 60),
+    Attack("failed_logins", attack_failed_logins, "7: failed logins filed as the victim's", 60),
+    Attack("service_reads_admin_inbox", attack_service_reads_admin_inbox,
+           "7: the service reads the operator's replies", 30),
+    Attack("non_finite_wait", attack_non_finite_wait, "7: a non-finite wait_s parks", 60),
+    Attack("hostile_bodies", attack_hostile_bodies, "7: internal errors on hostile input", 60),
+    Attack("bad_identity_record", attack_bad_identity_record, "2: revocation stops silently", 60),
+    # Last: when it does not hold it purges the job log and deletes streams.
+    Attack("reply_subject", attack_reply_subject, "1: replies to any subject", 60),
+]
+BY_NAME = {a.name: a for a in CATALOGUE}
+
+__all__ = [
+    "BY_NAME",
+    "CATALOGUE",
+    "HOSTILE_BODIES",
+    "attack_bad_identity_record",
+    "attack_failed_logins",
+    "attack_foreign_dataset",
+    "attack_hostile_bodies",
+    "attack_long_strings",
+    "attack_nan_batch",
+    "attack_nan_in_step",
+    "attack_non_finite_wait",
+    "attack_quotas",
+    "attack_reply_subject",
+    "attack_request_flood",
+    "attack_service_reads_admin_inbox",
+]

@@ -1,0 +1,158 @@
+"""Attacks past the bounds: priority, in-flight jobs, episodes, horizon, inference size, queue bytes.
+
+Every number a tenant sets is bounded by its operator-set quota, and a refusal
+comes quickly; the victim's own work goes on meanwhile. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from joynexus.ops.isolation.deployment import (
+    VICTIM_WORKLOAD,
+    Deployment,
+    MiB,
+    sft_batch,
+)
+from joynexus.ops.isolation.kit import (
+    AttackResult,
+    Checks,
+    _cancel,
+    _short,
+    api_raw,
+    infer_raw,
+    infer_request,
+    refused,
+)
+from joynexus.schemas.errors import JoyNexusError
+from joynexus.schemas.workloads import (
+    CloseJob,
+    OpenJob,
+    PutData,
+)
+
+
+# -- 6. quotas and operator bounds ---------------------------------------------------
+async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+    """Training Queue bytes, priority, max_in_flight, episodes, action_horizon,
+    inference rows and instruction size: past every bound, refused quickly."""
+    from joynexus.schemas.inference import InferError, TensorBytes
+    from joynexus.schemas.quotas import PRIORITY_CLASSES
+
+    ck = Checks()
+    client = await dep.client(attacker)
+    ds = await dep.dataset(attacker)
+    base = {"task_type": "sft", "dataset": ds, "source": "tenant", "action_horizon": 2}
+    quota_codes = ("quota_exceeded", "invalid_spec")
+
+    async def create(name: str, **over: Any) -> Any:
+        spec = {"name": name, **base, **over}
+        return await api_raw(client, "create_workload", {"spec": spec})
+
+    # priority: not the tenant's to set (refused, or replaced by its class's value)
+    try:
+        await create("q-prio", scheduling={"priority": 10**18})
+        pol = [p for p in (await _sched_snapshot(dep)).policies
+               if p.tenant_id == attacker and p.task_type == "sft"]
+        want = PRIORITY_CLASSES["standard"]
+        ck.add("priority 10**18 not honoured", bool(pol) and pol[0].priority == want,
+               f"effective {pol[0].priority if pol else '?'} (class value {want})")
+    except JoyNexusError as e:
+        ck.add("priority 10**18 not honoured", e.code in quota_codes, _short(e, 100))
+    await _cancel(client, "q-prio")
+    for what, name, over, mention in (
+        ("max_in_flight=10**9", "q-inflight", {"scheduling": {"max_in_flight": 10**9}},
+         "max_in_flight"),
+        ("action_horizon=250000", "q-horizon", {"action_horizon": 250_000}, "action_horizon"),
+    ):
+        ok, note = await refused(create(name, **over), quota_codes, mention=mention,
+                                 within_s=5.0)
+        ck.add(f"{what} refused", ok, note)
+        await _cancel(client, name)
+    # evaluation episodes (of a policy acme owns)
+    await create("q-base")
+    await _cancel(client, "q-base")
+    ok, note = await refused(api_raw(client, "create_workload", {"spec": {
+        "name": "q-eval", "task_type": "eval", "env": "PickCube-v1",
+        "init_from_workload": "q-base", "init_from": 1, "episodes": 10**9}}),
+        quota_codes, mention="episodes", within_s=20.0)
+    ck.add("episodes=10**9 refused", ok, note)
+    await _cancel(client, "q-eval")
+    # inference: rows and instruction bytes per request
+    rec = (await create("q-infer")).workload
+    row_bytes = 3 * 64 * 64 + 12 * 4
+    rows = min(10_000, int(client._b.max_payload * 0.9) // row_bytes)
+    for what, payload in (
+        (f"inference with {rows} rows", infer_request(attacker, "q-infer",
+                                                      rec.schema_signature, rows)),
+        ("instruction near max_payload", infer_request(
+            attacker, "q-infer", rec.schema_signature, 1,
+            instruction="a" * (client._b.max_payload - 64 * 1024))),
+    ):
+        t0 = time.perf_counter()
+        try:
+            got = await asyncio.gather(*(infer_raw(client, payload, timeout_s=10)
+                                         for _ in range(3)))
+            took = time.perf_counter() - t0
+            errs = [g for g in got if isinstance(g, InferError)]
+            ok = len(errs) == 3 and all(g.code in ("quota_exceeded", "invalid_spec",
+                                                   "payload_too_large") for g in errs)
+            ck.add(f"{what} refused", ok and took < 5.0,
+                   f"{[g.code if isinstance(g, InferError) else 'served' for g in got]}"
+                   f" in {took:.2f}s")
+        except Exception as e:
+            ck.add(f"{what} refused", False, _short(e))
+    await _cancel(client, "q-infer")
+    # Training Queue bytes: open jobs (as many as admission lets in flight) and fill
+    # them until the quota says no.
+    await create("q-tq", scheduling={"max_in_flight": 16})
+    quota = int(dep.quotas.get(attacker, {}).get("tq_bytes", 256 * MiB))
+    pushed, opened, stop_reason = 0, [], ""
+    chunk = sft_batch(480, 3)
+    fields = {k: TensorBytes.from_array(v) for k, v in chunk.items()}
+    chunk_bytes = sum(v.nbytes for v in chunk.values())
+    t0 = time.perf_counter()
+    try:
+        while pushed <= quota + 4 * chunk_bytes and time.perf_counter() - t0 < 90:
+            try:
+                r = await client._api("open_job", OpenJob(workload="q-tq", sample_count=480))
+            except JoyNexusError as e:
+                stop_reason = f"open_job: {_short(e, 100)}"
+                break
+            if r.job is None:
+                stop_reason = f"open_job refused by admission: {r.refused[:80]}"
+                break
+            opened.append(r.job.job_id)
+            try:
+                await client._api("put_data", PutData(job_id=r.job.job_id, fields=fields),
+                                  binary=True)
+                pushed += chunk_bytes
+            except JoyNexusError as e:
+                stop_reason = f"put_data: {_short(e, 100)}"
+                break
+        ck.add("TQ bytes past the quota refused", "quota_exceeded" in stop_reason,
+               f"pushed {pushed / MiB:.0f} MiB (quota {quota / MiB:.0f} MiB); "
+               f"{stop_reason or 'never refused'}")
+        vclient = await dep.client(victim)
+        try:
+            await asyncio.wait_for(vclient.submit_sft_batch(VICTIM_WORKLOAD, sft_batch(4, 77)),
+                                   30)
+            ck.add("bolt's submit succeeds meanwhile", True)
+        except Exception as e:
+            ck.add("bolt's submit succeeds meanwhile", False, _short(e))
+    finally:
+        for job_id in opened:
+            with contextlib.suppress(Exception):
+                await client._api("abort_job", CloseJob(job_id=job_id, reason="quota attack"))
+        await _cancel(client, "q-tq")
+    return ck.result()
+
+
+async def _sched_snapshot(dep: Deployment) -> Any:
+    from joynexus.agents.scheduler_client import SchedulerClient
+
+    b = dep.service or dep.admin
+    return await SchedulerClient(b, by="iso").snapshot()

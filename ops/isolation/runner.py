@@ -1,0 +1,117 @@
+"""One attack, measured: a baseline window of the victim, then the attack with the victim probed.
+
+The victim is fine when its calls all succeeded, its training advanced, no
+security event was filed under it, and its p99 during the attack was within
+:data:`P99_RATIO_BOUND` times its baseline's or under :data:`P99_ABS_BOUND_S`
+(generous: a 2-core machine is noisy). :func:`prepare` issues the tenants and
+trains the victim once. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from joynexus.ops.isolation.deployment import (
+    ATTACKER,
+    ATTACKER_TQ_BYTES,
+    Deployment,
+)
+from joynexus.ops.isolation.kit import (
+    Attack,
+    AttackResult,
+)
+from joynexus.ops.isolation.victim import Stats, Victim
+
+log = logging.getLogger(__name__)
+
+
+#: The victim is within bound when its p99 during an attack is at most this many
+#: times its baseline p99, or at most this many seconds.
+P99_RATIO_BOUND = 5.0
+P99_ABS_BOUND_S = 1.5
+
+
+@dataclass
+class Outcome:
+    name: str
+    klass: str
+    held: bool
+    detail: str
+    baseline: Stats
+    during: Stats
+    progressed: bool
+    seconds: float
+    victim_events: int = 0
+
+    @property
+    def p50_ratio(self) -> float:
+        return round(self.during.p50 / self.baseline.p50, 2) if self.baseline.p50 else 0.0
+
+    @property
+    def p99_ratio(self) -> float:
+        return round(self.during.p99 / self.baseline.p99, 2) if self.baseline.p99 else 0.0
+
+    @property
+    def within_bound(self) -> bool:
+        return self.during.p99 <= max(P99_RATIO_BOUND * self.baseline.p99, P99_ABS_BOUND_S)
+
+    @property
+    def victim_ok(self) -> bool:
+        return (self.progressed and self.within_bound and not self.during.errors
+                and not self.victim_events)
+
+    def victim_detail(self) -> str:
+        return (f"victim: baseline {self.baseline.brief()}, during {self.during.brief()}, "
+                f"p99 ratio {self.p99_ratio} (bound {P99_RATIO_BOUND}x or "
+                f"{P99_ABS_BOUND_S}s), progressed={self.progressed}, "
+                f"security events under it {self.victim_events}, "
+                f"errors {self.during.errors[:3]}")
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "class": self.klass, "held": self.held,
+            "victim_ok": self.victim_ok,
+            "victim_p50_ratio": self.p50_ratio, "victim_p99_ratio": self.p99_ratio,
+            "victim_p99_ms": round(self.during.p99 * 1000, 1),
+            "baseline_p99_ms": round(self.baseline.p99 * 1000, 1),
+            "victim_errors": len(self.during.errors),
+            "victim_error_sample": self.during.errors[:3],
+            "victim_progressed": self.progressed, "seconds": self.seconds,
+            "detail": self.detail,
+        }
+
+
+async def run_attack(
+    dep: Deployment, victim: Victim, attack: Attack, *, attacker: str = ATTACKER,
+    baseline_s: float = 2.0,
+) -> Outcome:
+    """A baseline window of the victim, then the attack with the victim probed."""
+    base = await victim.baseline(baseline_s)
+    seq0 = await dep.metrics_seq()
+
+    async def go() -> AttackResult:
+        try:
+            return await asyncio.wait_for(attack.run(dep, attacker, victim.tenant),
+                                          attack.timeout_s)
+        except TimeoutError:
+            return AttackResult(False, f"the attack did not finish within {attack.timeout_s}s")
+        except Exception as e:
+            log.exception("attack %s raised", attack.name)
+            return AttackResult(False, f"the attack raised {type(e).__name__}: {str(e)[:300]}")
+
+    result, during, progressed, took = await victim.during(go())
+    victim_events = len(await dep.security_events(victim.tenant, seq0))
+    return Outcome(attack.name, attack.klass, result.held, result.detail, base, during,
+                   progressed, took, victim_events)
+
+
+async def prepare(dep: Deployment) -> Victim:
+    """The tenants (the attacker with an operator-set Training Queue quota) and the
+    victim's workload trained once."""
+    await dep.issue(ATTACKER, tq_bytes=ATTACKER_TQ_BYTES)
+    victim = Victim(dep)
+    await victim.start()
+    return victim
