@@ -37,7 +37,7 @@ from nats import errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-__all__ = ["SUPPORTED_NATS", "FastPath", "unsupported_reason"]
+__all__ = ["SUPPORTED_NATS", "FastPath", "settle", "unsupported_reason"]
 
 #: nats-py versions whose internals this module was checked against: [low, high).
 SUPPORTED_NATS = ((2, 10), (2, 17))
@@ -74,6 +74,18 @@ def unsupported_reason(nc: Any, version: str | None = None) -> str | None:
     if missing:
         return "nats-py lacks " + ", ".join(missing)
     return None
+
+
+async def settle(nc: Any, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - as nc.flush's
+    """Until the server has processed every command ``nc`` was given before this call.
+
+    ``nc.flush()`` alone does not promise that on nats-py 2.16: its PING is written
+    to the socket at once, ahead of commands still in nats-py's buffer (a SUB just
+    made, say), so its PONG can come back before the server saw them (measured: 26-33
+    of 400 requests right after ``subscribe`` + one ``flush`` found no responders).
+    The first flush's wait lets the buffer go out; the second PING follows it."""
+    await nc.flush(timeout)
+    await nc.flush(timeout)
 
 
 class _Sink:

@@ -17,7 +17,7 @@ from nats import errors
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from joynexus.broker.fastpath import SUPPORTED_NATS, FastPath, unsupported_reason
+from joynexus.broker.fastpath import SUPPORTED_NATS, FastPath, settle, unsupported_reason
 from joynexus.ops.natsserver import EmbeddedNats
 
 
@@ -26,11 +26,8 @@ def _subj(what: str) -> str:
 
 
 async def _settled(c: Any) -> None:
-    """Until the server has ``c``'s subscriptions: nats-py's flush() writes its PING
-    ahead of commands still in its buffer, so one PONG does not prove a SUB arrived;
-    the second PING goes out after the buffer."""
-    await c.flush()
-    await c.flush()
+    """Until the server has ``c``'s subscriptions (one flush() does not promise it)."""
+    await settle(c)
 
 
 @pytest.fixture
@@ -287,3 +284,15 @@ async def test_reconnect_falls_back_then_takes_the_fast_path_again(
     finally:
         await c.close()
         await proxy.cut()
+
+
+async def test_settle_waits_for_a_subscription_just_made(nc: Any, responder: Any) -> None:
+    async def answer(msg: Any) -> None:
+        await responder.publish(msg.reply, b"ok")
+
+    for _ in range(150):  # subscribe, settle, ask at once from another connection
+        subject = _subj("settle")
+        sub = await responder.subscribe(subject, cb=answer)
+        await settle(responder)
+        assert (await nc.request(subject, b"", timeout=5)).data == b"ok"
+        await sub.unsubscribe()
