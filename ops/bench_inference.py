@@ -22,7 +22,10 @@
   ``rr_overhead_fastpath_p50_ms`` (``rr_overhead.fastpath_*``): the same request in
   the same rounds with :class:`joynexus.broker.fastpath.FastPath` on both sides
   (the client's request and the engine's reply), and ``fastpath_minus_rr_p50_ms``
-  the paired difference against ``rr`` with its interval.
+  the paired difference against ``rr`` with its interval. ``rr_overhead.<arm>_outside_engine_*``
+  (round trip - the engine's receipt-to-reply time) and ``<arm>_engine_plumbing_*``
+  (receipt-to-reply - forward - head) split the overhead into parts the forward's own
+  variance does not blur.
 - ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
   (same load shape), next to the 7 extra heads' weight bytes.
 
@@ -203,8 +206,14 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def local() -> None:
         inproc()
 
+    # the engine's own receipt-to-reply time and forward+head time of every reply
+    engine_ms: dict[str, list[tuple[float, float]]] = {"rr": [], "rr_fastpath": []}
+
+    def note(arm: str, r: Any) -> None:
+        engine_ms[arm].append((r.timings.total_ms, r.timings.forward_ms + r.timings.decode_ms))
+
     async def remote() -> None:
-        await client.request("solo", schema=schema, **obs)
+        note("rr", await client.request("solo", schema=schema, **obs))
 
     async def remote_shared() -> None:
         await shared.request("solo", schema=schema, **obs)
@@ -212,7 +221,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def remote_fast() -> None:
         switch.active = True
         try:
-            await fast.request("solo", schema=schema, **obs)
+            note("rr_fastpath", await fast.request("solo", schema=schema, **obs))
         finally:
             switch.active = False
 
@@ -231,6 +240,18 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
     fdiff, flo, fhi = benchstats.difference_ci(ts["rr_fastpath"], ts["inproc"])
     gain, glo, ghi = benchstats.difference_ci(ts["rr_fastpath"], ts["rr"])
+    # Low-noise parts of the overhead (the forward's own variance cancels): the round
+    # trip outside the engine (both NATS legs, the client's codec, the handler before
+    # receipt) and the engine's plumbing around the forward (receipt to reply - forward - head).
+    parts: dict[str, Any] = {}
+    for arm, pairs in engine_ms.items():
+        counted = pairs[len(pairs) - len(ts[arm]):]  # warm-up rounds dropped
+        outside = [rt - tot for rt, (tot, _) in zip(ts[arm], counted, strict=True)]
+        plumbing = [tot - fwd for tot, fwd in counted]
+        for key, xs in (("outside_engine", outside), ("engine_plumbing", plumbing)):
+            med, p_lo, p_hi = benchstats.median_ci(xs)
+            parts[f"{arm}_{key}_p50_ms"] = round(med, 3)
+            parts[f"{arm}_{key}_p50_ci95"] = [round(p_lo, 3), round(p_hi, 3)]
     st = engine.stats
     return {
         "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
@@ -244,6 +265,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "fastpath_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
         "fastpath_minus_rr_p50_ms": round(gain, 3),
         "fastpath_minus_rr_p50_ci95": [round(glo, 3), round(ghi, 3)],
+        **parts,
         # batches whose forward ran on the engine's event loop (short: no thread hop)
         "inline_fraction": round(st.inline_batches / max(st.batches, 1), 3),
         "repeats": repeats,
