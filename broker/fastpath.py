@@ -16,7 +16,7 @@ semantics and skips them:
   whose messages resolve the waiting future from the read loop itself, and a
   timer instead of ``wait_for``.
 - **fallback**: while the connection is not plainly connected (reconnecting,
-  draining, closed), or on a nats-py outside the tested range or without the
+  draining, closed), or on a nats-py outside the tested range (2.16.x) or without the
   private attributes used, every call is exactly ``nc.request`` /
   ``nc.publish``. ``FastPath.reason`` says why a connection has no fast path.
 
@@ -39,8 +39,8 @@ from nats.aio.msg import Msg
 
 __all__ = ["SUPPORTED_NATS", "FastPath", "settle", "unsupported_reason"]
 
-#: nats-py versions whose internals this module was checked against: [low, high).
-SUPPORTED_NATS = ((2, 10), (2, 17))
+#: nats-py versions whose internals this module was read and tested against: [low, high).
+SUPPORTED_NATS = ((2, 16), (2, 17))
 
 #: Private names of nats-py read here; a connection lacking any of them gets no fast path.
 _CLIENT_ATTRS = ("_pending", "_pending_data_size", "_max_payload", "_transport", "_status", "stats")
