@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from nats import errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-__all__ = ["SUPPORTED_NATS", "FastPath", "settle", "unsupported_reason"]
+__all__ = ["SUPPORTED_NATS", "FastPath", "FastResponder", "settle", "unsupported_reason"]
 
 #: nats-py versions whose internals this module was read and tested against: [low, high).
 SUPPORTED_NATS = ((2, 16), (2, 17))
@@ -283,3 +284,27 @@ class FastPath:
                 await sub.unsubscribe()
             except errors.Error:  # the connection went away meanwhile
                 pass
+
+
+class FastResponder:
+    """A server's raw answer ``(request, data, headers)`` (``rpc.Server(respond=)``)
+    that answers each request through a :class:`FastPath` of the connection it came
+    in on, as ``request.respond(data, headers=headers)`` does; a request without that
+    connection (``Msg._client``) is answered by its own ``respond``."""
+
+    def __init__(self) -> None:
+        self._paths: weakref.WeakKeyDictionary[Any, FastPath] = weakref.WeakKeyDictionary()
+
+    def path(self, nc: Any) -> FastPath:
+        fp = self._paths.get(nc)
+        if fp is None:
+            fp = self._paths[nc] = FastPath(nc)
+        return fp
+
+    async def __call__(self, request: Any, data: bytes, headers: dict[str, str] | None = None) -> None:
+        nc = getattr(getattr(request, "_msg", request), "_client", None)
+        if nc is None:
+            await request.respond(data, headers=headers)
+            return
+        await self.path(nc).respond(request, data, headers=headers)
+

@@ -17,8 +17,18 @@ from nats import errors
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from joynexus.broker.fastpath import SUPPORTED_NATS, FastPath, settle, unsupported_reason
+from joynexus.broker import rpc
+from joynexus.broker.connection import Broker
+from joynexus.broker.fastpath import (
+    SUPPORTED_NATS,
+    FastPath,
+    FastResponder,
+    settle,
+    unsupported_reason,
+)
 from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.schemas.base import Wire, encode
+from joynexus.schemas.errors import QuotaExceeded
 
 
 def _subj(what: str) -> str:
@@ -296,3 +306,71 @@ async def test_settle_waits_for_a_subscription_just_made(nc: Any, responder: Any
         await settle(responder)
         assert (await nc.request(subject, b"", timeout=5)).data == b"ok"
         await sub.unsubscribe()
+
+
+class _Ask(Wire, kw_only=True):
+    text: str
+    fail: bool = False
+
+
+class _Answer(Wire, kw_only=True, omit_defaults=True):
+    text: str = ""
+    error: Any = None
+
+
+async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
+    """rpc.plug(b, FastPath(b.nc).request) and rpc.Server(respond=FastResponder()):
+    the same answers and typed errors as nats-py's own request and respond."""
+    from joynexus.schemas.base import decode
+
+    respond = FastResponder()
+    server = rpc.Server(broker, "fp-echo", respond=respond, limit=lambda _t: 1000,
+                        error_reply=lambda code, message: _Answer(error={"code": code, "message": message}))
+    subject = broker.names.api("acme", "fpecho")
+
+    async def on_request(request: Any) -> None:
+        async def handle() -> _Answer:
+            req = decode(request.data, _Ask, what="ask")
+            if req.fail:
+                raise QuotaExceeded("over its bound")
+            return _Answer(text=req.text.upper())
+
+        server.serve(request, handle, span="fp-echo", tenant="acme")
+
+    nc = await server.connection()
+    svc = await add_service(nc, name=f"{broker.names.namespace}-fpecho", version="0.1.0")
+    await svc.add_endpoint(name="e", subject=subject, handler=on_request)
+    await settle(nc)
+
+    def decode_answer(data: bytes) -> str:
+        a = decode(data, _Answer, what="answer")
+        if a.error:
+            raise QuotaExceeded(a.error["message"])
+        return a.text
+
+    fp = FastPath(broker.nc)
+    rpc.plug(broker, fp.request)
+    try:
+        got = await asyncio.gather(*(rpc.call(broker, subject, encode(_Ask(text=f"t{i}")), decode_answer,
+                                              timeout_s=5) for i in range(50)))
+        assert got == [f"T{i}" for i in range(50)]
+        with pytest.raises(QuotaExceeded, match="over its bound"):
+            await rpc.call(broker, subject, encode(_Ask(text="x", fail=True)), decode_answer, timeout_s=5)
+        with pytest.raises(rpc.NoResponders):
+            await rpc.call(broker, broker.names.api("acme", "nobody"), b"", decode_answer, timeout_s=2)
+
+        async def ignore(_m: Any) -> None:
+            return None
+
+        silent = broker.names.api("acme", "silent")
+        sub = await broker.nc.subscribe(silent, cb=ignore)
+        await settle(broker.nc)
+        with pytest.raises(rpc.NoReply):
+            await rpc.call(broker, silent, b"", decode_answer, timeout_s=0.3)
+        await sub.unsubscribe()
+    finally:
+        rpc.plug(broker, None)
+        await svc.stop()
+        await server.stop()
+    assert fp.counts["fast_request"] == 53 and fp.counts["fallback_request"] == 0
+    assert respond.path(nc).counts["fast_publish"] == 51  # every answer, the error's too
