@@ -90,7 +90,10 @@ class ProducerAgent:
                     def make(cls: Any = cls, rec: WorkloadRecord = rec, ev: asyncio.Event = ev) -> Any:
                         return cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}").run(ev)
 
-                    self.running[key] = (asyncio.create_task(self._guard(make, key, ev)), ev)
+                    self.running[key] = (
+                        asyncio.create_task(self._guard(make, key, ev, record=rec)),
+                        ev,
+                    )
                 elif rec.state != "active" and key in self.running:
                     self.running[key][1].set()
         finally:
@@ -98,13 +101,18 @@ class ProducerAgent:
                 ev.set()
             await asyncio.gather(*(t for t, _ in self.running.values()), return_exceptions=True)
 
-    async def _guard(self, make: Any, key: str, stop: asyncio.Event) -> None:
+    async def _guard(
+        self, make: Any, key: str, stop: asyncio.Event, *, record: WorkloadRecord | None = None
+    ) -> None:
         """Run a workload's producer; one that crashes (the scheduler or NATS did not
         answer in time under load...) is started afresh while the workload is active,
         with backoff: it fails the job it left reserved and resumes from its cursor.
         (A producer that died here used to stay dead while its process kept beating, so
-        its workload's training stopped for good: the PickCube SFT stall of issue 12.)"""
+        its workload's training stopped for good: the PickCube SFT stall of issue 12.)
+        One that crashed and is not started again (the workload was cancelled or ended
+        meanwhile) has the jobs it left reserved or producing failed here instead."""
         delay = 1.0
+        crashed = False
         while not stop.is_set():
             try:
                 await make()
@@ -112,10 +120,35 @@ class ProducerAgent:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                crashed = True
                 log.exception("producer for %s crashed; starting it again in %.0f s", key, delay)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
             delay = min(delay * 2, 30.0)
+        if crashed and record is not None:
+            await self._fail_left(record)
+
+    async def _fail_left(self, rec: WorkloadRecord, *, tries: int = 5) -> None:
+        """Fail the jobs a crashed producer of ``rec`` left open (one producer per
+        workload: every reserved or producing job of it is that producer's)."""
+        from joynexus.agents.scheduler_client import SchedulerClient
+        from joynexus.schemas.errors import IllegalTransition, UnknownJob
+        from joynexus.schemas.jobs import JobState
+
+        sched = SchedulerClient(self.b, by=self.instance)
+        for i in range(tries):
+            try:
+                for job in await sched.list_jobs(
+                    rec.tenant_id,
+                    policy_key=rec.spec.name,
+                    states=[JobState.RESERVED, JobState.PRODUCING],
+                ):
+                    with contextlib.suppress(IllegalTransition, UnknownJob):
+                        await sched.fail(job.job_id, "producer crashed; its workload ended")
+                return
+            except JoyNexusError as e:
+                log.warning("%s: jobs of %s left open: %s", self.instance, rec.spec.name, e)
+                await asyncio.sleep(min(2.0**i, 10.0))
 
     def _reap(self) -> None:
         for key in [k for k, (t, _) in self.running.items() if t.done()]:
