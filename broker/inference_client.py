@@ -103,24 +103,25 @@ class InferenceClient:
         self, model: str, payload: bytes, tenant_id: str, wait_s: float,
         retry: rpc.RetryPolicy = rpc.ONCE,
     ) -> InferResult:
-        def unanswered(e: Unavailable) -> Unavailable:
-            if isinstance(e, rpc.NoResponders):
-                return Unavailable(
-                    f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
-                )
-            return Timeout(f"no inference reply for tenant {tenant_id!r} within {wait_s:g}s")
-
-        return await rpc.call(
-            self.b,
-            self.b.names.infer(model, tenant_id),
-            payload,
-            _result,
-            timeout_s=wait_s,
-            # no trace to carry (tracing off): no header block to write and parse
-            headers=tracing.inject() or None,
-            retry=retry,
-            unanswered=unanswered,
-        )
+        try:
+            return await rpc.call(
+                self.b,
+                self.b.names.infer(model, tenant_id),
+                payload,
+                _result,
+                timeout_s=wait_s,
+                # no trace to carry (tracing off): no header block to write and parse
+                headers=tracing.inject() or None,
+                retry=retry,
+            )
+        except rpc.NoResponders as e:  # worded here: no closure on the hot path
+            raise Unavailable(
+                f"no inference engine serves {model!r}; is `joynexus agent inference` running?"
+            ) from e.__cause__
+        except rpc.NoReply as e:
+            raise Timeout(
+                f"no inference reply for tenant {tenant_id!r} within {wait_s:g}s"
+            ) from e.__cause__
 
     async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
         """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""

@@ -142,15 +142,19 @@ def inference_policy(retry_for_s: float) -> RetryPolicy:
 
 
 _plugged: weakref.WeakKeyDictionary[Any, RawRequest] = weakref.WeakKeyDictionary()
+#: Whether any connection has a plugged request (the common case, none, costs one test).
+_any_plugged = False
 
 
 def plug(b: Broker, request: RawRequest | None) -> None:
     """Send every :func:`call` on ``b``'s connection with ``request`` (the signature
     of ``nc.request``) instead of nats-py's; None: back to nats-py's."""
+    global _any_plugged
     if request is None:
         _plugged.pop(b.nc, None)
     else:
         _plugged[b.nc] = request
+    _any_plugged = bool(_plugged)
 
 
 async def call(
@@ -172,7 +176,7 @@ async def call(
     which failures are asked again; ``unanswered`` words the error raised when
     no answer came (else the NoResponders / NoReply itself); ``on_retry(error,
     sleep_s)`` is told before each backoff."""
-    send = request or (_plugged.get(b.nc) if _plugged else None) or b.nc.request
+    send = request or (_plugged.get(b.nc) if _any_plugged else None) or b.nc.request
     deadline = 0.0
     if retry.deadline_s:
         deadline = asyncio.get_running_loop().time() + retry.deadline_s
@@ -460,11 +464,15 @@ class Server(Responder):
         """Respond; False (logged) when the answer could not be sent (the caller is
         gone, the connection dropped)."""
         try:
-            if self.respond is None:
-                await request.respond(data, headers=headers or None)
-            else:
-                await self.respond(request, data, headers or None)
+            await self.respond_to(request, data, headers)
             return True
         except Exception as e:
             log.warning("%s: reply not sent: %s", self.source, e)
             return False
+
+    def respond_to(self, request: Any, data: bytes, headers: dict[str, str] | None) -> Awaitable[Any]:
+        """The raw answer, to await (no coroutine of its own: the inference engine's
+        replies take this path, each microsecond counted); raises what it raises."""
+        if self.respond is None:
+            return request.respond(data, headers=headers or None)  # type: ignore[no-any-return]
+        return self.respond(request, data, headers or None)

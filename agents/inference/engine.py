@@ -393,7 +393,9 @@ class InferenceEngine:
         if isinstance(reply, InferError):
             error_headers(reply.code, reply.message, headers)
         try:
-            await self.rpc.send(request, encode_msgpack(reply), headers)
+            await self.rpc.respond_to(request, encode_msgpack(reply), headers)
+        except Exception as e:  # the caller is gone or the connection dropped
+            log.warning("engine %s: reply not sent: %s", self.instance, e)
         finally:
             tenant = self._admitted.pop(id(request), None)
             if tenant is not None:
