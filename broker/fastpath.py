@@ -7,10 +7,12 @@ subscription's queue -> that subscription's task -> the request's future ->
 the socket's own. :class:`FastPath` keeps the same wire protocol and the same
 semantics and skips them:
 
-- **publish**: when nothing is waiting in nats-py's pending buffer and the
-  socket's write buffer is empty, the PUB/HPUB bytes go straight to the
-  transport (the same bytes nats-py would write). Otherwise, so that order is
-  kept and backpressure applies, it is ``nc.publish``.
+- **publish**: when nothing is waiting in nats-py's pending buffer, the
+  socket's write buffer is empty and no other publish went straight out in this
+  turn of the event loop, the PUB/HPUB bytes go straight to the transport (the
+  same bytes nats-py would write). Otherwise it is ``nc.publish``: order is
+  kept, backpressure applies, and a burst (requests gathered, a batch's
+  replies) leaves in one write of nats-py's flusher, not one send a message.
 - **request**: one wildcard reply subscription per connection (``<inbox>.*``,
   under the connection's own inbox prefix, replayed by nats-py on reconnect)
   whose messages resolve the waiting future from the read loop itself, and a
@@ -130,6 +132,7 @@ class FastPath:
         self._starting: asyncio.Future[None] | None = None
         self._futures: dict[str, asyncio.Future[Msg]] = {}
         self._tokens = itertools.count(1)
+        self._burst = False
         if self.enabled:
             import nats.aio.client as nac
             from nats.aio.transport import TcpTransport
@@ -147,10 +150,11 @@ class FastPath:
         return bool(nc.is_connected and not nc.is_draining)
 
     def _can_write_now(self, size: int) -> bool:
-        """Nothing of nats-py's waits to be written, the socket takes bytes now, and
-        the message is within the server's limit (else nc.publish says why not)."""
+        """Nothing of nats-py's waits to be written, this is the first publish of this
+        turn of the event loop, the socket takes bytes now, and the message is within
+        the server's limit (else nc.publish says why not)."""
         nc: Any = self.nc
-        if nc._status != Client.CONNECTED or nc._pending or nc._pending_data_size:
+        if self._burst or nc._status != Client.CONNECTED or nc._pending or nc._pending_data_size:
             return False
         if size > nc._max_payload:
             return False
@@ -209,6 +213,14 @@ class FastPath:
         nc.stats["out_bytes"] += len(payload)
         nc._transport.write(cmd)
         self.counts["fast_publish"] += 1
+        # Later publishes of this same turn (a burst: many requests gathered, replies
+        # to a batch) go through nats-py's buffer, which its flusher writes in one
+        # call after this turn: one send per burst instead of one per message.
+        self._burst = True
+        asyncio.get_running_loop().call_soon(self._end_burst)
+
+    def _end_burst(self) -> None:
+        self._burst = False
 
     async def respond(self, msg: Any, payload: bytes = b"", headers: dict[str, str] | None = None) -> None:
         """Answer ``msg`` (a nats-py Msg or a nats.micro Request) on this connection,

@@ -8,7 +8,10 @@ and the machine's load before and after:
   with ``nc.request`` or :class:`joynexus.broker.fastpath.FastPath` (the
   responder answers with ``msg.respond`` or ``FastPath.respond``, on the same
   connection it listens on), with a 16-byte payload and with a real
-  Inference Queue request's bytes (two 56x56 RGB images, state, instruction).
+  Inference Queue request's bytes (two 56x56 RGB images, state, instruction);
+  ``small.bare_tcp``: the same 16 bytes echoed by the same process over a plain
+  TCP socket (no broker: two processes wake, not three); ``real_held_6ms_outside``:
+  the real request held 6 ms by the responder, as by a forward (round trip - hold).
 - ``engine``: the real Inference Queue engine (``joynexus agent inference``'s
   code path, tiny backbone, B=1) in child processes that differ in one thing:
   torch intra-op threads 2 (the default here), 2 with ``OMP_WAIT_POLICY=PASSIVE``
@@ -142,9 +145,18 @@ def _echo_server(url: str) -> None:
         await nc.subscribe(ECHO_SUBJECT + ".fast", cb=fast)
         await nc.subscribe(ECHO_SUBJECT + ".hold", cb=hold)
         await nc.subscribe(ECHO_SUBJECT + ".holdfast", cb=hold_fast)
+        # the same echo over a bare TCP socket, no broker between: what waking two
+        # processes costs without nats-server's two wake-ups
+        async def tcp(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                w.write(data[:16])
+
+        tcp_server = await asyncio.start_server(tcp, "127.0.0.1", 0)
         await nc.flush()
-        print("ready", flush=True)
+        await nc.flush()
+        print(f"ready {tcp_server.sockets[0].getsockname()[1]}", flush=True)
         await stop.wait()
+        tcp_server.close()
         await nc.close()
 
     asyncio.run(run())
@@ -164,8 +176,9 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        if line.strip() != b"ready":
+        if not line.startswith(b"ready "):
             raise RuntimeError(f"echo server: {line!r}")
+        tcp_r, tcp_w = await asyncio.open_connection("127.0.0.1", int(line.split()[1]))
         payloads = {"small": b"x" * 16, "real": _real_request_payload()}
         out: dict[str, Any] = {"payload_bytes": {k: len(v) for k, v in payloads.items()}}
         for label, data in payloads.items():
@@ -175,7 +188,15 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
                     return lambda: nc.request(ECHO_SUBJECT + ".plain", data, timeout=5)
                 return lambda: fp.request(ECHO_SUBJECT + ".fast", data, timeout=5)
 
-            ts = await _interleave({"nats": arm("nats"), "fastpath": arm("fast")}, repeats, 20, gap_s)
+            arms = {"nats": arm("nats"), "fastpath": arm("fast")}
+            if label == "small":
+
+                async def bare_tcp() -> None:
+                    tcp_w.write(b"x" * 16)
+                    await tcp_r.readexactly(16)
+
+                arms["bare_tcp"] = bare_tcp
+            ts = await _interleave(arms, repeats, 20, gap_s)
             out[label] = _stats_of(ts, "nats")
         # the real request held ~6 ms by the responder, as by a forward: round trip - hold
         data = payloads["real"]
@@ -194,6 +215,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
         out["real_held_6ms_outside"] = _stats_of(
             {k: [rt - h for rt, h in zip(ts[k], held[k][20:], strict=True)] for k in ts}, "nats"
         )
+        tcp_w.close()
         out["fastpath_counts"] = dict(fp.counts)
         out["fastpath_reason"] = fp.reason
         return out
