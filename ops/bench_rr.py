@@ -43,7 +43,7 @@ from typing import Any, cast
 
 from joynexus.ops import benchstats
 
-__all__ = ["FastBroker", "FastRespondSwitch", "bench_rr", "main"]
+__all__ = ["FastBroker", "FastRespondSwitch", "bench_rr", "main", "parse_arms"]
 
 ECHO_SUBJECT = "bench.rr.echo"
 HOLD_S = 0.006
@@ -114,14 +114,14 @@ async def _interleave(
 
 def _echo_server(url: str) -> None:
     """Body of the echo child: answer every request at once, two ways."""
-    import nats
-
+    from joynexus.broker.connection import Broker
     from joynexus.broker.fastpath import FastPath
 
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        nc = await nats.connect(url, name="bench-rr-echo")
+        b = await Broker.connect(url, name="bench-rr-echo")  # $JOYNEXUS_CREDS, as every agent
+        nc = b.nc
         fp = FastPath(nc)
 
         async def plain(msg: Any) -> None:
@@ -157,21 +157,21 @@ def _echo_server(url: str) -> None:
         print(f"ready {tcp_server.sockets[0].getsockname()[1]}", flush=True)
         await stop.wait()
         tcp_server.close()
-        await nc.close()
+        await b.close()
 
     asyncio.run(run())
 
 
 async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
-    import nats
-
+    from joynexus.broker.connection import Broker
     from joynexus.broker.fastpath import FastPath
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "joynexus.ops.bench_rr", "--echo-server", url,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
-    nc = await nats.connect(url, name="bench-rr-client")
+    client = await Broker.connect(url, name="bench-rr-client")
+    nc = client.nc
     fp = FastPath(nc)
     try:
         assert proc.stdout is not None
@@ -220,7 +220,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
         out["fastpath_reason"] = fp.reason
         return out
     finally:
-        await nc.close()
+        await client.close()
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -409,6 +409,15 @@ async def bench_rr(
     return out
 
 
+def parse_arms(text: str) -> tuple[str, ...]:
+    """``--arms``: known engine arm names, comma-separated (ValueError otherwise)."""
+    arms = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in arms if x not in ENGINE_ARMS]
+    if bad or not arms or len(set(arms)) != len(arms):
+        raise ValueError(f"--arms: {bad or 'none or repeated'}; choose from {', '.join(ENGINE_ARMS)}")
+    return arms
+
+
 async def _with_server(url: str | None, **kw: Any) -> dict[str, Any]:
     if url:
         return await bench_rr(url, **kw)
@@ -437,10 +446,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.echo_server:
         _echo_server(a.echo_server)
         return
-    arms = tuple(x for x in a.arms.split(",") if x)
-    bad = [x for x in arms if x not in ENGINE_ARMS]
-    if bad or not arms:
-        ap.error(f"--arms: unknown {bad or 'none given'}; choose from {', '.join(ENGINE_ARMS)}")
+    try:
+        arms = parse_arms(a.arms)
+    except ValueError as e:
+        ap.error(str(e))
     print(json.dumps(asyncio.run(_with_server(a.nats, part=a.part, repeats=a.repeats, gap_ms=a.gap_ms,
                                               arms=arms))))
 

@@ -286,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
         ("inference", "group-batching speedup grid, request-reply latency/throughput, RSS"),
         (
+            "rr",
+            "where a request/reply round trip goes: nats-py vs the fast path (echo, bare TCP), "
+            "and real engines differing in torch threads, OMP_WAIT_POLICY or the fast path",
+        ),
+        (
             "faults",
             "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
         ),
@@ -313,6 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
             bp.add_argument(
                 "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
             )
+        if name == "rr":
+            from joynexus.ops.bench_rr import ENGINE_ARMS
+
+            bp.add_argument("--part", choices=("echo", "engine", "all"), default="all",
+                            help="echo (~10 s), engine (~40 s) or both (default)")
+            bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
+            bp.add_argument("--gap-ms", type=float, default=20.0,
+                            help="idle pause after every request (default 20)")
+            bp.add_argument("--arms", default=",".join(ENGINE_ARMS),
+                            help="engine arms, comma-separated, the first the base "
+                            f"(default: all of {', '.join(ENGINE_ARMS)})")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -735,6 +751,11 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_inference import bench_inference
 
                 result = asyncio.run(bench_inference(url, quick=args.quick))
+            elif args.bench == "rr":
+                from joynexus.ops.bench_rr import bench_rr, parse_arms
+
+                result = asyncio.run(bench_rr(url, part=args.part, repeats=args.repeats,
+                                              gap_ms=args.gap_ms, arms=parse_arms(args.arms)))
             else:
                 from joynexus.ops.bench_tq import bench_tq
 
