@@ -398,3 +398,19 @@ async def test_a_burst_in_one_turn_goes_out_once_and_in_order(nc: Any, responder
     await asyncio.wait_for(done.wait(), 10)
     assert seen == [f"{t}-{i}".encode() for t in range(3) for i in range(20)]
     assert fp.counts["fast_publish"] == 3 and fp.counts["fallback_publish"] == 57
+
+
+async def test_bench_rr_echo_measures_both_paths(nats_server: EmbeddedNats) -> None:
+    """The benchmark's echo part runs (a responder process, both paths, bare TCP) and
+    really took the fast path; the figures themselves belong to `joynexus bench rr`."""
+    from joynexus.ops.bench_rr import bench_rr
+
+    out = await bench_rr(nats_server.url, part="echo", repeats=4, gap_ms=0)
+    echo = out["echo"]
+    assert echo["fastpath_reason"] is None
+    assert echo["fastpath_counts"]["fast_request"] == 3 * (20 + 4)  # small, real, held
+    for label in ("small", "real", "real_held_6ms_outside"):
+        assert echo[label]["nats"]["n"] == echo[label]["fastpath"]["n"] == 4
+        assert len(echo[label]["fastpath_minus_nats_p50_ms"]) == 3
+    assert echo["small"]["bare_tcp"]["n"] == 4
+    assert echo["payload_bytes"]["real"] > 10_000 and out["load"]["after"]["cpus"] >= 1
