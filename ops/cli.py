@@ -319,16 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
             )
         if name == "rr":
-            from joynexus.ops.bench_rr import ENGINE_ARMS
+            from joynexus.ops.bench_rr import DEFAULT_ARMS, ENGINE_ARMS
 
             bp.add_argument("--part", choices=("echo", "engine", "all"), default="all",
                             help="echo (~10 s), engine (~40 s) or both (default)")
             bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
             bp.add_argument("--gap-ms", type=float, default=20.0,
                             help="idle pause after every request (default 20)")
-            bp.add_argument("--arms", default=",".join(ENGINE_ARMS),
-                            help="engine arms, comma-separated, the first the base "
-                            f"(default: all of {', '.join(ENGINE_ARMS)})")
+            bp.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                            help="engine arms, comma-separated, the first the base, of "
+                            f"{', '.join(ENGINE_ARMS)} (default {','.join(DEFAULT_ARMS)})")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
