@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from joynexus.broker.credentials import Credentials, from_env_or_file
+from joynexus.broker.fastpath import FastPath, enabled_by_env
 from joynexus.broker.subjects import Names
 from joynexus.schemas.errors import PermissionDenied, Unavailable
 
@@ -41,6 +42,15 @@ class Broker:
     #: How this connection was made (to open a sibling: the responder connection).
     url: str | list[str] = ""
     credentials: Credentials | None = None
+    _fast: FastPath | None = field(default=None, init=False, repr=False)
+
+    def fastpath(self) -> FastPath:
+        """This connection's :class:`~joynexus.broker.fastpath.FastPath` (one per
+        connection, made on first use; nats-py's own path where it cannot apply
+        or with ``JOYNEXUS_FASTPATH=0``)."""
+        if self._fast is None:
+            self._fast = FastPath(self.nc, enabled=enabled_by_env())
+        return self._fast
 
     @classmethod
     async def connect(
@@ -174,6 +184,10 @@ class Broker:
         subscription, including abandoned pull fetches)."""
         if self.nc.is_closed:
             return
+        if self._fast is not None:
+            fast, self._fast = self._fast, None
+            with contextlib.suppress(Exception):
+                await fast.close()
         try:
             await self.nc.flush(timeout=2)
         except Exception:  # disconnected: nothing more can be flushed

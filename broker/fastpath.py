@@ -40,7 +40,26 @@ from nats import errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-__all__ = ["SUPPORTED_NATS", "FastPath", "FastResponder", "settle", "unsupported_reason"]
+__all__ = [
+    "SUPPORTED_NATS",
+    "FastPath",
+    "FastResponder",
+    "enabled_by_env",
+    "settle",
+    "unsupported_reason",
+]
+
+#: ``JOYNEXUS_FASTPATH=0`` turns the fast path off in every process of a deployment
+#: (the Inference Queue's clients and engines then use nats-py's own path).
+ENV = "JOYNEXUS_FASTPATH"
+
+
+def enabled_by_env() -> bool:
+    """Whether this process may take the fast path (default yes; ``JOYNEXUS_FASTPATH=0``: no)."""
+    import os
+
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
 
 #: nats-py versions whose internals this module was read and tested against: [low, high).
 SUPPORTED_NATS = ((2, 16), (2, 17))

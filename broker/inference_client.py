@@ -62,6 +62,8 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self.retry = rpc.inference_policy(retry_for_s)
+        # The connection's fast path (docs/ARCHITECTURE.md, "Inference Queue").
+        self._request = broker.fastpath().request
 
     async def request(
         self,
@@ -113,6 +115,7 @@ class InferenceClient:
                 # no trace to carry (tracing off): no header block to write and parse
                 headers=tracing.inject() or None,
                 retry=retry,
+                request=self._request,
             )
         except rpc.NoResponders as e:  # worded here: no closure on the hot path
             raise Unavailable(

@@ -39,6 +39,7 @@ from joynexus.agents.models.grouped import ActRequest, features_for, needs_token
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
+from joynexus.broker.fastpath import FastResponder, enabled_by_env
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Server, error_headers
 from joynexus.broker.subjects import model_token
@@ -173,6 +174,7 @@ class InferenceEngine:
             encode=encode_msgpack,
             internal="internal error (reference {ref} in the inference engine's log)",
             limit=lambda t: self.quotas.get(t).max_requests_in_flight,
+            respond=FastResponder() if enabled_by_env() else None,
         )
         # Request (by id) -> the tenant it was counted against; released when answered.
         self._admitted: dict[int, str] = {}
