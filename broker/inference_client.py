@@ -53,17 +53,19 @@ class InferenceClient:
         base_model: str = "qwen2.5-vl-tiny",
         timeout_s: float = 10.0,
         retry_for_s: float = 0.0,
+        fast: bool = True,
     ) -> None:
         """``retry_for_s``: keep retrying a request that found no engine, that an
         engine dropped (it died mid-batch) or that its engine refused as
-        overloaded, for up to this long (inference is idempotent); 0 = fail at once."""
+        overloaded, for up to this long (inference is idempotent); 0 = fail at once.
+        ``fast``: ask through the connection's fast path (False: nats-py's request)."""
         self.b = broker
         self.base_model = base_model
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self.retry = rpc.inference_policy(retry_for_s)
         # The connection's fast path (docs/ARCHITECTURE.md, "Inference Queue").
-        self._request = broker.fastpath().request
+        self._request = broker.fastpath().request if fast else None
 
     async def request(
         self,

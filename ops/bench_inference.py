@@ -19,10 +19,11 @@
   has a connection of its own, as a tenant's SDK does; ``rr_overhead.same_connection_*``
   is the same with the client on the engine's connection, in the same rounds, and
   ``rr_overhead.inline_fraction`` the share of batches the engine ran on its loop.
-  ``rr_overhead_fastpath_p50_ms`` (``rr_overhead.fastpath_*``): the same request in
-  the same rounds with :class:`joynexus.broker.fastpath.FastPath` on both sides
-  (the client's request and the engine's reply), and ``fastpath_minus_rr_p50_ms``
-  the paired difference against ``rr`` with its interval. ``rr_overhead.<arm>_outside_engine_*``
+  The product path is the fast path (:mod:`joynexus.broker.fastpath`, on both sides:
+  the client's request and the engine's reply); ``rr_overhead_natspy_p50_ms``
+  (``rr_overhead.natspy_*``) is the same request in the same rounds through nats-py's
+  own request and respond, and ``fastpath_minus_natspy_p50_ms`` the paired difference
+  with its interval. ``rr_overhead.<arm>_outside_engine_*``
   (round trip - the engine's receipt-to-reply time) and ``<arm>_engine_plumbing_*``
   (receipt-to-reply - forward - head) split the overhead into parts the forward's own
   variance does not blur.
@@ -50,7 +51,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -183,7 +184,6 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     from joynexus.agents.models.features import canonicalize_request
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
-    from joynexus.ops.bench_rr import FastBroker, FastRespondSwitch
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
     schema = _schema(bb.config.base_model)
@@ -194,8 +194,8 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     own = await Broker.connect(b.url, name="bench-infer-solo-client", namespace=b.names.namespace)
     client = InferenceClient(own, base_model=bb.config.base_model)
     shared = InferenceClient(b, base_model=bb.config.base_model)
-    fast = InferenceClient(cast(Broker, FastBroker(own)), base_model=bb.config.base_model)
-    switch = FastRespondSwitch()  # the engine answers through a FastPath while on
+    natspy = InferenceClient(own, base_model=bb.config.base_model, fast=False)
+    fast_respond = engine.rpc.respond  # the product's: a FastResponder (None: nats-py's)
     obs = _obs(0)
 
     def inproc() -> None:
@@ -207,7 +207,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         inproc()
 
     # the engine's own receipt-to-reply time and forward+head time of every reply
-    engine_ms: dict[str, list[tuple[float, float]]] = {"rr": [], "rr_fastpath": []}
+    engine_ms: dict[str, list[tuple[float, float]]] = {"rr": [], "rr_natspy": []}
 
     def note(arm: str, r: Any) -> None:
         engine_ms[arm].append((r.timings.total_ms, r.timings.forward_ms + r.timings.decode_ms))
@@ -218,28 +218,27 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def remote_shared() -> None:
         await shared.request("solo", schema=schema, **obs)
 
-    async def remote_fast() -> None:
-        switch.active = True
+    async def remote_natspy() -> None:
+        engine.rpc.respond = None  # the engine answers through nats-py's respond
         try:
-            note("rr_fastpath", await fast.request("solo", schema=schema, **obs))
+            note("rr_natspy", await natspy.request("solo", schema=schema, **obs))
         finally:
-            switch.active = False
+            engine.rpc.respond = fast_respond
 
     try:
         # In-process and request-reply alternate (ABCD DCBA ...), three warm-up rounds dropped.
         ts = await benchstats.interleaved_async(
-            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared, "rr_fastpath": remote_fast},
+            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared, "rr_natspy": remote_natspy},
             repeats=repeats,
             warmup=3,
         )
     finally:
-        switch.restore()
         await engine.stop()
         await own.close()
     diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
     sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
-    fdiff, flo, fhi = benchstats.difference_ci(ts["rr_fastpath"], ts["inproc"])
-    gain, glo, ghi = benchstats.difference_ci(ts["rr_fastpath"], ts["rr"])
+    fdiff, flo, fhi = benchstats.difference_ci(ts["rr_natspy"], ts["inproc"])
+    gain, glo, ghi = benchstats.difference_ci(ts["rr"], ts["rr_natspy"])
     # Low-noise parts of the overhead (the forward's own variance cancels): the round
     # trip outside the engine (both NATS legs, the client's codec, the handler before
     # receipt) and the engine's plumbing around the forward (receipt to reply - forward - head).
@@ -260,11 +259,11 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
         "same_connection_overhead_p50_ms": round(sdiff, 3),
         "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
-        "fastpath_rr_p50_ms": round(_pct(ts["rr_fastpath"], 50), 3),
-        "fastpath_overhead_p50_ms": round(fdiff, 3),
-        "fastpath_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
-        "fastpath_minus_rr_p50_ms": round(gain, 3),
-        "fastpath_minus_rr_p50_ci95": [round(glo, 3), round(ghi, 3)],
+        "natspy_rr_p50_ms": round(_pct(ts["rr_natspy"], 50), 3),
+        "natspy_overhead_p50_ms": round(fdiff, 3),
+        "natspy_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
+        "fastpath_minus_natspy_p50_ms": round(gain, 3),
+        "fastpath_minus_natspy_p50_ci95": [round(glo, 3), round(ghi, 3)],
         **parts,
         # batches whose forward ran on the engine's event loop (short: no thread hop)
         "inline_fraction": round(st.inline_batches / max(st.batches, 1), 3),
@@ -407,7 +406,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             "rr_by_load": per_level,
             "c1_vs_inproc": c1,
             "rr_overhead_p50_ms": overhead["rr_overhead_p50_ms"],
-            "rr_overhead_fastpath_p50_ms": overhead["fastpath_overhead_p50_ms"],
+            "rr_overhead_natspy_p50_ms": overhead["natspy_overhead_p50_ms"],
             "rr_overhead": overhead,
             "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
             "rss_mb": {

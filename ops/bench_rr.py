@@ -15,7 +15,9 @@ and the machine's load before and after:
 - ``engine``: the real Inference Queue engine (``joynexus agent inference``'s
   code path, tiny backbone, B=1) in child processes that differ in one thing:
   torch intra-op threads 2 (the default here), 2 with ``OMP_WAIT_POLICY=PASSIVE``
-  set before torch loads, or 1. The client sends the same request to each in
+  set before torch loads, or 1, all on nats-py's own request/respond
+  (``JOYNEXUS_FASTPATH=0``), and ``fastpath``: 2 threads, the product's fast path on
+  both sides. The client sends the same request to each in
   turn and records the round trip and the engine's own receipt-to-reply time
   (``timings.total_ms``); ``outside_ms`` = round trip - that: the two NATS legs,
   the client's codec and the engine's handler before receipt. ``gap_ms``
@@ -39,11 +41,12 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.ops import benchstats
 
-__all__ = ["FastBroker", "FastRespondSwitch", "bench_rr", "main", "parse_arms"]
+__all__ = ["bench_rr", "main", "parse_arms"]
 
 ECHO_SUBJECT = "bench.rr.echo"
 HOLD_S = 0.006
@@ -55,7 +58,6 @@ ENGINE_ARMS: dict[str, tuple[int, dict[str, str], bool]] = {
     "threads1": (1, {}, False),
     "fastpath": (2, {}, True),
 }
-_FAST_ENV = "JOYNEXUS_BENCH_RR_FASTPATH"
 #: The arms run by default. Each arm is a namespace with the whole layout, whose
 #: stream limits JetStream reserves on disk (~9 GiB each): four of them beside a
 #: deployment's own overran the embedded server's store here.
@@ -237,68 +239,9 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- engine
 
 
-class FastNC:
-    """A nats-py connection whose ``request`` takes the fast path (the rest is the connection's)."""
-
-    def __init__(self, nc: Any) -> None:
-        from joynexus.broker.fastpath import FastPath
-
-        self._nc = nc
-        self.request = FastPath(nc).request
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._nc, name)
-
-
-class FastBroker:
-    """A Broker whose ``nc.request`` is the fast path: InferenceClient, unchanged, over it."""
-
-    def __init__(self, b: Any) -> None:
-        self._b = b
-        self.nc = FastNC(b.nc)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._b, name)
-
-
-class FastRespondSwitch:
-    """While ``active``, nats.micro's ``Request.respond`` (how engines answer) goes
-    through a FastPath on the request's connection; a benchmark's switch, in the
-    process that uses it only, undone by ``restore``."""
-
-    def __init__(self) -> None:
-        from nats.micro.request import Request
-
-        from joynexus.broker.fastpath import FastPath
-
-        self.active = False
-        self._cls = Request
-        self._orig = Request.respond
-        paths: dict[int, FastPath] = {}
-        orig, switch = self._orig, self
-
-        async def respond(req: Any, data: bytes = b"", headers: dict[str, str] | None = None) -> None:
-            if not switch.active:
-                await orig(req, data, headers=headers)
-                return
-            nc = req._msg._client
-            fp = paths.get(id(nc))
-            if fp is None or fp.nc is not nc:
-                fp = paths[id(nc)] = FastPath(nc)
-            await fp.respond(req, data, headers=headers)
-
-        Request.respond = respond  # type: ignore[method-assign,assignment]
-
-    def restore(self) -> None:
-        self._cls.respond = self._orig  # type: ignore[method-assign]
-
-
 def _serve_engine(url: str, namespace: str, threads: int) -> None:
-    """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); with
-    ``$JOYNEXUS_BENCH_RR_FASTPATH`` set, nats.micro's ``Request.respond`` answers
-    through a FastPath on the request's connection (this process only)."""
-    if os.environ.get(_FAST_ENV):
-        FastRespondSwitch().active = True
+    """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); it
+    answers through the fast path unless ``JOYNEXUS_FASTPATH=0`` (set per arm)."""
     from joynexus.ops.bench_inference import _serve
 
     _serve(url, namespace, "tiny", 1, 0.0, threads)
@@ -332,8 +275,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
             logs[arm] = tempfile.NamedTemporaryFile(prefix=f"bench-rr-{arm}-", suffix=".log", delete=False)
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
             env.update(extra)
-            if fast:
-                env[_FAST_ENV] = "1"
+            env[FASTPATH_ENV] = "1" if fast else "0"
             procs[arm] = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "joynexus.ops.bench_rr", "--serve", url, "--namespace", ns,
                 "--threads", str(threads),
@@ -342,10 +284,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
         for arm in arms:
             await _wait_engine(brokers[arm], procs[arm])
         clients = {
-            arm: InferenceClient(
-                cast(Broker, FastBroker(brokers[arm])) if ENGINE_ARMS[arm][2] else brokers[arm],
-                base_model="qwen2.5-vl-tiny",
-            )
+            arm: InferenceClient(brokers[arm], base_model="qwen2.5-vl-tiny", fast=ENGINE_ARMS[arm][2])
             for arm in arms
         }
         inside: dict[str, list[float]] = {arm: [] for arm in arms}
