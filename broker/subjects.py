@@ -182,6 +182,11 @@ class Names:
     def workloads_bucket(self) -> str:
         return self._upper("WORKLOADS")
 
+    @property
+    def usage_bucket(self) -> str:
+        """KV of the usage meter's checkpoint (broker/usage.py)."""
+        return self._upper("USAGE")
+
     # -- the tenant API (what the SDK publishes); the tenant is the 3rd token
     def api(self, tenant_id: str, verb: str) -> str:
         return f"{self.namespace}.{API}.{tenant_id}.{verb}"

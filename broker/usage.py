@@ -47,7 +47,7 @@ SOURCES = ("metrics", "tq", "jobs")
 
 
 def bucket_name(b: Broker) -> str:
-    return f"{b.names.namespace.upper()}_USAGE"
+    return b.names.usage_bucket
 
 
 def empty_state() -> dict[str, Any]:
