@@ -23,7 +23,11 @@
   the client's request and the engine's reply); ``rr_overhead_natspy_p50_ms``
   (``rr_overhead.natspy_*``) is the same request in the same rounds through nats-py's
   own request and respond, and ``fastpath_minus_natspy_p50_ms`` the paired difference
-  with its interval. ``rr_overhead.<arm>_outside_engine_*``
+  with its interval. ``echo_p50_ms``: the broker's floor, the same request bytes on
+  the same two connections in the same rounds answered at once with a reply of the
+  engine's size; ``rr_overhead_over_echo_p50_ms``: the round trip minus (in-process
+  call + echo), paired by round: what the service adds beyond the broker's own
+  round trip. ``rr_overhead.<arm>_outside_engine_*``
   (round trip - the engine's receipt-to-reply time) and ``<arm>_engine_plumbing_*``
   (receipt-to-reply - forward - head) split the overhead into parts the forward's own
   variance does not blur.
@@ -183,6 +187,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
     from joynexus.agents.models.policyio import PolicyStore
+    from joynexus.broker import fastpath
     from joynexus.broker.connection import Broker
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
@@ -196,6 +201,20 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     shared = InferenceClient(b, base_model=bb.config.base_model)
     natspy = InferenceClient(own, base_model=bb.config.base_model, fast=False)
     fast_respond = engine.rpc.respond  # the product's: a FastResponder (None: nats-py's)
+    # The broker's floor: the same request bytes, on the same two connections and in
+    # the same rounds, answered at once with a reply of the engine's size (no engine).
+    from joynexus.ops.bench_rr import _real_request_payload
+
+    echo_subject = f"{b.names.namespace}.bench.echo"
+    echo_payload = _real_request_payload()
+    echo_reply = b"r" * 400
+    b_fast, own_fast = b.fastpath(), own.fastpath()
+
+    async def _answer(msg: Any) -> None:
+        await b_fast.respond(msg, echo_reply)
+
+    echo_sub = await b.nc.subscribe(echo_subject, cb=_answer)
+    await fastpath.settle(b.nc)
     obs = _obs(0)
 
     def inproc() -> None:
@@ -218,6 +237,9 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def remote_shared() -> None:
         await shared.request("solo", schema=schema, **obs)
 
+    async def echo() -> None:
+        await own_fast.request(echo_subject, echo_payload, timeout=10)
+
     async def remote_natspy() -> None:
         engine.rpc.respond = None  # the engine answers through nats-py's respond
         try:
@@ -228,17 +250,27 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     try:
         # In-process and request-reply alternate (ABCD DCBA ...), three warm-up rounds dropped.
         ts = await benchstats.interleaved_async(
-            {"inproc": local, "rr": remote, "rr_same_connection": remote_shared, "rr_natspy": remote_natspy},
+            {
+                "inproc": local,
+                "rr": remote,
+                "rr_same_connection": remote_shared,
+                "rr_natspy": remote_natspy,
+                "echo": echo,
+            },
             repeats=repeats,
             warmup=3,
         )
     finally:
+        await echo_sub.unsubscribe()
         await engine.stop()
         await own.close()
     diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
     sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
     fdiff, flo, fhi = benchstats.difference_ci(ts["rr_natspy"], ts["inproc"])
     gain, glo, ghi = benchstats.difference_ci(ts["rr"], ts["rr_natspy"])
+    # What the service adds beyond the broker's own round trip (same rounds, paired).
+    floor = [i + e for i, e in zip(ts["inproc"], ts["echo"], strict=True)]
+    adds, alo, ahi = benchstats.difference_ci(ts["rr"], floor)
     # Low-noise parts of the overhead (the forward's own variance cancels): the round
     # trip outside the engine (both NATS legs, the client's codec, the handler before
     # receipt) and the engine's plumbing around the forward (receipt to reply - forward - head).
@@ -259,6 +291,10 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
         "same_connection_overhead_p50_ms": round(sdiff, 3),
         "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
+        "echo_p50_ms": round(_pct(ts["echo"], 50), 3),
+        "echo_p50_ci95": [round(x, 3) for x in benchstats.median_ci(ts["echo"])[1:]],
+        "overhead_over_echo_p50_ms": round(adds, 3),
+        "overhead_over_echo_p50_ci95": [round(alo, 3), round(ahi, 3)],
         "natspy_rr_p50_ms": round(_pct(ts["rr_natspy"], 50), 3),
         "natspy_overhead_p50_ms": round(fdiff, 3),
         "natspy_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
@@ -407,6 +443,9 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             "c1_vs_inproc": c1,
             "rr_overhead_p50_ms": overhead["rr_overhead_p50_ms"],
             "rr_overhead_natspy_p50_ms": overhead["natspy_overhead_p50_ms"],
+            # the broker's own round trip for the same bytes, and what the service adds to it
+            "echo_p50_ms": overhead["echo_p50_ms"],
+            "rr_overhead_over_echo_p50_ms": overhead["overhead_over_echo_p50_ms"],
             "rr_overhead": overhead,
             "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
             "rss_mb": {
