@@ -26,6 +26,13 @@ advantages, plus the critic's loss to the returns (``TenantModule.stage_ppo``).
 Other RL jobs (flow matching: no tractable likelihood; jobs without behaviour
 log-probabilities) use advantage-weighted regression (AWR) on the executed
 chunks: weights exp(A/beta) from the advantages the advantage stage wrote.
+
+The loop here is named steps (lease, load a group, the grouped step, the busy
+metric, each tenant's commit) around the pure decisions of
+:mod:`.actor_decisions` (which jobs form a group, which fields a step reads,
+what a failure does: all-or-nothing per tenant); the tensors of a tenant's step
+are built in :mod:`.actor_batch`. See docs/ARCHITECTURE.md ("Workloads, from
+the SDK to a new policy version").
 """
 
 from __future__ import annotations
@@ -41,28 +48,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-import numpy as np
 import torch
 from opentelemetry import trace
 
+from joynexus.agents.actor_batch import StepKnobs, train_item
+from joynexus.agents.actor_decisions import (
+    fields_to_read,
+    form_group,
+    is_ppo,
+    load_failure,
+    remember_applied,
+    settle,
+    tenant_rows,
+)
 from joynexus.agents.actor_forward import (
     OLD_LOGP_FIELD,
-    chunk_mask,
-    exploration_floor,
     extra_number,
     uses_actor_forward,
     uses_decisions,
 )
-from joynexus.agents.advantage import awr_weights
 from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.features import FeatureBatch, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
-from joynexus.agents.models.heads import PPOBatch, TenantModule
+from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
@@ -72,8 +82,6 @@ from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import TrainingJob
 
 log = logging.getLogger(__name__)
-
-KEEP_APPLIED = 4096
 
 
 @dataclass
@@ -122,10 +130,8 @@ class TenantState:
         os.replace(tmp_m, self.dir / "manifest.json")
 
 
-def _infrastructure(e: BaseException) -> bool:
-    """Errors of the connection or the machine, not of a job's data: the actor
-    cannot do its work and should stop (and be restarted) rather than fail jobs."""
-    return isinstance(e, (nats.errors.Error, OSError, MemoryError))
+#: A job of a group step: the job, its tenant's state, the item it trains on.
+Todo = tuple[TrainingJob, TenantState, TrainItem]
 
 
 class Actor:
@@ -192,29 +198,51 @@ class Actor:
     async def run(self, stop: asyncio.Event) -> None:
         pending: list[TrainingJob] = []
         while not stop.is_set():
+            pending += await self._lease(wait=not pending, room=self.max_group - len(pending))
             if not pending:
-                job = await self.sched.lease_next("actor", wait_s=self.lease_wait_s)
-                if job is None:
-                    continue
-                pending.append(job)
-            while len(pending) < self.max_group:  # what else is ready right now
-                more = await self.sched.lease_next("actor")
-                if more is None:
-                    break
-                pending.append(more)
-            group: list[TrainingJob] = []
-            seen: set[tuple[str, str]] = set()
-            for job in list(pending):  # one job per tenant policy per step
-                key = (job.tenant_id, job.policy_key)
-                if key not in seen:
-                    seen.add(key)
-                    group.append(job)
-                    pending.remove(job)
+                continue
+            group, pending = form_group(pending, lambda j: (j.tenant_id, j.policy_key))
             await self.train_group(group)
 
+    async def _lease(self, *, wait: bool, room: int) -> list[TrainingJob]:
+        """What is ready now, up to ``room`` jobs; with ``wait`` (nothing pending) up to
+        ``lease_wait_s`` for a first one, and none more if none came."""
+        jobs: list[TrainingJob] = []
+        if wait:
+            job = await self.sched.lease_next("actor", wait_s=self.lease_wait_s)
+            if job is None:
+                return jobs
+            jobs.append(job)
+        while len(jobs) < room:
+            more = await self.sched.lease_next("actor")
+            if more is None:
+                break
+            jobs.append(more)
+        return jobs
+
     async def train_group(self, jobs: list[TrainingJob]) -> None:
-        """Train on a group of leased jobs (distinct tenant policies) and complete them."""
-        todo: list[tuple[TrainingJob, TenantState, TrainItem]] = []
+        """Train on a group of leased jobs (distinct tenant policies) and complete them:
+        load, one grouped step, metrics, then each tenant's commit on its own."""
+        todo = await self._load_group(jobs)
+        if not todo:
+            return
+        losses, stats, busy = await self._step_group(todo)
+        await self._report_busy(todo, busy)
+        for (job, st, _), outcome, stat in zip(todo, settle(losses), stats, strict=True):
+            if outcome.error is not None:
+                # This tenant's item went wrong inside the step: its module did not step
+                # (nothing to save or publish); its job fails, the others complete.
+                await self._give_up(job, outcome.error)
+                continue
+            remember_applied(st.applied, job.job_id, st.module.version)
+            if not await self._commit(job, st):
+                continue
+            await self._finish(job, st, loss=outcome.loss, group_size=len(todo), stats=stat)
+
+    async def _load_group(self, jobs: list[TrainingJob]) -> list[Todo]:
+        """Each job's tenant state and item. A job applied before a crash completes
+        without a second step; a job whose state or data does not load fails alone."""
+        todo: list[Todo] = []
         for job in jobs:
             try:
                 st = await self.tenant(job.tenant_id, job.policy_key)
@@ -222,20 +250,23 @@ class Actor:
                     await self._finish(job, st, loss=None)
                     continue
                 todo.append((job, st, await self._item(job, st)))
-            except JoyNexusError as e:
-                await self._give_up(job, e)
             except Exception as e:
-                if _infrastructure(e):
+                error = load_failure(e)
+                if error is None:
                     raise
-                # The job's own data or checkpoint does not load: that job fails, not the actor.
-                await self._give_up(job, InvalidSpec(f"its data could not be loaded: {type(e).__name__}: {e}"))
-        if not todo:
-            return
+                await self._give_up(job, error)
+        return todo
+
+    async def _step_group(
+        self, todo: list[Todo]
+    ) -> tuple[list[float | JoyNexusError], list[dict[str, float]], tuple[float, float, float]]:
+        """The grouped step on the worker thread, with the leases kept alive and one
+        span per job in its own trace (the group's span links them). Returns each
+        item's loss or error, each module's stats, and (wall start, wall end, CPU s)."""
         hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo]))  # noqa: RUF006
         t0 = time.perf_counter()
         wall_start = time.time()
         cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
-        # One span per job, in that job's trace; the group step links them all.
         links, job_spans = [], []
         try:
             for job, _, _ in todo:
@@ -260,31 +291,22 @@ class Actor:
                 await hb
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+        return losses, stats, (wall_start, time.time(), time.process_time() - cpu_start)
+
+    async def _report_busy(self, todo: list[Todo], busy: tuple[float, float, float]) -> None:
+        wall_start, wall_end, cpu_s = busy
         await metrics.busy(
             self.b,
             "train",
             wall_start,
-            time.time(),
-            cpu_s=time.process_time() - cpu_start,
+            wall_end,
+            cpu_s=cpu_s,
             instance=self.instance,
             jobs=len(todo),
             tenants=sorted({j.tenant_id for j, _, _ in todo}),
             # rows per tenant in this step (usage metering splits the step's time by them)
-            tenant_rows={t: sum(int(it.target.shape[0]) for j, _, it in todo if j.tenant_id == t)
-                         for t in {j.tenant_id for j, _, _ in todo}},
+            tenant_rows=tenant_rows((j.tenant_id, int(it.target.shape[0])) for j, _, it in todo),
         )
-        for (job, st, _), loss, stat in zip(todo, losses, stats, strict=True):
-            if isinstance(loss, JoyNexusError):
-                # This tenant's item went wrong inside the step: its module did not step
-                # (nothing to save or publish); its job fails, the others complete.
-                await self._give_up(job, loss)
-                continue
-            st.applied[job.job_id] = st.module.version
-            while len(st.applied) > KEEP_APPLIED:
-                st.applied.pop(next(iter(st.applied)))
-            if not await self._commit(job, st):
-                continue
-            await self._finish(job, st, loss=loss, group_size=len(todo), stats=stat)
 
     async def _commit(self, job: TrainingJob, st: TenantState) -> bool:
         """The step's commit point: the checkpoint into JetStream (compare-and-set on
@@ -323,21 +345,32 @@ class Actor:
                 losses[i] = loss
         return [losses[i] for i in range(len(items))]
 
+    @property
+    def knobs(self) -> StepKnobs:
+        return StepKnobs(
+            awr_beta=self.awr_beta,
+            ppo_clip=self.ppo_clip,
+            vf_coef=self.vf_coef,
+            ent_coef=self.ent_coef,
+            ppo_epochs=self.ppo_epochs,
+        )
+
     async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
+        """Fetch and decode one job's partition into its tenant's item (``actor_batch``)."""
         lr = extra_number(job, "learning_rate", 1e-9, 1.0, 0.0)
         if lr and st.revision is None and not st.applied and st.module.lr != lr:
             # A module the actor has never stepped (built from a published version, whose
             # weights do not say how to train them): the workload's learning rate.
             st.module.set_lr(lr)
         schema = feature_schema_of(st.record)
-        fields = [STATE_FIELD, ACTIONS_FIELD, *[image_field(s) for s in schema.camera_slots]]
-        ppo = job.task_type == "rl" and st.module.gaussian and uses_actor_forward(job)
-        if job.task_type == "rl":
-            fields.append("advantages")
-        if ppo:
-            fields += ["returns", OLD_LOGP_FIELD]
-            if uses_decisions(job):
-                fields.append(DECISION_FIELD)
+        ppo = is_ppo(job.task_type, gaussian=st.module.gaussian, actor_forward=uses_actor_forward(job))
+        fields = fields_to_read(
+            job.task_type,
+            schema.camera_slots,
+            ppo=ppo,
+            decisions=uses_decisions(job),
+            old_logp_field=OLD_LOGP_FIELD,
+        )
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -348,50 +381,7 @@ class Actor:
         if not meta.rows:
             raise InvalidSpec(f"job {job.job_id}: its partition has no rows with fields {fields}")
         data = await self.tq.async_get_data(meta)
-        batch: FeatureBatch = canonicalize_request(
-            schema,
-            {s: data[image_field(s)] for s in schema.camera_slots},
-            job.metadata.extra.get("instruction", ""),
-            data[STATE_FIELD],
-        )
-        target = torch.from_numpy(np.ascontiguousarray(data[ACTIONS_FIELD], dtype=np.float32))
-        if target.ndim == 2:  # per-step actions: a chunk of one
-            target = target[:, None, :]
-        weight = None
-        if ppo:
-            def col(name: str) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(data[name], dtype=np.float32).reshape(-1))
-
-            mask = None
-            if DECISION_FIELD in data:
-                mask = torch.from_numpy(chunk_mask(data[DECISION_FIELD], target.shape[1]))
-            # The first critic_warmup updates of the workload (its v1 is where it started)
-            # train only the critic.
-            warmup = extra_number(job, "critic_warmup", 0, 100_000)
-            st.module.stage_ppo(
-                PPOBatch(
-                    old_logp_B=col(OLD_LOGP_FIELD),
-                    adv_B=col("advantages"),
-                    returns_B=col("returns"),
-                    # No clipped value loss: returns span tens of reward units (a success
-                    # is worth r / (1 - gamma)) and a +-clip band per behaviour version
-                    # would hold the critic back for hundreds of updates.
-                    old_values_B=None,
-                    clip=self.ppo_clip,
-                    vf_coef=self.vf_coef,
-                    ent_coef=self.ent_coef,
-                    std_floor=exploration_floor(job),
-                    epochs=self.ppo_epochs,
-                    mask_B_H=mask,
-                    policy_coef=0.0 if st.module.version <= warmup else 1.0,
-                    target_kl=extra_number(job, "target_kl", 0.0, 1.0),
-                )
-            )
-        elif job.task_type == "rl":
-            weight = torch.from_numpy(
-                awr_weights(data["advantages"].reshape(-1), beta=self.awr_beta)
-            )
-        return TrainItem(tenant=st.module, batch=batch, target=target, weight_B=weight)
+        return train_item(job, st.module, schema, data, ppo=ppo, knobs=self.knobs)
 
     async def _finish(
         self,
