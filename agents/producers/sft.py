@@ -3,6 +3,11 @@ chunks of the head's horizon) into its partition, mark it ready; the admission
 policy's max_in_flight is its prefetch depth, a cursor in the workloads bucket
 its place in the shuffled dataset across restarts.
 
+``SFTProducer.run`` is named steps (open the dataset, end orphans, reserve in a
+trace of its own, fill) around the pure decisions at the bottom (which rows a
+batch takes, which refusal ends the run, the backoff, the columns), tabled in
+tests/test_sft_decisions.py.
+
 See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,7 @@ import numpy as np
 from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 
+from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.producers.schema import unusable_dataset, workload_schema
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import tracing
@@ -25,7 +32,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import JoyNexusError
-from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob
 from joynexus.schemas.samples import (
     ACTION,
     ACTIONS_FIELD,
@@ -55,6 +62,34 @@ class SFTProducer:
         return Names.cursor_key(self.tenant, self.spec.name)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Open the dataset, end the jobs a previous run left reserved, then reserve
+        and fill jobs (each a batch of the shuffled order from the saved cursor)
+        until stopped or the workload's completion target refuses more."""
+        schema, instruction, ds = await self._open()
+        await self._fail_orphans()
+        kv = await self._cursor_kv()
+        cursor = await self._load_cursor(kv)
+        order = np.random.default_rng(self.spec.seed).permutation(len(ds))
+        backoff = FIRST_BACKOFF_S
+        while not stop.is_set():
+            job, span = await self._reserve(schema, instruction, cursor)
+            if job is None:
+                if refusal_ends_run(self.sched.last_refusal):
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = next_backoff(backoff)
+                continue
+            span.set_attribute("job_id", job.job_id)
+            backoff = FIRST_BACKOFF_S
+            idx = batch_indices(order, cursor, self.spec.batch_size)
+            cursor += self.spec.batch_size
+            await kv.put(self._cursor_key(), str(cursor).encode())
+            with trace.use_span(span, end_on_exit=True):
+                await self._fill(job, ds, idx, schema)
+
+    async def _open(self) -> tuple[FeatureSchema, str, Any]:
+        """The workload's feature schema and instruction, and its LeRobot dataset."""
         from joynexus.agents.envs.lerobot_data import load_dataset
 
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
@@ -67,77 +102,101 @@ class SFTProducer:
                 "sft %s/%s: dataset unusable: %s: %s", self.tenant, self.spec.name, type(e).__name__, e
             )
             raise unusable_dataset(self.spec) from None
+        return schema, instruction, ds
+
+    async def _fail_orphans(self) -> None:
+        """Jobs reserved by a run that stopped before writing their batch."""
         for orphan in await self.sched.list_jobs(
             self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED]
         ):
             await self.sched.fail(orphan.job_id, "producer restarted before the batch was written")
-        kv = await self._cursor_kv()
+
+    async def _load_cursor(self, kv: Any) -> int:
         try:
-            cursor = int((await kv.get(self._cursor_key())).value)
+            return int((await kv.get(self._cursor_key())).value)
         except KeyNotFoundError:
-            cursor = 0
-        n = len(ds)
-        order = np.random.default_rng(self.spec.seed).permutation(n)
-        backoff = 0.05
-        while not stop.is_set():
-            span, traceparent = tracing.start_job_trace(
-                "sft.job", tenant=self.tenant, workload=self.spec.name
+            return 0
+
+    async def _reserve(
+        self, schema: FeatureSchema, instruction: str, cursor: int
+    ) -> tuple[TrainingJob | None, Any]:
+        """Reserve the next job, in a trace of its own (the span is ended by the caller)."""
+        span, traceparent = tracing.start_job_trace(
+            "sft.job", tenant=self.tenant, workload=self.spec.name
+        )
+        with trace.use_span(span, end_on_exit=False):
+            job = await self.sched.reserve(
+                self.tenant,
+                "sft",
+                policy_key=self.spec.name,
+                domain=Path(self.spec.dataset).name,  # the name, not the service's path
+                sample_count=self.spec.batch_size,
+                metadata=JobMetadata(
+                    schema_signature=schema.signature(),
+                    extra=job_extra(instruction, cursor, traceparent, self.spec.learning_rate),
+                ),
             )
-            with trace.use_span(span, end_on_exit=False):
-                job = await self.sched.reserve(
-                    self.tenant,
-                    "sft",
-                    policy_key=self.spec.name,
-                    domain=Path(self.spec.dataset).name,  # the name, not the service's path
-                    sample_count=self.spec.batch_size,
-                    metadata=JobMetadata(
-                        schema_signature=schema.signature(),
-                        extra={
-                            "instruction": instruction,
-                            "cursor": str(cursor),
-                            "traceparent": traceparent,
-                            # the actor trains a module it has not stepped yet at this rate
-                            "learning_rate": repr(float(self.spec.learning_rate)),
-                        },
-                    ),
-                )
-            if job is None:
-                if "completion target" in self.sched.last_refusal:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(backoff * 2, 0.5)
-                continue
-            span.set_attribute("job_id", job.job_id)
-            backoff = 0.05
-            idx = [int(order[(cursor + i) % n]) for i in range(self.spec.batch_size)]
-            cursor += self.spec.batch_size
-            await kv.put(self._cursor_key(), str(cursor).encode())
-            with trace.use_span(span, end_on_exit=True):
-                try:
-                    items = await asyncio.to_thread(_take, ds, idx)
-                    data = {
-                        **{
-                            image_field(c): np.stack(
-                                [it[f"{OBS_IMAGES}.{c}"].numpy() for it in items]
-                            )
-                            for c in schema.camera_slots
-                        },
-                        STATE_FIELD: np.stack([it[OBS_STATE].numpy() for it in items]).astype(
-                            np.float32
-                        ),
-                        ACTIONS_FIELD: np.stack(
-                            [it[ACTION].numpy().reshape(schema.action_horizon, -1) for it in items]
-                        ).astype(np.float32),
-                    }
-                    await self.tq.async_put(
-                        data, tenant_id=self.tenant, partition_id=job.partition_id
-                    )
-                    await self.sched.mark(job.job_id, JobState.READY)
-                except JoyNexusError as e:
-                    await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
+        return job, span
+
+    async def _fill(self, job: TrainingJob, ds: Any, idx: list[int], schema: FeatureSchema) -> None:
+        """The batch into the job's partition, then the job ready; a typed error fails the job."""
+        try:
+            items = await asyncio.to_thread(_take, ds, idx)
+            data = sft_columns(items, schema.camera_slots, schema.action_horizon)
+            await self.tq.async_put(data, tenant_id=self.tenant, partition_id=job.partition_id)
+            await self.sched.mark(job.job_id, JobState.READY)
+        except JoyNexusError as e:
+            await self.sched.fail(job.job_id, f"sft producer: {type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------- pure decisions
+#: Waits between refused reservations: doubling from the first to the last.
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 0.5
+
+
+def next_backoff(backoff: float) -> float:
+    return min(backoff * 2, MAX_BACKOFF_S)
+
+
+def refusal_ends_run(reason: str) -> bool:
+    """A reservation refused because the workload reached its completion target ends
+    the run; any other refusal (in-flight or rollout limits) is waited out."""
+    return "completion target" in reason
+
+
+def batch_indices(order: np.ndarray, cursor: int, batch_size: int) -> list[int]:
+    """The dataset rows of the batch at ``cursor`` in the shuffled ``order`` (wrapping)."""
+    n = len(order)
+    return [int(order[(cursor + i) % n]) for i in range(batch_size)]
+
+
+def job_extra(instruction: str, cursor: int, traceparent: str, learning_rate: float) -> dict[str, str]:
+    return {
+        "instruction": instruction,
+        "cursor": str(cursor),
+        "traceparent": traceparent,
+        # the actor trains a module it has not stepped yet at this rate
+        "learning_rate": repr(float(learning_rate)),
+    }
+
+
+def sft_columns(
+    items: list[dict[str, Any]], camera_slots: Sequence[str], horizon: int
+) -> dict[str, np.ndarray]:
+    """Dataset items (LeRobot keys, tensors or arrays) as Training Queue columns:
+    images per camera, float32 state, float32 action chunks [M, horizon, A]."""
+    return {
+        **{
+            image_field(c): np.stack([np.asarray(it[f"{OBS_IMAGES}.{c}"]) for it in items])
+            for c in camera_slots
+        },
+        STATE_FIELD: np.stack([np.asarray(it[OBS_STATE]) for it in items]).astype(np.float32),
+        ACTIONS_FIELD: np.stack(
+            [np.asarray(it[ACTION]).reshape(horizon, -1) for it in items]
+        ).astype(np.float32),
+    }
 
 
 def _take(ds: Any, idx: list[int]) -> list[dict[str, Any]]:
     return [ds[i] for i in idx]
-

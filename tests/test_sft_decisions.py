@@ -1,0 +1,108 @@
+"""The SFT producer's pure decisions (``agents/producers/sft.py``) in tables: no server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from joynexus.agents.producers.sft import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    batch_indices,
+    job_extra,
+    next_backoff,
+    refusal_ends_run,
+    sft_columns,
+)
+from joynexus.schemas.samples import (
+    ACTION,
+    ACTIONS_FIELD,
+    OBS_IMAGES,
+    OBS_STATE,
+    STATE_FIELD,
+    image_field,
+)
+
+
+@pytest.mark.parametrize(
+    ("order", "cursor", "size", "rows"),
+    [
+        ([3, 1, 0, 2], 0, 2, [3, 1]),
+        ([3, 1, 0, 2], 2, 2, [0, 2]),
+        ([3, 1, 0, 2], 3, 2, [2, 3]),  # wraps around the end of the order
+        ([3, 1, 0, 2], 4, 3, [3, 1, 0]),  # a second pass restarts the same order
+        ([3, 1, 0, 2], 1, 6, [1, 0, 2, 3, 1, 0]),  # a batch larger than the dataset
+        ([0], 7, 3, [0, 0, 0]),
+        ([5, 4], 10**9, 1, [5]),  # a cursor saved after many restarts
+    ],
+)
+def test_batch_indices(order: list[int], cursor: int, size: int, rows: list[int]) -> None:
+    got = batch_indices(np.array(order), cursor, size)
+    assert got == rows and all(type(i) is int for i in got)
+
+
+def test_backoff_doubles_to_its_cap() -> None:
+    seen = [FIRST_BACKOFF_S]
+    for _ in range(6):
+        seen.append(next_backoff(seen[-1]))
+    assert seen[:5] == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5])
+    assert max(seen) == MAX_BACKOFF_S and seen[-1] == MAX_BACKOFF_S
+
+
+@pytest.mark.parametrize(
+    ("reason", "ends"),
+    [
+        ("workload acme/pick reached its completion target (100 jobs)", True),
+        ("completion target", True),
+        ("", False),  # no refusal recorded: wait and retry
+        ("tenant acme has 4 sft jobs in flight (max_in_flight=4)", False),
+        ("global limit on active rollouts reached", False),
+    ],
+)
+def test_which_refusal_ends_the_run(reason: str, ends: bool) -> None:
+    assert refusal_ends_run(reason) is ends
+
+
+def test_job_extra_carries_what_the_actor_reads() -> None:
+    extra = job_extra("pick the cube", 48, "00-abc-def-01", 3e-4)
+    assert extra == {
+        "instruction": "pick the cube",
+        "cursor": "48",
+        "traceparent": "00-abc-def-01",
+        "learning_rate": "0.0003",
+    }
+    assert float(job_extra("", 0, "", 1)["learning_rate"]) == 1.0
+
+
+@pytest.mark.parametrize("as_tensor", [True, False])
+@pytest.mark.parametrize(("cams", "horizon", "adim"), [((), 1, 3), (("front",), 2, 3), (("a", "b"), 4, 2)])
+def test_sft_columns_shapes_and_dtypes(as_tensor: bool, cams: tuple[str, ...], horizon: int, adim: int) -> None:
+    rng = np.random.default_rng(0)
+    m, sdim = 5, 7
+
+    def arr(x: np.ndarray) -> torch.Tensor | np.ndarray:
+        return torch.from_numpy(x) if as_tensor else x
+
+    items = [
+        {
+            OBS_STATE: arr(rng.normal(size=sdim)),  # float64 in: float32 out
+            ACTION: arr(rng.normal(size=horizon * adim)),  # flat chunk: reshaped [H, A]
+            **{f"{OBS_IMAGES}.{c}": arr(rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)) for c in cams},
+        }
+        for _ in range(m)
+    ]
+    cols = sft_columns(items, cams, horizon)
+    assert set(cols) == {STATE_FIELD, ACTIONS_FIELD, *[image_field(c) for c in cams]}
+    assert cols[STATE_FIELD].shape == (m, sdim) and cols[STATE_FIELD].dtype == np.float32
+    assert cols[ACTIONS_FIELD].shape == (m, horizon, adim) and cols[ACTIONS_FIELD].dtype == np.float32
+    first = np.asarray(items[0][ACTION], dtype=np.float32).reshape(horizon, adim)
+    assert np.array_equal(cols[ACTIONS_FIELD][0], first)
+    for c in cams:
+        assert cols[image_field(c)].shape == (m, 3, 8, 8) and cols[image_field(c)].dtype == np.uint8
+
+
+def test_sft_columns_refuse_a_chunk_of_the_wrong_size() -> None:
+    items = [{OBS_STATE: np.zeros(2), ACTION: np.zeros(5)}]
+    with pytest.raises(ValueError, match="reshape"):
+        sft_columns(items, (), 2)
