@@ -162,19 +162,33 @@ async def _read_security(
             await sub.unsubscribe()
 
 
-async def _gather_replies(b: Broker, subject: str, wait_s: float = 0.4) -> list[dict[str, Any]]:
-    """Every responder's reply to one request (micro services answer $SRV.* each)."""
+async def _gather_replies(
+    b: Broker, subject: str, wait_s: float = 2.0, quiet_s: float = 0.3
+) -> list[dict[str, Any]]:
+    """Every responder's reply to one request (micro services answer $SRV.* each):
+    until ``quiet_s`` passes with no new reply after the first, or ``wait_s`` in all
+    (a loaded machine answers late; a fixed short window missed engines)."""
     inbox = b.nc.new_inbox()
     replies: list[dict[str, Any]] = []
+    arrived = asyncio.Event()
 
     async def on_reply(msg: Any) -> None:
         with contextlib.suppress(ValueError):
             replies.append(json.loads(msg.data))
+        arrived.set()
 
     sub = await b.nc.subscribe(inbox, cb=on_reply)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
     try:
         await b.nc.publish(subject, b"", reply=inbox)
-        await asyncio.sleep(wait_s)
+        while (left := deadline - loop.time()) > 0:
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), timeout=min(left, quiet_s) if replies else left)
+            except TimeoutError:
+                if replies:
+                    break  # quiet since the last reply
     finally:
         await sub.unsubscribe()
     return replies
