@@ -7,8 +7,12 @@ one module per job:
   (the subject's tenant, quotas, schema, shapes);
 - :mod:`.batcher`: the pending queue's entries and :func:`.batcher.choose`, the
   pure "which prefix now", tested alone in tests/test_batcher.py;
-- :mod:`.engine`: :class:`InferenceEngine`, the loop around those decisions, the
-  forward (on the loop or the forward thread) and the replies;
+- :mod:`.intake`: the door: a request decoded, checked and queued as a
+  ``Pending``, or answered with its error; the replies;
+- :mod:`.compute`: the shared backbone forward, each tenant's head, the
+  per-request fallback, the replies' payloads (torch only, no connection);
+- :mod:`.engine`: :class:`InferenceEngine`, the lifecycle and the loop around
+  those, wired to the rpc Server (the forward on the loop or the forward thread);
 - :mod:`.pool`: :class:`EnginePool` and ``run_inference_agent``.
 
 The client is torch-free and lives in the broker layer

@@ -1,86 +1,59 @@
-"""The engine: the loop around the batcher's choice, one forward per batch, the replies.
+"""The engine: the loop around the batcher's choice, wired to the rpc Server.
 
 An :class:`InferenceEngine` holds the shared frozen backbone and the heads of the
 tenants it serves; it is one endpoint of the NATS micro service ``<ns>-infer``
-(``Names.infer(base_model)``, in a queue group, so engines share the load). The
-handler decodes, checks (:mod:`.admission`) and enqueues, never waits; the batch
-loop runs what :func:`.batcher.choose` says, ONE backbone forward over the
-batch's rows (on the event loop when forwards of its size are measured short,
-else on the engine's forward thread), each tenant's head, the replies, then the
-batch's busy metric. A batch whose shared forward fails falls back to one forward
-per request. See docs/ARCHITECTURE.md ("The Inference Queue").
+(``Names.infer(base_model)``, in a queue group, so engines share the load). Its
+jobs live apart: the door (:mod:`.intake`: decode, check, enqueue, reply), the
+choice (:func:`.batcher.choose`) and the compute (:mod:`.compute`: ONE backbone
+forward over the batch's rows, each tenant's head, torch only). This module is
+the lifecycle and the loop: what to run, where (on the event loop when forwards
+of its size are measured short, else on the engine's forward thread), the
+replies, then the batch's busy metric. A batch whose shared forward fails falls
+back to one forward per request. See docs/ARCHITECTURE.md ("The Inference Queue").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from nats.micro import add_service
-from nats.micro.request import Request
 from opentelemetry import trace
 
-from joynexus.agents.inference import admission, batcher
+from joynexus.agents.inference import batcher
 from joynexus.agents.inference.batcher import Pending
-from joynexus.agents.inference.policies import LoadedPolicy, PolicyCache
+from joynexus.agents.inference.compute import (
+    ForwardThread,
+    ForwardTimes,
+    Outcome,
+    forward_each,
+    forward_grouped,
+    result_of,
+    tally,
+)
+from joynexus.agents.inference.intake import EngineStats, Intake, drain_service
+from joynexus.agents.inference.policies import PolicyCache
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.features import TokenFeatures, concat_batches
-from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.fastpath import FastResponder, enabled_by_env
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Server, error_headers
+from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import model_token
-from joynexus.schemas.errors import (
-    InvalidSpec,
-    PermissionDenied,
-    Unavailable,
-)
-from joynexus.schemas.inference import (
-    BatchInfo,
-    InferError,
-    InferRequest,
-    InferResult,
-    InferTimings,
-    TensorBytes,
-    decode_msgpack,
-    encode_msgpack,
-)
+from joynexus.schemas.errors import InvalidSpec, Unavailable
+from joynexus.schemas.inference import BatchInfo, InferError, encode_msgpack
+
+__all__ = ["INLINE_FORWARD_MS", "EngineStats", "InferenceEngine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Outcome:
-    actions: torch.Tensor | None = None
-    error: Exception | None = None
-    decode_ms: float = 0.0
-
-
-@dataclass
-class EngineStats:
-    requests: int = 0
-    errors: int = 0
-    batches: int = 0
-    rows: int = 0
-    fallbacks: int = 0
-    rejected: int = 0
-    #: batches whose forward ran on the event loop (short ones; the rest on the forward thread)
-    inline_batches: int = 0
-    #: sizes of the most recent batches (bounded)
-    batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 #: A batch whose forward is expected (the median of the last ones of its backbone key
@@ -133,7 +106,6 @@ class InferenceEngine:
         self.retain_versions = retain_versions
         self.policies = policies or PolicyStore(broker)
         self.load_timeout_s = load_timeout_s
-        self.max_queue = max_queue
         #: a batch whose forward is expected to take at most this long runs on the event
         #: loop; longer ones (and any of a size not measured yet) on the forward thread
         self.inline_forward_ms = inline_forward_ms
@@ -147,18 +119,9 @@ class InferenceEngine:
             retain_versions=retain_versions,
             instance=instance,
         )
-        self._queue: deque[Pending] = deque()
-        self._wake = asyncio.Event()
-        self._inflight = 0
-        self._running = False  # a batch is in its forward
         self._freed_at = 0.0  # when the last batch ended (perf_counter)
-        self._idle = asyncio.Event()
-        self._idle.set()
-        # The last forward times measured (ms) by (backbone key, rows' power of two).
-        self._forward_ms: dict[tuple[str, int], deque[float]] = {}
-        # One thread for this engine's long forwards (always the same OS thread, so
-        # torch's intra-op pool is made once; a batch at a time, as the batcher runs them).
-        self._executor: ThreadPoolExecutor | None = None
+        self._times = ForwardTimes()
+        self._thread = ForwardThread(instance)
         self._batch_ids = itertools.count(1)
         self._batch_ids_served = itertools.count(1)
         self._watcher: asyncio.Task[None] | None = None
@@ -176,10 +139,29 @@ class InferenceEngine:
             limit=lambda t: self.quotas.get(t).max_requests_in_flight,
             respond=FastResponder() if enabled_by_env() else None,
         )
-        # Request (by id) -> the tenant it was counted against; released when answered.
-        self._admitted: dict[int, str] = {}
+        self.intake = Intake(
+            broker, self.rpc, self.cache, self.quotas, self.stats,
+            instance=instance, max_queue=max_queue,
+        )
         # Batch number in which each tenant was last served (turn-taking).
         self._last_served: dict[str, int] = {}
+
+    @property
+    def max_queue(self) -> int:
+        """Requests queued beyond which a new one is refused (``Unavailable``)."""
+        return self.intake.max_queue
+
+    @property
+    def _queue(self) -> deque[Pending]:
+        return self.intake.queue
+
+    @property
+    def _inflight(self) -> int:
+        return self.intake.inflight
+
+    @property
+    def _forward_ms(self) -> dict[tuple[str, int], deque[float]]:
+        return self._times.seen
 
     # ------------------------------------------------------------ lifecycle
     async def prepare(self) -> None:
@@ -235,7 +217,7 @@ class InferenceEngine:
         await self._service.add_endpoint(
             name=model_token(self.base_model),
             subject=n.infer(self.base_model),
-            handler=self._on_request,
+            handler=self.intake.on_request,
             metadata={"base_model": self.base_model},
         )
         await nc.flush()
@@ -251,9 +233,9 @@ class InferenceEngine:
             return
         self.state = "draining"
         if self._service is not None:
-            await _drain_service(self._service)
+            await drain_service(self._service)
             self._service = None
-        await self._idle.wait()
+        await self.intake.idle.wait()
         await self.close()
 
     async def close(self) -> None:
@@ -266,9 +248,7 @@ class InferenceEngine:
             with contextlib.suppress(Exception):
                 await self._service.stop()
             self._service = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        self._thread.shutdown()
         await self.rpc.stop()
         if self._own_quotas:
             await self.quotas.stop()
@@ -289,161 +269,16 @@ class InferenceEngine:
                 task.exception(),
             )
 
-    # ------------------------------------------------------------ requests
-    def _begin(self) -> None:
-        self._inflight += 1
-        self._idle.clear()
-
-    def _end(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0:
-            self._idle.set()
-
-    async def _on_request(self, request: Request) -> None:
-        """The endpoint handler: decode and enqueue, never wait (nats-py runs one
-        callback at a time per subscription). A tenant version that is not
-        resident yet is loaded in a task of its own."""
-        received = time.perf_counter()
-        tenant = admission.subject_tenant(request.subject)
-        if not self.rpc.allowed(request, tenant):
-            self.stats.rejected += 1
-            return  # dropped, unanswered: the reply subject is not the requester's
-        self._begin()
-        self.stats.requests += 1
-        span = tracing.tracer.start_span(
-            "inference.act",
-            context=tracing.extract(request.headers),
-            attributes={"joynexus.instance": self.instance},
-        )
-        try:
-            if len(self._queue) >= self.max_queue:
-                self.stats.rejected += 1
-                raise Unavailable(
-                    f"inference engine {self.instance} has {len(self._queue)} requests queued; "
-                    "retry later or scale up (EnginePool.scale_up / another `joynexus agent inference`)"
-                )
-            if tenant is not None:
-                self.rpc.admit(tenant)
-                self._admitted[id(request)] = tenant
-            req: InferRequest = decode_msgpack(request.data, InferRequest, what="inference request")
-            self._check_tenant(request.subject, req)
-            admission.check_quota(req, self.quotas.get(req.tenant_id))
-            span.set_attribute("joynexus.tenant", req.tenant_id)
-            lp = self.cache.lookup(req.tenant_id, req.policy_key, req.policy_version)
-            if lp is None:
-                self.rpc.spawn(self._admit_later(request, req, span, received))
-                return
-            self._admit(request, req, lp, span, received)
-        except Exception as e:
-            self.rpc.spawn(self._reply_error(request, e, span))
-
-    def _check_tenant(self, subject: str, req: InferRequest) -> None:
-        """The tenant is the subject's last token (the broker fences who may publish
-        there); a payload that claims another tenant is refused, to its requester
-        alone, and reported as a security event (never awaited here)."""
-        claim = admission.tenant_claim(subject, req)
-        if claim is None:
-            return
-        tenant, reason = claim
-        self.rpc.spawn(
-            metrics.security(
-                self.b,
-                tenant,
-                action="claim_tenant",
-                subject=subject,
-                reason=reason,
-                source="inference",
-            )
-        )
-        raise PermissionDenied(reason)
-
-    async def _admit_later(
-        self, request: Request, req: InferRequest, span: Any, received: float
-    ) -> None:
-        try:
-            lp = await self.cache.resolve(req.tenant_id, req.policy_key, req.policy_version)
-            self._admit(request, req, lp, span, received)
-        except Exception as e:
-            await self._reply_error(request, e, span)
-
-    def _admit(
-        self, request: Request, req: InferRequest, lp: LoadedPolicy, span: Any, received: float
-    ) -> None:
-        """Validate one request against its tenant's policy; enqueue it (raises on bad input)."""
-        batch, noise = admission.validate(req, lp)
-        p = Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
-        p.enqueued = time.perf_counter()
-        p.busy = self._running
-        self._queue.append(p)
-        self._wake.set()
-
-    async def _reply_error(self, request: Request, e: BaseException, span: Any) -> None:
-        code, message = self.rpc.error_of(e)  # a bug is logged there, with a reference
-        self.stats.errors += 1
-        span.set_attribute("joynexus.error", code)
-        try:
-            await self._respond(request, InferError(code=code, message=message), span)
-        finally:
-            span.end()
-            self._end()
-
-    async def _respond(self, request: Request, reply: InferResult | InferError, span: Any) -> None:
-        headers: dict[str, str] = {}
-        if span.get_span_context().is_valid:  # tracing off and no caller's trace: nothing to carry
-            with trace.use_span(span, end_on_exit=False):
-                tracing.inject(headers)
-        if isinstance(reply, InferError):
-            error_headers(reply.code, reply.message, headers)
-        try:
-            await self.rpc.respond_to(request, encode_msgpack(reply), headers)
-        except Exception as e:  # the caller is gone or the connection dropped
-            log.warning("engine %s: reply not sent: %s", self.instance, e)
-        finally:
-            tenant = self._admitted.pop(id(request), None)
-            if tenant is not None:
-                self.rpc.release(tenant)
-
     # ------------------------------------------------------------ the batcher
     async def _batch_loop(self) -> None:
         """Adaptive batching: an idle engine runs what it has at once; while a batch runs,
         requests accumulate and form the next one (up to ``max_batch``, tenants taking
         turns). Only a request that arrived while a batch ran may wait for company, and
         at most ``max_wait_ms`` after the engine could first have run it."""
-        loop = asyncio.get_running_loop()
+        intake = self.intake
         while True:
-            while not self._queue:
-                self._wake.clear()
-                await self._wake.wait()
-            # One turn of the event loop: requests already delivered to this connection
-            # join (nats-py hands them to the handler one after another, without waiting).
-            await asyncio.sleep(0)
-            while True:
-                now = time.perf_counter()
-                queue = list(self._queue)
-                choice = batcher.choose(
-                    queue,
-                    self._last_served,
-                    now=now,
-                    freed_at=self._freed_at,
-                    max_batch=self.max_batch,
-                    max_wait_s=self.max_wait_s,
-                )
-                if choice.until is None:
-                    break
-                self._wake.clear()
-                waiter = loop.create_task(self._wake.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=choice.until - now)
-                finally:
-                    waiter.cancel()
-            chosen = set(choice.take)
-            items = [queue[i] for i in choice.take]
-            self._queue = deque(p for i, p in enumerate(queue) if i not in chosen)
-            turn = next(self._batch_ids_served)
-            self._last_served = batcher.served(
-                self._last_served, [p.tenant for p in items], turn, 4 * self.max_queue
-            )
-            self._running = True
+            items = await self._next_batch()
+            intake.running = True
             try:
                 await self._run_batch(items)
             except Exception as e:  # a bug: answer the batch with it, keep batching
@@ -451,72 +286,80 @@ class InferenceEngine:
                 for p in items:
                     if not p.answered:
                         p.answered = True
-                        await self._reply_error(p.request, e, p.span)
+                        await intake.reply_error(p.request, e, p.span)
             finally:
-                self._running = False
+                intake.running = False
                 self._freed_at = time.perf_counter()
 
-    def _forward_key(self, items: Sequence[Pending], rows: int) -> tuple[str, int]:
-        return (items[0].key, rows.bit_length())
+    async def _next_batch(self) -> list[Pending]:
+        """Wait for requests, then for what ``batcher.choose`` says; take its choice
+        off the queue and note whose turn it was."""
+        intake = self.intake
+        loop = asyncio.get_running_loop()
+        while not intake.queue:
+            intake.wake.clear()
+            await intake.wake.wait()
+        # One turn of the event loop: requests already delivered to this connection
+        # join (nats-py hands them to the handler one after another, without waiting).
+        await asyncio.sleep(0)
+        while True:
+            now = time.perf_counter()
+            queue = list(intake.queue)
+            choice = batcher.choose(
+                queue,
+                self._last_served,
+                now=now,
+                freed_at=self._freed_at,
+                max_batch=self.max_batch,
+                max_wait_s=self.max_wait_s,
+            )
+            if choice.until is None:
+                break
+            intake.wake.clear()
+            waiter = loop.create_task(intake.wake.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=choice.until - now)
+            finally:
+                waiter.cancel()
+        chosen = set(choice.take)
+        items = [queue[i] for i in choice.take]
+        intake.queue = deque(p for i, p in enumerate(queue) if i not in chosen)
+        turn = next(self._batch_ids_served)
+        self._last_served = batcher.served(
+            self._last_served, [p.tenant for p in items], turn, 4 * self.max_queue
+        )
+        return items
 
     def forward_estimate_ms(self, key: tuple[str, int]) -> float | None:
         """The median of the last forwards of this size measured (None: not measured yet):
         one stall from elsewhere on the machine does not move it."""
-        seen = self._forward_ms.get(key)
-        return statistics.median(seen) if seen else None
+        return self._times.estimate_ms(key)
 
     def _runs_inline(self, key: tuple[str, int]) -> bool:
-        est = self.forward_estimate_ms(key)
+        est = self._times.estimate_ms(key)
         return est is not None and est <= self.inline_forward_ms
 
-    def _note_forward(self, key: tuple[str, int], ms: float) -> None:
-        seen = self._forward_ms.get(key)
-        if seen is None:
-            if len(self._forward_ms) >= 1024:  # bounded: many schemas seen
-                self._forward_ms.clear()
-            seen = self._forward_ms[key] = deque(maxlen=9)
-        seen.append(ms)
-
-    async def _call(
-        self, fn: Callable[[Sequence[Pending]], tuple[list[_Outcome], float]],
-        items: Sequence[Pending], inline: bool,
-    ) -> tuple[tuple[list[_Outcome], float], float]:
-        """``fn(items)`` on the event loop or on the forward thread, and its wall time (ms)
-        where it ran (the hop to the thread and back not counted)."""
-
-        def timed() -> tuple[tuple[list[_Outcome], float], float]:
-            t0 = time.perf_counter()
-            out = fn(items)
-            return out, (time.perf_counter() - t0) * 1e3
-
-        if inline:
-            return timed()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.instance}-forward")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
-
-    async def _run_batch(self, items: list[Pending]) -> None:
-        batch_id = f"{self.instance}-{next(self._batch_ids)}"
-        rows = sum(p.batch.batch_size for p in items)
-        started = time.perf_counter()
-        wall_start = time.time()
-        cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
+    async def _forward(
+        self, items: list[Pending], rows: int, batch_id: str
+    ) -> tuple[list[Outcome], float, bool, bool]:
+        """The batch's shared forward (inline when its size is known short), or one
+        forward per request if that fails: (outcomes, forward ms, inline, fallback)."""
+        fkey = ForwardTimes.key(items, rows)
+        inline = self._runs_inline(fkey)
         # Only recorded (sampled) spans are linked: a link to a no-op span exports nothing.
         links = [trace.Link(p.span.get_span_context()) for p in items if p.span.is_recording()]
-        fkey = self._forward_key(items, rows)
-        inline = self._runs_inline(fkey)
         with tracing.tracer.start_as_current_span(
             "inference.batch",
             links=links,
             attributes={"joynexus.batch_id": batch_id, "joynexus.batch_size": len(items),
                         "joynexus.inline": inline},
         ):
-            fallback = False
             try:
-                (outcomes, forward_ms), took_ms = await self._call(
-                    self._forward_grouped, items, inline
+                (outcomes, forward_ms), took_ms = await self._thread.call(
+                    functools.partial(forward_grouped, self.backbone), items, inline
                 )
-                self._note_forward(fkey, took_ms)
+                self._times.note(fkey, took_ms)
+                return outcomes, forward_ms, inline, False
             except Exception as e:
                 log.warning(
                     "engine %s: shared forward of %s failed (%s); serving each request alone",
@@ -524,9 +367,19 @@ class InferenceEngine:
                     batch_id,
                     e,
                 )
-                fallback = True
                 self.stats.fallbacks += 1
-                (outcomes, forward_ms), _ = await self._call(self._forward_each, items, False)
+                (outcomes, forward_ms), _ = await self._thread.call(
+                    functools.partial(forward_each, self.backbone), items, False
+                )
+                return outcomes, forward_ms, inline, True
+
+    async def _run_batch(self, items: list[Pending]) -> None:
+        batch_id = f"{self.instance}-{next(self._batch_ids)}"
+        rows = sum(p.batch.batch_size for p in items)
+        started = time.perf_counter()
+        wall_start = time.time()
+        cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
+        outcomes, forward_ms, inline, fallback = await self._forward(items, rows, batch_id)
         wall_end, cpu_s = time.time(), time.process_time() - cpu_start
         self.stats.batches += 1
         self.stats.rows += rows
@@ -536,38 +389,9 @@ class InferenceEngine:
         info = BatchInfo(
             batch_id=batch_id, size=len(items), rows=rows, instance=self.instance, fallback=fallback
         )
-        tenant_rows: dict[str, int] = {}
-        tenant_requests: dict[str, int] = {}
-        for p in items:
-            t = p.req.tenant_id
-            tenant_rows[t] = tenant_rows.get(t, 0) + p.batch.batch_size
-            tenant_requests[t] = tenant_requests.get(t, 0) + 1
+        tenant_rows, tenant_requests = tally(items)
         try:
-            for p, out in zip(items, outcomes, strict=True):
-                p.span.set_attribute("joynexus.batch_id", batch_id)
-                p.answered = True
-                if out.error is not None or out.actions is None:
-                    await self._reply_error(
-                        p.request, out.error or RuntimeError("no actions"), p.span
-                    )
-                    continue
-                now = time.perf_counter()
-                result = InferResult(
-                    actions=TensorBytes.from_array(out.actions.detach().to(torch.float32).numpy()),
-                    policy_version=p.policy.record.version,
-                    batch=info,
-                    timings=InferTimings(
-                        queue_ms=round((started - p.enqueued) * 1e3, 3),
-                        forward_ms=round(forward_ms, 3),
-                        decode_ms=round(out.decode_ms, 3),
-                        total_ms=round((now - p.received) * 1e3, 3),
-                    ),
-                )
-                try:
-                    await self._respond(p.request, result, p.span)
-                finally:
-                    p.span.end()
-                    self._end()
+            await self._answer(items, outcomes, info, started=started, forward_ms=forward_ms)
         finally:
             # The busy interval is published after the replies: it is not on their path.
             await metrics.busy(
@@ -585,56 +409,23 @@ class InferenceEngine:
                 tenant_requests=tenant_requests,
             )
 
-    @staticmethod
-    def _decode(p: Pending, feats: TokenFeatures) -> _Outcome:
-        t0 = time.perf_counter()
-        try:
-            kw = {} if p.noise is None else {"noise": p.noise}
-            actions = p.policy.module.act(features_for(p.policy.module, feats), p.batch.state_B_S, **kw)
-            return _Outcome(actions=actions, decode_ms=(time.perf_counter() - t0) * 1e3)
-        except Exception as e:
-            return _Outcome(error=e)
-
-    def _forward_grouped(self, items: Sequence[Pending]) -> tuple[list[_Outcome], float]:
-        """ONE backbone forward over every request's rows, then each head on its own rows
-        (pooled features, or token features for heads that read tokens: one forward)."""
-        t0 = time.perf_counter()
-        shared = concat_batches([p.batch for p in items])
-        feats = self.backbone.encode_tokens(shared, tokens=needs_tokens([p.policy.module for p in items]))
-        forward_ms = (time.perf_counter() - t0) * 1e3
-        parts = feats.split(shared.slices)
-        return [self._decode(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
-
-    def _forward_each(self, items: Sequence[Pending]) -> tuple[list[_Outcome], float]:
-        """Fallback: one forward per request; a failure stays with its request."""
-        t0 = time.perf_counter()
-        outs = []
-        for p in items:
-            t1 = time.perf_counter()
+    async def _answer(
+        self, items: Sequence[Pending], outcomes: list[Outcome], info: BatchInfo, *,
+        started: float, forward_ms: float,
+    ) -> None:
+        """Each request its actions or its own error, in the batch's order."""
+        intake = self.intake
+        for p, out in zip(items, outcomes, strict=True):
+            p.span.set_attribute("joynexus.batch_id", info.batch_id)
+            p.answered = True
+            if out.error is not None or out.actions is None:
+                await intake.reply_error(p.request, out.error or RuntimeError("no actions"), p.span)
+                continue
+            result = result_of(
+                p, out, info, started=started, forward_ms=forward_ms, now=time.perf_counter()
+            )
             try:
-                req = ActRequest(p.policy.module, p.batch, p.noise)
-                (actions,) = serial_forward(self.backbone, [req])
-                outs.append(_Outcome(actions=actions, decode_ms=(time.perf_counter() - t1) * 1e3))
-            except Exception as e:
-                outs.append(_Outcome(error=e))
-        return outs, (time.perf_counter() - t0) * 1e3
-
-
-async def _drain_service(service: Any) -> None:
-    """Leave the queue group but answer what was already delivered.
-
-    nats-py's ``Service.stop()`` unsubscribes endpoints, which discards
-    messages already delivered to this client; draining the subscription
-    instead tells the server to stop routing here, then runs the handler for
-    every pending message. The control subjects ($SRV.*) are stopped after.
-    """
-    endpoints = list(getattr(service, "_endpoints", []))
-    for ep in endpoints:
-        sub = getattr(ep, "_subscription", None)
-        if sub is not None:
-            with contextlib.suppress(Exception):  # connection closed: nothing to drain
-                await sub.drain()
-            ep._subscription = None
-    service._endpoints = []
-    with contextlib.suppress(Exception):
-        await service.stop()
+                await intake.respond(p.request, result, p.span)
+            finally:
+                p.span.end()
+                intake.end()

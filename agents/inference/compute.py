@@ -1,0 +1,160 @@
+"""The engine's compute: ONE backbone forward over a batch's rows, each tenant's
+head on its own rows, the per-request fallback, and the replies' payloads.
+Torch only, no connection: the engine's loop (:mod:`.engine`) decides when and
+where (event loop or forward thread) these run; :class:`ForwardTimes` is what it
+decides "where" from. See docs/ARCHITECTURE.md ("The Inference Queue").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from joynexus.agents.inference.batcher import Pending
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.features import TokenFeatures, concat_batches
+from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
+from joynexus.schemas.inference import BatchInfo, InferResult, InferTimings, TensorBytes
+
+
+@dataclass
+class Outcome:
+    """One request's part of a batch: its actions, or the error that kept it from them."""
+
+    actions: torch.Tensor | None = None
+    error: Exception | None = None
+    decode_ms: float = 0.0
+
+
+#: What a forward function returns: each request's outcome, and the backbone's ms.
+Forward = Callable[[Sequence[Pending]], tuple[list[Outcome], float]]
+
+
+def decode_one(p: Pending, feats: TokenFeatures) -> Outcome:
+    """A tenant's head on its rows' features (its error stays with its request)."""
+    t0 = time.perf_counter()
+    try:
+        kw = {} if p.noise is None else {"noise": p.noise}
+        actions = p.policy.module.act(features_for(p.policy.module, feats), p.batch.state_B_S, **kw)
+        return Outcome(actions=actions, decode_ms=(time.perf_counter() - t0) * 1e3)
+    except Exception as e:
+        return Outcome(error=e)
+
+
+def forward_grouped(backbone: Backbone, items: Sequence[Pending]) -> tuple[list[Outcome], float]:
+    """ONE backbone forward over every request's rows, then each head on its own rows
+    (pooled features, or token features for heads that read tokens: one forward)."""
+    t0 = time.perf_counter()
+    shared = concat_batches([p.batch for p in items])
+    feats = backbone.encode_tokens(shared, tokens=needs_tokens([p.policy.module for p in items]))
+    forward_ms = (time.perf_counter() - t0) * 1e3
+    parts = feats.split(shared.slices)
+    return [decode_one(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
+
+
+def forward_each(backbone: Backbone, items: Sequence[Pending]) -> tuple[list[Outcome], float]:
+    """Fallback: one forward per request; a failure stays with its request."""
+    t0 = time.perf_counter()
+    outs = []
+    for p in items:
+        t1 = time.perf_counter()
+        try:
+            req = ActRequest(p.policy.module, p.batch, p.noise)
+            (actions,) = serial_forward(backbone, [req])
+            outs.append(Outcome(actions=actions, decode_ms=(time.perf_counter() - t1) * 1e3))
+        except Exception as e:
+            outs.append(Outcome(error=e))
+    return outs, (time.perf_counter() - t0) * 1e3
+
+
+def result_of(
+    p: Pending, out: Outcome, info: BatchInfo, *, started: float, forward_ms: float, now: float
+) -> InferResult:
+    """The reply to one request whose actions were decoded (times from perf_counter)."""
+    assert out.actions is not None
+    return InferResult(
+        actions=TensorBytes.from_array(out.actions.detach().to(torch.float32).numpy()),
+        policy_version=p.policy.record.version,
+        batch=info,
+        timings=InferTimings(
+            queue_ms=round((started - p.enqueued) * 1e3, 3),
+            forward_ms=round(forward_ms, 3),
+            decode_ms=round(out.decode_ms, 3),
+            total_ms=round((now - p.received) * 1e3, 3),
+        ),
+    )
+
+
+def tally(items: Sequence[Pending]) -> tuple[dict[str, int], dict[str, int]]:
+    """Rows and requests per tenant in a batch (usage metering splits its time by rows)."""
+    tenant_rows: dict[str, int] = {}
+    tenant_requests: dict[str, int] = {}
+    for p in items:
+        t = p.req.tenant_id
+        tenant_rows[t] = tenant_rows.get(t, 0) + p.batch.batch_size
+        tenant_requests[t] = tenant_requests.get(t, 0) + 1
+    return tenant_rows, tenant_requests
+
+
+class ForwardTimes:
+    """The last forward times measured (ms) by (backbone key, rows' power of two),
+    bounded; the median of a key's last ones is its estimate (one stall from
+    elsewhere on the machine does not move it)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], deque[float]] = {}
+
+    @staticmethod
+    def key(items: Sequence[Pending], rows: int) -> tuple[str, int]:
+        return (items[0].key, rows.bit_length())
+
+    def estimate_ms(self, key: tuple[str, int]) -> float | None:
+        """None: this size was not measured yet."""
+        seen = self.seen.get(key)
+        return statistics.median(seen) if seen else None
+
+    def note(self, key: tuple[str, int], ms: float) -> None:
+        seen = self.seen.get(key)
+        if seen is None:
+            if len(self.seen) >= 1024:  # bounded: many schemas seen
+                self.seen.clear()
+            seen = self.seen[key] = deque(maxlen=9)
+        seen.append(ms)
+
+
+class ForwardThread:
+    """One thread for an engine's long forwards (always the same OS thread, so torch's
+    intra-op pool is made once; a batch at a time, as the batcher runs them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def call(
+        self, fn: Forward, items: Sequence[Pending], inline: bool
+    ) -> tuple[tuple[list[Outcome], float], float]:
+        """``fn(items)`` on the event loop or on the thread, and its wall time (ms)
+        where it ran (the hop to the thread and back not counted)."""
+
+        def timed() -> tuple[tuple[list[Outcome], float], float]:
+            t0 = time.perf_counter()
+            out = fn(items)
+            return out, (time.perf_counter() - t0) * 1e3
+
+        if inline:
+            return timed()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-forward")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
