@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from joynexus.agents.actor_forward import (
-    VALUES_FIELD,
     extra_number,
     uses_actor_forward,
     uses_decisions,
@@ -26,7 +25,19 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import ShapeMismatch
 from joynexus.schemas.jobs import TrainingJob
+from joynexus.schemas.samples import (
+    ADVANTAGES_FIELD,
+    DONES_FIELD,
+    ENV_ID_FIELD,
+    RETURNS_FIELD,
+    REWARDS_FIELD,
+    STEP_FIELD,
+    SUCCESS_FIELD,
+    TERMINATED_FIELD,
+    VALUES_FIELD,
+)
 
+#: The stage's name (its task on the Training Queue rows), not the field it writes.
 TASK = "advantages"
 
 
@@ -144,7 +155,7 @@ class AdvantageAgent:
         self.worker = StageWorker(
             broker,
             SchedulerClient(broker, by=instance),
-            "advantages",
+            TASK,
             self.work,
             ack_wait_s=ack_wait_s,
         )
@@ -154,8 +165,9 @@ class AdvantageAgent:
         ends = uses_decisions(job)  # the service's rollouts: success and truncation known
         gamma = extra_number(job, "gamma", 1e-3, 1.0, self.gamma)
         lam = extra_number(job, "gae_lambda", 0.0, 1.0, self.lam)
-        fields = ["env_id", "step", "rewards", "dones", *([VALUES_FIELD] if critic else []),
-                  *(["success", "terminated"] if critic and ends else [])]
+        fields = [ENV_ID_FIELD, STEP_FIELD, REWARDS_FIELD, DONES_FIELD,
+                  *([VALUES_FIELD] if critic else []),
+                  *([SUCCESS_FIELD, TERMINATED_FIELD] if critic and ends else [])]
         meta = await self.tq.async_get_meta(
             fields,
             job.sample_count or 1 << 30,
@@ -167,7 +179,7 @@ class AdvantageAgent:
             return None  # a redelivery after a crash: this task already claimed the rows
         data = await self.tq.async_get_data(meta)
         e_idx, rewards, dones = to_trajectories(
-            data["env_id"], data["step"], data["rewards"], data["dones"]
+            data[ENV_ID_FIELD], data[STEP_FIELD], data[REWARDS_FIELD], data[DONES_FIELD]
         )
         if job.metadata.extra.get("advantage") == "grpo":
             # Each env's trajectory is one sample of the group; its return, relative
@@ -175,11 +187,11 @@ class AdvantageAgent:
             ret = np.repeat(rewards.sum(axis=1, keepdims=True), rewards.shape[1], axis=1)
             adv = np.repeat(group_relative(rewards.sum(axis=1))[:, None], rewards.shape[1], axis=1)
         elif critic:
-            (values,) = to_trajectories(data["env_id"], data["step"], data[VALUES_FIELD])[1:]
+            (values,) = to_trajectories(data[ENV_ID_FIELD], data[STEP_FIELD], data[VALUES_FIELD])[1:]
             done_v = None
             if ends:
                 success, terminated = to_trajectories(
-                    data["env_id"], data["step"], data["success"], data["terminated"]
+                    data[ENV_ID_FIELD], data[STEP_FIELD], data[SUCCESS_FIELD], data[TERMINATED_FIELD]
                 )[1:]
                 done_v = done_values(rewards, values, success, terminated, gamma=gamma)
             adv, ret = gae(
@@ -188,9 +200,9 @@ class AdvantageAgent:
             )
         else:
             adv, ret = gae(rewards, np.zeros_like(rewards), dones, gamma=gamma, lam=lam)
-        step = data["step"].astype(np.int64)
+        step = data[STEP_FIELD].astype(np.int64)
         await self.tq.async_put(
-            {"advantages": adv[e_idx, step], "returns": ret[e_idx, step]},
+            {ADVANTAGES_FIELD: adv[e_idx, step], RETURNS_FIELD: ret[e_idx, step]},
             tenant_id=job.tenant_id,
             metadata=meta,
         )

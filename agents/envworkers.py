@@ -62,12 +62,7 @@ from opentelemetry import trace
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import (
-    ACTIONS_FIELD,
-    DECISION_FIELD,
     EXPLORATION_STD,
-    OBS_IMAGES,
-    OBS_STATE,
-    STATE_FIELD,
     chunk_targets,
     decision_lengths,
     watch_workloads,
@@ -78,7 +73,23 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import JoyNexusError
-from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob
+from joynexus.schemas.samples import (
+    ACTIONS_FIELD,
+    CHUNK_STEP_FIELD,
+    DECISION_FIELD,
+    DONES_FIELD,
+    ENV_ID_FIELD,
+    EPISODE_INDEX_FIELD,
+    EXECUTED_ACTION_FIELD,
+    FRAME_INDEX_FIELD,
+    OBS_IMAGES,
+    OBS_STATE,
+    REWARDS_FIELD,
+    STATE_FIELD,
+    STEP_FIELD,
+    SUCCESS_FIELD,
+)
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
@@ -129,6 +140,29 @@ def _workers_wanted(rec: WorkloadRecord) -> int:
 
 class _Stopped(Exception):
     """Raised at the policy call of a rollout whose producer was told to stop."""
+
+
+#: Wait between refused reserves: from the first, doubling to the last (seconds).
+RESERVE_BACKOFF_S = (0.05, 1.0)
+
+
+def next_backoff(wait_s: float) -> float:
+    """The wait after another refused reserve."""
+    return min(wait_s * 2, RESERVE_BACKOFF_S[1])
+
+
+def asks_if_done(until_done: bool, refusal: str) -> bool:
+    """Does a refused reserve call for the completion check (the scheduler refused
+    for the workload's completion target, and the caller stops once it is met)?"""
+    return until_done and "completion target" in refusal
+
+
+def after_rollout(job: TrainingJob) -> JobState:
+    """Where a job goes once its rows are on the Training Queue: through the
+    actor_forward stage when its route says so, else to the advantage stage."""
+    if job.metadata.extra.get("actor_forward") == "1":
+        return JobState.NEEDS_ACTOR_FORWARD
+    return JobState.NEEDS_ADVANTAGES
 
 
 class RLProducer:
@@ -182,12 +216,39 @@ class RLProducer:
     async def run(self, stop: asyncio.Event, *, until_done: bool = False) -> bool:
         """Produce until ``stop``; with ``until_done`` return True once the workload's
         completion target is reached and that many jobs completed."""
-        from joynexus.agents.envs.registry import make_env
-
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
         await self._fail_orphans()
         own_env = self.env is None
-        env = self.env or await asyncio.to_thread(
+        env = self.env or await self._make_env(schema)
+        backoff = RESERVE_BACKOFF_S[0]
+        try:
+            while not stop.is_set():
+                version = (await self.policies.latest(self.tenant, self.spec.name)).version
+                span, job = await self._reserve(schema, instruction, version)
+                if job is None:
+                    span.end()
+                    if asks_if_done(until_done, self.sched.last_refusal):
+                        if await self._target_completed():
+                            self.done = True
+                            return True
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), backoff)
+                    backoff = next_backoff(backoff)
+                    continue
+                backoff = RESERVE_BACKOFF_S[0]
+                with trace.use_span(span, end_on_exit=True):
+                    span.set_attribute("job_id", job.job_id)
+                    if not await self._produce(job, env, schema, instruction, version, stop):
+                        break
+        finally:
+            if own_env:
+                await asyncio.to_thread(env.close)
+        return False
+
+    async def _make_env(self, schema: Any) -> Any:
+        from joynexus.agents.envs.registry import make_env
+
+        return await asyncio.to_thread(
             make_env,
             self.spec.env,
             obs="rgb",
@@ -198,79 +259,71 @@ class RLProducer:
             cameras=schema.camera_slots,
             state_keys=getattr(schema, "state_keys", ()) or self.spec.state or None,
         )
-        backoff = 0.05
+
+    async def _reserve(
+        self, schema: Any, instruction: str, version: int
+    ) -> tuple[trace.Span, TrainingJob | None]:
+        """A job for one rollout of ``version`` (None: refused), with its trace's root
+        span (the caller ends it)."""
+        span, traceparent = tracing.start_job_trace(
+            "rl.job", tenant=self.tenant, workload=self.spec.name, behavior_version=version
+        )
+        with trace.use_span(span, end_on_exit=False):
+            job = await self.sched.reserve(
+                self.tenant,
+                "rl",
+                policy_key=self.spec.name,
+                domain=self.spec.env,
+                sample_count=self.spec.num_envs * self.spec.horizon,
+                behavior_policy_version=version,
+                metadata=JobMetadata(
+                    schema_signature=schema.signature(),
+                    extra={
+                        "instruction": instruction,
+                        "advantage": self.spec.advantage,
+                        "traceparent": traceparent,
+                        "producer": self.instance,
+                        **await self._route_extra(),
+                    },
+                ),
+            )
+        return span, job
+
+    async def _produce(
+        self,
+        job: TrainingJob,
+        env: Any,
+        schema: Any,
+        instruction: str,
+        version: int,
+        stop: asyncio.Event,
+    ) -> bool:
+        """Roll out for ``job``, put its rows, hand it on; False once stopped mid-rollout
+        (the job failed). A tenant-caused error fails this job only."""
+        await self.sched.mark(job.job_id, JobState.PRODUCING)
         try:
-            while not stop.is_set():
-                version = (await self.policies.latest(self.tenant, self.spec.name)).version
-                span, traceparent = tracing.start_job_trace(
-                    "rl.job", tenant=self.tenant, workload=self.spec.name, behavior_version=version
-                )
-                with trace.use_span(span, end_on_exit=False):
-                    job = await self.sched.reserve(
-                        self.tenant,
-                        "rl",
-                        policy_key=self.spec.name,
-                        domain=self.spec.env,
-                        sample_count=self.spec.num_envs * self.spec.horizon,
-                        behavior_policy_version=version,
-                        metadata=JobMetadata(
-                            schema_signature=schema.signature(),
-                            extra={
-                                "instruction": instruction,
-                                "advantage": self.spec.advantage,
-                                "traceparent": traceparent,
-                                "producer": self.instance,
-                                **await self._route_extra(),
-                            },
-                        ),
-                    )
-                if job is None:
-                    span.end()
-                    if until_done and "completion target" in self.sched.last_refusal:
-                        if await self._target_completed():
-                            self.done = True
-                            return True
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), backoff)
-                    backoff = min(backoff * 2, 1.0)
-                    continue
-                backoff = 0.05
-                with trace.use_span(span, end_on_exit=True):
-                    span.set_attribute("job_id", job.job_id)
-                    await self.sched.mark(job.job_id, JobState.PRODUCING)
-                    try:
-                        t0 = time.time()
-                        try:
-                            data = await self._rollout(env, schema, instruction, version, stop)
-                        except _Stopped:  # between two steps: no simulator step runs now
-                            await self.sched.fail(job.job_id, "producer stopped mid-rollout")
-                            break
-                        await metrics.busy(
-                            self.b,
-                            "env",
-                            t0,
-                            time.time(),
-                            instance=self.instance,
-                            workload=self.spec.name,
-                            tenant=self.tenant,
-                            steps=len(data[STATE_FIELD]),
-                        )
-                        await self.tq.async_put(
-                            data, tenant_id=self.tenant, partition_id=job.partition_id
-                        )
-                        await self.sched.mark(
-                            job.job_id,
-                            JobState.NEEDS_ACTOR_FORWARD
-                            if job.metadata.extra.get("actor_forward") == "1"
-                            else JobState.NEEDS_ADVANTAGES,
-                            sample_count=len(data[STATE_FIELD]),
-                        )
-                    except JoyNexusError as e:
-                        await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
-        finally:
-            if own_env:
-                await asyncio.to_thread(env.close)
-        return False
+            t0 = time.time()
+            try:
+                data = await self._rollout(env, schema, instruction, version, stop)
+            except _Stopped:  # between two steps: no simulator step runs now
+                await self.sched.fail(job.job_id, "producer stopped mid-rollout")
+                return False
+            rows = len(data[STATE_FIELD])
+            await metrics.busy(
+                self.b,
+                "env",
+                t0,
+                time.time(),
+                instance=self.instance,
+                workload=self.spec.name,
+                tenant=self.tenant,
+                steps=rows,
+            )
+            await self.tq.async_put(data, tenant_id=self.tenant, partition_id=job.partition_id)
+            await self.sched.mark(job.job_id, after_rollout(job), sample_count=rows)
+        except JoyNexusError as e:
+            await self.sched.fail(job.job_id, f"rl producer: {type(e).__name__}: {e}")
+        return True
 
     async def _route_extra(self) -> dict[str, str]:
         """Job metadata of the route: through actor_forward when the head is Gaussian,
@@ -365,23 +418,27 @@ class RLProducer:
             "learning",
             self.tenant,
             workload=self.spec.name,
-            rollout_success=float(out["success"].mean()),
+            rollout_success=float(out[SUCCESS_FIELD].mean()),
             # episodes that ended in the rollout, and how many of them succeeded
-            episodes_ended=int(out["dones"].sum()),
-            episodes_succeeded=int((out["success"] & out["dones"]).sum()),
+            episodes_ended=int(out[DONES_FIELD].sum()),
+            episodes_succeeded=int((out[SUCCESS_FIELD] & out[DONES_FIELD]).sum()),
             behavior_version=version,
-            mean_reward=float(out["rewards"].mean()),
+            mean_reward=float(out[REWARDS_FIELD].mean()),
         )
-        # Learn the chunk of actions executed from each step on (the head predicts chunks).
+        # Learn the chunk of actions executed from each step on (the head predicts
+        # chunks): the executed action [M, A] becomes the chunk [M, H, A] and is not
+        # put itself (one name, one shape: schemas/samples.py's FIELDS).
         out[ACTIONS_FIELD] = chunk_targets(
-            out["actions"],
-            out["env_id"],
-            out["episode_index"],
-            out["frame_index"],
+            out.pop(EXECUTED_ACTION_FIELD),
+            out[ENV_ID_FIELD],
+            out[EPISODE_INDEX_FIELD],
+            out[FRAME_INDEX_FIELD],
             schema.action_horizon,
         )
         # Where the policy decided, and how much of its chunk ran (the PPO sample).
-        out[DECISION_FIELD] = decision_lengths(out["chunk_step"], out["env_id"], out["step"])
+        out[DECISION_FIELD] = decision_lengths(
+            out[CHUNK_STEP_FIELD], out[ENV_ID_FIELD], out[STEP_FIELD]
+        )
         return out
 
 

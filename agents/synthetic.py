@@ -24,7 +24,15 @@ from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.jobs import JobState, TaskType, TrainingJob
+from joynexus.schemas.samples import (
+    SYN_ACTIONS_FIELD,
+    SYN_ADVANTAGES_FIELD,
+    SYN_OBS_FIELD,
+    SYN_REWARDS_FIELD,
+    SYN_VALUES_FIELD,
+)
 
+#: Stage names (the advantage stage's, the actor's read), not fields.
 ADVANTAGES_TASK = "advantages"
 ACTOR_TASK = "actor"
 
@@ -98,19 +106,19 @@ class SyntheticPipeline:
     def _rollout(self, task_type: TaskType) -> dict[str, np.ndarray]:
         b, t = self.samples, self.horizon
         data = {
-            "obs": self.rng.standard_normal((b, t, self.obs_dim), dtype=np.float32),
-            "actions": self.rng.standard_normal((b, t, 4), dtype=np.float32),
+            SYN_OBS_FIELD: self.rng.standard_normal((b, t, self.obs_dim), dtype=np.float32),
+            SYN_ACTIONS_FIELD: self.rng.standard_normal((b, t, 4), dtype=np.float32),
         }
         if task_type == "rl":
-            data["rewards"] = self.rng.random((b, t), dtype=np.float32)
-            data["values"] = self.rng.random((b, t), dtype=np.float32)
+            data[SYN_REWARDS_FIELD] = self.rng.random((b, t), dtype=np.float32)
+            data[SYN_VALUES_FIELD] = self.rng.random((b, t), dtype=np.float32)
         return data
 
     async def advantage_work(self, job: TrainingJob) -> int | None:
         if not self.with_data:
             return None
         meta = await self.tq.async_get_meta(
-            ["rewards", "values"],
+            [SYN_REWARDS_FIELD, SYN_VALUES_FIELD],
             job.sample_count,
             tenant_id=job.tenant_id,
             partition_id=job.partition_id,
@@ -118,9 +126,9 @@ class SyntheticPipeline:
         )
         if meta.rows:
             data = await self.tq.async_get_data(meta)
-            adv_B_T, _ = gae(data["rewards"], data["values"])
+            adv_B_T, _ = gae(data[SYN_REWARDS_FIELD], data[SYN_VALUES_FIELD])
             await self.tq.async_put(
-                {"advantages": adv_B_T},
+                {SYN_ADVANTAGES_FIELD: adv_B_T},
                 tenant_id=job.tenant_id,
                 metadata=meta,
             )
@@ -128,7 +136,7 @@ class SyntheticPipeline:
 
     def stage_worker(self, name: str = "0") -> StageWorker:
         return StageWorker(
-            self.b, self.client(f"advantage-{name}"), "advantages", self.advantage_work, batch=32
+            self.b, self.client(f"advantage-{name}"), ADVANTAGES_TASK, self.advantage_work, batch=32
         )
 
     async def actor(self, *, stop: asyncio.Event, name: str = "0") -> None:
@@ -138,7 +146,9 @@ class SyntheticPipeline:
             if job is None:
                 continue
             if self.with_data:
-                fields = ["obs", "actions"] + (["advantages"] if job.task_type == "rl" else [])
+                fields = [SYN_OBS_FIELD, SYN_ACTIONS_FIELD] + (
+                    [SYN_ADVANTAGES_FIELD] if job.task_type == "rl" else []
+                )
                 meta = await self.tq.async_get_meta(
                     fields,
                     job.sample_count,

@@ -45,6 +45,7 @@ from joynexus.schemas.errors import (
 )
 from joynexus.schemas.inference import PolicyRecord, TensorBytes, encode_msgpack
 from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
+from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, REQUIRED, STATE_FIELD
 from joynexus.schemas.workloads import (
     CONTENT_TYPE,
     MSGPACK,
@@ -63,9 +64,11 @@ from joynexus.schemas.workloads import (
 
 T = TypeVar("T")
 
-SFT_FIELDS = ("obs_state", "actions")
-RL_FIELDS = ("obs_state", "actions", "env_id", "step", "rewards", "dones")
-IMAGE_PREFIX = "obs_image_"
+#: The fields each task type's batch needs besides the images (the table:
+#: schemas/samples.py's FIELDS and REQUIRED).
+SFT_FIELDS = REQUIRED["sft"]
+RL_FIELDS = REQUIRED["rl"]
+IMAGE_PREFIX = IMAGE_FIELD_PREFIX
 #: Raw bytes per put_data request at most (msgpack, under 3/4 of max_payload).
 PUT_CHUNK_BYTES = 6 * 1024 * 1024
 #: How long one read_events request waits for new events.
@@ -371,8 +374,11 @@ class Client:
     ) -> asyncio.Future[TrainingJob]:
         """Hand a rollout from an environment you run yourself to a ``source="tenant"``
         RL workload: the SFT fields plus ``env_id`` and ``step`` int64 [M], ``rewards``
-        and ``dones`` float32 [M] (one row per env step). ``behavior_policy_version``
-        is the version whose actions you executed (staleness is judged by it)."""
+        and ``dones`` float32 [M] (one row per env step). ``actions`` is the chunk
+        [M, horizon, A] as in an SFT batch, never the executed action [M, A] (send
+        that, if at all, as ``action``); schemas/samples.py's FIELDS lists them all.
+        ``behavior_policy_version`` is the version whose actions you executed
+        (staleness is judged by it)."""
         return self._future(
             self._submit(
                 workload, rollout, RL_FIELDS, behavior_policy_version=behavior_policy_version
@@ -394,7 +400,7 @@ class Client:
             raise InvalidSpec(
                 f"batch lacks fields {missing}; it needs {IMAGE_PREFIX}<camera>, {', '.join(required)}"
             )
-        rows = len(data["obs_state"])
+        rows = len(data[STATE_FIELD])
         delay = 0.05
         while True:
             reply = await self._api(

@@ -484,7 +484,7 @@ async def test_rollout_as_a_service_and_tenant_submitted_batches(
     # The rollout's fields are Training Queue fields already; learn action chunks.
     data = dict(out)
     data["actions"] = chunk_targets(
-        out["actions"], out["env_id"], out["episode_index"], out["frame_index"], 2
+        data.pop("action"), out["env_id"], out["episode_index"], out["frame_index"], 2
     )
     job = await dana.submit_rollout("own", data, behavior_policy_version=v1)
     assert (

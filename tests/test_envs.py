@@ -119,7 +119,9 @@ async def test_rollout_batches_and_resets() -> None:
         assert isinstance(arr, np.ndarray) and arr.dtype != object, key
         assert arr.shape[0] == M, key
     assert out["obs_state"].shape == (M, 42) and out["obs_state"].dtype == np.float32
-    assert out["actions"].shape == (M, 4) and out["actions"].dtype == np.float32
+    # the executed action is "action" [M, A]; "actions" is the chunk learned from it
+    assert out["action"].shape == (M, 4) and out["action"].dtype == np.float32
+    assert "actions" not in out
     assert out["rewards"].shape == (M,) and out["success"].dtype == bool
     # env-major layout, frame counters restart after each episode
     assert (out["env_id"][:horizon] == 0).all() and (out["env_id"][horizon:] == 1).all()
@@ -158,7 +160,7 @@ async def test_rollout_rgb_with_action_chunks(broker: Broker) -> None:
     assert calls == 2  # executed open-loop: 6 steps / chunks of 3
     assert out["obs_image_render_camera"].shape == (12, 3, 32, 32)
     assert out["obs_image_base_camera"].dtype == np.uint8
-    assert out["actions"].shape == (12, 4) and out["obs_state"].shape == (12, 9)
+    assert out["action"].shape == (12, 4) and out["obs_state"].shape == (12, 9)
     # ready for a Training Queue put: the fields go in and come back bit-exact
     tq = TrainingQueue(broker)
     put = await tq.async_put(out, tenant_id="acme", partition_id="rollout1")

@@ -176,3 +176,34 @@ def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
     assert cfg.eval_every == 3 and PaperConfig.for_minutes(0.4).eval_every == 0
     rl = [p.spec for p in plans(cfg, "d") if p.spec.task_type == "rl"]
     assert rl and all(s.eval_every == 3 and s.eval_episodes == cfg.eval_episodes for s in rl)
+
+
+def test_the_rl_producers_decisions_around_a_reserve() -> None:
+    """RLProducer.run's pure steps: the backoff after refusals, when a refusal calls
+    for the completion check, and where a produced job goes next."""
+    from joynexus.agents.envworkers import (
+        RESERVE_BACKOFF_S,
+        after_rollout,
+        asks_if_done,
+        next_backoff,
+    )
+    from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob
+
+    waits = [RESERVE_BACKOFF_S[0]]
+    for _ in range(6):
+        waits.append(next_backoff(waits[-1]))
+    assert waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    refusal = "workload acme.pick reached its completion target (4 jobs)"
+    assert asks_if_done(True, refusal)
+    assert not asks_if_done(False, refusal)
+    assert not asks_if_done(True, "max_in_flight reached")
+
+    def job(extra: dict[str, str]) -> TrainingJob:
+        return TrainingJob(
+            job_id="j", tenant_id="acme", task_type="rl", policy_key="pick",
+            partition_id="p", metadata=JobMetadata(extra=extra),
+        )
+
+    assert after_rollout(job({"actor_forward": "1"})) is JobState.NEEDS_ACTOR_FORWARD
+    assert after_rollout(job({})) is JobState.NEEDS_ADVANTAGES
+    assert after_rollout(job({"actor_forward": "0"})) is JobState.NEEDS_ADVANTAGES

@@ -148,3 +148,134 @@ def test_every_name_is_written_in_its_home_only() -> None:
     )
     stale = sorted(set(KNOWN_EXCEPTIONS) - set(counts))
     assert not stale, f"these files no longer write such names: remove {stale} from KNOWN_EXCEPTIONS"
+
+
+# ---------------------------------------------------------------- Training Queue fields
+# The table of Training Queue fields (name, dtype, shape) is schemas/samples.py's
+# FIELDS; everything else imports the names. A string constant equal to a field
+# name (or starting with the image prefix) anywhere else fails, but for these.
+
+#: Where hostile or hand-made rows are built on purpose (benches, the isolation
+#: suite): literals are the point there.
+FIELD_LITERALS_OK = ("ops/bench_fencing.py", "ops/isolation/")
+#: (file, name): how many such literals the file may hold at most, and why. Move the
+#: name to an import and lower (or delete) the entry.
+FIELD_EXCEPTIONS: dict[tuple[str, str], int] = {
+    # "advantages" is also the advantage stage's name (scheduler stage, consumer, task)
+    ("agents/advantage.py", "advantages"): 1,
+    ("agents/stage.py", "advantages"): 1,
+    ("agents/synthetic.py", "advantages"): 1,
+    ("schemas/jobs.py", "advantages"): 1,
+    ("ops/roles.py", "advantages"): 1,
+    ("ops/plan_sim.py", "advantages"): 1,
+    ("ops/bench_scheduler.py", "advantages"): 1,
+    # other sessions' files when this was written (issue 16): they should import these
+    ("agents/actor_forward.py", "old_logp"): 1,
+    ("agents/actor_forward.py", "values"): 1,
+    ("agents/actor_decisions.py", "advantages"): 1,
+    ("agents/actor_decisions.py", "returns"): 1,
+    ("agents/models/heads.py", "old_logp"): 1,
+    ("agents/models/heads.py", "advantages"): 1,
+    ("agents/models/heads.py", "returns"): 1,
+    ("broker/inference_client.py", "actions"): 1,  # the reply's tensor, named as the chunk
+    # schemas/rows.py (the value checks of put_data) keeps its own copy of the names
+    **{("schemas/rows.py", n): k for n, k in (
+        ("actions", 1), ("advantages", 2), ("dones", 1), ("env_id", 1), ("episode_index", 1),
+        ("episode_seed", 1), ("frame_index", 1), ("obs_image_", 1), ("obs_state", 1),
+        ("returns", 2), ("rewards", 3), ("step", 1), ("success", 1), ("terminated", 1),
+        ("truncated", 1), ("values", 1),
+    )},
+    # the same words in other vocabularies: LeRobot's dataset columns, ManiSkill's
+    # info key, a torch optimizer's state
+    ("agents/envs/lerobot_data.py", "episode_index"): 2,
+    ("agents/envs/lerobot_data.py", "frame_index"): 2,
+    ("agents/envs/maniskill/env.py", "success"): 1,
+    ("ops/bench_faults.py", "step"): 1,
+}
+
+
+def _field_names() -> set[str]:
+    from joynexus.schemas.samples import EXECUTED_ACTION_FIELD, FIELDS
+
+    # "action" is LeRobot's key too (heads, datasets) and an audit record's field:
+    # not scanned (the table gives it one shape, [M, A]).
+    return {n for n in FIELDS if "<" not in n} - {EXECUTED_ACTION_FIELD}
+
+
+def field_literals(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every string constant in ``source`` that is a Training Queue
+    field name or starts with the image prefix (docstrings and ``__all__`` aside)."""
+    from joynexus.schemas.samples import IMAGE_FIELD_PREFIX
+
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets
+        ):
+            skip.update(id(c) for c in ast.walk(n.value))
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
+        and (n.value in names or n.value.startswith(IMAGE_FIELD_PREFIX))
+    ]
+
+
+def test_the_field_scan_sees_literals_and_not_imports() -> None:
+    src = '''
+"""Rewards and "actions" in prose are fine."""
+from joynexus.schemas.samples import ACTIONS_FIELD
+__all__ = ["step"]
+def f(out):
+    out[ACTIONS_FIELD] = out["actions"]
+    return out["obs_image_base_camera"], {"rewards": 1}, "action", "reward"
+'''
+    assert field_literals(src, _field_names()) == [(6, "actions"), (7, "obs_image_base_camera"), (7, "rewards")]
+
+
+def test_training_queue_field_names_are_written_in_schemas_samples_only() -> None:
+    names = _field_names()
+    counts: dict[tuple[str, str], list[str]] = {}
+    for top in PACKAGE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == "schemas/samples.py" or rel.startswith(FIELD_LITERALS_OK):
+                continue
+            for line, name in field_literals(path.read_text(), names):
+                counts.setdefault((rel, name), []).append(f"{rel}:{line}: {name!r}")
+    over = [
+        hit
+        for key, hits in sorted(counts.items())
+        if len(hits) > FIELD_EXCEPTIONS.get(key, 0)
+        for hit in hits
+    ]
+    assert not over, (
+        "Training Queue field names written outside schemas/samples.py: import them "
+        "from there (FIELDS is the table)\n" + "\n".join(over)
+    )
+
+
+def test_the_field_table_gives_each_name_one_shape() -> None:
+    import re
+
+    import numpy as np
+
+    from joynexus.schemas import samples as s
+
+    token = re.compile(r"^[a-z0-9_]{1,64}$")  # Training Queue fields are subject tokens
+    for name, f in s.FIELDS.items():
+        assert f.name == name and token.match(name.replace("<camera>", "cam")), name
+        assert set(f.dims) <= set(s.DIMS), name
+        np.dtype(f.dtype)  # a real dtype
+    # the executed action and the learned chunk: two names, two shapes
+    assert s.FIELDS[s.EXECUTED_ACTION_FIELD].dims == ("A",)
+    assert s.FIELDS[s.ACTIONS_FIELD].dims == ("H", "A")
+    assert s.EXECUTED_ACTION_FIELD != s.ACTIONS_FIELD
+    for task, required in s.REQUIRED.items():
+        assert set(required) <= set(s.FIELDS), task
+    assert set(s.REQUIRED["sft"]) < set(s.REQUIRED["rl"])
+    assert set(s.ROLLOUT_STEP_FIELDS) <= set(s.FIELDS)
+    sizes = s.dims_of(2, 4, 9, 3, (8, 6))
+    assert s.FIELDS[s.ACTIONS_FIELD].shape(sizes) == (2, 4)
+    assert s.image_shape(sizes) == (3, 8, 6)

@@ -30,7 +30,13 @@ from joynexus.schemas.identities import TenantIdentity, TenantRequest
 from joynexus.schemas.inference import FeatureSchemaSpec
 from joynexus.schemas.jobs import JobState, TrainingJob, check_name
 from joynexus.schemas.quotas import Quota
-from joynexus.schemas.samples import ACTIONS_FIELD, IMAGE_FIELD_PREFIX, STATE_FIELD
+from joynexus.schemas.samples import (
+    FIELDS,
+    IMAGE_FIELD_PREFIX,
+    SCHEMA_FIELDS,
+    dims_of,
+    image_shape,
+)
 from joynexus.schemas.workloads import (
     PutData,
     ReadEvents,
@@ -249,12 +255,12 @@ def check_tq_room(tenant: str, in_use: int, size: int, q: Quota) -> None:
 def check_rows(data: dict[str, Any], fs: FeatureSchemaSpec, workload: str) -> None:
     """Rows the tenant hands in must fit its workload's schema (else its jobs would
     fail at training time, far from the mistake)."""
-    h, w = fs.image_hw
+    # The per-row shapes of schemas/samples.py's FIELDS, sized by the workload's schema.
+    sizes = dims_of(fs.action_horizon, fs.action_dim, fs.state_dim, fs.channels, fs.image_hw)
     want: dict[str, tuple[int, ...]] = {
-        f"{IMAGE_FIELD_PREFIX}{slot}": (fs.channels, h, w) for slot in fs.camera_slots
+        f"{IMAGE_FIELD_PREFIX}{slot}": image_shape(sizes) for slot in fs.camera_slots
     }
-    want[STATE_FIELD] = (fs.state_dim,)
-    want[ACTIONS_FIELD] = (fs.action_horizon, fs.action_dim)
+    want.update({name: FIELDS[name].shape(sizes) for name in SCHEMA_FIELDS})
     for name, shape in want.items():
         arr = data.get(name)
         if arr is None:

@@ -18,7 +18,23 @@ import numpy as np
 from joynexus.agents.envs.maniskill.env import ManiSkillEnv
 from joynexus.agents.envs.maniskill.spec import TASK, ActFn, EnvSpec, ObsBatch
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
-from joynexus.schemas.samples import OBS_STATE, tq_field
+from joynexus.schemas.samples import (
+    CHUNK_STEP_FIELD,
+    DONES_FIELD,
+    ENV_ID_FIELD,
+    EPISODE_INDEX_FIELD,
+    EPISODE_SEED_FIELD,
+    EXECUTED_ACTION_FIELD,
+    FRAME_INDEX_FIELD,
+    OBS_STATE,
+    REWARDS_FIELD,
+    ROLLOUT_STEP_FIELDS,
+    STEP_FIELD,
+    SUCCESS_FIELD,
+    TERMINATED_FIELD,
+    TRUNCATED_FIELD,
+    tq_field,
+)
 
 
 def episode_seed(seed: int, env_index: int, episode: int) -> int:
@@ -48,20 +64,9 @@ def copy_obs(obs: ObsBatch) -> ObsBatch:
     return {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in obs.items()}
 
 
-STEP_FIELDS = (
-    "actions",
-    "rewards",
-    "dones",
-    "terminated",
-    "truncated",
-    "success",
-    "env_id",
-    "step",
-    "episode_index",
-    "frame_index",
-    "episode_seed",
-    "chunk_step",
-)
+#: The per-step columns ``rollout`` returns besides the observations (the table:
+#: schemas/samples.py's FIELDS; the executed action is ``action`` [M, A]).
+STEP_FIELDS = ROLLOUT_STEP_FIELDS
 
 
 def rollout_fields(spec: EnvSpec) -> tuple[str, ...]:
@@ -97,11 +102,14 @@ async def rollout(
 
     Returned arrays: numeric only, leading dimension M = N * horizon, env-major
     (sample m is env m // horizon at rollout step m % horizon), named as
-    Training Queue fields (lowercase, digits, "_"; see ``ROLLOUT_FIELDS``)
+    Training Queue fields (lowercase, digits, "_"; the table is
+    schemas/samples.py's FIELDS)
     and as the advantage agent reads them (env_id, step, rewards, dones):
         "obs_image_<cam>" uint8 [M, 3, H, W]  (obs="rgb"; one per camera slot)
         "obs_state"   float32 [M, S]   the observation the action was taken in
-        "actions"     float32 [M, A]   the action executed
+        "action"      float32 [M, A]   the action executed (LeRobot's key; the
+                                       Training Queue's "actions" is the chunk
+                                       [M, H, A] learned from it: chunk_targets)
         "rewards"     float32 [M]      reward of that step
         "dones", "terminated", "truncated", "success"  bool [M]   outcome of that
                                        step (dones = terminated | truncated)
@@ -143,18 +151,18 @@ async def rollout(
             done_N = res.terminated_N | res.truncated_N
             for key, fld in obs_fields.items():
                 cols[fld].append(obs[key])
-            cols["actions"].append(a_N_A)
-            cols["rewards"].append(res.reward_N)
-            cols["dones"].append(done_N)
-            cols["terminated"].append(res.terminated_N)
-            cols["truncated"].append(res.truncated_N)
-            cols["success"].append(res.success_N)
-            cols["env_id"].append(np.arange(N, dtype=np.int64))
-            cols["step"].append(np.full(N, t, dtype=np.int64))
-            cols["episode_index"].append(episode_N.copy())
-            cols["frame_index"].append(frame_N.copy())
-            cols["episode_seed"].append(seeds_N.copy())
-            cols["chunk_step"].append(np.full(N, h, dtype=np.int64))
+            cols[EXECUTED_ACTION_FIELD].append(a_N_A)
+            cols[REWARDS_FIELD].append(res.reward_N)
+            cols[DONES_FIELD].append(done_N)
+            cols[TERMINATED_FIELD].append(res.terminated_N)
+            cols[TRUNCATED_FIELD].append(res.truncated_N)
+            cols[SUCCESS_FIELD].append(res.success_N)
+            cols[ENV_ID_FIELD].append(np.arange(N, dtype=np.int64))
+            cols[STEP_FIELD].append(np.full(N, t, dtype=np.int64))
+            cols[EPISODE_INDEX_FIELD].append(episode_N.copy())
+            cols[FRAME_INDEX_FIELD].append(frame_N.copy())
+            cols[EPISODE_SEED_FIELD].append(seeds_N.copy())
+            cols[CHUNK_STEP_FIELD].append(np.full(N, h, dtype=np.int64))
             frame_N += 1
             obs = res.obs
             t += 1
