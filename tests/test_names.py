@@ -1,11 +1,13 @@
 """One home for every name on the wire (issue 16, item 2).
 
 Subjects of this namespace layout, the server's API subjects (``$KV.``, ``$JS.``,
-``$SRV.``, ``$O.``, inboxes), KV key prefixes, ``Nats-`` header names and the
-JetStream error codes the code decides on are written in their home modules
-only; everywhere else imports them. An AST scan of every string constant (and
-the literal parts of f-strings, a namespace read as ``jnx``) in the package
-finds one written anywhere else. Docstrings are prose and not scanned.
+``$SRV.``, ``$O.``, inboxes), KV key prefixes, stream and bucket names,
+``Nats-`` header names and the JetStream error codes the code decides on are
+written in their home modules only; everywhere else imports them. An AST scan
+of every string constant (and the literal parts of f-strings, a namespace read
+as ``jnx``) in the package finds one written anywhere else. Docstrings are prose
+and not scanned. Training Queue field names live in schemas/samples.py (its
+``FIELDS`` table): the last tests here find one written elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ KINDS: dict[str, re.Pattern[str]] = {
     # KV keys: heartbeats, supervisors, leases, assignments, cursors, versions, limits
     "kv-key": re.compile(r"^(hb|mgr|lease|env|cursor|version)\.|^_global\."),
     "header": re.compile(r"^Nats-"),
+    # a stream, bucket or store name built inline: f"{ns.upper()}_USAGE", "JNX_TQ"
+    "stream-name": re.compile(r"^(\{\}|JNX)_[A-Z]{2,}$"),
 }
 ERROR_CODES = {10071, 10164, 10058}
 
@@ -39,6 +43,7 @@ HOMES: dict[str, set[str]] = {
     "layout-subject": {"broker/subjects.py", "broker/layout.py"},
     "kv-key": {"broker/subjects.py"},
     "header": {"broker/headers.py"},
+    "stream-name": {"broker/subjects.py"},
     "error-code": {"broker/errcodes.py"},
 }
 
@@ -125,6 +130,16 @@ def f(b, ns, bucket, key):
     assert kinds == [
         ("error-code", 9), ("header", 8), ("kv-key", 10), ("layout-subject", 5),
         ("layout-subject", 6), ("layout-subject", 7), ("server-subject", 4), ("server-subject", 11),
+    ]
+
+
+def test_the_scan_sees_a_stream_name_built_inline() -> None:
+    src = '''
+def f(b):
+    return f"{b.names.namespace.upper()}_USAGE", "JNX_TQ", f"{b.names.namespace}_x", "A_B"
+'''
+    assert [(k, line, t) for k, line, t in scan(src)] == [
+        ("stream-name", 3, "{}_USAGE"), ("stream-name", 3, "JNX_TQ"),
     ]
 
 
