@@ -38,6 +38,24 @@ import numpy as np
 
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 from joynexus.schemas.inference import FeatureSchemaSpec
+from joynexus.schemas.samples import (
+    ACTIONS_FIELD,
+    ADVANTAGES_FIELD,
+    DONES_FIELD,
+    ENV_ID_FIELD,
+    EPISODE_INDEX_FIELD,
+    EPISODE_SEED_FIELD,
+    FRAME_INDEX_FIELD,
+    IMAGE_FIELD_PREFIX,
+    RETURNS_FIELD,
+    REWARDS_FIELD,
+    STATE_FIELD,
+    STEP_FIELD,
+    SUCCESS_FIELD,
+    TERMINATED_FIELD,
+    TRUNCATED_FIELD,
+    VALUES_FIELD,
+)
 
 __all__ = [
     "ACTION_LIMIT",
@@ -50,9 +68,7 @@ __all__ = [
     "check_values",
 ]
 
-IMAGE_PREFIX = "obs_image_"
-STATE_FIELD = "obs_state"
-ACTIONS_FIELD = "actions"
+IMAGE_PREFIX = IMAGE_FIELD_PREFIX
 
 #: Rows one ``put_data`` call may carry. The SDK sends a batch in requests under
 #: the payload limit (a few thousand rows of the smallest images), so this is
@@ -73,24 +89,24 @@ VALUE_LIMIT = 1e6
 #: Non-negative indices (env, rollout step, episode, frame).
 INDEX_LIMIT = 1 << 31
 
-FLAG_FIELDS: tuple[str, ...] = ("dones", "terminated", "truncated", "success")
-INDEX_FIELDS: tuple[str, ...] = ("env_id", "step", "episode_index", "frame_index")
-INT_FIELDS: tuple[str, ...] = ("episode_seed",)
+FLAG_FIELDS: tuple[str, ...] = (DONES_FIELD, TERMINATED_FIELD, TRUNCATED_FIELD, SUCCESS_FIELD)
+INDEX_FIELDS: tuple[str, ...] = (ENV_ID_FIELD, STEP_FIELD, EPISODE_INDEX_FIELD, FRAME_INDEX_FIELD)
+INT_FIELDS: tuple[str, ...] = (EPISODE_SEED_FIELD,)
 #: Float fields, their bound and a word on what the bound is for.
 BOUNDED: dict[str, tuple[float, str]] = {
     STATE_FIELD: (STATE_LIMIT, "robot state"),
     ACTIONS_FIELD: (ACTION_LIMIT, "actions are normalized to [-1, 1]"),
-    "rewards": (REWARD_LIMIT, "per-step rewards"),
-    "advantages": (VALUE_LIMIT, "advantages"),
-    "returns": (VALUE_LIMIT, "returns"),
-    "values": (VALUE_LIMIT, "value estimates"),
+    REWARDS_FIELD: (REWARD_LIMIT, "per-step rewards"),
+    ADVANTAGES_FIELD: (VALUE_LIMIT, "advantages"),
+    RETURNS_FIELD: (VALUE_LIMIT, "returns"),
+    VALUES_FIELD: (VALUE_LIMIT, "value estimates"),
     "log_probs": (VALUE_LIMIT, "log-probabilities"),
     "logprobs": (VALUE_LIMIT, "log-probabilities"),
     "old_log_probs": (VALUE_LIMIT, "log-probabilities"),
 }
 #: Per-row scalar fields of a rollout: [B].
-SCALAR_FIELDS: frozenset[str] = frozenset({*FLAG_FIELDS, *INDEX_FIELDS, *INT_FIELDS, "rewards"})
-_INT_FIELDS_OK_FOR_FLOAT = frozenset({"rewards"})
+SCALAR_FIELDS: frozenset[str] = frozenset({*FLAG_FIELDS, *INDEX_FIELDS, *INT_FIELDS, REWARDS_FIELD})
+_INT_FIELDS_OK_FOR_FLOAT = frozenset({REWARDS_FIELD})
 
 
 def _where(mask: np.ndarray) -> str:
