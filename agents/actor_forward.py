@@ -29,11 +29,11 @@ from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
-from joynexus.agents.workloads import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import TrainingJob
+from joynexus.schemas.samples import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 
 STAGE = "actor_forward"
 OLD_LOGP_FIELD = "old_logp"
