@@ -1,0 +1,169 @@
+"""Role ``env-worker``: a worker process that warms up, then runs an
+:class:`~joynexus.agents.envworkers.producer.RLProducer` for whatever its
+assignment names."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import msgspec
+
+from joynexus.agents.envworkers.assign import ENV_ROLE, THREADS_ENV, Assignment, assignment_key
+from joynexus.agents.envworkers.producer import RLProducer
+from joynexus.broker import metrics
+from joynexus.broker.connection import Broker
+from joynexus.schemas.base import decode
+from joynexus.schemas.workloads import WorkloadRecord
+
+log = logging.getLogger(__name__)
+
+
+def _die_hard_with_parent() -> None:
+    """SIGKILL this worker when its supervisor dies (not SIGTERM: a worker stopping
+    gracefully without its supervisor could outlive it; the next supervisor fails
+    the jobs it left)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the supervisor died before that
+        os._exit(1)
+
+
+async def warm_up() -> None:
+    """Start the CPU renderer (the first rgb env of a process: 15-30 s here)."""
+    from joynexus.agents.envs.maniskill import make_env
+
+    env = await asyncio.to_thread(make_env, "PickCube-v1", obs="rgb", num_envs=1, image_size=64)
+    await asyncio.to_thread(env.reset, 0)
+    await asyncio.to_thread(env.close)
+
+
+class EnvWorker:
+    """Role ``env-worker``: rollouts of the workload its assignment names."""
+
+    def __init__(self, broker: Broker, *, instance: str) -> None:
+        self.b = broker
+        self.instance = instance
+        self.assignment = Assignment()
+        self.changed = asyncio.Event()
+
+    async def _watch(self, kv: Any) -> None:
+        key = assignment_key(self.instance)
+        while True:
+            try:
+                watcher = await kv.watch(key)
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5.0)
+                    except Exception:  # nothing new
+                        continue
+                    if entry is None:
+                        continue
+                    a = Assignment()
+                    if entry.value and entry.operation not in ("DEL", "PURGE"):
+                        with contextlib.suppress(msgspec.DecodeError):
+                            a = msgspec.json.decode(entry.value, type=Assignment)
+                    if a.workload != self.assignment.workload:
+                        self.assignment = a
+                        self.changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the server went away: watch again
+                log.debug("assignment watch failed: %s", e)
+                await asyncio.sleep(1.0)
+
+    async def _fail_own_orphans(self, health: Any, workloads: Any) -> None:
+        """A restarted worker first frees the admission slots its previous incarnation
+        held (before the slow warm-up)."""
+        try:
+            a = msgspec.json.decode(
+                (await health.get(assignment_key(self.instance))).value, type=Assignment
+            )
+        except Exception:  # no assignment yet: nothing left behind
+            return
+        # Also the workload it served before: taken off it (a cancel) and killed before
+        # it failed its own job, the job would stay producing.
+        for key in dict.fromkeys(k for k in (a.workload, a.previous) if k):
+            with contextlib.suppress(Exception):
+                rec = decode((await workloads.get(key)).value, WorkloadRecord)
+                await RLProducer(
+                    self.b, rec, instance=self.instance, own_orphans_only=True
+                )._fail_orphans()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        _die_hard_with_parent()
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get(THREADS_ENV, "1"))))
+        health = await self.b.js.key_value(self.b.names.health_bucket)
+        workloads = await self.b.js.key_value(self.b.names.workloads_bucket)
+        await self._fail_own_orphans(health, workloads)
+        await warm_up()
+        await metrics.emit(
+            self.b, "system", service=ENV_ROLE, ready=True, instance=self.instance
+        )
+        watch = asyncio.create_task(self._watch(health))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                self.changed.clear()
+                key = self.assignment.workload
+                if key:
+                    await self._serve(key, workloads, stop)
+                if stop.is_set():
+                    break
+                waiter = asyncio.create_task(self.changed.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+        finally:
+            watch.cancel()
+            stopper.cancel()
+            await asyncio.gather(watch, stopper, return_exceptions=True)
+
+    async def _serve(self, key: str, workloads: Any, stop: asyncio.Event) -> None:
+        """Run the producer of workload ``key`` until the assignment changes, ``stop``,
+        or the workload is done (reported, then wait for the next assignment)."""
+        try:
+            rec = decode((await workloads.get(key)).value, WorkloadRecord)
+        except Exception as e:
+            log.warning("%s: workload %s unreadable: %s", self.instance, key, e)
+            return
+        if rec.state != "active" or rec.spec.task_type != "rl":
+            return
+        spec = rec.spec
+        local = asyncio.Event()
+
+        async def relay() -> None:
+            waiter = asyncio.create_task(self.changed.wait())
+            stopper = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                stopper.cancel()
+            local.set()
+
+        relay_task = asyncio.create_task(relay())
+        log.info("%s: rollouts of %s (%s)", self.instance, key, spec.env)
+        try:
+            producer = RLProducer(self.b, rec, instance=self.instance, own_orphans_only=True)
+            if await producer.run(local, until_done=True):
+                await metrics.emit(
+                    self.b,
+                    "system",
+                    service=ENV_ROLE,
+                    event="workload_done",
+                    instance=self.instance,
+                    workload=key,
+                )
+                log.info("%s: %s is done", self.instance, key)
+        finally:
+            relay_task.cancel()
+            with contextlib.suppress(BaseException):
+                await relay_task
