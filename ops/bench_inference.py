@@ -27,7 +27,10 @@
   the same two connections in the same rounds answered at once with a reply of the
   engine's size; ``rr_overhead_over_echo_p50_ms``: the round trip minus (in-process
   call + echo), paired by round: what the service adds beyond the broker's own
-  round trip. ``rr_overhead.<arm>_outside_engine_*``
+  round trip. ``echo_work`` (``rr_overhead_over_echo_work_p50_ms``): the same echo whose
+  responder first runs the in-process call, so its forward and reply leave from the
+  engine's state (after an idle gap, after a forward); the round trip minus it is the
+  service's code alone. ``rr_overhead.<arm>_outside_engine_*``
   (round trip - the engine's receipt-to-reply time) and ``<arm>_engine_plumbing_*``
   (receipt-to-reply - forward - head) split the overhead into parts the forward's own
   variance does not blur.
@@ -213,14 +216,25 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def _answer(msg: Any) -> None:
         await b_fast.respond(msg, echo_reply)
 
-    echo_sub = await b.nc.subscribe(echo_subject, cb=_answer)
-    await fastpath.settle(b.nc)
     obs = _obs(0)
 
     def inproc() -> None:
         fb = canonicalize_request(schema, {k: torch.from_numpy(v) for k, v in obs["images"].items()},
                                   obs["instruction"], obs["state"])
         mod.act(bb.encode(fb), fb.state_B_S)
+
+    # The same floor around the same work: this responder runs the in-process call before it
+    # answers, so its forward follows the request's idle gap and its reply follows a forward,
+    # as the engine's do (the inproc arm's forward follows another forward within ~0.5 ms:
+    # warm caches, 0.2-0.3 ms faster; a reply sent after 5 ms of compute costs 0.2-0.3 ms
+    # more to send and to arrive than the back-to-back echo's).
+    async def _answer_after_work(msg: Any) -> None:
+        inproc()
+        await b_fast.respond(msg, echo_reply)
+
+    echo_sub = await b.nc.subscribe(echo_subject, cb=_answer)
+    work_sub = await b.nc.subscribe(echo_subject + "_work", cb=_answer_after_work)
+    await fastpath.settle(b.nc)
 
     async def local() -> None:
         inproc()
@@ -240,6 +254,9 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     async def echo() -> None:
         await own_fast.request(echo_subject, echo_payload, timeout=10)
 
+    async def echo_work() -> None:
+        await own_fast.request(echo_subject + "_work", echo_payload, timeout=10)
+
     async def remote_natspy() -> None:
         engine.rpc.respond = None  # the engine answers through nats-py's respond
         try:
@@ -256,12 +273,14 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
                 "rr_same_connection": remote_shared,
                 "rr_natspy": remote_natspy,
                 "echo": echo,
+                "echo_work": echo_work,
             },
             repeats=repeats,
             warmup=3,
         )
     finally:
         await echo_sub.unsubscribe()
+        await work_sub.unsubscribe()
         await engine.stop()
         await own.close()
     diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
@@ -271,6 +290,8 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     # What the service adds beyond the broker's own round trip (same rounds, paired).
     floor = [i + e for i, e in zip(ts["inproc"], ts["echo"], strict=True)]
     adds, alo, ahi = benchstats.difference_ci(ts["rr"], floor)
+    # ... and beyond the broker's round trip around the same work (the service's code alone).
+    code, clo, chi = benchstats.difference_ci(ts["rr"], ts["echo_work"])
     # Low-noise parts of the overhead (the forward's own variance cancels): the round
     # trip outside the engine (both NATS legs, the client's codec, the handler before
     # receipt) and the engine's plumbing around the forward (receipt to reply - forward - head).
@@ -295,6 +316,9 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "echo_p50_ci95": [round(x, 3) for x in benchstats.median_ci(ts["echo"])[1:]],
         "overhead_over_echo_p50_ms": round(adds, 3),
         "overhead_over_echo_p50_ci95": [round(alo, 3), round(ahi, 3)],
+        "echo_work_p50_ms": round(_pct(ts["echo_work"], 50), 3),
+        "overhead_over_echo_work_p50_ms": round(code, 3),
+        "overhead_over_echo_work_p50_ci95": [round(clo, 3), round(chi, 3)],
         "natspy_rr_p50_ms": round(_pct(ts["rr_natspy"], 50), 3),
         "natspy_overhead_p50_ms": round(fdiff, 3),
         "natspy_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
@@ -446,6 +470,8 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
             # the broker's own round trip for the same bytes, and what the service adds to it
             "echo_p50_ms": overhead["echo_p50_ms"],
             "rr_overhead_over_echo_p50_ms": overhead["overhead_over_echo_p50_ms"],
+            # ... and beyond the same round trip around the same work: the service's code alone
+            "rr_overhead_over_echo_work_p50_ms": overhead["overhead_over_echo_work_p50_ms"],
             "rr_overhead": overhead,
             "throughput_rps": max(lv["throughput_rps"] for lv in per_level),
             "rss_mb": {
