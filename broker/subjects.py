@@ -44,7 +44,7 @@ HEARTBEAT_KEYS = "hb."
 ALL_HEARTBEATS = f"{HEARTBEAT_KEYS}>"
 SUPERVISOR_KEYS = "mgr."
 LEASE_KEYS = "lease."
-#: An environment worker's assignment (agents/envworkers.py).
+#: An environment worker's assignment (agents/envworkers/assign.py).
 ASSIGNMENT_KEYS = "env."
 CURSOR_KEYS = "cursor."
 VERSION_KEYS = "version."

@@ -302,7 +302,7 @@ REGISTRY: dict[str, Role] = {
         Role("monitor", _monitor, (), up_order=9),
         Role("synthetic", _synthetic, (_A + "synthetic",)),
         Role("health", _health, (_A + "health",), supervised=False),
-        # Started by producer-rl, one or more per RL workload (agents/envworkers.py).
+        # Started by producer-rl, one or more per RL workload (agents/envworkers/).
         Role("env-worker", _env_worker, (_A + "envworkers", _A + "inference")),
     )
 }

@@ -6,7 +6,7 @@ the beats it watches, the exits it waits for and its connection state, carries
 out the decisions (kill, spawn again with the same arguments), publishes each
 as a ``health`` metric event and its view under ``mgr.<instance>``. It lives in
 ``agents/`` and not ``ops/`` because role producer-rl supervises its
-environment workers with it (``agents/envworkers.py``), and agents may not
+environment workers with it (``agents/envworkers/``), and agents may not
 import ops. See docs/ARCHITECTURE.md ("Health: heartbeats and in-place
 restarts").
 """
