@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -324,12 +323,16 @@ class FastResponder:
     connection (``Msg._client``) is answered by its own ``respond``."""
 
     def __init__(self) -> None:
-        self._paths: weakref.WeakKeyDictionary[Any, FastPath] = weakref.WeakKeyDictionary()
+        # By connection identity. (A WeakKeyDictionary would never let go: each
+        # FastPath holds its connection.) Paths of closed connections are dropped
+        # when a new one is made, so this holds the server's live connections only.
+        self._paths: dict[int, FastPath] = {}
 
     def path(self, nc: Any) -> FastPath:
-        fp = self._paths.get(nc)
-        if fp is None:
-            fp = self._paths[nc] = FastPath(nc)
+        fp = self._paths.get(id(nc))
+        if fp is None or fp.nc is not nc:
+            self._paths = {k: p for k, p in self._paths.items() if not p.nc.is_closed}
+            fp = self._paths[id(nc)] = FastPath(nc)
         return fp
 
     async def __call__(self, request: Any, data: bytes, headers: dict[str, str] | None = None) -> None:

@@ -26,8 +26,9 @@ inference engines) answers through a :class:`Server`. See docs/ARCHITECTURE.md
   micro-service error headers, and the server keeps serving.
 
 The transport is a seam: :func:`call` sends with ``nc.request`` unless a faster
-raw request (same signature) is plugged for that connection (:func:`plug`) or
-passed in; a :class:`Server` answers through its ``respond`` function.
+raw request (same signature) is passed in (``request=``: the Inference Queue's
+client passes its connection's fast path); a :class:`Server` answers through its
+``respond`` function.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import asyncio
 import contextlib
 import logging
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -141,22 +141,6 @@ def inference_policy(retry_for_s: float) -> RetryPolicy:
     return replace(INFERENCE, deadline_s=retry_for_s) if retry_for_s > 0 else ONCE
 
 
-_plugged: weakref.WeakKeyDictionary[Any, RawRequest] = weakref.WeakKeyDictionary()
-#: Whether any connection has a plugged request (the common case, none, costs one test).
-_any_plugged = False
-
-
-def plug(b: Broker, request: RawRequest | None) -> None:
-    """Send every :func:`call` on ``b``'s connection with ``request`` (the signature
-    of ``nc.request``) instead of nats-py's; None: back to nats-py's."""
-    global _any_plugged
-    if request is None:
-        _plugged.pop(b.nc, None)
-    else:
-        _plugged[b.nc] = request
-    _any_plugged = bool(_plugged)
-
-
 async def call(
     b: Broker,
     subject: str,
@@ -176,7 +160,7 @@ async def call(
     which failures are asked again; ``unanswered`` words the error raised when
     no answer came (else the NoResponders / NoReply itself); ``on_retry(error,
     sleep_s)`` is told before each backoff."""
-    send = request or (_plugged.get(b.nc) if _any_plugged else None) or b.nc.request
+    send = request or b.nc.request
     deadline = 0.0
     if retry.deadline_s:
         deadline = asyncio.get_running_loop().time() + retry.deadline_s

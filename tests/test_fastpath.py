@@ -319,7 +319,7 @@ class _Answer(Wire, kw_only=True, omit_defaults=True):
 
 
 async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
-    """rpc.plug(b, FastPath(b.nc).request) and rpc.Server(respond=FastResponder()):
+    """rpc.call(request=FastPath(b.nc).request) and rpc.Server(respond=FastResponder()):
     the same answers and typed errors as nats-py's own request and respond."""
     from joynexus.schemas.base import decode
 
@@ -349,15 +349,16 @@ async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
         return a.text
 
     fp = FastPath(broker.nc)
-    rpc.plug(broker, fp.request)
     try:
         got = await asyncio.gather(*(rpc.call(broker, subject, encode(_Ask(text=f"t{i}")), decode_answer,
-                                              timeout_s=5) for i in range(50)))
+                                              timeout_s=5, request=fp.request) for i in range(50)))
         assert got == [f"T{i}" for i in range(50)]
         with pytest.raises(QuotaExceeded, match="over its bound"):
-            await rpc.call(broker, subject, encode(_Ask(text="x", fail=True)), decode_answer, timeout_s=5)
+            await rpc.call(broker, subject, encode(_Ask(text="x", fail=True)), decode_answer, timeout_s=5,
+                           request=fp.request)
         with pytest.raises(rpc.NoResponders):
-            await rpc.call(broker, broker.names.api("acme", "nobody"), b"", decode_answer, timeout_s=2)
+            await rpc.call(broker, broker.names.api("acme", "nobody"), b"", decode_answer, timeout_s=2,
+                           request=fp.request)
 
         async def ignore(_m: Any) -> None:
             return None
@@ -366,10 +367,9 @@ async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
         sub = await broker.nc.subscribe(silent, cb=ignore)
         await settle(broker.nc)
         with pytest.raises(rpc.NoReply):
-            await rpc.call(broker, silent, b"", decode_answer, timeout_s=0.3)
+            await rpc.call(broker, silent, b"", decode_answer, timeout_s=0.3, request=fp.request)
         await sub.unsubscribe()
     finally:
-        rpc.plug(broker, None)
         await svc.stop()
         await server.stop()
     assert fp.counts["fast_request"] == 53 and fp.counts["fallback_request"] == 0
@@ -414,3 +414,17 @@ async def test_bench_rr_echo_measures_both_paths(nats_server: EmbeddedNats) -> N
         assert len(echo[label]["fastpath_minus_nats_p50_ms"]) == 3
     assert echo["small"]["bare_tcp"]["n"] == 4
     assert echo["payload_bytes"]["real"] > 10_000 and out["load"]["after"]["cpus"] >= 1
+
+
+async def test_the_responder_lets_go_of_closed_connections(broker: Broker) -> None:
+    """One path per live connection: a closed connection's path (which holds it)
+    is dropped when another connection is first answered on."""
+    respond = FastResponder()
+    other = await Broker.connect(broker.url, name="fp-other", namespace=broker.names.namespace,
+                                 credentials=broker.credentials)
+    first = respond.path(other.nc)
+    assert respond.path(other.nc) is first  # the same connection: the same path
+    await other.close()
+    mine = respond.path(broker.nc)
+    assert mine.nc is broker.nc and mine is respond.path(broker.nc)
+    assert [p.nc for p in respond._paths.values()] == [broker.nc]

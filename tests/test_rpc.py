@@ -259,11 +259,7 @@ async def test_the_transport_is_a_seam(broker: Broker, echo: EchoService) -> Non
         sent.append(subject)
         return await broker.nc.request(subject, payload, timeout=timeout, headers=headers)
 
-    rpc.plug(broker, counting)
-    try:
-        assert (await ask(broker, "acme", Echo(text="via plug"))).text == "via plug"
-    finally:
-        rpc.plug(broker, None)
+    assert (await ask(broker, "acme", Echo(text="via seam"), request=counting)).text == "via seam"
     assert sent == [echo.subject("acme")]
     await ask(broker, "acme", Echo(text="direct"))
     assert len(sent) == 1
