@@ -11,6 +11,7 @@ which the keep-alive (``agents.leases.keep_leases``) renews by.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import SCHEDULER_VERBS
 from joynexus.schemas.base import encode
-from joynexus.schemas.errors import Unavailable
+from joynexus.schemas.errors import IllegalTransition, Unavailable, UnknownJob
 from joynexus.schemas.jobs import (
     GlobalLimits,
     JobMetadata,
@@ -217,6 +218,30 @@ class SchedulerClient:
             "list_jobs", ListJobsRequest(tenant_id=tenant_id, policy_key=policy_key, states=states or [])
         )
         return r.jobs
+
+    async def fail_open(
+        self,
+        tenant_id: str,
+        policy_key: str,
+        reason: str,
+        *,
+        states: tuple[JobState, ...] = (JobState.RESERVED, JobState.PRODUCING),
+        owned: Callable[[TrainingJob], bool] = lambda _job: True,
+    ) -> int:
+        """Fail the jobs of a workload still in ``states`` that ``owned`` picks (a
+        producer cleaning up after itself or after a dead worker); a job that
+        ended meanwhile counts as done. Returns how many it failed; raises what
+        the scheduler raised otherwise (the caller decides whether to retry)."""
+        failed = 0
+        for job in await self.list_jobs(tenant_id, policy_key=policy_key, states=list(states)):
+            if not owned(job):
+                continue
+            try:
+                await self.fail(job.job_id, reason)
+                failed += 1
+            except (IllegalTransition, UnknownJob):
+                pass  # ended meanwhile: terminal either way
+        return failed
 
     async def snapshot(self) -> SchedulerSnapshot:
         r = await self._call("snapshot", WaitReadyRequest())

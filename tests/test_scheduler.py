@@ -393,3 +393,33 @@ async def test_a_swallowed_cancellation_still_stops_a_retry_loop() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 2)
+
+
+async def test_fail_open_fails_only_the_owners_open_jobs(broker: Broker, sched: SchedulerAgent) -> None:
+    """A producer cleaning up after a dead worker: its reserved and producing jobs of
+    that workload fail; another worker's, another workload's and ended jobs stay."""
+    from joynexus.schemas.jobs import JobMetadata
+
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+
+    async def job(key: str, producer: str) -> str:
+        j = await c.reserve("acme", "rl", policy_key=key, metadata=JobMetadata(extra={"producer": producer}))
+        assert j is not None
+        return j.job_id
+
+    mine_reserved, mine_producing = await job("pick", "w1"), await job("pick", "w1")
+    await c.mark(mine_producing, S.PRODUCING)
+    theirs, elsewhere, ended = await job("pick", "w2"), await job("push", "w1"), await job("pick", "w1")
+    await c.fail(ended, "ended before the clean-up")
+
+    n = await c.fail_open(
+        "acme", "pick", "worker gone", owned=lambda j: j.metadata.extra.get("producer") == "w1"
+    )
+    assert n == 2
+    states = {i: (await c.get_job(i)).state for i in (mine_reserved, mine_producing, theirs, elsewhere, ended)}
+    assert states == {
+        mine_reserved: S.FAILED, mine_producing: S.FAILED, theirs: S.RESERVED,
+        elsewhere: S.RESERVED, ended: S.FAILED,
+    }
+    assert await c.fail_open("acme", "pick", "again", owned=lambda j: j.job_id == mine_reserved) == 0

@@ -279,12 +279,14 @@ class RLProducer:
 
     async def _fail_orphans(self) -> None:
         """Jobs a previous incarnation reserved but never finished producing."""
-        for job in await self.sched.list_jobs(
-            self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED, JobState.PRODUCING]
-        ):
-            if self.own_orphans_only and job.metadata.extra.get("producer") != self.instance:
-                continue
-            await self.sched.fail(job.job_id, "producer restarted before the rollout finished")
+        await self.sched.fail_open(
+            self.tenant,
+            self.spec.name,
+            "producer restarted before the rollout finished",
+            owned=lambda job: (
+                not self.own_orphans_only or job.metadata.extra.get("producer") == self.instance
+            ),
+        )
 
     async def _rollout(
         self, env: Any, schema: Any, instruction: str, version: int, stop: asyncio.Event

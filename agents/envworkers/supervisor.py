@@ -29,7 +29,7 @@ from joynexus.agents.workloads import watch_workloads
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import JoyNexusError
-from joynexus.schemas.jobs import JobState
+from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
@@ -182,31 +182,21 @@ class EnvSupervisor:
     async def _fail_jobs_of(self, instances: set[str] | None, keys: list[str]) -> bool:
         """Fail jobs left reserved/producing by these workers (None: by any of ours);
         False if the scheduler did not answer for some of them."""
-        from joynexus.schemas.errors import IllegalTransition, UnknownJob
+
+        def ours(job: TrainingJob) -> bool:
+            who = job.metadata.extra.get("producer", "")
+            return who.startswith(f"{self.instance}-w") if instances is None else who in instances
 
         answered = True
         for key in keys:
             tenant, _, name = key.partition(".")
             try:
-                jobs = await self.sched.list_jobs(
-                    tenant, policy_key=name, states=[JobState.RESERVED, JobState.PRODUCING]
+                await self.sched.fail_open(
+                    tenant, name, "environment worker stopped mid-rollout", owned=ours
                 )
-            except JoyNexusError as e:
-                log.warning("%s: cannot list %s: %s", self.instance, key, e)
+            except JoyNexusError as e:  # the rest of this key is failed on the next try
+                log.warning("%s: cannot fail the jobs of %s: %s", self.instance, key, e)
                 answered = False
-                continue
-            for job in jobs:
-                who = job.metadata.extra.get("producer", "")
-                ours = who.startswith(f"{self.instance}-w") if instances is None else who in instances
-                if not ours:
-                    continue
-                try:
-                    await self.sched.fail(job.job_id, "environment worker stopped mid-rollout")
-                except (IllegalTransition, UnknownJob):
-                    pass  # ended meanwhile (by its worker): terminal either way
-                except JoyNexusError as e:
-                    log.warning("%s: cannot fail %s: %s", self.instance, job.job_id, e)
-                    answered = False
         return answered
 
     async def reconcile(self) -> None:

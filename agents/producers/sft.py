@@ -106,10 +106,12 @@ class SFTProducer:
 
     async def _fail_orphans(self) -> None:
         """Jobs reserved by a run that stopped before writing their batch."""
-        for orphan in await self.sched.list_jobs(
-            self.tenant, policy_key=self.spec.name, states=[JobState.RESERVED]
-        ):
-            await self.sched.fail(orphan.job_id, "producer restarted before the batch was written")
+        await self.sched.fail_open(
+            self.tenant,
+            self.spec.name,
+            "producer restarted before the batch was written",
+            states=(JobState.RESERVED,),
+        )
 
     async def _load_cursor(self, kv: Any) -> int:
         try:

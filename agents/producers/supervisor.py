@@ -132,19 +132,13 @@ class ProducerAgent:
         """Fail the jobs a crashed producer of ``rec`` left open (one producer per
         workload: every reserved or producing job of it is that producer's)."""
         from joynexus.agents.scheduler_client import SchedulerClient
-        from joynexus.schemas.errors import IllegalTransition, UnknownJob
-        from joynexus.schemas.jobs import JobState
 
         sched = SchedulerClient(self.b, by=self.instance)
         for i in range(tries):
             try:
-                for job in await sched.list_jobs(
-                    rec.tenant_id,
-                    policy_key=rec.spec.name,
-                    states=[JobState.RESERVED, JobState.PRODUCING],
-                ):
-                    with contextlib.suppress(IllegalTransition, UnknownJob):
-                        await sched.fail(job.job_id, "producer crashed; its workload ended")
+                await sched.fail_open(
+                    rec.tenant_id, rec.spec.name, "producer crashed; its workload ended"
+                )
                 return
             except JoyNexusError as e:
                 log.warning("%s: jobs of %s left open: %s", self.instance, rec.spec.name, e)
