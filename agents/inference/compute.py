@@ -48,15 +48,54 @@ def decode_one(p: Pending, feats: TokenFeatures) -> Outcome:
         return Outcome(error=e)
 
 
+def decode_many(group: Sequence[Pending], parts: Sequence[TokenFeatures]) -> list[Outcome]:
+    """One head call for all the rows of a batch's requests that share one policy (a
+    call on a few rows costs nearly what one on a single row does: at 16 requests of 8
+    tenants this halves the head calls), split back per request. If it fails, each
+    request is decoded alone, so an error stays with the request that caused it."""
+    t0 = time.perf_counter()
+    module = group[0].policy.module
+    try:
+        x = torch.cat([features_for(module, f) for f in parts])
+        state = torch.cat([p.batch.state_B_S for p in group])
+        kw: dict[str, torch.Tensor] = {}
+        if group[0].noise is not None:  # a group's requests all gave noise, or none did
+            kw["noise"] = torch.cat([p.noise for p in group if p.noise is not None])
+        actions = module.act(x, state, **kw)
+        rows = [p.batch.batch_size for p in group]
+        if actions.shape[0] != sum(rows):
+            raise RuntimeError(f"head returned {actions.shape[0]} rows for {sum(rows)}")
+    except Exception:
+        return [decode_one(p, f) for p, f in zip(group, parts, strict=True)]
+    ms = (time.perf_counter() - t0) * 1e3
+    return [Outcome(actions=a, decode_ms=ms) for a in actions.split(rows)]
+
+
+def decode_grouped(items: Sequence[Pending], parts: Sequence[TokenFeatures]) -> list[Outcome]:
+    """Each policy's head once over its requests' rows (:func:`decode_many`), in the
+    batch's order. Requests group by the loaded policy (tenant, key and version) and by
+    whether they gave their own noise."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, p in enumerate(items):
+        groups.setdefault((id(p.policy), p.noise is None), []).append(i)
+    outs: list[Outcome | None] = [None] * len(items)
+    for idx in groups.values():
+        if len(idx) == 1:
+            outs[idx[0]] = decode_one(items[idx[0]], parts[idx[0]])
+            continue
+        for i, out in zip(idx, decode_many([items[i] for i in idx], [parts[i] for i in idx]), strict=True):
+            outs[i] = out
+    return [o for o in outs if o is not None]
+
+
 def forward_grouped(backbone: Backbone, items: Sequence[Pending]) -> tuple[list[Outcome], float]:
-    """ONE backbone forward over every request's rows, then each head on its own rows
-    (pooled features, or token features for heads that read tokens: one forward)."""
+    """ONE backbone forward over every request's rows, then each policy's head once on
+    its requests' rows (pooled features, or token features for heads that read tokens)."""
     t0 = time.perf_counter()
     shared = concat_batches([p.batch for p in items])
     feats = backbone.encode_tokens(shared, tokens=needs_tokens([p.policy.module for p in items]))
     forward_ms = (time.perf_counter() - t0) * 1e3
-    parts = feats.split(shared.slices)
-    return [decode_one(p, f) for p, f in zip(items, parts, strict=True)], forward_ms
+    return decode_grouped(items, feats.split(shared.slices)), forward_ms
 
 
 def forward_each(backbone: Backbone, items: Sequence[Pending]) -> tuple[list[Outcome], float]:

@@ -351,6 +351,10 @@ class InferenceEngine:
         return self._times.estimate_ms(key)
 
     def _runs_inline(self, key: tuple[str, int]) -> bool:
+        """Short and nothing waiting: a request queued behind this batch would have its
+        intake (decode, checks) overlap the forward on the thread, which the loop cannot."""
+        if self.intake.queue:
+            return False
         est = self._times.estimate_ms(key)
         return est is not None and est <= self.inline_forward_ms
 
