@@ -307,6 +307,22 @@ def test_flow_matching_sampling_deterministic_given_noise() -> None:
     assert torch.equal(h2.act(feats, state), h3.act(feats, state))
 
 
+def test_flow_matching_act_integrates_the_trained_velocity_field() -> None:
+    """act() splits velocity()'s first layer to save work per step: it must still be
+    Euler integration of the very field the loss trains (velocity(), with its cat)."""
+    head = build_head("flow_matching", HeadConfig(64, 8, hidden=96, flow_steps=5, seed=4))
+    torch.nn.init.normal_(head.net[0].bias)  # a bias that is not zero, so its place matters
+    feats, state, noise = torch.randn(3, 64), torch.randn(3, 8), torch.randn(3, 8, 7)
+    x, cond = noise.reshape(3, -1), head._cond(feats, state)
+    for k in range(5):
+        x = x + 0.2 * head.velocity(x, torch.full((3,), k * 0.2), cond)
+    torch.testing.assert_close(head.act(feats, state, noise=noise), head.denorm_action(x.view(3, 8, 7)),
+                               rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        head.net[0].weight[:, -1] += 1.0  # the time embedding's last input: act must see it
+    assert not torch.allclose(head.act(feats, state, noise=noise), head.denorm_action(x.view(3, 8, 7)))
+
+
 def test_tenant_module_state_dict_round_trip(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     feats, state, target = torch.randn(4, 64, generator=g), torch.randn(4, 8, generator=g), torch.randn(4, 8, 7, generator=g)

@@ -483,9 +483,19 @@ class FlowMatchingHead(ActionHead):
         cond_B_C = self._cond(feats_B_D, state_B_S)
         n = steps or c.flow_steps
         dt = 1.0 / n
+        # velocity() with its first layer split by input: the condition's and each step's
+        # time-embedding parts are computed once, not per step, and no cat per step
+        # (same function, to float rounding: 6e-8; a 4-step act on 2 rows 0.81 vs 1.10 ms).
+        first, rest = self.net[0], self.net[1:]
+        assert isinstance(first, nn.Linear)
+        n_act = x_B_N.shape[1]
+        w_x, w_c, w_t = first.weight.split([n_act, cond_B_C.shape[1], self.t_dim], dim=1)
+        t_K = torch.arange(n, dtype=x_B_N.dtype, device=x_B_N.device) * dt
+        t_part_K_H = torch.nn.functional.linear(_time_embedding(t_K, self.t_dim), w_t)
+        c_part_B_H = torch.nn.functional.linear(cond_B_C, w_c, first.bias)
         for k in range(n):
-            t_B = torch.full((b,), k * dt, dtype=x_B_N.dtype, device=x_B_N.device)
-            x_B_N = x_B_N + dt * self.velocity(x_B_N, t_B, cond_B_C)
+            h_B_H = torch.nn.functional.linear(x_B_N, w_x) + c_part_B_H + t_part_K_H[k]
+            x_B_N = x_B_N + dt * rest(h_B_H)
         return self.denorm_action(x_B_N.view(shape))
 
 
