@@ -291,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
             "and real engines differing in torch threads, OMP_WAIT_POLICY or the fast path",
         ),
         (
+            "engines",
+            "two builds of the inference engine served at once, clients alternating between "
+            "them round by round: throughput (and c1 p50) of each and their ratio's interval",
+        ),
+        (
             "faults",
             "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
         ),
@@ -329,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
             bp.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                             help="engine arms, comma-separated, the first the base, of "
                             f"{', '.join(ENGINE_ARMS)} (default {','.join(DEFAULT_ARMS)})")
+        if name == "engines":
+            from joynexus.ops.bench_engines import add_arguments
+
+            add_arguments(bp)
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -751,6 +760,18 @@ def _dispatch(args: argparse.Namespace) -> int:
                 from joynexus.ops.bench_inference import bench_inference
 
                 result = asyncio.run(bench_inference(url, quick=args.quick))
+            elif args.bench == "engines":
+                from joynexus.ops.bench_engines import bench_engines, check_build, parse_levels
+
+                try:
+                    levels = parse_levels(args.concurrency)
+                    check_build(args.a)
+                except ValueError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+                result = asyncio.run(
+                    bench_engines(url, args.a, args.b, concurrency=levels, rounds=args.rounds)
+                )
             elif args.bench == "rr":
                 from joynexus.ops.bench_rr import bench_rr, parse_arms
 
