@@ -1,8 +1,9 @@
 """The engine's compute without a server: each policy's head runs once per batch over
-all its requests' rows (agents/inference/compute.py), and the replies are what each
-request would have got alone; a failing grouped call falls back to one call per
-request, so the error stays with the request that caused it. Real tiny backbone and
-real heads."""
+all its requests' rows, the heads of one architecture of several policies in one
+stacked call (agents/inference/compute.py, agents/models/stacked.py), and the replies
+are what each request would have got alone; a failing stacked or grouped call falls
+back to one call per policy, then per request, so the error stays with the request
+that caused it. Real tiny backbone and real heads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from joynexus.agents.inference import compute
 from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.inference.compute import decode_grouped, decode_one, forward_grouped
 from joynexus.agents.inference.policies import LoadedPolicy
@@ -80,24 +82,61 @@ def test_each_policy_decodes_once_and_each_request_gets_its_own_rows(backbone: B
         torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
 
 
-def test_noise_given_and_not_given_do_not_share_a_call(backbone: Backbone) -> None:
+def test_heads_of_one_architecture_decode_in_one_stacked_call(backbone: Backbone) -> None:
+    """Three OFT policies and two flow policies (their own noise): one stacked call per
+    architecture, no head's own act called, each request's actions as alone."""
+    oft = [policy(f"o{i}", "oft_mlp", 10 + i) for i in range(3)]
+    flow = [policy(f"f{i}", "flow_matching", 20 + i) for i in range(2)]
+    items = [pending(oft[0], 0, 2), pending(flow[0], 1, 1, noise=True), pending(oft[1], 2, 1),
+             pending(oft[2], 3, 3), pending(flow[1], 4, 2, noise=True), pending(oft[0], 5, 1)]
+    calls = [count_calls(lp) for lp in oft + flow]
+    shared = concat_batches([p.batch for p in items])
+    with torch.inference_mode():
+        parts = backbone.encode_tokens(shared, tokens=False).split(shared.slices)
+        got = decode_grouped(items, parts)
+        assert calls == [[]] * 5  # the stacked path, not one act per policy
+        alone = [decode_one(p, f) for p, f in zip(items, parts, strict=True)]
+    for p, g, ref in zip(items, got, alone, strict=True):
+        assert g.error is None and g.actions is not None and ref.actions is not None
+        assert g.actions.shape == (p.batch.batch_size, 8, 7)
+        torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
+
+
+def test_noise_given_and_not_given_keep_their_own_rows(backbone: Backbone) -> None:
     b = policy("b", "flow_matching", 2)
     items = [pending(b, 0, 1, noise=True), pending(b, 1, 2), pending(b, 2, 1, noise=True)]
-    calls = count_calls(b)
+    shared = concat_batches([p.batch for p in items])
     with torch.inference_mode():
-        outs, _ = forward_grouped(backbone, items)
-    assert sorted(calls) == [2, 2]
+        parts = backbone.encode_tokens(shared, tokens=False).split(shared.slices)
+        outs = decode_grouped(items, parts)
+        for i in (0, 2):  # the requests that gave noise get exactly their own draw's actions
+            ref = decode_one(items[i], parts[i]).actions
+            assert ref is not None and outs[i].actions is not None
+            torch.testing.assert_close(outs[i].actions, ref, rtol=1e-5, atol=1e-5)
     assert [tuple(o.actions.shape) for o in outs if o.actions is not None] == [(1, 8, 7), (2, 8, 7), (1, 8, 7)]
 
 
-def test_a_failing_grouped_call_fails_only_the_request_that_caused_it(backbone: Backbone) -> None:
+def test_a_failing_grouped_call_fails_only_the_request_that_caused_it(
+    backbone: Backbone, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, c = policy("a", "oft_mlp", 1), policy("c", "oft_mlp", 5)
     items = [pending(a, 0), pending(a, 1), pending(c, 2), pending(a, 3)]
     items[1].batch.state_B_S[0, 0] = 123.0  # this request's head call raises
-    calls_a = count_calls(a, fail_on=123.0)
+    calls_a, calls_c = count_calls(a, fail_on=123.0), count_calls(c)
+    stacked = compute.stacked_act
+    tries: list[int] = []
+
+    def poisoned(heads: Any, feats: Any, states: Any, noises: Any = None) -> Any:
+        tries.append(len(heads))
+        if any(bool((s[:, 0] == 123.0).any()) for s in states):
+            raise ValueError("poisoned row")
+        return stacked(heads, feats, states, noises)
+
+    monkeypatch.setattr(compute, "stacked_act", poisoned)
     with torch.inference_mode():
         outs, _ = forward_grouped(backbone, items)
-    assert calls_a == [3, 1, 1, 1]  # the grouped call, then each request alone
+    assert tries == [2]  # a and c stacked, which failed
+    assert calls_a == [3, 1, 1, 1] and calls_c == [1]  # then each policy, then a's requests alone
     assert isinstance(outs[1].error, ValueError) and outs[1].actions is None
     for i in (0, 2, 3):
         assert outs[i].error is None and outs[i].actions is not None

@@ -21,6 +21,7 @@ from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import TokenFeatures, concat_batches
 from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
+from joynexus.agents.models.stacked import arch_key, stackable, stacked_act
 from joynexus.schemas.inference import BatchInfo, InferResult, InferTimings, TensorBytes
 
 
@@ -71,20 +72,59 @@ def decode_many(group: Sequence[Pending], parts: Sequence[TokenFeatures]) -> lis
     return [Outcome(actions=a, decode_ms=ms) for a in actions.split(rows)]
 
 
+def decode_stacked(
+    items: Sequence[Pending], parts: Sequence[TokenFeatures], units: Sequence[Sequence[int]]
+) -> list[Outcome] | None:
+    """Several policies' heads of one architecture in ONE batched call
+    (:func:`stacked.stacked_act`), each unit (one policy's requests, by index) on its
+    own rows; the outcomes in ``units``' order, request by request. None if it fails:
+    the caller then decodes each unit alone (and each request alone if that fails)."""
+    t0 = time.perf_counter()
+    try:
+        modules = [items[u[0]].policy.module for u in units]
+        feats = [torch.cat([features_for(m, parts[i]) for i in u]) for m, u in zip(modules, units, strict=True)]
+        states = [torch.cat([items[i].batch.state_B_S for i in u]) for u in units]
+        noises = [
+            None if items[u[0]].noise is None else torch.cat([items[i].noise for i in u])  # type: ignore[misc]
+            for u in units
+        ]
+        acts = stacked_act([m.head for m in modules], feats, states, noises)
+        out: list[Outcome] = []
+        ms = (time.perf_counter() - t0) * 1e3
+        for u, a in zip(units, acts, strict=True):
+            rows = [items[i].batch.batch_size for i in u]
+            out.extend(Outcome(actions=x, decode_ms=ms) for x in a.split(rows))
+        return out
+    except Exception:
+        return None
+
+
 def decode_grouped(items: Sequence[Pending], parts: Sequence[TokenFeatures]) -> list[Outcome]:
-    """Each policy's head once over its requests' rows (:func:`decode_many`), in the
-    batch's order. Requests group by the loaded policy (tenant, key and version) and by
-    whether they gave their own noise."""
-    groups: dict[tuple[int, bool], list[int]] = {}
+    """Each policy's head once over its requests' rows (:func:`decode_many`), and the
+    heads of one architecture (:func:`stacked.arch_key`) of several policies in one
+    stacked call (:func:`decode_stacked`); outcomes in the batch's order. Requests
+    group by the loaded policy (tenant, key and version) and by whether they gave
+    their own noise."""
+    units: dict[tuple[int, bool], list[int]] = {}
     for i, p in enumerate(items):
-        groups.setdefault((id(p.policy), p.noise is None), []).append(i)
+        units.setdefault((id(p.policy), p.noise is None), []).append(i)
+    by_arch: dict[object, list[list[int]]] = {}
+    for idx in units.values():
+        head = items[idx[0]].policy.module.head
+        by_arch.setdefault(arch_key(head) if stackable(head) else id(idx), []).append(idx)
     outs: list[Outcome | None] = [None] * len(items)
-    for idx in groups.values():
-        if len(idx) == 1:
-            outs[idx[0]] = decode_one(items[idx[0]], parts[idx[0]])
+    for group in by_arch.values():
+        stacked = decode_stacked(items, parts, group) if len(group) > 1 else None
+        if stacked is not None:
+            for i, out in zip([i for u in group for i in u], stacked, strict=True):
+                outs[i] = out
             continue
-        for i, out in zip(idx, decode_many([items[i] for i in idx], [parts[i] for i in idx]), strict=True):
-            outs[i] = out
+        for idx in group:
+            if len(idx) == 1:
+                outs[idx[0]] = decode_one(items[idx[0]], parts[idx[0]])
+                continue
+            for i, out in zip(idx, decode_many([items[i] for i in idx], [parts[i] for i in idx]), strict=True):
+                outs[i] = out
     return [o for o in outs if o is not None]
 
 
