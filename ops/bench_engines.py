@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -116,16 +115,7 @@ async def bench_engines(
                     )
     finally:
         for br, proc, _, log in arms.values():
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(proc.wait(), 30)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-            log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(log.name)
+            await bi._stop_engine(proc, log)
             with contextlib.suppress(Exception):
                 await delete_layout(br)
             await br.close()

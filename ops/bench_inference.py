@@ -139,6 +139,20 @@ async def _wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: floa
             await asyncio.sleep(0.1)
 
 
+async def _stop_engine(proc: asyncio.subprocess.Process, log: Any) -> None:
+    """SIGTERM the engine child (it drains), SIGKILL after 30 s; its log file removed."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    log.close()
+    with contextlib.suppress(OSError):
+        os.unlink(log.name)
+
+
 def _rss_mb(pid: int) -> float:
     import psutil
 
@@ -499,16 +513,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
         sys.stderr.write("engine process log (tail):\n" + text[-4000:])
         raise
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
+        await _stop_engine(proc, log)
         for br in (b, solo):
             with contextlib.suppress(Exception):
                 await delete_layout(br)
