@@ -74,3 +74,46 @@ def test_heads_that_cannot_share_a_call_are_refused() -> None:
     for heads in ([oft.head, flow.head], [oft.head, wide.head], [value.head, value.head], []):
         with pytest.raises(ValueError, match="one stackable architecture"):
             stacked_act(heads, [f] * len(heads), [s] * len(heads))
+
+
+def test_the_cache_keeps_to_its_byte_budget_and_its_books(monkeypatch: pytest.MonkeyPatch) -> None:
+    from joynexus.agents.models import stacked
+
+    monkeypatch.setattr(stacked, "CACHE_BYTES", 64 * 2**10)  # a few stacks of these heads
+    f, s = [torch.randn(1, 32)] * 2, [torch.randn(1, 6)] * 2
+    for _ in range(6):  # new heads each time: new tensors, new entries
+        ms = modules("oft_mlp", 2)
+        stacked_act([m.head for m in ms], f, s)
+    kept = sum(entry[2].nbytes for entry in stacked._cache.values())
+    assert stacked._cache_bytes == kept <= 64 * 2**10 or len(stacked._cache) == 1
+
+
+def test_engines_of_one_process_share_the_cache_from_their_threads() -> None:
+    """An EnginePool's engines decode on forward threads of their own, at once."""
+    import threading
+
+    from joynexus.agents.models import stacked
+
+    sets = [modules("flow_matching", 3) for _ in range(2)]
+    f = [torch.randn(2, 32) for _ in range(3)]
+    s = [torch.randn(2, 6) for _ in range(3)]
+    nz = [torch.randn(2, 4, 5) for _ in range(3)]
+    want = [[m.act(f[i], s[i], noise=nz[i]) for i, m in enumerate(ms)] for ms in sets]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(30):
+                got = stacked_act([m.head for m in sets[k]], f, s, nz)
+                for g, w in zip(got, want[k], strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert stacked._cache_bytes == sum(entry[2].nbytes for entry in stacked._cache.values())

@@ -9,12 +9,14 @@ the same functions as each head's own ``act``, to float rounding. Stacked weight
 are kept (LRU, bounded in bytes) and used again while every tensor stacked is the
 same object at the same version (``Tensor._version`` counts in-place writes), so a
 head trained or reloaded in place is read as it is now. Heads without a stacked
-form here go on alone. Not thread-safe: one engine decodes one batch at a time.
+form here go on alone. The cache is shared by the engines of a process (an
+``EnginePool``'s forward threads), under a lock.
 See docs/ARCHITECTURE.md ("The Inference Queue").
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -52,6 +54,7 @@ _cache: OrderedDict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, 
     OrderedDict()
 )
 _cache_bytes = 0
+_cache_lock = threading.Lock()
 CACHE_BYTES = 32 * 2**20
 
 
@@ -59,19 +62,21 @@ def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     global _cache_bytes
     key = tuple(id(t) for t in tensors)
     versions = tuple(t._version for t in tensors)
-    hit = _cache.get(key)
-    if hit is not None and hit[1] == versions and all(a is b for a, b in zip(hit[0], tensors, strict=True)):
-        _cache.move_to_end(key)
-        return hit[2]
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[1] == versions and all(a is b for a, b in zip(hit[0], tensors, strict=True)):
+            _cache.move_to_end(key)
+            return hit[2]
     out = torch.stack([t.detach() for t in tensors])
-    if hit is not None:
-        _cache_bytes -= hit[2].nbytes
-    _cache[key] = (tuple(tensors), versions, out)
-    _cache.move_to_end(key)
-    _cache_bytes += out.nbytes
-    while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
-        _, (_, _, old) = _cache.popitem(last=False)
-        _cache_bytes -= old.nbytes
+    with _cache_lock:
+        old = _cache.pop(key, None)
+        if old is not None:
+            _cache_bytes -= old[2].nbytes
+        _cache[key] = (tuple(tensors), versions, out)
+        _cache_bytes += out.nbytes
+        while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
+            _, (_, _, gone) = _cache.popitem(last=False)
+            _cache_bytes -= gone.nbytes
     return out
 
 
