@@ -21,6 +21,7 @@ from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import TokenFeatures, concat_batches
 from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
+from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.models.stacked import arch_key, stackable, stacked_act
 from joynexus.schemas.inference import BatchInfo, InferResult, InferTimings, TensorBytes
 
@@ -49,27 +50,39 @@ def decode_one(p: Pending, feats: TokenFeatures) -> Outcome:
         return Outcome(error=e)
 
 
+def _unit_inputs(
+    module: TenantModule, group: Sequence[Pending], parts: Sequence[TokenFeatures]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One policy's requests as one head input: features, states and (if they gave it,
+    all of them or none) noise, their rows in the requests' order."""
+    x = torch.cat([features_for(module, f) for f in parts])
+    state = torch.cat([p.batch.state_B_S for p in group])
+    noise = None if group[0].noise is None else torch.cat([p.noise for p in group if p.noise is not None])
+    return x, state, noise
+
+
+def _split(actions: torch.Tensor, group: Sequence[Pending], ms: float) -> list[Outcome]:
+    rows = [p.batch.batch_size for p in group]
+    if actions.shape[0] != sum(rows):
+        raise RuntimeError(f"head returned {actions.shape[0]} rows for {sum(rows)}")
+    return [Outcome(actions=a, decode_ms=ms) for a in actions.split(rows)]
+
+
 def decode_many(group: Sequence[Pending], parts: Sequence[TokenFeatures]) -> list[Outcome]:
     """One head call for all the rows of a batch's requests that share one policy (a
     call on a few rows costs nearly what one on a single row does: at 16 requests of 8
     tenants this halves the head calls), split back per request. If it fails, each
     request is decoded alone, so an error stays with the request that caused it."""
+    if len(group) == 1:
+        return [decode_one(group[0], parts[0])]
     t0 = time.perf_counter()
     module = group[0].policy.module
     try:
-        x = torch.cat([features_for(module, f) for f in parts])
-        state = torch.cat([p.batch.state_B_S for p in group])
-        kw: dict[str, torch.Tensor] = {}
-        if group[0].noise is not None:  # a group's requests all gave noise, or none did
-            kw["noise"] = torch.cat([p.noise for p in group if p.noise is not None])
-        actions = module.act(x, state, **kw)
-        rows = [p.batch.batch_size for p in group]
-        if actions.shape[0] != sum(rows):
-            raise RuntimeError(f"head returned {actions.shape[0]} rows for {sum(rows)}")
+        x, state, noise = _unit_inputs(module, group, parts)
+        actions = module.act(x, state, **({} if noise is None else {"noise": noise}))
+        return _split(actions, group, (time.perf_counter() - t0) * 1e3)
     except Exception:
         return [decode_one(p, f) for p, f in zip(group, parts, strict=True)]
-    ms = (time.perf_counter() - t0) * 1e3
-    return [Outcome(actions=a, decode_ms=ms) for a in actions.split(rows)]
 
 
 def decode_stacked(
@@ -81,20 +94,15 @@ def decode_stacked(
     the caller then decodes each unit alone (and each request alone if that fails)."""
     t0 = time.perf_counter()
     try:
-        modules = [items[u[0]].policy.module for u in units]
-        feats = [torch.cat([features_for(m, parts[i]) for i in u]) for m, u in zip(modules, units, strict=True)]
-        states = [torch.cat([items[i].batch.state_B_S for i in u]) for u in units]
-        noises = [
-            None if items[u[0]].noise is None else torch.cat([items[i].noise for i in u])  # type: ignore[misc]
-            for u in units
+        groups = [[items[i] for i in u] for u in units]
+        modules = [g[0].policy.module for g in groups]
+        inputs = [
+            _unit_inputs(m, g, [parts[i] for i in u])
+            for m, g, u in zip(modules, groups, units, strict=True)
         ]
-        acts = stacked_act([m.head for m in modules], feats, states, noises)
-        out: list[Outcome] = []
+        acts = stacked_act([m.head for m in modules], *(list(col) for col in zip(*inputs, strict=True)))
         ms = (time.perf_counter() - t0) * 1e3
-        for u, a in zip(units, acts, strict=True):
-            rows = [items[i].batch.batch_size for i in u]
-            out.extend(Outcome(actions=x, decode_ms=ms) for x in a.split(rows))
-        return out
+        return [out for g, a in zip(groups, acts, strict=True) for out in _split(a, g, ms)]
     except Exception:
         return None
 
@@ -115,16 +123,10 @@ def decode_grouped(items: Sequence[Pending], parts: Sequence[TokenFeatures]) -> 
     outs: list[Outcome | None] = [None] * len(items)
     for group in by_arch.values():
         stacked = decode_stacked(items, parts, group) if len(group) > 1 else None
-        if stacked is not None:
-            for i, out in zip([i for u in group for i in u], stacked, strict=True):
-                outs[i] = out
-            continue
-        for idx in group:
-            if len(idx) == 1:
-                outs[idx[0]] = decode_one(items[idx[0]], parts[idx[0]])
-                continue
-            for i, out in zip(idx, decode_many([items[i] for i in idx], [parts[i] for i in idx]), strict=True):
-                outs[i] = out
+        if stacked is None:
+            stacked = [o for idx in group for o in decode_many([items[i] for i in idx], [parts[i] for i in idx])]
+        for i, out in zip([i for u in group for i in u], stacked, strict=True):
+            outs[i] = out
     return [o for o in outs if o is not None]
 
 

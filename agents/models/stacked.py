@@ -63,8 +63,8 @@ def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     key = tuple(id(t) for t in tensors)
     versions = tuple(t._version for t in tensors)
     with _cache_lock:
-        hit = _cache.get(key)
-        if hit is not None and hit[1] == versions and all(a is b for a, b in zip(hit[0], tensors, strict=True)):
+        hit = _cache.get(key)  # the entry holds its tensors, so no other can have their ids
+        if hit is not None and hit[1] == versions:
             _cache.move_to_end(key)
             return hit[2]
     out = torch.stack([t.detach() for t in tensors])
