@@ -87,8 +87,9 @@ def test_heads_of_one_architecture_decode_in_one_stacked_call(backbone: Backbone
     architecture, no head's own act called, each request's actions as alone."""
     oft = [policy(f"o{i}", "oft_mlp", 10 + i) for i in range(3)]
     flow = [policy(f"f{i}", "flow_matching", 20 + i) for i in range(2)]
-    items = [pending(oft[0], 0, 2), pending(flow[0], 1, 1, noise=True), pending(oft[1], 2, 1),
-             pending(oft[2], 3, 3), pending(flow[1], 4, 2, noise=True), pending(oft[0], 5, 1)]
+    # three rows per OFT policy (oft0 in two requests), one per flow policy
+    items = [pending(oft[0], 0, 2), pending(flow[0], 1, 1, noise=True), pending(oft[1], 2, 3),
+             pending(oft[2], 3, 3), pending(flow[1], 4, 1, noise=True), pending(oft[0], 5, 1)]
     calls = [count_calls(lp) for lp in oft + flow]
     shared = concat_batches([p.batch for p in items])
     with torch.inference_mode():
@@ -99,6 +100,25 @@ def test_heads_of_one_architecture_decode_in_one_stacked_call(backbone: Backbone
     for p, g, ref in zip(items, got, alone, strict=True):
         assert g.error is None and g.actions is not None and ref.actions is not None
         assert g.actions.shape == (p.batch.batch_size, 8, 7)
+        torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tenant_with_many_rows_does_not_pad_anothers_head_call(backbone: Backbone) -> None:
+    """The stacked call pads to its largest unit: a tenant sending its quota's worth of
+    rows must not make one-row tenants' heads compute as many. Its head decodes alone,
+    the others stacked, each with its own actions."""
+    big, small, peer = policy("big", "oft_mlp", 1), policy("small", "oft_mlp", 2), policy("peer", "oft_mlp", 3)
+    items = [pending(big, 0, compute.STACK_MAX_ROWS + 1), pending(small, 1, 1), pending(peer, 2, 1)]
+    calls = [count_calls(lp) for lp in (big, small, peer)]
+    shared = concat_batches([p.batch for p in items])
+    with torch.inference_mode():
+        parts = backbone.encode_tokens(shared, tokens=False).split(shared.slices)
+        got = decode_grouped(items, parts)
+        # big alone; small and peer stacked, 1 row each
+        assert calls[0] == [compute.STACK_MAX_ROWS + 1] and calls[1] == calls[2] == []
+        alone = [decode_one(p, f) for p, f in zip(items, parts, strict=True)]
+    for g, ref in zip(got, alone, strict=True):
+        assert g.actions is not None and ref.actions is not None
         torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
 
 
@@ -120,7 +140,7 @@ def test_a_failing_grouped_call_fails_only_the_request_that_caused_it(
     backbone: Backbone, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, c = policy("a", "oft_mlp", 1), policy("c", "oft_mlp", 5)
-    items = [pending(a, 0), pending(a, 1), pending(c, 2), pending(a, 3)]
+    items = [pending(a, 0), pending(a, 1), pending(c, 2, 3), pending(a, 3)]  # 3 rows each
     items[1].batch.state_B_S[0, 0] = 123.0  # this request's head call raises
     calls_a, calls_c = count_calls(a, fail_on=123.0), count_calls(c)
     stacked = compute.stacked_act
@@ -136,7 +156,7 @@ def test_a_failing_grouped_call_fails_only_the_request_that_caused_it(
     with torch.inference_mode():
         outs, _ = forward_grouped(backbone, items)
     assert tries == [2]  # a and c stacked, which failed
-    assert calls_a == [3, 1, 1, 1] and calls_c == [1]  # then each policy, then a's requests alone
+    assert calls_a == [3, 1, 1, 1] and calls_c == [3]  # then each policy, then a's requests alone
     assert isinstance(outs[1].error, ValueError) and outs[1].actions is None
     for i in (0, 2, 3):
         assert outs[i].error is None and outs[i].actions is not None
