@@ -201,7 +201,12 @@ class AuthSync:
         self.debounce_s = debounce_s
         self.discover_s = discover_s
         self.reloads = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop the refusals are reported on: the one constructing this (the
+        # server's log is pumped from its start, before run() has begun), else run()'s.
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._lines: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         # bucket -> tenant -> identity; bucket -> revision seen but not yet applied
         self._tenants: dict[str, dict[str, TenantIdentity]] = {}
@@ -218,6 +223,9 @@ class AuthSync:
 
     # -- the server's log (called from its pump thread)
     def on_log_line(self, line: str) -> None:
+        """Queues a refusal line for reporting (any thread). Lines queued before
+        run() starts are reported once it does (a login refused while the layout
+        is still being made is not lost)."""
         if self._loop is None or parse_refusal(line) is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop is closing

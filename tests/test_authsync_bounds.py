@@ -270,3 +270,36 @@ async def test_failed_logins_are_not_filed_under_the_claimed_tenant(
     assert not await security_events(admin, "bolt")
     nc = await connect(endpoint, f"{NS}.bolt", password)  # bolt itself is untouched
     await nc.close()
+
+
+async def test_a_login_refused_while_the_auth_sync_starts_is_reported(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's log reaches the auth sync from the moment ``embedded()`` is
+    ready, but its report loop starts only after the layout is made. A refusal in
+    between was dropped (CI, stop 22: the first failed login of test_security never
+    became an event under load). The layout step is held 1.5 s here, so the refused
+    login lands in that gap every time."""
+    from joynexus.broker import layout
+
+    real = layout.ensure_layout
+
+    async def slow_layout(b: Broker, *args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(1.5)
+        return await real(b, *args, **kw)
+
+    monkeypatch.setattr(layout, "ensure_layout", slow_layout)
+    with embedded(tmp_path / "early", namespace=NS, act_as_admin=False) as ep:
+        t0 = time.time()
+        await refused_login(ep, f"{NS}.early", "wrong")  # the auth sync is still in its layout
+        assert ep.admin is not None
+        b = await Broker.connect(ep.url, name="admin", namespace=NS, credentials=ep.admin)
+        try:
+            await real(b)
+            events = await wait_events(
+                b, "_", lambda e: e.get("claimed_user") == f"{NS}.early" and e["at"] >= t0, 1,
+                "the login refused before the auth sync's report loop ran",
+            )
+            assert events[0]["action"] == "connect" and events[0]["source"] == "nats-server"
+        finally:
+            await b.close()
