@@ -76,6 +76,12 @@ BUSY_DELAY_S = 0.002
 #: batches of many rows stay on the thread. A size not measured yet runs on the thread.
 INLINE_FORWARD_MS = 15.0
 
+#: Before an idle engine chooses its batch, the loop turns while turns bring requests
+#: already received (``InferenceEngine._take_in_received``), at most this long, and
+#: until this many turns in a row bring none.
+GATHER_MAX_S = 0.001
+GATHER_IDLE_TURNS = 2
+
 
 class InferenceEngine:
     """One batching engine for one base model. ``start()`` = ``prepare()`` + ``join()``."""
@@ -314,9 +320,7 @@ class InferenceEngine:
         while not intake.queue:
             intake.wake.clear()
             await intake.wake.wait()
-        # One turn of the event loop: requests already delivered to this connection
-        # join (nats-py hands them to the handler one after another, without waiting).
-        await asyncio.sleep(0)
+        await self._take_in_received()
         while True:
             now = time.perf_counter()
             queue = list(intake.queue)
@@ -344,6 +348,23 @@ class InferenceEngine:
             self._last_served, [p.tenant for p in items], turn, 4 * self.max_queue
         )
         return items
+
+    async def _take_in_received(self) -> None:
+        """Let the requests this connection has already received join before the batch is
+        chosen: turn the event loop while turns bring requests (until ``GATHER_IDLE_TURNS``
+        turns in a row bring none, the batch is full, or ``GATHER_MAX_S`` passed). A burst
+        of requests spans several socket reads, and nats-py parses a read and hands its
+        messages to the handler on later turns: one turn took in only the first read's
+        requests, and the rest waited a whole forward. No request not yet received is
+        waited for: an idle engine still runs at once what has come."""
+        intake = self.intake
+        seen, idle = len(intake.queue), 0
+        deadline = time.perf_counter() + GATHER_MAX_S
+        while idle < GATHER_IDLE_TURNS and seen < self.max_batch and time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+            n = len(intake.queue)
+            idle = idle + 1 if n == seen else 0
+            seen = n
 
     def forward_estimate_ms(self, key: tuple[str, int]) -> float | None:
         """The median of the last forwards of this size measured (None: not measured yet):
