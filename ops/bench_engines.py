@@ -64,9 +64,13 @@ async def bench_engines(
     *,
     concurrency: Sequence[int] = (32, 1),
     rounds: int = 10,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Build ``a`` against build ``b`` (default: this checkout) at each concurrency."""
+    """Build ``a`` against build ``b`` (default: this checkout) at each concurrency, both
+    engines with ``threads`` torch threads (default: what ``joynexus agent inference``
+    takes, :func:`~joynexus.agents.inference.pool.serving_threads`)."""
     from joynexus.agents.inference import InferenceClient
+    from joynexus.agents.inference.pool import serving_threads
     from joynexus.agents.models.backbone import SIZES, BackboneConfig
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
@@ -76,6 +80,7 @@ async def bench_engines(
     if rounds < 2 or not concurrency or min(concurrency) < 1:
         raise ValueError("need rounds >= 2 and concurrency levels >= 1")
     builds = {"a": check_build(a), "b": check_build(b or HERE)}
+    threads = serving_threads(threads)
     t_start, load_before = time.perf_counter(), benchstats.load()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
     base_model = BackboneConfig(size="tiny").base_model
@@ -94,7 +99,7 @@ async def bench_engines(
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "joynexus.ops.bench_inference", "--serve", url,
                 "--namespace", br.names.namespace, "--size", "tiny", "--max-batch", str(MAX_BATCH),
-                "--max-wait-ms", str(MAX_WAIT_MS), "--threads", "2",
+                "--max-wait-ms", str(MAX_WAIT_MS), "--threads", str(threads),
                 env=dict(os.environ, PYTHONPATH=root), cwd=root, stdout=log, stderr=subprocess.STDOUT,
             )
             arms[name] = (br, proc, InferenceClient(br, base_model=base_model), log)
@@ -137,7 +142,8 @@ async def bench_engines(
         "builds": builds,
         "levels": levels,
         "config": {"rounds": rounds, "tenants": TENANTS, "max_batch": MAX_BATCH,
-                   "max_wait_ms": MAX_WAIT_MS, "backbone": "tiny", "cpus": os.cpu_count()},
+                   "max_wait_ms": MAX_WAIT_MS, "backbone": "tiny", "threads": threads,
+                   "cpus": os.cpu_count()},
         "seconds": round(time.perf_counter() - t_start, 1),
         "load": {"before": load_before, "after": benchstats.load()},
     }
@@ -168,6 +174,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--b", default=None, metavar="DIR", help="the other build (default: this checkout)")
     ap.add_argument("--concurrency", default="32,1", help="closed-loop levels, comma-separated (default 32,1)")
     ap.add_argument("--rounds", type=int, default=10, help="AB rounds per level (default 10, ~3 min)")
+    ap.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="torch threads of both engines (default: what `joynexus agent inference` "
+                    "takes: $JOYNEXUS_INFER_THREADS, else the CPU cores less one)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -180,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_build(a.a)
     except ValueError as e:
         ap.error(str(e))
-    print(json.dumps(asyncio.run(_with_server(a.nats, a=a.a, b=a.b, concurrency=levels, rounds=a.rounds))))
+    print(json.dumps(asyncio.run(_with_server(a.nats, a=a.a, b=a.b, concurrency=levels, rounds=a.rounds,
+                                                 threads=a.threads))))
 
 
 if __name__ == "__main__":

@@ -403,9 +403,19 @@ def _warmup(threads: int) -> None:
         bb.encode(fb)
 
 
-async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
-    """Run every part against the NATS server at ``url``; returns the figures (JSON-ready)."""
+async def bench_inference(
+    url: str, *, quick: bool = False, threads: int = 2, serve_threads: int | None = None
+) -> dict[str, Any]:
+    """Run every part against the NATS server at ``url``; returns the figures (JSON-ready).
+
+    The grid runs with ``threads`` torch threads; the engine process and the in-process
+    references it is compared with (``c1_vs_inproc``, ``rr_overhead``) with
+    ``serve_threads``, by default what ``joynexus agent inference`` takes
+    (:func:`~joynexus.agents.inference.pool.serving_threads`): like with like."""
+    import torch
+
     from joynexus.agents.inference import InferenceClient
+    from joynexus.agents.inference.pool import serving_threads
     from joynexus.agents.models.backbone import SIZES, BackboneConfig
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
@@ -420,6 +430,8 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
     # a few throwaway forwards first so torch's first-call costs do not land in the grid.
     await asyncio.to_thread(_warmup, threads)
     group = await asyncio.to_thread(bench_group, size=grid_size, quick=quick, threads=threads, rss=False)
+    serve_threads = serving_threads(serve_threads)
+    torch.set_num_threads(serve_threads)  # the in-process references run as the engine does
 
     suffix = os.urandom(3).hex()
     ns_engine, ns_solo = f"bi{suffix}", f"bo{suffix}"
@@ -441,7 +453,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "joynexus.ops.bench_inference", "--serve", url, "--namespace", ns_engine,
         "--size", rr_size, "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms),
-        "--threads", str(threads),
+        "--threads", str(serve_threads),
         stdout=log, stderr=subprocess.STDOUT,
     )
     out: dict[str, Any] = {}
@@ -503,6 +515,7 @@ async def bench_inference(url: str, *, quick: bool = False, threads: int = 2) ->
                 "engine_max_wait_ms": max_wait_ms,
                 "head_hidden": HEAD_HIDDEN,
                 "threads": threads,
+                "serve_threads": serve_threads,
                 "cpus": os.cpu_count(),
             },
             "group": {k: v for k, v in group.items() if k != "group_speedup"},

@@ -243,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
     p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inference: torch intra-op threads (default $JOYNEXUS_INFER_THREADS, else the CPU "
+        "cores less one, at least 1: the engine's event loop keeps a core)",
+    )
+    p.add_argument(
         "--heartbeat",
         type=float,
         default=None,
@@ -641,6 +649,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             backbone_path=args.backbone_path,
             max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms,
+            torch_threads=args.torch_threads,
             data_dir=Path(args.data_dir),
         )
         if args.heartbeat is not None:
@@ -770,7 +779,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                     print(f"error: {e}", file=sys.stderr)
                     return 2
                 result = asyncio.run(
-                    bench_engines(url, args.a, args.b, concurrency=levels, rounds=args.rounds)
+                    bench_engines(url, args.a, args.b, concurrency=levels, rounds=args.rounds,
+                                  threads=args.threads)
                 )
             elif args.bench == "rr":
                 from joynexus.ops.bench_rr import bench_rr, parse_arms

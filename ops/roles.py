@@ -48,6 +48,8 @@ class RoleOptions:
     backbone_path: str | None = None
     max_batch: int = 16
     max_wait_ms: float = 5.0
+    #: Inference: torch intra-op threads (None: ``serving_threads``'s default).
+    torch_threads: int | None = None
     #: Where roles write local output (monitor report data, traces).
     data_dir: Path = Path(".jnx")
     heartbeat_s: float = field(
@@ -154,6 +156,7 @@ async def _inference(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
         max_batch=o.max_batch,
         max_wait_ms=o.max_wait_ms,
         instance=o.instance,
+        threads=o.torch_threads,
     )
 
 

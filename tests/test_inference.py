@@ -22,7 +22,15 @@ import pytest
 import torch
 from nats.micro.service import ServiceVerb, control_subject
 
-from joynexus.agents.inference import EnginePool, InferenceClient, InferenceEngine, _canonical
+from joynexus.agents.inference import (
+    EnginePool,
+    InferenceClient,
+    InferenceEngine,
+    _canonical,
+    run_inference_agent,
+    serving_threads,
+)
+from joynexus.agents.inference.pool import THREADS_ENV
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import (
     FeatureSchema,
@@ -139,7 +147,8 @@ async def micro_instances(broker: Broker, verb: ServiceVerb = ServiceVerb.INFO, 
             msg = await sub.next_msg(timeout=left)
         except Exception:
             break
-        out.append(json.loads(msg.data))
+        if msg.data:  # not the server's "no responders" status (no instance serves yet)
+            out.append(json.loads(msg.data))
     await sub.unsubscribe()
     return out
 
@@ -992,3 +1001,42 @@ async def test_concurrent_scale_operations_are_serialized(broker: Broker, backbo
         assert len(await micro_instances(broker, ServiceVerb.PING)) == 2
     finally:
         await pool.close()
+
+
+def test_serving_threads_leave_the_event_loop_a_core() -> None:
+    assert serving_threads(environ={}, cores=2) == 1
+    assert serving_threads(environ={}, cores=8) == 7
+    assert serving_threads(environ={}, cores=1) == 1
+    assert serving_threads(environ={THREADS_ENV: " 3 "}, cores=8) == 3
+    assert serving_threads(2, environ={THREADS_ENV: "5"}, cores=8) == 2  # given beats the environment
+    with pytest.raises(InvalidSpec, match=r"JOYNEXUS_INFER_THREADS='many'"):
+        serving_threads(environ={THREADS_ENV: "many"})
+    for bad in (0, -1):
+        with pytest.raises(InvalidSpec, match=">= 1"):
+            serving_threads(bad, environ={})
+    with pytest.raises(InvalidSpec, match=">= 1"):
+        serving_threads(environ={THREADS_ENV: "0"})
+
+
+async def test_the_inference_agent_forwards_with_the_serving_threads(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`joynexus agent inference` sets torch's threads on its event loop's thread (where
+    short forwards run) before it serves, and answers with them."""
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    monkeypatch.setenv(THREADS_ENV, str(want))
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    stop = asyncio.Event()
+    agent = asyncio.create_task(run_inference_agent(broker, stop, instance="threads"))
+    try:
+        deadline = time.monotonic() + 30
+        while not agent.done() and not await micro_instances(broker, ServiceVerb.PING):
+            assert time.monotonic() < deadline, "the agent's engine never joined"
+        reply = await InferenceClient(broker).request("acme", schema=SCHEMA, **make_obs(1))
+        assert reply.actions.to_array("actions").shape[0] == 1
+        assert torch.get_num_threads() == want and not agent.done()
+    finally:
+        stop.set()
+        await agent
+        torch.set_num_threads(before)
