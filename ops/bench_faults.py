@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import ServiceUnavailableError
 
 from joynexus.agents.health import HealthCore, HealthManager, RestartBudget
 from joynexus.agents.scheduler_client import SchedulerClient
@@ -101,8 +102,26 @@ async def read_job_subjects(b: Broker) -> dict[tuple[str, str], list[str]]:
     return out
 
 
+#: Audits tried before a JetStream "service unavailable" (503) is an error.
+AUDIT_ATTEMPTS = 20
+
+
 async def audit(b: Broker) -> Audit:
-    """Every job once through the log; partitions that outlived their job."""
+    """Every job once through the log; partitions that outlived their job. In a
+    cluster that just lost a node, a stream's leader is elected again and JetStream
+    answers 503 meanwhile (a CI run's host-lost drill failed on one): the audit starts
+    over, up to ``AUDIT_ATTEMPTS`` times, 0.5 s apart."""
+    for attempt in range(AUDIT_ATTEMPTS):
+        try:
+            return await _audit(b)
+        except ServiceUnavailableError:
+            if attempt == AUDIT_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+async def _audit(b: Broker) -> Audit:
     a = Audit()
     jobs = await read_job_subjects(b)
     final: dict[str, str] = {}
