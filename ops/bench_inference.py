@@ -139,18 +139,20 @@ async def _wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: floa
             await asyncio.sleep(0.1)
 
 
-async def _stop_engine(proc: asyncio.subprocess.Process, log: Any) -> None:
-    """SIGTERM the engine child (it drains), SIGKILL after 30 s; its log file removed."""
+async def _stop_engine(proc: asyncio.subprocess.Process, log: Any = None, grace_s: float = 30.0) -> None:
+    """SIGTERM a bench's child (an engine drains), SIGKILL after ``grace_s``; its log
+    file (if any) removed."""
     if proc.returncode is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), 30)
+            await asyncio.wait_for(proc.wait(), grace_s)
         except TimeoutError:
             proc.kill()
             await proc.wait()
-    log.close()
-    with contextlib.suppress(OSError):
-        os.unlink(log.name)
+    if log is not None:
+        log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)
 
 
 def _rss_mb(pid: int) -> float:

@@ -45,6 +45,7 @@ from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.ops import benchstats
+from joynexus.ops.bench_inference import _stop_engine
 
 __all__ = ["bench_rr", "main", "parse_arms"]
 
@@ -227,13 +228,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
         return out
     finally:
         await client.close()
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await _stop_engine(proc, grace_s=10)
 
 
 # ---------------------------------------------------------------- engine
@@ -313,16 +308,9 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
             sys.stderr.write(f"{arm} engine log (tail):\n" + text[-2000:])
         raise
     finally:
-        for p in procs.values():
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                await asyncio.wait_for(p.wait(), 30)
-            except TimeoutError:
-                p.kill()
-                await p.wait()
-        for f in logs.values():
+        # every engine signalled at once (each call sends SIGTERM before it waits)
+        await asyncio.gather(*(_stop_engine(p, logs.pop(arm, None)) for arm, p in procs.items()))
+        for f in logs.values():  # an arm whose process never started
             f.close()
             with contextlib.suppress(OSError):
                 os.unlink(f.name)
