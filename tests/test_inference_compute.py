@@ -63,6 +63,14 @@ def count_calls(lp: LoadedPolicy, fail_on: float | None = None) -> list[int]:
     return calls
 
 
+def assert_each_as_alone(items: list[Any], got: list[Any], alone: list[Any]) -> None:
+    """Every request answered, its rows' actions as its head gave them decoded alone."""
+    for p, g, ref in zip(items, got, alone, strict=True):
+        assert g.error is None and g.actions is not None and ref.actions is not None
+        assert g.actions.shape == (p.batch.batch_size, 8, 7)
+        torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
+
+
 def test_each_policy_decodes_once_and_each_request_gets_its_own_rows(backbone: Backbone) -> None:
     a, b = policy("a", "oft_mlp", 1), policy("b", "flow_matching", 2)
     # interleaved tenants, different row counts; b's requests bring their own noise
@@ -76,10 +84,7 @@ def test_each_policy_decodes_once_and_each_request_gets_its_own_rows(backbone: B
         got = decode_grouped(items, parts)
         assert calls_a == [4] and calls_b == [4]  # one call per policy, all its rows
         alone = [decode_one(p, f) for p, f in zip(items, parts, strict=True)]
-    for p, g, ref in zip(items, got, alone, strict=True):
-        assert g.error is None and g.actions is not None and ref.actions is not None
-        assert g.actions.shape == (p.batch.batch_size, 8, 7)
-        torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
+    assert_each_as_alone(items, got, alone)
 
 
 def test_heads_of_one_architecture_decode_in_one_stacked_call(backbone: Backbone) -> None:
@@ -97,10 +102,7 @@ def test_heads_of_one_architecture_decode_in_one_stacked_call(backbone: Backbone
         got = decode_grouped(items, parts)
         assert calls == [[]] * 5  # the stacked path, not one act per policy
         alone = [decode_one(p, f) for p, f in zip(items, parts, strict=True)]
-    for p, g, ref in zip(items, got, alone, strict=True):
-        assert g.error is None and g.actions is not None and ref.actions is not None
-        assert g.actions.shape == (p.batch.batch_size, 8, 7)
-        torch.testing.assert_close(g.actions, ref.actions, rtol=1e-5, atol=1e-5)
+    assert_each_as_alone(items, got, alone)
 
 
 def test_a_tenant_with_many_rows_does_not_pad_anothers_head_call(backbone: Backbone) -> None:
