@@ -11,3 +11,6 @@ WRONG_LAST_SEQUENCE = 10071
 WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
 #: "stream name already in use with a different configuration".
 STREAM_NAME_IN_USE = 10058
+#: "insufficient storage resources available": the server cannot reserve a stream's
+#: ``max_bytes`` (JSStorageResourcesExceededErr).
+INSUFFICIENT_STORAGE = 10047

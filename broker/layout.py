@@ -22,10 +22,10 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
 from joynexus.broker.connection import Broker
-from joynexus.broker.errcodes import STREAM_NAME_IN_USE
+from joynexus.broker.errcodes import INSUFFICIENT_STORAGE, STREAM_NAME_IN_USE
 from joynexus.schemas.errors import InvalidSpec
 
 DAY = 24 * 3600.0
@@ -34,6 +34,31 @@ DAY = 24 * 3600.0
 def _default_replicas() -> int:
     """``$JOYNEXUS_REPLICAS`` (a cluster's deployment sets it for every role), else 1."""
     return max(1, int(os.environ.get("JOYNEXUS_REPLICAS", "1")))
+
+
+#: The smallest cap a stream may be given from the environment.
+MIN_STREAM_BYTES = 16 * 1024**2
+TQ_MAX_BYTES_ENV = "JOYNEXUS_TQ_MAX_BYTES"
+METRICS_MAX_BYTES_ENV = "JOYNEXUS_METRICS_MAX_BYTES"
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A stream's byte cap from ``$name`` (a whole number of bytes, or with a K/M/G
+    suffix, powers of 1024), else ``default``. Every role of a deployment reads the
+    same environment, so the roles agree on the cap they ensure."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+    text = raw.upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in units else text
+    if not digits.isdigit() or int(digits) * scale < MIN_STREAM_BYTES:
+        raise InvalidSpec(
+            f"${name}={raw!r}: give a stream cap in bytes, at least "
+            f"{MIN_STREAM_BYTES // 1024**2} MiB (e.g. 2G, 512M or 1073741824)"
+        )
+    return int(digits) * scale
 
 
 @dataclass(frozen=True)
@@ -45,8 +70,9 @@ class LayoutOptions:
     jobs_max_age_s: float = 7 * DAY
     #: Default per-message TTL of Training Queue data: orphans expire.
     tq_ttl_s: float = 3600.0
-    #: Cap on the whole Training Queue (bytes); puts beyond it fail loudly.
-    tq_max_bytes: int = 8 * 1024**3
+    #: Cap on the whole Training Queue (bytes); puts beyond it fail loudly. JetStream
+    #: reserves it on the server's store when the stream is made (``$JOYNEXUS_TQ_MAX_BYTES``).
+    tq_max_bytes: int = field(default_factory=lambda: _env_bytes(TQ_MAX_BYTES_ENV, 8 * 1024**3))
     #: Dedupe window for retried appends.
     duplicate_window_s: float = 120.0
     #: Caps on the metrics stream (events older than a day go anyway): the whole
@@ -55,7 +81,9 @@ class LayoutOptions:
     #: its own oldest events), and one event (a metric is well under 4 kB; the
     #: strings in it are clipped). Past a cap the oldest events are discarded:
     #: publishing a metric never fails for it.
-    metrics_max_bytes: int = 1024**3
+    metrics_max_bytes: int = field(
+        default_factory=lambda: _env_bytes(METRICS_MAX_BYTES_ENV, 1024**3)
+    )
     metrics_max_msgs: int = 2_000_000
     metrics_max_msgs_per_subject: int = 500_000
     metrics_max_msg_size: int = 64 * 1024
@@ -182,12 +210,31 @@ def object_store_configs(b: Broker, opts: LayoutOptions) -> list[ObjectStoreConf
     ]
 
 
+def _no_storage(b: Broker, cfg: StreamConfig, e: APIError) -> InvalidSpec:
+    """What to do when the server cannot reserve a stream's cap (10047)."""
+    knob = {b.names.tq_stream: TQ_MAX_BYTES_ENV, b.names.metrics_stream: METRICS_MAX_BYTES_ENV}
+    lower = f"lower ${knob[cfg.name]}, " if cfg.name in knob else ""
+    gib = (cfg.max_bytes or 0) / 1024**3
+    return InvalidSpec(
+        f"stream {cfg.name} reserves {gib:.2f} GiB of JetStream file storage and the server "
+        f"has not that much left unreserved ({e.description}). nats-server gives JetStream "
+        "75% of its store disk's free space unless `max_file_store` is set (the embedded "
+        "server: $JOYNEXUS_NATS_MAX_FILE_STORE, bytes); free disk, "
+        f"{lower}or delete unused streams (`nats stream report` shows what each reserves)"
+    )
+
+
 async def ensure_stream(b: Broker, cfg: StreamConfig) -> None:
     assert cfg.name is not None
     try:
         info = await b.js.stream_info(cfg.name)
     except NotFoundError:
-        await b.js.add_stream(cfg)
+        try:
+            await b.js.add_stream(cfg)
+        except APIError as e:
+            if e.err_code == INSUFFICIENT_STORAGE:
+                raise _no_storage(b, cfg, e) from e
+            raise
         return
     existing = info.config.num_replicas or 1
     if (cfg.num_replicas or 1) < existing:  # a cluster's R3 stays R3
@@ -199,6 +246,10 @@ async def ensure_stream(b: Broker, cfg: StreamConfig) -> None:
             f"stream {cfg.name} exists with a configuration this version cannot update "
             f"({e.description}); inspect it with `nats stream info {cfg.name}`"
         ) from e
+    except APIError as e:
+        if e.err_code == INSUFFICIENT_STORAGE:  # a larger cap than the stream has
+            raise _no_storage(b, cfg, e) from e
+        raise
 
 
 async def ensure_layout(b: Broker, opts: LayoutOptions | None = None) -> None:

@@ -708,8 +708,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 run_demo(url, args.namespace, seconds=args.seconds, as_json=args.json)
             )
     if args.command == "demo":
-        from joynexus.ops.paper import main_job
+        from joynexus.ops.paper import main_job, use_demo_stream_caps
 
+        if not args.nats:  # an operator's server keeps the caps its deployment uses
+            use_demo_stream_caps()
         with nats_url(args.nats, args.data_dir, quiet=args.json, **_embedded_opts(args)) as url:
             return asyncio.run(
                 main_job(

@@ -138,6 +138,12 @@ class ServerLimits:
     #: a connection (server defaults 2 min, 2): dead peers are reclaimed.
     ping_interval_s: float = 120.0
     ping_max: int = 2
+    #: Bytes of file storage JetStream may reserve and use (``max_file_store``; 0:
+    #: the server's default, 75% of the store disk's free space when it starts).
+    #: Streams reserve their ``max_bytes`` when made (the Training Queue 8 GiB, the
+    #: metrics 1 GiB: ``broker.layout.LayoutOptions``), so a store too small for a
+    #: deployment's layout is refused with "insufficient storage resources".
+    max_file_store: int = 0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ServerLimits:
@@ -159,7 +165,8 @@ class ServerLimits:
         return cls(**kw)  # type: ignore[arg-type]
 
     def render(self) -> str:
-        """The config lines of the bounds (those not 0)."""
+        """The top-level config lines of the bounds (those not 0; ``max_file_store``
+        goes in the ``jetstream`` block)."""
         lines = []
         for key, value in (
             ("max_connections", self.max_connections),
@@ -316,7 +323,10 @@ class EmbeddedNats:
             limits = dataclasses.replace(limits, max_pending=self.max_payload)
         text += limits.render()
         if self.jetstream:
-            text += f"jetstream {{\n  store_dir: {_q(str(store))}\n}}\n"
+            text += f"jetstream {{\n  store_dir: {_q(str(store))}\n"
+            if self.limits.max_file_store:
+                text += f"  max_file_store: {int(self.limits.max_file_store)}\n"
+            text += "}\n"
         if self.tls is not None:
             text += self._tls_block(self.tls, "", verify=self.tls.verify_clients)
         if self.cluster is not None:

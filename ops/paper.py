@@ -43,7 +43,12 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.eventlog import JobEventLog
-from joynexus.broker.layout import ensure_layout
+from joynexus.broker.layout import (
+    METRICS_MAX_BYTES_ENV,
+    TQ_MAX_BYTES_ENV,
+    delete_layout,
+    ensure_layout,
+)
 from joynexus.broker.subjects import service_api
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
@@ -65,6 +70,21 @@ def datasets_root(out: Path) -> Path:
     """Where a run's tenants' datasets live: ``<out>/data/<tenant>/<name>``."""
     return out / "data"
 PAPER = {"device_time_ratio": 1.39, "train_util_ratio": 1.99, "infer_util_ratio": 1.33}
+
+#: The stream caps of the demo's namespaces (the embedded server's own, and one per
+#: phase), unless the environment sets them: the layout's defaults reserve 9 GiB a
+#: namespace on the server's store, and a demo's Training Queue holds megabytes (its
+#: rollouts are 2 envs x 8 steps; SFT batches of 16 small frames).
+DEMO_STREAM_CAPS = {TQ_MAX_BYTES_ENV: "1G", METRICS_MAX_BYTES_ENV: "512M"}
+
+
+def use_demo_stream_caps(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Give this process (and the roles it starts, which inherit its environment) the
+    demo's stream caps where the environment sets none; call it before the embedded
+    server's auth sync makes its namespace's layout."""
+    for name, value in DEMO_STREAM_CAPS.items():
+        if not environ.get(name, "").strip():
+            environ[name] = value
 
 
 @dataclass
@@ -573,7 +593,15 @@ async def run_phase(
             await _tenant_outcomes(b, dep, tenants, evals, results[r])
     finally:
         dep.stop()
-        await b.close()
+        try:
+            # The phase is over and its event log is in the report: free what its
+            # streams reserve on the server (the Training Queue's cap, 8 GiB by default)
+            # before the next phase reserves its own.
+            await delete_layout(b)
+        except Exception as e:  # the phase's own error, if any, is the one to raise
+            print(f"[{name}] could not delete namespace {ns}'s streams: {e!r}", file=sys.stderr)
+        finally:
+            await b.close()
     for r, res in enumerate(results):
         res.peak_rss_mb = {k: round(v, 1) for k, v in dep.peak_rss_mb.items()}
         res.wall_s = sum(w1 - w0 for w0, w1 in windows[r])

@@ -4,6 +4,7 @@ its isolated baseline, one process per role, report written."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,14 @@ def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None
         capture_output=True,
         text=True,
         timeout=880,
+        # The demo's namespaces reserve 1.5 GiB each (a 1 GiB Training Queue, 512 MiB
+        # of metrics): the embedded server's own and one per phase. A 4 GiB store holds
+        # the server's and one phase's, not both phases': each phase frees its
+        # namespace's reservations before the next makes its own.
+        env={
+            **{k: v for k, v in os.environ.items() if not k.endswith("_MAX_BYTES")},
+            "JOYNEXUS_NATS_MAX_FILE_STORE": str(4 * 1024**3),
+        },
     )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads((out / "report.json").read_text())
