@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.schemas.base import decode
 
@@ -67,7 +68,7 @@ class KVMirror(Generic[T]):
             watcher: Any = None
             try:
                 kv = await self.b.js.key_value(self.bucket)
-                watcher = await kv.watchall()
+                watcher = await kvwatch.watch(kv)  # nats-py's marker can come early
                 while True:
                     try:
                         entry = await watcher.updates(timeout=5.0)

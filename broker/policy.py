@@ -30,6 +30,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KV_DEL, KV_PURGE
 
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import check_token
 from joynexus.schemas.base import decode, encode
@@ -232,7 +233,7 @@ class PolicyRecords:
         Deletes and malformed records are skipped (logged).
         """
         kv = await self._bucket()
-        watcher = await kv.watchall()
+        watcher = await kvwatch.watch(kv)  # nats-py's marker can come early
         try:
             async for entry in watcher:
                 if entry is None:  # end of the current values

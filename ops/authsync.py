@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from joynexus.broker import metrics
+from joynexus.broker import kvwatch, metrics
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import (
@@ -365,7 +365,7 @@ class AuthSync:
         kv = self._kvs[bucket] = await self.b.js.key_value(bucket)
         tenants: dict[str, TenantIdentity] = {}
         current = False  # the bucket's current values are not all in yet
-        watcher = await kv.watchall()
+        watcher = await kvwatch.watch(kv)  # nats-py's marker can come early
         last = 0
         try:
             while True:

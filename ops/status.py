@@ -16,6 +16,7 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import ASSIGNMENT_KEYS, SUPERVISOR_KEYS, service_api
 from joynexus.schemas.errors import Unavailable
@@ -198,7 +199,7 @@ async def _heartbeats(b: Broker) -> dict[str, Any]:
     """Each agent's last heartbeat and each health manager's state (KV ``<NS>_HEALTH``)."""
     try:
         kv = await b.js.key_value(b.names.health_bucket)
-        watcher = await kv.watch(">", ignore_deletes=True)
+        watcher = await kvwatch.watch(kv)  # nats-py's marker can come early
     except Exception:  # no health bucket: no health manager in this deployment
         return {"heartbeats": [], "managers": []}
     out: list[dict[str, Any]] = []
@@ -208,6 +209,8 @@ async def _heartbeats(b: Broker) -> dict[str, Any]:
         async for entry in watcher:
             if entry is None:
                 break
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                continue
             with contextlib.suppress(ValueError):
                 value = json.loads(entry.value)
                 if entry.key.startswith(SUPERVISOR_KEYS):  # a health manager: its slots and decisions

@@ -1040,3 +1040,46 @@ async def test_the_inference_agent_forwards_with_the_serving_threads(
         stop.set()
         await agent
         torch.set_num_threads(before)
+
+
+async def test_policy_watch_is_ready_only_after_every_current_record(
+    broker: Broker, early_kv_marker: list[int]
+) -> None:
+    """nats-py's end-of-current-values marker comes first (nats.py#842, forced here):
+    the policy watch still sets ``ready`` only once every tenant's current record
+    has been handed on, and ``records()`` lists them all."""
+    store = PolicyStore(broker)
+    for i in range(5):
+        await store.publish(f"t{i}", "default", make_module(f"t{i}", seed=i), SCHEMA)
+    ready = asyncio.Event()
+    before_ready = []
+    async for rec in store.watch(ready=ready, follow=False):
+        if not ready.is_set():
+            before_ready.append(rec.tenant_id)
+    assert ready.is_set() and sorted(before_ready) == [f"t{i}" for i in range(5)]
+    assert sorted(r.tenant_id for r in await store.records()) == [f"t{i}" for i in range(5)]
+    assert len(early_kv_marker) == 2 and all(n >= 0 for n in early_kv_marker)
+
+
+async def test_a_current_version_that_does_not_load_fails_the_scale_up_whatever_the_marker_does(
+    broker: Broker, backbone: Backbone, early_kv_marker: list[int]
+) -> None:
+    """The CI failure of test_scale_up_loads_weights_before_joining_and_failure_rolls_back:
+    with nats-py's marker ahead of the records, the engine took itself as loaded, the
+    bad current version's failure was only logged, and it joined."""
+    store = PolicyStore(broker)
+    await store.publish("t1", "default", make_module("t1", seed=1), SCHEMA)
+    good = await store.latest("t1")
+    bad = msgspec.structs.replace(good, version=2, object_name=broker.names.weights_object("t1", "default", 2))
+    obj = await broker.js.object_store(broker.names.weights_store)
+    await obj.put(bad.object_name, b"not safetensors")
+    kv = await broker.js.key_value(broker.names.policy_bucket)
+    await kv.put(broker.names.policy_key("t1", "default"), encode(bad))
+    pool = EnginePool(broker, backbone, max_batch=4, max_wait_ms=5)
+    try:
+        with pytest.raises(InvalidSpec, match="do not load"):
+            await pool.scale_up()
+        assert pool.engines == [] and early_kv_marker
+        assert await micro_instances(broker) == []
+    finally:
+        await pool.close()
