@@ -17,7 +17,8 @@ once that many entries have been taken. If fewer ever come (a message removed
 before it was delivered: a TTL, a purge), a quiet second in which the server has
 nothing pending and has delivered no more than were taken ends them too.
 
-See docs/ARCHITECTURE.md, "Policy versions".
+See docs/ARCHITECTURE.md, "The Inference Queue" (an engine joins with every
+current policy loaded).
 """
 
 from __future__ import annotations
