@@ -948,6 +948,20 @@ async def test_scale_down_mid_stream_loses_no_request(broker: Broker, backbone: 
         await pool.close()
 
 
+async def publish_unloadable(broker: Broker, store: PolicyStore, tenant: str) -> None:
+    """The next version of ``tenant``'s policy, current, with weights that do not load
+    (written by hand, object first as publish() does, so no engine sees good bytes)."""
+    good = await store.latest(tenant)
+    version = good.version + 1
+    bad = msgspec.structs.replace(
+        good, version=version, object_name=broker.names.weights_object(tenant, "default", version)
+    )
+    obj = await broker.js.object_store(broker.names.weights_store)
+    await obj.put(bad.object_name, b"not safetensors")
+    kv = await broker.js.key_value(broker.names.policy_bucket)
+    await kv.put(broker.names.policy_key(tenant, "default"), encode(bad))
+
+
 async def test_scale_up_loads_weights_before_joining_and_failure_rolls_back(
     broker: Broker, backbone: Backbone
 ) -> None:
@@ -972,13 +986,7 @@ async def test_scale_up_loads_weights_before_joining_and_failure_rolls_back(
         assert r.batch.instance == third.instance and r.policy_version == 1
 
         # A current version whose weights do not load: the scale-up fails and rolls back.
-        # (written by hand, object first as publish() does, so no engine ever sees good bytes)
-        good = await store.latest("t2")
-        bad = msgspec.structs.replace(good, version=2, object_name=broker.names.weights_object("t2", "default", 2))
-        obj = await broker.js.object_store(broker.names.weights_store)
-        await obj.put(bad.object_name, b"not safetensors")
-        kv = await broker.js.key_value(broker.names.policy_bucket)
-        await kv.put(broker.names.policy_key("t2", "default"), encode(bad))
+        await publish_unloadable(broker, store, "t2")
         with pytest.raises(InvalidSpec, match="do not load"):
             await pool.scale_up()
         assert pool.engines == [third]
@@ -1069,12 +1077,7 @@ async def test_a_current_version_that_does_not_load_fails_the_scale_up_whatever_
     bad current version's failure was only logged, and it joined."""
     store = PolicyStore(broker)
     await store.publish("t1", "default", make_module("t1", seed=1), SCHEMA)
-    good = await store.latest("t1")
-    bad = msgspec.structs.replace(good, version=2, object_name=broker.names.weights_object("t1", "default", 2))
-    obj = await broker.js.object_store(broker.names.weights_store)
-    await obj.put(bad.object_name, b"not safetensors")
-    kv = await broker.js.key_value(broker.names.policy_bucket)
-    await kv.put(broker.names.policy_key("t1", "default"), encode(bad))
+    await publish_unloadable(broker, store, "t1")
     pool = EnginePool(broker, backbone, max_batch=4, max_wait_ms=5)
     try:
         with pytest.raises(InvalidSpec, match="do not load"):
