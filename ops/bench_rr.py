@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
+from joynexus.broker.fastpath import settle
 from joynexus.ops import benchstats
 from joynexus.ops.bench_inference import _stop_engine
 
@@ -159,8 +160,7 @@ def _echo_server(url: str) -> None:
                 w.write(data[:16])
 
         tcp_server = await asyncio.start_server(tcp, "127.0.0.1", 0)
-        await nc.flush()
-        await nc.flush()
+        await settle(nc)
         print(f"ready {tcp_server.sockets[0].getsockname()[1]}", flush=True)
         await stop.wait()
         tcp_server.close()

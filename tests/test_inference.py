@@ -1086,3 +1086,27 @@ async def test_a_current_version_that_does_not_load_fails_the_scale_up_whatever_
         assert await micro_instances(broker) == []
     finally:
         await pool.close()
+
+
+async def test_an_engine_that_joined_answers_the_first_request_from_another_connection(
+    broker: Broker, backbone: Backbone, nats_server: EmbeddedNats
+) -> None:
+    """``join()`` returns once the server has the engine's subscriptions (``settle``):
+    nats-py's ``flush()`` alone writes its PING ahead of the SUBs still in its buffer.
+    A bare micro service asked at once from another connection found no responders in
+    4 of 300 tries with one flush, none with ``settle``; this loop did not catch the
+    one-flush engine in 75 joins, so it guards the behaviour, not that race."""
+    await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
+    other = await Broker.connect(nats_server.url, name="asker", namespace=broker.names.namespace)
+    pool = EnginePool(broker, backbone, max_batch=4, max_wait_ms=5)
+    try:
+        client = InferenceClient(other)
+        for _ in range(25):  # join, ask at once, leave: nobody serves in between
+            engine = await pool.scale_up()
+            r = await client.request("acme", schema=SCHEMA, **make_obs(0))
+            assert r.batch.instance == engine.instance
+            await pool.scale_down()
+            assert len(pool) == 0
+    finally:
+        await pool.close()
+        await other.close()

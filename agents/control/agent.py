@@ -34,6 +34,7 @@ from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
+from joynexus.broker.fastpath import settle
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
@@ -134,8 +135,10 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         await self._service.add_endpoint(
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
-        await self.b.nc.flush()  # subscribed on the server before start() returns
-        await nc.flush()
+        # Subscribed on the server before start() returns (one flush() does not promise it).
+        await settle(self.b.nc)
+        if nc is not self.b.nc:
+            await settle(nc)
         self.rpc.spawn(self._adopt_open_jobs())
         self.rpc.spawn(self._expire_open_jobs())
         self.rpc.spawn(self.meter.run())
