@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from joynexus.broker.fastpath import settle
 from joynexus.broker.subjects import kv_subject, stream_api
 from joynexus.ops.isolation.deployment import (
     MODEL,
@@ -58,7 +59,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         inbox_msgs.append(msg)
 
     await vraw.nc.subscribe(victim_inbox, cb=on_inbox)  # exactly the target, not bolt's own
-    await vraw.nc.flush()
+    await settle(vraw.nc)  # listening on the server before acme aims at it
     targets = [
         stream_api("PURGE", n.jobs_stream),
         stream_api("DELETE", n.tq_stream),
