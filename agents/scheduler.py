@@ -27,13 +27,12 @@ from typing import Any, Literal
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NoKeysError, NotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
 from joynexus.agents.lifecycle import SchedulerCore
-from joynexus.broker import rpc
+from joynexus.broker import kvwatch, rpc
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
 from joynexus.broker.fastpath import settle
@@ -227,10 +226,9 @@ class SchedulerAgent:
             log.warning("rebuild skipped %d malformed job events (first: %s)", len(bad), bad[0])
 
     async def _load_policies(self) -> None:
-        try:
-            keys = await self._kv.keys()
-        except (NotFoundError, NoKeysError):  # nats-py raises these for an empty bucket
-            keys = []
+        # Every key: a part of them would start the scheduler without some tenants'
+        # limits or version counters (nats-py's kv.keys() can stop short).
+        keys = await kvwatch.keys(self._kv)
         for key in keys:
             entry = await self._kv.get(key)
             if key == LIMITS_KEY:

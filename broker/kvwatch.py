@@ -128,3 +128,33 @@ async def _counts(inner: Any) -> tuple[int, int]:
     info = await inner._sub.consumer_info()
     delivered = int(getattr(info.delivered, "consumer_seq", 0) or 0)
     return int(info.num_pending or 0), delivered
+
+
+async def keys(kv: Any, keys: str = ">") -> list[str]:
+    """The keys under ``keys`` that hold a value now, in the order the bucket has them
+    (``[]`` for none). nats-py's ``kv.keys()`` stops at its own marker, so it can
+    return a part of them, or raise ``NoKeysError`` on a bucket that has some."""
+    w = await watch(kv, keys, meta_only=True)
+    try:
+        found: dict[str, None] = {}
+        while (entry := await w.updates(timeout=None)) is not None:
+            if entry.operation in ("DEL", "PURGE"):
+                found.pop(entry.key, None)
+            else:
+                found[entry.key] = None
+        return list(found)
+    finally:
+        await w.stop()
+
+
+async def history(kv: Any, key: str) -> list[Any]:
+    """Every retained entry of ``key``, oldest first, deletes and purges included
+    (``[]`` for none; nats-py's ``kv.history()`` can stop short, as ``keys`` above)."""
+    w = await watch(kv, key, include_history=True)
+    try:
+        out = []
+        while (entry := await w.updates(timeout=None)) is not None:
+            out.append(entry)
+        return out
+    finally:
+        await w.stop()

@@ -24,7 +24,6 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
     ObjectNotFoundError,
 )
@@ -170,12 +169,9 @@ class PolicyRecords:
         """Every retained version's record, oldest first."""
         kv = await self._bucket()
         key = self._key(tenant_id, policy_key)
-        try:
-            entries = await kv.history(key)
-        except NoKeysError as e:
-            raise UnknownTenant(
-                f"no policy published for tenant {tenant_id!r} (key {policy_key!r})"
-            ) from e
+        entries = await kvwatch.history(kv, key)
+        if not entries:
+            raise UnknownTenant(f"no policy published for tenant {tenant_id!r} (key {policy_key!r})")
         out = []
         for entry in entries:
             if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:

@@ -90,3 +90,26 @@ async def test_values_that_never_come_end_the_current_values_after_a_quiet_secon
     finally:
         await broker.js.delete_key_value(f"{broker.names.namespace.upper()}_W")
 
+
+
+async def test_keys_and_history_are_whole_when_nats_py_stops_short(
+    broker: Broker, early_kv_marker: list[int]
+) -> None:
+    import pytest
+    from nats.js.errors import NoKeysError
+
+    kv = await _bucket(broker, 12)
+    try:
+        with pytest.raises(NoKeysError):  # nats-py's own: its marker first, so "no keys"
+            await kv.keys()
+        assert sorted(await kvwatch.keys(kv)) == sorted(f"k{i}" for i in range(12) if i != 1)
+        assert [e.value for e in await kvwatch.history(kv, "k0")] == [b"v0", b"again"]
+        assert [e.operation for e in await kvwatch.history(kv, "k1")] == [None, "DEL"]
+        assert await kvwatch.history(kv, "nobody") == []
+    finally:
+        await broker.js.delete_key_value(f"{broker.names.namespace.upper()}_W")
+    empty = await broker.js.create_key_value(bucket=f"{broker.names.namespace.upper()}_E")
+    try:
+        assert await kvwatch.keys(empty) == []
+    finally:
+        await broker.js.delete_key_value(f"{broker.names.namespace.upper()}_E")

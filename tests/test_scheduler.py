@@ -423,3 +423,24 @@ async def test_fail_open_fails_only_the_owners_open_jobs(broker: Broker, sched: 
         elsewhere: S.RESERVED, ended: S.FAILED,
     }
     assert await c.fail_open("acme", "pick", "again", owned=lambda j: j.job_id == mine_reserved) == 0
+
+
+async def test_a_restarted_scheduler_has_every_tenants_policy_and_version_counter(
+    broker: Broker, early_kv_marker: list[int]
+) -> None:
+    """nats-py's kv.keys() stops at its marker, which can come first: the scheduler then
+    started with no tenant-task policies, no global limits and no version counters
+    (the next policy version numbered from 1 again). Forced here; it reads them all."""
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    assert await c.set_version("acme", "pick", 7) == 7
+    await agent.stop()
+    agent2 = await start_scheduler(broker)
+    try:
+        assert early_kv_marker  # the fault was on for the restart's read
+        assert set(agent2.core.policies) == {"acme.rl", "bolt.sft"}
+        assert agent2.core.limits.max_active_rollouts == 16
+        assert agent2.core.versions == {"acme.pick": 7}
+    finally:
+        await agent2.stop()

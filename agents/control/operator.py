@@ -23,7 +23,7 @@ from joynexus.agents.control.checks import (
     count_active,
     issued_identity,
 )
-from joynexus.broker import metrics
+from joynexus.broker import kvwatch, metrics
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, UnknownTenant
 from joynexus.schemas.identities import (
@@ -145,8 +145,5 @@ class OperatorAPI(ControlBase):
         return AdminReply(tenants=infos)
 
     async def _identity_keys(self) -> list[str]:
-        try:
-            keys = await self._ids.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
+        keys = await kvwatch.keys(self._ids)
         return sorted(k for k in keys if not is_applied_key(k))

@@ -24,6 +24,7 @@ from joynexus.agents.control.checks import (
     open_jobs_of,
     takes_tenant_data,
 )
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import raise_if_cancelled
 from joynexus.schemas.base import decode
 from joynexus.schemas.jobs import JobMetadata, JobState
@@ -79,10 +80,7 @@ class SubmissionsAPI(ControlBase):
     async def _adopt_open_jobs(self) -> None:
         """Start the clock for tenant jobs opened before this control plane started
         (a restart must not let a dead client's job hold its slot forever)."""
-        try:
-            keys = await self._kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return
+        keys = await kvwatch.keys(self._kv)
         now = asyncio.get_running_loop().time()
         for key in keys:
             try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from joynexus.broker import kvwatch
 from joynexus.broker.fastpath import settle
 from joynexus.broker.subjects import kv_subject, stream_api
 from joynexus.ops.isolation.deployment import (
@@ -120,7 +121,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
     try:
         from joynexus.schemas.inference import PolicyRecord
 
-        hist = await pkv.history(n.policy_key(victim, VICTIM_WORKLOAD))
+        hist = await kvwatch.history(pkv, n.policy_key(victim, VICTIM_WORKLOAD))
         for h in hist:
             if h.value:
                 decode(h.value, PolicyRecord)
