@@ -16,6 +16,8 @@ are the current values (and anything written since), and the marker is given
 once that many entries have been taken. If fewer ever come (a message removed
 before it was delivered: a TTL, a purge), a quiet second in which the server has
 nothing pending and has delivered no more than were taken ends them too.
+:func:`keys` and :func:`history` read through it: nats-py's ``kv.keys()`` and
+``kv.history()`` stop at the same early marker.
 
 See docs/ARCHITECTURE.md, "The Inference Queue" (an engine joins with every
 current policy loaded).
