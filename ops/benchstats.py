@@ -27,6 +27,7 @@ __all__ = [
     "load",
     "median_ci",
     "ratio_ci",
+    "round_order",
     "summarize",
 ]
 
@@ -45,7 +46,8 @@ def load() -> dict[str, float]:
     }
 
 
-def _order(arms: Sequence[str], round_i: int) -> Sequence[str]:
+def round_order(arms: Sequence[str], round_i: int) -> Sequence[str]:
+    """The arms in round ``round_i``'s order (reversed every other round)."""
     return arms if round_i % 2 == 0 else tuple(reversed(arms))
 
 
@@ -59,7 +61,7 @@ def interleaved(
     names = tuple(arms)
     out: dict[str, Samples] = {n: [] for n in names}
     for r in range(warmup + repeats):
-        for n in _order(names, r):
+        for n in round_order(names, r):
             t0 = time.perf_counter()
             arms[n]()
             dt = (time.perf_counter() - t0) * 1e3
@@ -78,7 +80,7 @@ async def interleaved_async(
     names = tuple(arms)
     out: dict[str, Samples] = {n: [] for n in names}
     for r in range(warmup + repeats):
-        for n in _order(names, r):
+        for n in round_order(names, r):
             t0 = time.perf_counter()
             await arms[n]()
             dt = (time.perf_counter() - t0) * 1e3

@@ -318,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
             "own environment worker process (steps_per_s, ratio_3_vs_1)",
         ),
         (
+            "races",
+            "how often two nats-py races strike, with and without the guard: a KV watch's "
+            "early end-of-values marker (kvwatch) and a service asked before its SUBs land "
+            "(settle)",
+        ),
+        (
             "isolation",
             "the attack catalogue (the adversarial suite's) against a fresh secured deployment: "
             "per attack held or not and the victim tenant's p50/p99 ratio to its baseline",
@@ -330,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inference":
             bp.add_argument(
                 "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
+            )
+        if name == "races":
+            bp.add_argument(
+                "--rounds", type=int, default=500,
+                help="rounds per part, each arm once a round (default 500, ~10 s)",
             )
         if name == "rr":
             from joynexus.ops.bench_rr import DEFAULT_ARMS, ENGINE_ARMS
@@ -784,6 +795,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                     bench_engines(url, args.a, args.b, concurrency=levels, rounds=args.rounds,
                                   threads=args.threads)
                 )
+            elif args.bench == "races":
+                from joynexus.ops.bench_races import bench_races
+
+                result = asyncio.run(bench_races(url, rounds=args.rounds))
             elif args.bench == "rr":
                 from joynexus.ops.bench_rr import bench_rr, parse_arms
 

@@ -113,3 +113,17 @@ async def test_keys_and_history_are_whole_when_nats_py_stops_short(
         assert await kvwatch.keys(empty) == []
     finally:
         await broker.js.delete_key_value(f"{broker.names.namespace.upper()}_E")
+
+
+async def test_bench_races_counts_each_arm_and_the_guarded_ones_never_strike(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """`joynexus bench races` runs both parts on a real server; the figures (how often
+    nats-py's arms strike) belong to the benchmark, the guarded arms' zero to the code."""
+    from joynexus.ops.bench_races import bench_races
+
+    out = await bench_races(nats_server.url, rounds=30, keys=20)
+    kv, join = out["kv_marker"], out["join"]
+    assert kv["keys"] == 20 and {k: v["rounds"] for k, v in kv.items() if k != "keys"} == {
+        "nats_py_watch": 30, "kvwatch": 30}
+    assert kv["kvwatch"]["struck"] == 0 and 0 <= kv["nats_py_watch"]["struck"] <= 30
+    assert join["settle"] == {"struck": 0, "rounds": 30} and join["one_flush"]["rounds"] == 30
+    assert out["load"]["after"]["cpus"] >= 1
