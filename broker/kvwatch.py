@@ -29,6 +29,7 @@ import asyncio
 import logging
 from typing import Any
 
+from nats.js.errors import NotFoundError
 from nats.js.kv import StopIterSentinel
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,12 @@ class CaughtUpWatcher:
         """Nothing pending on the server and nothing delivered that was not taken."""
         try:
             pending, delivered = await _counts(self._inner)
-        except Exception as e:  # the consumer went (a reset): its messages came or will
-            log.debug("kv watch: consumer info failed (%s); taking the values as current", e)
+        except NotFoundError:  # the consumer went (a reset): its messages came or will
+            log.debug("kv watch: its consumer is gone; taking the values as current")
             return True
+        except Exception as e:  # a timeout under load, say: ask again after the next wait
+            log.debug("kv watch: consumer info failed (%s); asking again", e)
+            return False
         return pending == 0 and delivered <= self._seen
 
     def __aiter__(self) -> CaughtUpWatcher:
