@@ -10,7 +10,7 @@ Exactly-once steps: after a step the tenant's checkpoint (module, optimizer,
 version, the jobs it has applied) is committed to JetStream
 (``broker.trainerstate``: bytes to the checkpoints object store, then a
 compare-and-set of its record in the trainer KV, the commit point), cached
-under ``<out>/<tenant>/<policy_key>/`` with a manifest, then the version is
+under ``<out>/<tenant>/<workload>/`` with a manifest, then the version is
 published (weights to the object store, record to the policy KV), then the
 job is completed. A restart - on this host or any other - reloads the
 checkpoint from JetStream; a job it already applied (crash after the step,
@@ -114,7 +114,7 @@ class TenantState:
         os.replace(tmp, self.dir / "checkpoint.pt")
         manifest = {
             "tenant_id": self.record.tenant_id,
-            "policy_key": self.record.policy_key,
+            "workload": self.record.workload,
             "version": self.module.version,
             "head_type": self.module.head_type,
             "schema_signature": self.record.schema_signature,
@@ -169,15 +169,15 @@ class Actor:
         self.busy_s = 0.0
 
     # ------------------------------------------------------------ tenant state
-    async def tenant(self, tenant_id: str, policy_key: str) -> TenantState:
-        key = (tenant_id, policy_key)
+    async def tenant(self, tenant_id: str, workload: str) -> TenantState:
+        key = (tenant_id, workload)
         if key in self.tenants:
             return self.tenants[key]
-        d = self.out_dir / tenant_id / policy_key
-        record = await self.policies.latest(tenant_id, policy_key)
+        d = self.out_dir / tenant_id / workload
+        record = await self.policies.latest(tenant_id, workload)
         # The checkpoint in force is the cluster's (any host reads it); the local file
         # is a cache, used only where no checkpoint was ever committed (an older layout).
-        loaded = await self.trainer_state.load(tenant_id, policy_key)
+        loaded = await self.trainer_state.load(tenant_id, workload)
         ckpt = d / "checkpoint.pt"
         revision = None
         if loaded is not None:
@@ -201,7 +201,7 @@ class Actor:
             pending += await self._lease(wait=not pending, room=self.max_group - len(pending))
             if not pending:
                 continue
-            group, pending = form_group(pending, lambda j: (j.tenant_id, j.policy_key))
+            group, pending = form_group(pending, lambda j: (j.tenant_id, j.workload))
             await self.train_group(group)
 
     async def _lease(self, *, wait: bool, room: int) -> list[TrainingJob]:
@@ -245,7 +245,7 @@ class Actor:
         todo: list[Todo] = []
         for job in jobs:
             try:
-                st = await self.tenant(job.tenant_id, job.policy_key)
+                st = await self.tenant(job.tenant_id, job.workload)
                 if job.job_id in st.applied:  # applied before a crash: complete, do not step again
                     await self._finish(job, st, loss=None)
                     continue
@@ -317,7 +317,7 @@ class Actor:
         try:
             st.revision = await self.trainer_state.save(
                 job.tenant_id,
-                job.policy_key,
+                job.workload,
                 version=st.module.version,
                 data=data,
                 expected_revision=st.revision,
@@ -326,7 +326,7 @@ class Actor:
             )
         except Conflict as e:
             log.warning("job %s: step not committed: %s", job.job_id, e)
-            self.tenants.pop((job.tenant_id, job.policy_key), None)
+            self.tenants.pop((job.tenant_id, job.workload), None)
             return False
         await asyncio.to_thread(st.save, data)
         return True
@@ -396,7 +396,7 @@ class Actor:
         try:
             st.record = await self.policies.publish(
                 job.tenant_id,
-                job.policy_key,
+                job.workload,
                 st.module,
                 feature_schema_of(st.record),
                 st.record.base_model,
@@ -405,7 +405,7 @@ class Actor:
         except InvalidSpec:
             pass  # this version was published before a crash
         except Conflict:
-            st.record = await self.policies.latest(job.tenant_id, job.policy_key)
+            st.record = await self.policies.latest(job.tenant_id, job.workload)
         try:
             await self.sched.complete(job, result_version=version)
         except StaleLease as e:
@@ -416,7 +416,7 @@ class Actor:
                 self.b,
                 "learning",
                 job.tenant_id,
-                workload=job.policy_key,
+                workload=job.workload,
                 job_id=job.job_id,
                 task_type=job.task_type,
                 version=version,

@@ -152,8 +152,8 @@ class ActorForwardAgent:
 
     async def module(self, job: TrainingJob) -> tuple[TenantModule, Any]:
         """The tenant's module at the job's behaviour version, and its record."""
-        key = (job.tenant_id, job.policy_key, job.behavior_policy_version)
-        record = await self.policies.get(job.tenant_id, job.policy_key, job.behavior_policy_version)
+        key = (job.tenant_id, job.workload, job.behavior_policy_version)
+        record = await self.policies.get(job.tenant_id, job.workload, job.behavior_policy_version)
         if key not in self.modules:
             self.modules[key] = await self.policies.load_module(record)
             while len(self.modules) > CACHE:

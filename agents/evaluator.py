@@ -180,7 +180,7 @@ async def evaluate_record(
         return await infer.act(
             rec.tenant_id,
             schema=schema,
-            policy_key=spec.init_from_workload,
+            workload=spec.init_from_workload,
             policy_version=src.version,
             images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
             instruction=instruction,
@@ -312,15 +312,15 @@ class Evaluator:
                         raise
                     except Exception:  # one tenant's odd record must not stop the others'
                         log.exception("periodic evaluation of %s.%s v%d", prec.tenant_id,
-                                      prec.policy_key, prec.version)
+                                      prec.workload, prec.version)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the broker went away: watch again
                 log.warning("policy watch ended (%s); watching again", e)
                 await asyncio.sleep(1.0)
 
-    async def _training_spec(self, tenant: str, policy_key: str) -> WorkloadSpec | None:
-        key = self.b.names.workload_key(tenant, policy_key)
+    async def _training_spec(self, tenant: str, workload: str) -> WorkloadSpec | None:
+        key = self.b.names.workload_key(tenant, workload)
         spec = self._trained.get(key)
         if spec is None and key not in self._untrained:
             try:
@@ -334,12 +334,12 @@ class Evaluator:
         return spec
 
     async def _version_published(self, store: PolicyStore, prec: Any, *, catch_up: bool) -> None:
-        spec = await self._training_spec(prec.tenant_id, prec.policy_key)
+        spec = await self._training_spec(prec.tenant_id, prec.workload)
         if spec is None or spec.task_type not in ("sft", "rl") or not spec.eval_every:
             return
         k = spec.eval_every
         if catch_up:
-            retained = [r.version for r in await store.history(prec.tenant_id, prec.policy_key)]
+            retained = [r.version for r in await store.history(prec.tenant_id, prec.workload)]
             due = sorted(v for v in retained if v % k == 0)
         else:
             due = [prec.version] if prec.version % k == 0 else []

@@ -43,11 +43,13 @@ from joynexus.schemas.jobs import (
     Marked,
     Reserved,
     StageLeased,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadEnded,
+    WorkloadPolicy,
     check_name,
+    generation_key,
 )
-from joynexus.schemas.scheduler import ReserveRequest
+from joynexus.schemas.scheduler import Refusal, ReserveRequest
 
 S = JobState
 _NEEDS = {needs: stage for stage, (needs, _) in STAGES.items()}
@@ -116,6 +118,14 @@ def transition(job: TrainingJob | None, event: JobEvent) -> TrainingJob:
     return new
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Why admission refused a job: a code to decide on and the words to show."""
+
+    code: Refusal
+    reason: str
+
+
 @dataclass
 class Effects:
     """What the agent must do besides appending events."""
@@ -134,16 +144,23 @@ class SchedulerCore:
 
     lease_ttl_s: float = 30.0
     limits: GlobalLimits = field(default_factory=GlobalLimits)
-    policies: dict[str, TenantTaskPolicy] = field(default_factory=dict)
+    #: Per "<tenant>.<workload>": the admission policy of its current generation.
+    policies: dict[str, WorkloadPolicy] = field(default_factory=dict)
+    #: Per "<tenant>.<workload>": how its newest ended generation ended.
+    ended: dict[str, WorkloadEnded] = field(default_factory=dict)
     jobs: dict[str, TrainingJob] = field(default_factory=dict)
     last_seq: dict[str, int] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)
-    #: Current policy version per "<tenant>.<policy_key>".
+    #: Current policy version per "<tenant>.<workload>".
     versions: dict[str, int] = field(default_factory=dict)
+    # Jobs per workload generation ("<tenant>.<workload>.<generation>"), and
+    # active_rollouts["*"]: rollouts of every tenant.
     in_flight: Counter[str] = field(default_factory=Counter)
     active_rollouts: Counter[str] = field(default_factory=Counter)
     started: Counter[str] = field(default_factory=Counter)
     completed: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
     by_state: Counter[str] = field(default_factory=Counter)
     by_tenant_state: defaultdict[str, Counter[str]] = field(
         default_factory=lambda: defaultdict(Counter)
@@ -155,22 +172,63 @@ class SchedulerCore:
     max_seq: int = 0
 
     # ------------------------------------------------------------ bookkeeping
-    @staticmethod
-    def policy_key(tenant_id: str, task_type: str) -> str:
-        return f"{tenant_id}.{task_type}"
-
     def _account(self, job: TrainingJob, sign: int) -> None:
-        pk = self.policy_key(job.tenant_id, job.task_type)
+        gk = generation_key(job.tenant_id, job.workload, job.generation)
         self.by_state[job.state.value] += sign
         self.by_tenant_state[job.tenant_id][job.state.value] += sign
-        self.started[pk] += sign
+        self.started[gk] += sign
         if job.state not in TERMINAL_STATES:
-            self.in_flight[pk] += sign
+            self.in_flight[gk] += sign
         if job.task_type == "rl" and job.state in ROLLOUT_STATES:
-            self.active_rollouts[pk] += sign
+            self.active_rollouts[gk] += sign
             self.active_rollouts["*"] += sign
         if job.state is S.COMPLETED:
-            self.completed[pk] += sign
+            self.completed[gk] += sign
+        elif job.state is S.FAILED:
+            self.failed[gk] += sign
+        elif job.state is S.DROPPED:
+            self.dropped[gk] += sign
+
+    def set_policy(self, policy: WorkloadPolicy) -> WorkloadPolicy:
+        """Take ``policy`` for its workload unless a newer generation's is in force
+        (a late retry of an older create); returns the policy in force."""
+        cur = self.policies.get(policy.key)
+        if cur is not None and cur.generation > policy.generation:
+            return cur
+        self.policies[policy.key] = policy
+        return policy
+
+    def is_ended(self, policy: WorkloadPolicy) -> bool:
+        """Whether the policy's generation has ended (its WorkloadEnded is in the log)."""
+        end = self.ended.get(policy.key)
+        return end is not None and end.generation >= policy.generation
+
+    def note_ended(self, end: WorkloadEnded) -> WorkloadEnded | None:
+        """Record a generation's end (from the log, or about to be appended); returns
+        the end it replaced, for :meth:`forget_ended` if the append fails."""
+        key = f"{end.tenant_id}.{end.workload}"
+        prev = self.ended.get(key)
+        if prev is None or prev.generation < end.generation:
+            self.ended[key] = end
+        return prev
+
+    def forget_ended(self, end: WorkloadEnded, prev: WorkloadEnded | None) -> None:
+        key = f"{end.tenant_id}.{end.workload}"
+        if self.ended.get(key) is end:
+            if prev is None:
+                self.ended.pop(key, None)
+            else:
+                self.ended[key] = prev
+
+    def counts(self, policy: WorkloadPolicy) -> dict[str, int]:
+        """The policy's generation's jobs: in flight, completed, failed, dropped."""
+        gk = policy.counts_key
+        return {
+            "in_flight": self.in_flight[gk],
+            "completed": self.completed[gk],
+            "failed": self.failed[gk],
+            "dropped": self.dropped[gk],
+        }
 
     def _replace(self, new: TrainingJob | None, job_id: str) -> None:
         old = self.jobs.get(job_id)
@@ -189,8 +247,8 @@ class SchedulerCore:
             raise UnknownJob(f"no job {job_id!r}: it was never reserved (or is past retention)")
         return job
 
-    def current_version(self, tenant_id: str, policy_key: str) -> int:
-        return self.versions.get(f"{tenant_id}.{policy_key}", 0)
+    def current_version(self, tenant_id: str, workload: str) -> int:
+        return self.versions.get(f"{tenant_id}.{workload}", 0)
 
     # ------------------------------------------------------------ apply / commit
     def apply(self, event: JobEvent, now: float) -> TrainingJob | None:
@@ -203,7 +261,7 @@ class SchedulerCore:
         else:
             self.deadlines.pop(new.job_id, None)
         if new.state is S.COMPLETED and new.result_version is not None:
-            key = f"{new.tenant_id}.{new.policy_key}"
+            key = f"{new.tenant_id}.{new.workload}"
             self.versions[key] = max(self.versions.get(key, 0), new.result_version)
         return prev
 
@@ -240,7 +298,7 @@ class SchedulerCore:
             # Deadlines do not survive a restart; give holders a full TTL to touch.
             self.deadlines[job.job_id] = now + self.lease_ttl_s
         if job.state is S.COMPLETED and job.result_version is not None:
-            key = f"{job.tenant_id}.{job.policy_key}"
+            key = f"{job.tenant_id}.{job.workload}"
             self.versions[key] = max(self.versions.get(key, 0), job.result_version)
         self.commit(job.job_id, seq)
 
@@ -250,7 +308,7 @@ class SchedulerCore:
     # ------------------------------------------------------------ decisions
     def decide_reserve(
         self, req: ReserveRequest, *, at: float, by: str
-    ) -> Reserved | TrainingJob | str:
+    ) -> Reserved | TrainingJob | Refused:
         """A Reserved event, the existing job (a retried reserve), or why admission refused."""
         check_name("job_id", req.job_id)
         check_name("tenant_id", req.tenant_id)
@@ -259,38 +317,27 @@ class SchedulerCore:
             if existing.tenant_id != req.tenant_id:
                 raise InvalidSpec(f"job id {req.job_id!r} is already used by another tenant")
             return existing
-        pk = self.policy_key(req.tenant_id, req.task_type)
-        policy = self.policies.get(pk)
+        key = f"{req.tenant_id}.{req.workload}"
+        policy = self.policies.get(key)
         if policy is None:
-            known = sorted(self.policies)
+            known = sorted(p.workload for p in self.policies.values() if p.tenant_id == req.tenant_id)
             raise UnknownTenant(
-                f"tenant {req.tenant_id!r} has no policy for task {req.task_type!r}; "
-                f"register one first (set_policy). Known: {', '.join(known) or 'none'}"
+                f"tenant {req.tenant_id!r} has no workload {req.workload!r} at the scheduler; "
+                f"register its policy first (set_policy). Its workloads: {', '.join(known) or 'none'}"
             )
-        if self.in_flight[pk] >= policy.max_in_flight:
-            return (
-                f"{pk}: {self.in_flight[pk]} jobs in flight (max_in_flight {policy.max_in_flight})"
+        if policy.task_type != req.task_type:
+            raise InvalidSpec(
+                f"workload {key} is {policy.task_type}, not {req.task_type}: reserve its own task type"
             )
-        if policy.completion_target is not None and (
-            self.completed[pk] + self.in_flight[pk] >= policy.completion_target
-        ):
-            return (
-                f"{pk}: completion target {policy.completion_target} reached "
-                f"({self.completed[pk]} completed, {self.in_flight[pk]} in flight)"
-            )
-        if req.task_type == "rl":
-            if self.active_rollouts[pk] >= policy.max_active_rollouts:
-                return f"{pk}: {self.active_rollouts[pk]} rollouts active (max {policy.max_active_rollouts})"
-            if self.active_rollouts["*"] >= self.limits.max_active_rollouts:
-                return (
-                    f"global: {self.active_rollouts['*']} rollouts active "
-                    f"(max {self.limits.max_active_rollouts})"
-                )
+        refused = self._refusal(policy, req)
+        if refused is not None:
+            return refused
         job = TrainingJob(
             job_id=req.job_id,
             tenant_id=req.tenant_id,
             task_type=req.task_type,
-            policy_key=check_name("policy_key", req.policy_key),
+            workload=check_name("workload", req.workload),
+            generation=req.generation,
             domain=req.domain,
             partition_id=req.job_id,
             sample_count=req.sample_count,
@@ -303,6 +350,95 @@ class SchedulerCore:
             metadata=req.metadata if isinstance(req.metadata, JobMetadata) else JobMetadata(),
         )
         return Reserved(job=job, at=at, by=by)
+
+    def _refusal(self, policy: WorkloadPolicy, req: ReserveRequest) -> Refused | None:
+        """Why ``req`` may not be admitted now under ``policy`` (None: it may)."""
+        key = policy.key
+        if req.generation != policy.generation:
+            return Refused(
+                "superseded",
+                f"{key}: generation {req.generation} is not the workload's current one "
+                f"({policy.generation}): it was created again",
+            )
+        if self.is_ended(policy):
+            end = self.ended[key]
+            return Refused("ended", f"{key}: generation {end.generation} ended ({end.state})")
+        gk = policy.counts_key
+        in_flight, completed = self.in_flight[gk], self.completed[gk]
+        if in_flight >= policy.max_in_flight:
+            return Refused(
+                "in_flight", f"{key}: {in_flight} jobs in flight (max_in_flight {policy.max_in_flight})"
+            )
+        target = policy.completion_target
+        if target is not None and completed + in_flight >= target:
+            return Refused(
+                "completion_target",
+                f"{key}: completion target {target} reached "
+                f"({completed} completed, {in_flight} in flight)",
+            )
+        if req.task_type == "rl":
+            if self.active_rollouts[gk] >= policy.max_active_rollouts:
+                return Refused(
+                    "rollouts",
+                    f"{key}: {self.active_rollouts[gk]} rollouts active "
+                    f"(max {policy.max_active_rollouts})",
+                )
+            if self.active_rollouts["*"] >= self.limits.max_active_rollouts:
+                return Refused(
+                    "global_rollouts",
+                    f"global: {self.active_rollouts['*']} rollouts active "
+                    f"(max {self.limits.max_active_rollouts})",
+                )
+        return None
+
+    def decide_workload_end(
+        self, tenant_id: str, workload: str, *, at: float, by: str
+    ) -> WorkloadEnded | None:
+        """The end of the workload's current generation, if it has just come: its
+        completion target of jobs completed (``done``), or as many failed (``failed``:
+        it would go on failing), and no job of it in flight. None: not yet, no
+        target, or ended already."""
+        policy = self.policies.get(f"{tenant_id}.{workload}")
+        if policy is None or policy.completion_target is None or self.is_ended(policy):
+            return None
+        c = self.counts(policy)
+        target = policy.completion_target
+        if c["in_flight"]:
+            return None
+        if c["completed"] >= target:
+            state: Literal["done", "failed"] = "done"
+            reason = f"{c['completed']} jobs completed (completion target {target})"
+        elif c["failed"] >= target:
+            state = "failed"
+            reason = (
+                f"{c['failed']} jobs failed, as many as its completion target ({target}), "
+                f"with {c['completed']} completed: see the jobs' reasons"
+            )
+        else:
+            return None
+        return WorkloadEnded(
+            tenant_id=tenant_id,
+            workload=workload,
+            generation=policy.generation,
+            state=state,
+            completed=c["completed"],
+            failed=c["failed"],
+            dropped=c["dropped"],
+            last_version=self.versions.get(policy.key, 0),
+            reason=reason,
+            at=at,
+            by=by,
+        )
+
+    def pending_ends(self, *, at: float, by: str) -> list[WorkloadEnded]:
+        """Every workload generation whose end is due and not in the log yet (after a
+        restart: the scheduler stopped between a last completion and its end)."""
+        out = []
+        for p in self.policies.values():
+            end = self.decide_workload_end(p.tenant_id, p.workload, at=at, by=by)
+            if end is not None:
+                out.append(end)
+        return out
 
     def decide_mark(
         self,
@@ -356,11 +492,11 @@ class SchedulerCore:
     def is_stale(self, job: TrainingJob) -> bool:
         if job.task_type != "rl" or job.max_policy_staleness is None:
             return False
-        lag = self.current_version(job.tenant_id, job.policy_key) - job.behavior_policy_version
+        lag = self.current_version(job.tenant_id, job.workload) - job.behavior_policy_version
         return lag > job.max_policy_staleness
 
     def stale_reason(self, job: TrainingJob) -> str:
-        cur = self.current_version(job.tenant_id, job.policy_key)
+        cur = self.current_version(job.tenant_id, job.workload)
         return (
             f"stale: behaviour policy version {job.behavior_policy_version} lags current "
             f"version {cur} by {cur - job.behavior_policy_version} "

@@ -31,7 +31,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
-from joynexus.agents.lifecycle import SchedulerCore
+from joynexus.agents.lifecycle import Refused, SchedulerCore
 from joynexus.broker import kvwatch, rpc
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
@@ -47,8 +47,9 @@ from joynexus.schemas.jobs import (
     GlobalLimits,
     JobEvent,
     JobState,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadEnded,
+    WorkloadPolicy,
 )
 from joynexus.schemas.scheduler import (
     CompleteRequest,
@@ -131,6 +132,8 @@ class SchedulerAgent:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._lease_requests: dict[str, str] = {}
+        # One workload end decided and appended at a time (decide, note, append).
+        self._end_lock = asyncio.Lock()
         # Requests are answered by the rpc layer (agents' subjects: no reply check).
         self.rpc = rpc.Server(
             broker,
@@ -168,6 +171,7 @@ class SchedulerAgent:
         self._kv = await self.b.js.key_value(self.n.tenants_bucket)
         await self._load_policies()
         await self.rebuild()
+        self.rpc.spawn(self._append_due_ends())
         self._service = await add_service(
             self.b.nc,
             name=self.n.scheduler_service,
@@ -216,9 +220,13 @@ class SchedulerAgent:
         latest, bad = await self.log.latest_per_job()
         for stored in latest:
             self.core.load(stored.event, stored.seq, now)
+        ends = await self.log.workload_ends()
+        for end in ends:
+            self.core.note_ended(end)
         self.core.prune_terminal(self.keep_terminal)
         self.rebuild_stats = {
             "jobs": len(latest),
+            "workload_ends": len(ends),
             "skipped_malformed": len(bad),
             "seconds": time.perf_counter() - t0,
         }
@@ -234,11 +242,10 @@ class SchedulerAgent:
             if key == LIMITS_KEY:
                 self.core.limits = decode(entry.value, GlobalLimits)
             elif key.startswith(VERSION_KEYS):
-                _, tenant, policy_key = key.split(".", 2)
-                self.core.versions[f"{tenant}.{policy_key}"] = int(entry.value)
+                _, tenant, workload = key.split(".", 2)
+                self.core.versions[f"{tenant}.{workload}"] = int(entry.value)
             else:
-                p = decode(entry.value, TenantTaskPolicy)
-                self.core.policies[p.key] = p
+                self.core.set_policy(decode(entry.value, WorkloadPolicy))
 
     # ------------------------------------------------------------ plumbing
     def _handler(self, verb: str) -> Callable[[Request], Awaitable[None]]:
@@ -294,7 +301,38 @@ class SchedulerAgent:
             self._wake(job.consumer_role)
         for tenant, partition in self.core.effects_of(job).clear_partitions:
             self.rpc.spawn(self._clear_partition(tenant, partition))
+        if job.state in TERMINAL_STATES:  # maybe the last job of its workload
+            self.rpc.spawn(self._end_workload(job.tenant_id, job.workload))
         return job
+
+    async def _end_workload(self, tenant_id: str, workload: str) -> WorkloadEnded | None:
+        """Append the workload's end if it is due (see ``decide_workload_end``). Noted
+        before the append, so no reserve is admitted while it is written; forgotten
+        again if the append fails (the sweep tries again)."""
+        async with self._end_lock:
+            end = self.core.decide_workload_end(tenant_id, workload, at=self._at(), by=self.instance)
+            if end is None:
+                return None
+            prev = self.core.note_ended(end)
+            try:
+                await self.log.append_workload_end(end)
+            except Exception as e:
+                self.core.forget_ended(end, prev)
+                raise_if_cancelled()
+                log.warning("ending workload %s/%s failed (retried by the sweep): %s",
+                            tenant_id, workload, e)
+                return None
+        log.info("workload %s/%s generation %d %s: %s",
+                 tenant_id, workload, end.generation, end.state, end.reason)
+        return end
+
+    async def _append_due_ends(self) -> int:
+        """End every workload whose end is due but not in the log (a restart)."""
+        n = 0
+        for end in self.core.pending_ends(at=self._at(), by=self.instance):
+            if await self._end_workload(end.tenant_id, end.workload) is not None:
+                n += 1
+        return n
 
     async def _append_fenced(self, event: JobEvent, expected: int) -> Any:
         """A new job's first event (an admission) carries the lease's fence."""
@@ -346,8 +384,8 @@ class SchedulerAgent:
     async def _on_reserve(self, req: ReserveRequest) -> Reply:
         async with self._job_lock(req.job_id):
             decided = self.core.decide_reserve(req, at=self._at(), by=req.by)
-            if isinstance(decided, str):
-                return Reply(refused=decided)
+            if isinstance(decided, Refused):
+                return Reply(refused=decided.reason, refusal=decided.code)
             if isinstance(decided, TrainingJob):
                 return Reply(job=decided)
             return Reply(job=await self._append(decided))
@@ -388,7 +426,9 @@ class SchedulerAgent:
             if job is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return Reply(refused=f"no ready job for {req.consumer_role!r}")
+                    return Reply(
+                        refused=f"no ready job for {req.consumer_role!r}", refusal="no_ready"
+                    )
                 ev = self._ready_events[req.consumer_role]
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ev.wait(), remaining)
@@ -443,8 +483,11 @@ class SchedulerAgent:
         return await self._end(req, "fail")
 
     async def _on_set_policy(self, req: SetPolicyRequest) -> Reply:
+        cur = self.core.policies.get(req.policy.key)
+        if cur is not None and cur.generation > req.policy.generation:
+            return Reply()  # a late retry for a generation since replaced
         await self._kv.put(req.policy.key, encode(req.policy))
-        self.core.policies[req.policy.key] = req.policy
+        self.core.set_policy(req.policy)
         return Reply()
 
     async def _on_set_limits(self, req: SetLimitsRequest) -> Reply:
@@ -453,9 +496,9 @@ class SchedulerAgent:
         return Reply()
 
     async def _on_set_version(self, req: SetVersionRequest) -> Reply:
-        key = f"{req.tenant_id}.{req.policy_key}"
+        key = f"{req.tenant_id}.{req.workload}"
         version = max(self.core.versions.get(key, 0), req.version)
-        await self._kv.put(Names.version_key(req.tenant_id, req.policy_key), str(version).encode())
+        await self._kv.put(Names.version_key(req.tenant_id, req.workload), str(version).encode())
         self.core.versions[key] = version
         return Reply(count=version)
 
@@ -479,7 +522,8 @@ class SchedulerAgent:
                 j
                 for j in self.core.jobs.values()
                 if j.tenant_id == req.tenant_id
-                and (not req.policy_key or j.policy_key == req.policy_key)
+                and (not req.workload or j.workload == req.workload)
+                and (not req.generation or j.generation == req.generation)
                 and (not states or j.state in states)
             ]
         )
@@ -567,6 +611,7 @@ class SchedulerAgent:
             raise_if_cancelled()
             try:
                 await self.sweep_partitions()
+                await self._append_due_ends()
             except Exception as e:
                 raise_if_cancelled()
                 log.warning("partition sweep failed: %s", e)

@@ -25,8 +25,8 @@ from joynexus.schemas.jobs import (
     JobMetadata,
     JobState,
     TaskType,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadPolicy,
 )
 from joynexus.schemas.scheduler import (
     DEFAULT_LEASE_TTL_S,
@@ -68,6 +68,9 @@ class SchedulerClient:
         #: The TTL of the scheduler's job leases, as its last lease reply said (replies
         #: of a scheduler that does not say keep the default): drives the keep-alive.
         self.lease_ttl_s = DEFAULT_LEASE_TTL_S
+        #: Why the last reserve was refused: in words, and as a ``Refusal`` code.
+        self.last_refusal = ""
+        self.last_refusal_code = ""
 
     async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> Reply:
         def unanswered(e: Unavailable) -> Unavailable:
@@ -91,16 +94,16 @@ class SchedulerClient:
         return reply
 
     # -- policies
-    async def set_policy(self, policy: TenantTaskPolicy) -> None:
+    async def set_policy(self, policy: WorkloadPolicy) -> None:
         await self._call("set_policy", SetPolicyRequest(policy=policy))
 
     async def set_limits(self, limits: GlobalLimits) -> None:
         await self._call("set_limits", SetLimitsRequest(limits=limits))
 
-    async def set_version(self, tenant_id: str, policy_key: str, version: int) -> int:
+    async def set_version(self, tenant_id: str, workload: str, version: int) -> int:
         r = await self._call(
             "set_version",
-            SetVersionRequest(tenant_id=tenant_id, policy_key=policy_key, version=version),
+            SetVersionRequest(tenant_id=tenant_id, workload=workload, version=version),
         )
         return r.count
 
@@ -110,7 +113,8 @@ class SchedulerClient:
         tenant_id: str,
         task_type: TaskType,
         *,
-        policy_key: str = "default",
+        workload: str = "default",
+        generation: int = 1,
         domain: str = "",
         sample_count: int = 0,
         behavior_policy_version: int = 0,
@@ -119,12 +123,15 @@ class SchedulerClient:
         metadata: JobMetadata | None = None,
         job_id: str | None = None,
     ) -> TrainingJob | None:
-        """Admit a new job, or None when admission refuses it (limits reached)."""
+        """Admit a new job, or None when admission refuses it: ``last_refusal`` then
+        says why in words and ``last_refusal_code`` as a ``Refusal`` code (on the
+        codes in ``FINAL_REFUSALS`` a producer stops, on the others it waits)."""
         req = ReserveRequest(
             job_id=job_id or new_job_id(),
             tenant_id=tenant_id,
             task_type=task_type,
-            policy_key=policy_key,
+            workload=workload,
+            generation=generation,
             domain=domain,
             sample_count=sample_count,
             behavior_policy_version=behavior_policy_version,
@@ -133,9 +140,9 @@ class SchedulerClient:
             metadata=metadata or JobMetadata(),
             by=self.by,
         )
-        self.last_refusal = ""
+        self.last_refusal = self.last_refusal_code = ""
         r = await self._call("reserve", req)
-        self.last_refusal = r.refused
+        self.last_refusal, self.last_refusal_code = r.refused, r.refusal
         return r.job
 
     async def mark(
@@ -212,28 +219,41 @@ class SchedulerClient:
         return r.job
 
     async def list_jobs(
-        self, tenant_id: str, *, policy_key: str = "", states: list[JobState] | None = None
+        self,
+        tenant_id: str,
+        *,
+        workload: str = "",
+        generation: int = 0,
+        states: list[JobState] | None = None,
     ) -> list[TrainingJob]:
+        """The tenant's jobs (of one workload, of one generation of it: 0 is any)."""
         r = await self._call(
-            "list_jobs", ListJobsRequest(tenant_id=tenant_id, policy_key=policy_key, states=states or [])
+            "list_jobs",
+            ListJobsRequest(
+                tenant_id=tenant_id, workload=workload, generation=generation, states=states or []
+            ),
         )
         return r.jobs
 
     async def fail_open(
         self,
         tenant_id: str,
-        policy_key: str,
+        workload: str,
         reason: str,
         *,
         states: tuple[JobState, ...] = (JobState.RESERVED, JobState.PRODUCING),
         owned: Callable[[TrainingJob], bool] = lambda _job: True,
+        generation: int = 0,
     ) -> int:
         """Fail the jobs of a workload still in ``states`` that ``owned`` picks (a
         producer cleaning up after itself or after a dead worker); a job that
         ended meanwhile counts as done. Returns how many it failed; raises what
         the scheduler raised otherwise (the caller decides whether to retry)."""
         failed = 0
-        for job in await self.list_jobs(tenant_id, policy_key=policy_key, states=list(states)):
+        jobs = await self.list_jobs(
+            tenant_id, workload=workload, generation=generation, states=list(states)
+        )
+        for job in jobs:
             if not owned(job):
                 continue
             try:

@@ -29,10 +29,10 @@ from joynexus.broker.headers import (
     EXPECTED_LAST_SUBJECT_SEQ_SUBJECT,
     MSG_ID,
 )
-from joynexus.broker.subjects import parse_job_subject
+from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict, InvalidMessage, JoyNexusError, Unavailable
-from joynexus.schemas.jobs import JobEvent
+from joynexus.schemas.jobs import JobEvent, WorkloadEnded
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,47 @@ class JobEventLog:
             ) from e
         return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
+    async def append_workload_end(self, end: WorkloadEnded) -> int:
+        """Append a workload generation's end; its ``Nats-Msg-Id`` names the generation,
+        so a retried or second append of the same end (a scheduler restarted between
+        writing it and noting it, a cancel racing a completion) lands once."""
+        ack = await self._publish_expecting(
+            self.n.workload_end_subject(end.tenant_id, end.workload),
+            encode(end),
+            {MSG_ID: f"end:{end.tenant_id}:{end.workload}:{end.generation}"},
+        )
+        return ack.seq
+
+    async def workload_ends(self) -> list[WorkloadEnded]:
+        """The newest end of every workload name in the log (oldest first)."""
+        out: list[tuple[int, WorkloadEnded]] = []
+        sub = await self.b.js.pull_subscribe(
+            self.n.all_workload_ends,
+            stream=self.n.jobs_stream,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=30.0,
+                mem_storage=True,
+            ),
+        )
+        info = await sub.consumer_info()
+        try:
+            remaining = info.num_pending or 0
+            while remaining > 0:
+                for m in await sub.fetch(min(remaining, 2000), timeout=5.0):
+                    remaining = m.metadata.num_pending
+                    try:
+                        out.append((m.metadata.sequence.stream, decode(m.data, WorkloadEnded)))
+                    except JoyNexusError as e:
+                        log.warning("skipping workload end at seq %s: %s",
+                                    m.metadata.sequence.stream, e)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+                await self.b.js.delete_consumer(self.n.jobs_stream, info.name)
+        return [end for _, end in sorted(out, key=lambda x: x[0])]
+
     async def _publish_expecting(
         self, subject: str, payload: bytes, headers: dict[str, str]
     ) -> PubAck:
@@ -201,6 +242,8 @@ class JobEventLog:
                 msgs = await sub.fetch(min(remaining, 2000), timeout=5.0)
                 for m in msgs:
                     remaining = m.metadata.num_pending
+                    if is_workload_end(m.subject):
+                        continue  # a workload's end, not a job's event
                     try:
                         ev: JobEvent = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
                         tenant, job_id, state = parse_job_subject(m.subject)

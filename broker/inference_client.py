@@ -76,7 +76,7 @@ class InferenceClient:
         instruction: str | Sequence[str],
         state: Any,
         history: Any | None = None,
-        policy_key: str = "default",
+        workload: str = "default",
         policy_version: int | None = None,
         session_id: str = "",
         noise: Any | None = None,
@@ -87,7 +87,7 @@ class InferenceClient:
         check_token("tenant", tenant_id)  # a subject token: fail here, not at the broker
         req = InferRequest(
             tenant_id=tenant_id,
-            policy_key=policy_key,
+            workload=workload,
             session_id=session_id,
             schema_signature=schema if isinstance(schema, str) else schema.signature(),
             policy_version=policy_version,

@@ -162,7 +162,7 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
         ),
         KeyValueConfig(
             bucket=n.policy_bucket,
-            description="JoyNexus policy versions: <tenant>.<policy_key> -> current version "
+            description="JoyNexus policy versions: <tenant>.<workload> -> current version "
             "and its weights object (history keeps the retained versions)",
             history=64,
             replicas=opts.replicas,
@@ -185,7 +185,7 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
         ),
         KeyValueConfig(
             bucket=n.trainer_bucket,
-            description="JoyNexus trainer state: <tenant>.<policy_key> -> the checkpoint in "
+            description="JoyNexus trainer state: <tenant>.<workload> -> the checkpoint in "
             "force (object name, digest, version); written by compare-and-set, the commit "
             "point of an actor's step",
             history=4,
@@ -198,12 +198,12 @@ def object_store_configs(b: Broker, opts: LayoutOptions) -> list[ObjectStoreConf
     return [
         ObjectStoreConfig(
             bucket=b.names.weights_store,
-            description="JoyNexus action-module weights: <tenant>/<policy_key>/v<version>.safetensors",
+            description="JoyNexus action-module weights: <tenant>/<workload>/v<version>.safetensors",
             replicas=opts.replicas,
         ),
         ObjectStoreConfig(
             bucket=b.names.checkpoints_store,
-            description="JoyNexus trainer checkpoints: <tenant>/<policy_key>/v<version>-<nonce>.ckpt "
+            description="JoyNexus trainer checkpoints: <tenant>/<workload>/v<version>-<nonce>.ckpt "
             "(module, optimizer, applied jobs; the trainer KV says which one is in force)",
             replicas=opts.replicas,
         ),

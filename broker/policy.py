@@ -1,7 +1,7 @@
 """Policy publication: tenant action-module weights and their versions.
 
 A version is two writes, in this order: the weights into the object store,
-then a :class:`PolicyRecord` into the policy KV (``<tenant>.<policy_key>``,
+then a :class:`PolicyRecord` into the policy KV (``<tenant>.<workload>``,
 compare-and-set on the key's revision), so a reader that sees a record can
 always fetch its weights and two publishers of one version cannot both win
 (``Conflict``). The key's history holds the retained versions. It stays at
@@ -80,16 +80,16 @@ class PolicyRecords:
         return self._obj
 
     @staticmethod
-    def _key(tenant_id: str, policy_key: str) -> str:
+    def _key(tenant_id: str, workload: str) -> str:
         from joynexus.broker.subjects import Names
 
-        return Names.policy_key(check_token("tenant_id", tenant_id), check_token("policy_key", policy_key))
+        return Names.policy_record_key(check_token("tenant_id", tenant_id), check_token("workload", workload))
 
     # -- writing
     async def publish_weights(
         self,
         tenant_id: str,
-        policy_key: str,
+        workload: str,
         weights: Callable[[int], bytes],
         *,
         head_type: str,
@@ -107,7 +107,7 @@ class PolicyRecords:
         another publisher wrote the key meanwhile.
         """
         kv = await self._bucket()
-        key = self._key(tenant_id, policy_key)
+        key = self._key(tenant_id, workload)
         try:
             entry = await kv.get(key)
             last_rev: int | None = entry.revision
@@ -125,11 +125,11 @@ class PolicyRecords:
             raise InvalidSpec(f"version {version}: policy versions start at 1 (0 means 'latest')")
 
         data = weights(version)
-        object_name = self.b.names.weights_object(tenant_id, policy_key, version)
+        object_name = self.b.names.weights_object(tenant_id, workload, version)
         await (await self._store()).put(object_name, data)
         record = PolicyRecord(
             tenant_id=tenant_id,
-            policy_key=policy_key,
+            workload=workload,
             version=version,
             head_type=head_type,
             head_config=head_config,
@@ -152,43 +152,43 @@ class PolicyRecords:
         return record
 
     # -- reading
-    async def latest(self, tenant_id: str, policy_key: str = "default") -> PolicyRecord:
+    async def latest(self, tenant_id: str, workload: str = "default") -> PolicyRecord:
         """The newest version's record; ``UnknownTenant`` if none was published."""
         kv = await self._bucket()
-        key = self._key(tenant_id, policy_key)
+        key = self._key(tenant_id, workload)
         try:
             entry = await kv.get(key)
         except KeyNotFoundError as e:
             raise UnknownTenant(
-                f"no policy published for tenant {tenant_id!r} (key {policy_key!r}); "
+                f"no policy published for tenant {tenant_id!r} (key {workload!r}); "
                 "publish one (PolicyStore.publish) before asking for actions"
             ) from e
         return decode(entry.value, PolicyRecord, what=f"policy record {key}")
 
-    async def history(self, tenant_id: str, policy_key: str = "default") -> list[PolicyRecord]:
+    async def history(self, tenant_id: str, workload: str = "default") -> list[PolicyRecord]:
         """Every retained version's record, oldest first."""
         kv = await self._bucket()
-        key = self._key(tenant_id, policy_key)
+        key = self._key(tenant_id, workload)
         entries = await kvwatch.history(kv, key)
         if not entries:
-            raise UnknownTenant(f"no policy published for tenant {tenant_id!r} (key {policy_key!r})")
+            raise UnknownTenant(f"no policy published for tenant {tenant_id!r} (key {workload!r})")
         out = []
         for entry in entries:
             if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                 continue
             out.append(decode(entry.value, PolicyRecord, what=f"policy record {key}"))
         if not out:
-            raise UnknownTenant(f"the policy of tenant {tenant_id!r} (key {policy_key!r}) was deleted")
+            raise UnknownTenant(f"the policy of tenant {tenant_id!r} (key {workload!r}) was deleted")
         return out
 
     async def get(
-        self, tenant_id: str, policy_key: str = "default", version: int | None = None
+        self, tenant_id: str, workload: str = "default", version: int | None = None
     ) -> PolicyRecord:
         """One version's record (None or 0: the latest); ``UnknownPolicyVersion`` if not retained."""
-        latest = await self.latest(tenant_id, policy_key)
+        latest = await self.latest(tenant_id, workload)
         if not version or version == latest.version:
             return latest
-        records = await self.history(tenant_id, policy_key)
+        records = await self.history(tenant_id, workload)
         for r in records:
             if r.version == version:
                 return r
@@ -198,7 +198,7 @@ class PolicyRecords:
         else:
             why = f"retained versions are {retained} (older ones were dropped from history)"
         raise UnknownPolicyVersion(
-            f"tenant {tenant_id!r} policy {policy_key!r} has no version {version}: {why}; "
+            f"tenant {tenant_id!r} policy {workload!r} has no version {version}: {why}; "
             "pin a retained version or omit policy_version for the latest"
         )
 

@@ -37,6 +37,11 @@ TQ_INDEX = "idx"
 TQ_CONSUMED = "c"
 HEALTH_KIND = "health"
 LEASE = "lease"
+#: A workload's end in the job event log: ``<ns>.job.<tenant>.~<workload>.ended``.
+#: No job id starts with "~" and no job state is "ended", so no job's subject,
+#: filter or state consumer ever matches one.
+WORKLOAD_MARK = "~"
+WORKLOAD_ENDED = "ended"
 
 # KV key prefixes: the health bucket's heartbeats and supervisor states, the
 # workloads bucket's producer cursors, the tenants bucket's policy versions.
@@ -256,9 +261,9 @@ class Names:
         return f"{CURSOR_KEYS}{tenant_id}.{name}"
 
     @staticmethod
-    def version_key(tenant_id: str, policy_key: str) -> str:
+    def version_key(tenant_id: str, workload: str) -> str:
         """Key in the tenants bucket of a policy's current version (``set_version``)."""
-        return f"{VERSION_KEYS}{tenant_id}.{policy_key}"
+        return f"{VERSION_KEYS}{tenant_id}.{workload}"
 
     @property
     def inference_service(self) -> str:
@@ -277,14 +282,14 @@ class Names:
         return f"{self.namespace}.{INFER}.*.{tenant_id}"
 
     @staticmethod
-    def policy_key(tenant_id: str, policy_key: str) -> str:
-        """Key in the policy bucket: ``<tenant>.<policy_key>``."""
-        return f"{tenant_id}.{policy_key}"
+    def policy_record_key(tenant_id: str, workload: str) -> str:
+        """Key in the policy bucket: ``<tenant>.<workload>``."""
+        return f"{tenant_id}.{workload}"
 
     @staticmethod
-    def weights_object(tenant_id: str, policy_key: str, version: int) -> str:
+    def weights_object(tenant_id: str, workload: str, version: int) -> str:
         """Object name in the weights store for one policy version."""
-        return f"{tenant_id}/{policy_key}/v{version}.safetensors"
+        return f"{tenant_id}/{workload}/v{version}.safetensors"
 
     # -- the job event log
     def job_subject(self, tenant_id: str, job_id: str, state: JobState | str) -> str:
@@ -304,6 +309,15 @@ class Names:
     @property
     def all_jobs(self) -> str:
         return f"{self.namespace}.{JOB}.>"
+
+    def workload_end_subject(self, tenant_id: str, workload: str) -> str:
+        """Where a workload's end (``WorkloadEnded``) is appended: in each tenant's
+        job events (``tenant_jobs``) and so in what ``read_events`` pages."""
+        return f"{self.namespace}.{JOB}.{tenant_id}.{WORKLOAD_MARK}{workload}.{WORKLOAD_ENDED}"
+
+    @property
+    def all_workload_ends(self) -> str:
+        return f"{self.namespace}.{JOB}.*.*.{WORKLOAD_ENDED}"
 
     # -- single-instance roles held by a lease (agents/leases.py)
     @staticmethod
@@ -397,6 +411,12 @@ def model_token(base_model: str) -> str:
     if not token or any(c in token for c in " *>\t"):
         raise InvalidSpec(f"base model id {base_model!r} cannot be used in a subject")
     return token
+
+
+def is_workload_end(subject: str) -> bool:
+    """Whether a job-log subject carries a workload's end, not a job's event."""
+    parts = subject.split(".")
+    return len(parts) == 5 and parts[1] == JOB and parts[3].startswith(WORKLOAD_MARK)
 
 
 def parse_job_subject(subject: str) -> tuple[str, str, str]:

@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointRecord(Wire, kw_only=True, omit_defaults=True):
-    """Value of ``<tenant>.<policy_key>`` in the trainer bucket: the checkpoint in force."""
+    """Value of ``<tenant>.<workload>`` in the trainer bucket: the checkpoint in force."""
 
     tenant_id: str
-    policy_key: str
+    workload: str
     version: int
     #: Object name in the checkpoints store.
     object_name: str
@@ -89,16 +89,16 @@ class TrainerStateStore:
         return self._kv, self._obj
 
     @staticmethod
-    def key(tenant_id: str, policy_key: str) -> str:
+    def key(tenant_id: str, workload: str) -> str:
         check_token("tenant", tenant_id)
-        check_token("policy key", policy_key)
-        return f"{tenant_id}.{policy_key}"
+        check_token("workload", workload)
+        return f"{tenant_id}.{workload}"
 
-    async def load(self, tenant_id: str, policy_key: str) -> Loaded | None:
+    async def load(self, tenant_id: str, workload: str) -> Loaded | None:
         """The checkpoint in force, or None if this tenant's policy never committed one."""
         kv, obj = await self._stores()
         try:
-            entry = await kv.get(self.key(tenant_id, policy_key))
+            entry = await kv.get(self.key(tenant_id, workload))
         except KeyNotFoundError:
             return None
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
@@ -109,7 +109,7 @@ class TrainerStateStore:
             await obj.get(rec.object_name, writeinto=buf)
         except ObjectNotFoundError as e:
             raise Unavailable(
-                f"checkpoint object {rec.object_name} of {tenant_id}/{policy_key} v{rec.version} "
+                f"checkpoint object {rec.object_name} of {tenant_id}/{workload} v{rec.version} "
                 "is missing from the checkpoints store"
             ) from e
         data = buf.getvalue()
@@ -125,7 +125,7 @@ class TrainerStateStore:
     async def save(
         self,
         tenant_id: str,
-        policy_key: str,
+        workload: str,
         *,
         version: int,
         data: bytes,
@@ -140,12 +140,12 @@ class TrainerStateStore:
         ``Conflict`` and leave the newer checkpoint untouched.
         """
         kv, obj = await self._stores()
-        key = self.key(tenant_id, policy_key)
-        name = f"{tenant_id}/{policy_key}/v{version}-{os.urandom(4).hex()}.ckpt"
+        key = self.key(tenant_id, workload)
+        name = f"{tenant_id}/{workload}/v{version}-{os.urandom(4).hex()}.ckpt"
         await obj.put(name, data)
         rec = CheckpointRecord(
             tenant_id=tenant_id,
-            policy_key=policy_key,
+            workload=workload,
             version=version,
             object_name=name,
             size_bytes=len(data),
@@ -163,7 +163,7 @@ class TrainerStateStore:
         except KeyWrongLastSequenceError as e:
             await self._delete(name)
             raise Conflict(
-                f"checkpoint of {tenant_id}/{policy_key} was committed by another actor since "
+                f"checkpoint of {tenant_id}/{workload} was committed by another actor since "
                 f"revision {expected_revision}; reload it before training this tenant"
             ) from e
         except Exception:
@@ -172,7 +172,7 @@ class TrainerStateStore:
         previous = self._committed.get(key)
         self._committed[key] = name
         if previous is None:  # first commit here: sweep what earlier writers left
-            await self._sweep(tenant_id, policy_key, keep=name)
+            await self._sweep(tenant_id, workload, keep=name)
         else:
             await self._delete(previous)
         return revision
@@ -184,10 +184,10 @@ class TrainerStateStore:
         except Exception as e:  # best effort: the next sweep gets it
             log.debug("checkpoint object %s not deleted: %s", name, e)
 
-    async def _sweep(self, tenant_id: str, policy_key: str, *, keep: str) -> None:
+    async def _sweep(self, tenant_id: str, workload: str, *, keep: str) -> None:
         """Delete this policy's objects other than ``keep`` (older ones, crash leftovers)."""
         _, obj = await self._stores()
-        prefix = f"{tenant_id}/{policy_key}/"
+        prefix = f"{tenant_id}/{workload}/"
         try:
             infos = await obj.list(ignore_deletes=True)
         except NotFoundError:  # an empty store
@@ -196,10 +196,10 @@ class TrainerStateStore:
             if info.name.startswith(prefix) and info.name != keep:
                 await self._delete(info.name)
 
-    async def objects(self, tenant_id: str, policy_key: str) -> list[str]:
+    async def objects(self, tenant_id: str, workload: str) -> list[str]:
         """This policy's checkpoint objects (one, except between a save and its sweep)."""
         _, obj = await self._stores()
-        prefix = f"{tenant_id}/{policy_key}/"
+        prefix = f"{tenant_id}/{workload}/"
         try:
             infos = await obj.list(ignore_deletes=True)
         except NotFoundError:

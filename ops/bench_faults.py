@@ -44,7 +44,7 @@ from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.subjects import parse_job_subject
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.launcher import role_slots
-from joynexus.schemas.jobs import GlobalLimits, JobState, TenantTaskPolicy, TrainingJob
+from joynexus.schemas.jobs import GlobalLimits, JobState, TrainingJob, WorkloadPolicy
 
 TERMINAL = {"completed", "dropped", "failed"}
 #: (tenant, task type) fed by the synthetic producers.
@@ -229,7 +229,7 @@ class FaultRig:
         await self.sched.set_limits(GlobalLimits(max_active_rollouts=4))
         for tenant, task in tenants:
             await self.sched.set_policy(
-                TenantTaskPolicy(tenant_id=tenant, task_type=task, max_in_flight=3)  # type: ignore[arg-type]
+                WorkloadPolicy(tenant_id=tenant, task_type=task, max_in_flight=3)  # type: ignore[arg-type]
             )
         self.pipe = SyntheticPipeline(self.b, instance="rig", samples_per_job=4, horizon=4)
         for tenant, task in tenants:
@@ -461,7 +461,7 @@ async def _real_sft_feed(rig: FaultRig) -> None:
         module = TenantModule(tenant, "oft_mlp", HeadConfig(feature_dim(base), 5, 3, 2, seed=i))
         await PolicyStore(rig.b).publish(tenant, "default", module, schema, version=1)
         await rig.sched.set_policy(
-            TenantTaskPolicy(tenant_id=tenant, task_type="sft", max_in_flight=2)
+            WorkloadPolicy(tenant_id=tenant, task_type="sft", max_in_flight=2)
         )
 
     async def produce(tenant: str, seed: int) -> None:
@@ -472,7 +472,7 @@ async def _real_sft_feed(rig: FaultRig) -> None:
         while not rig.produce_stop.is_set():
             try:
                 job = await rig.sched.reserve(
-                    tenant, "sft", policy_key="default", sample_count=8, metadata=meta
+                    tenant, "sft", workload="default", sample_count=8, metadata=meta
                 )
                 if job is None:
                     await asyncio.sleep(0.1)

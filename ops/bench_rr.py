@@ -74,7 +74,7 @@ def _real_request_payload() -> bytes:
     o = _obs(0)
     req = InferRequest(
         tenant_id="t0",
-        policy_key="default",
+        workload="default",
         session_id="",
         schema_signature=_schema("qwen2.5-vl-tiny").signature(),
         policy_version=None,

@@ -27,7 +27,7 @@ from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
 from joynexus.ops import benchstats
-from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, TenantTaskPolicy
+from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, WorkloadPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
 
@@ -110,7 +110,7 @@ async def bench_scheduler(
             for i, t in enumerate(names):
                 task: TaskType = "rl" if i % 2 == 0 else "sft"
                 await setup.set_policy(
-                    TenantTaskPolicy(
+                    WorkloadPolicy(
                         tenant_id=t, task_type=task, max_in_flight=64, max_active_rollouts=64
                     )
                 )

@@ -24,7 +24,7 @@ from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.ops.status import collect, render, table
-from joynexus.schemas.jobs import GlobalLimits, JobState, TenantTaskPolicy
+from joynexus.schemas.jobs import GlobalLimits, JobState, WorkloadPolicy
 
 TENANTS = [("acme", "rl"), ("bolt", "rl"), ("cora", "sft")]
 
@@ -40,7 +40,7 @@ async def run_demo(
         await c.set_limits(GlobalLimits(max_active_rollouts=3))
         for tenant, task in TENANTS:
             if task == "rl":
-                pol = TenantTaskPolicy(
+                pol = WorkloadPolicy(
                     tenant_id=tenant,
                     task_type="rl",
                     max_in_flight=2,
@@ -48,7 +48,7 @@ async def run_demo(
                     max_policy_staleness=1,
                 )
             else:
-                pol = TenantTaskPolicy(tenant_id=tenant, task_type="sft", max_in_flight=16)
+                pol = WorkloadPolicy(tenant_id=tenant, task_type="sft", max_in_flight=16)
             await c.set_policy(pol)
         pipe = SyntheticPipeline(b, instance="demo")
         stop, produce_stop = asyncio.Event(), asyncio.Event()

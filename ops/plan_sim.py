@@ -25,15 +25,15 @@ from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from joynexus.agents.lifecycle import SchedulerCore
+from joynexus.agents.lifecycle import Refused, SchedulerCore
 from joynexus.schemas.jobs import (
     Dropped,
     GlobalLimits,
     JobEvent,
     JobState,
     Leased,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadPolicy,
 )
 from joynexus.schemas.scheduler import ReserveRequest
 
@@ -222,16 +222,16 @@ class SimScheduler:
             ready.fire()
         return job
 
-    def set_policy(self, p: TenantTaskPolicy) -> None:
+    def set_policy(self, p: WorkloadPolicy) -> None:
         self.core.policies[p.key] = p
 
     def reserve(self, tenant: str, task: str, version: int, rows: int) -> TrainingJob | None:
         self._ids += 1
         req = ReserveRequest(job_id=f"j{self._ids}", tenant_id=tenant, task_type=task,  # type: ignore[arg-type]
-                             policy_key=task, sample_count=rows, behavior_policy_version=version)
+                             workload=task, sample_count=rows, behavior_policy_version=version)
         decided = self.core.decide_reserve(req, at=self.sim.now, by="sim")
         self.decisions += 1
-        if isinstance(decided, str):
+        if isinstance(decided, Refused):
             self.refusals += 1
             return None
         if isinstance(decided, TrainingJob):
@@ -412,8 +412,8 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
     active_env = [0]
 
     for t in dep.tenants:
-        sched.set_policy(TenantTaskPolicy(
-            tenant_id=t.name, task_type=t.task,  # type: ignore[arg-type]
+        sched.set_policy(WorkloadPolicy(
+            tenant_id=t.name, task_type=t.task, workload=t.task,  # type: ignore[arg-type]
             max_in_flight=t.max_in_flight,
             max_active_rollouts=max(1, t.max_active_rollouts),
             completion_target=t.updates,

@@ -3,7 +3,7 @@
 Observations travel as raw little-endian bytes with dtype and shape
 (:class:`TensorBytes`), never pickle; a reply is a tagged union,
 ``InferResult | InferError`` (field ``t``), decoded once at the client.
-:class:`PolicyRecord` is the JSON value of ``<tenant>.<policy_key>`` in the
+:class:`PolicyRecord` is the JSON value of ``<tenant>.<workload>`` in the
 policy bucket (readable with ``nats kv get``). Inference's own errors live
 here so client and engine share them; :func:`inference_error_from_code`
 rebuilds any error by code.
@@ -127,7 +127,7 @@ class InferRequest(Wire, kw_only=True, omit_defaults=True):
 
     v: int = WIRE_VERSION
     tenant_id: str
-    policy_key: str = "default"
+    workload: str = "default"
     session_id: str = ""
     #: ``FeatureSchema.signature()`` the caller built its observation for.
     schema_signature: str
@@ -198,11 +198,11 @@ class FeatureSchemaSpec(Wire, kw_only=True):
 
 
 class PolicyRecord(Wire, kw_only=True, omit_defaults=True):
-    """One published policy version of a tenant (value of ``<tenant>.<policy_key>``)."""
+    """One published policy version of a tenant (value of ``<tenant>.<workload>``)."""
 
     v: int = WIRE_VERSION
     tenant_id: str
-    policy_key: str
+    workload: str
     version: int
     head_type: str
     head_config: dict[str, Any]

@@ -71,7 +71,10 @@ class TrainingJob(Wire, kw_only=True, omit_defaults=True):
     job_id: str
     tenant_id: str
     task_type: TaskType
-    policy_key: str
+    #: The workload the job belongs to (its name, and which creation of that name:
+    #: a name ended and created again counts from generation 1 + the last).
+    workload: str
+    generation: int = 1
     domain: str = ""
     partition_id: str = ""
     sample_count: int = 0
@@ -138,12 +141,50 @@ class Failed(_Event, tag="failed"):
 
 JobEvent = Reserved | Marked | StageLeased | Leased | LeaseExpired | Completed | Dropped | Failed
 
+#: How a workload generation ended: ``done`` (its completion target of jobs
+#: completed), ``failed`` (as many jobs failed as it was to complete, none in
+#: flight: it would never finish) or ``cancelled`` (its tenant cancelled it).
+WorkloadEnd = Literal["done", "failed", "cancelled"]
 
-class TenantTaskPolicy(Wire, kw_only=True, omit_defaults=True):
-    """Admission and ordering for one tenant's task (the paper's per-policy limits)."""
+
+class WorkloadEnded(Wire, kw_only=True, tag_field="event", tag="workload_ended", omit_defaults=True):
+    """The last event of a workload generation in the job event log (its own
+    subject, ``Names.workload_end_subject``): the scheduler appends it once the
+    generation's completion target is met and no job of it is in flight, the
+    control plane when its tenant cancels it. The control plane turns it into the
+    workload record's state; the SDK's ``events(workload)`` stops on it."""
+
+    v: int = WIRE_VERSION
+    tenant_id: str
+    workload: str
+    generation: int = 1
+    state: WorkloadEnd
+    completed: int = 0
+    failed: int = 0
+    dropped: int = 0
+    #: The newest policy version its jobs produced (0: none).
+    last_version: int = 0
+    reason: str = ""
+    at: float = 0.0
+    by: str = ""
+
+
+#: Anything in the job event log's job subjects: a job's event or a workload's end.
+LogEvent = JobEvent | WorkloadEnded
+
+
+class WorkloadPolicy(Wire, kw_only=True, omit_defaults=True):
+    """Admission and ordering for one workload (the paper's per-policy limits).
+
+    Jobs are counted per workload generation: a workload created again under a
+    name that ended starts from no jobs, whatever the name's earlier generations
+    completed. The tenant as a whole stays bounded by its quota at the control
+    plane (one active workload per task type, every number within the quota)."""
 
     tenant_id: str
     task_type: TaskType
+    workload: str = "default"
+    generation: int = 1
     priority: int = 0
     #: Non-terminal jobs allowed at once.
     max_in_flight: int = 2
@@ -156,6 +197,9 @@ class TenantTaskPolicy(Wire, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         check_name("tenant_id", self.tenant_id)
+        check_name("workload", self.workload)
+        if self.generation < 1:
+            raise InvalidSpec(f"generation must be >= 1, got {self.generation}")
         if self.task_type not in TASK_TYPES:
             raise InvalidSpec(f"task_type {self.task_type!r} is not one of {TASK_TYPES}")
         if self.max_in_flight < 1:
@@ -169,7 +213,18 @@ class TenantTaskPolicy(Wire, kw_only=True, omit_defaults=True):
 
     @property
     def key(self) -> str:
-        return f"{self.tenant_id}.{self.task_type}"
+        """``<tenant>.<workload>``: the policy's key in the tenants bucket."""
+        return f"{self.tenant_id}.{self.workload}"
+
+    @property
+    def counts_key(self) -> str:
+        """What the scheduler counts this generation's jobs under."""
+        return generation_key(self.tenant_id, self.workload, self.generation)
+
+
+def generation_key(tenant_id: str, workload: str, generation: int) -> str:
+    """``<tenant>.<workload>.<generation>``: one creation of one workload."""
+    return f"{tenant_id}.{workload}.{generation}"
 
 
 class GlobalLimits(Wire, kw_only=True, omit_defaults=True):

@@ -7,6 +7,8 @@ See docs/ARCHITECTURE.md, "The Training Scheduler: one decider, many callers".
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from joynexus.schemas.base import Wire
@@ -15,9 +17,22 @@ from joynexus.schemas.jobs import (
     JobMetadata,
     JobState,
     TaskType,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadPolicy,
 )
+
+#: Why admission refused a job, as the code callers decide on (``Reply.refusal``):
+#: wait and ask again (``in_flight``, ``rollouts``, ``global_rollouts``: a limit on
+#: jobs at once; ``completion_target``: the last jobs are in flight, one may still
+#: fail), or stop (``ended``: the generation ended; ``superseded``: the workload was
+#: created again, the caller's generation is not current). ``no_ready``: lease_next
+#: found no job in time.
+Refusal = Literal[
+    "in_flight", "rollouts", "global_rollouts", "completion_target", "ended", "superseded",
+    "no_ready",
+]
+#: Refusals after which a producer of that generation stops for good.
+FINAL_REFUSALS: frozenset[str] = frozenset({"ended", "superseded"})
 
 
 class ReserveRequest(Wire, kw_only=True, omit_defaults=True):
@@ -26,7 +41,10 @@ class ReserveRequest(Wire, kw_only=True, omit_defaults=True):
     job_id: str
     tenant_id: str
     task_type: TaskType
-    policy_key: str = "default"
+    workload: str = "default"
+    #: The workload generation the job is for (WorkloadRecord.generation); a
+    #: reserve for any other than the workload's current one is refused.
+    generation: int = 1
     domain: str = ""
     sample_count: int = 0
     behavior_policy_version: int = 0
@@ -85,7 +103,7 @@ class EndRequest(Wire, kw_only=True, omit_defaults=True):
 
 
 class SetPolicyRequest(Wire, kw_only=True, omit_defaults=True):
-    policy: TenantTaskPolicy
+    policy: WorkloadPolicy
 
 
 class SetLimitsRequest(Wire, kw_only=True, omit_defaults=True):
@@ -94,7 +112,7 @@ class SetLimitsRequest(Wire, kw_only=True, omit_defaults=True):
 
 class SetVersionRequest(Wire, kw_only=True, omit_defaults=True):
     tenant_id: str
-    policy_key: str
+    workload: str
     version: int
 
 
@@ -109,7 +127,9 @@ class GetJobRequest(Wire, kw_only=True, omit_defaults=True):
 
 class ListJobsRequest(Wire, kw_only=True, omit_defaults=True):
     tenant_id: str
-    policy_key: str = ""
+    workload: str = ""
+    #: With ``workload``: that generation's jobs only (0: every generation's).
+    generation: int = 0
     states: list[JobState] = []
 
 
@@ -118,7 +138,7 @@ class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
 
     jobs_by_state: dict[str, int]
     jobs_by_tenant_state: dict[str, dict[str, int]]
-    policies: list[TenantTaskPolicy]
+    policies: list[WorkloadPolicy]
     limits: GlobalLimits
     versions: dict[str, int]
     active_rollouts: int
@@ -140,8 +160,10 @@ class Reply(Wire, kw_only=True, omit_defaults=True):
     """Every scheduler reply: a job, a refusal, a count, or an error."""
 
     job: TrainingJob | None = None
-    #: Why reserve / lease_next returned no job (admission, nothing ready...).
+    #: Why reserve / lease_next returned no job (admission, nothing ready...), in words.
     refused: str = ""
+    #: The same as a code callers decide on (``Refusal``).
+    refusal: str = ""
     count: int = 0
     error: ErrorBody | None = None
     snapshot: SchedulerSnapshot | None = None

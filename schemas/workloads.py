@@ -282,19 +282,28 @@ def video_object_name(tenant: str, evaluation: str, file: str) -> str:
     return f"videos/{tenant}/{evaluation}/{file}"
 
 
-WorkloadState = Literal["active", "cancelled", "done"]
+#: ``done``: its completion target of jobs completed (an evaluation: its episodes
+#: ran); ``failed``: as many of its jobs failed as it was to complete;
+#: ``cancelled``: by its tenant. Only ``active`` workloads run.
+WorkloadState = Literal["active", "cancelled", "done", "failed"]
 
 
 class WorkloadRecord(Wire, kw_only=True, omit_defaults=True):
     tenant_id: str
     spec: WorkloadSpec
     state: WorkloadState = "active"
+    #: Which creation of this name the record is: 1, then one more each time the
+    #: name is created again after its workload ended. Its jobs carry it.
+    generation: int = 1
     created_at: float = 0.0
     #: The sample layout its jobs carry (from the env or the dataset).
     schema_signature: str = ""
-    #: eval: success_rate, mean_return, episodes, version...
+    #: eval: success_rate, mean_return, episodes, version...; rl, sft once ended: its
+    #: jobs completed, failed and dropped, and the last policy version (last_version).
     result: dict[str, float] = {}
     finished_at: float = 0.0
+    #: Why it ended (done, failed), in words.
+    reason: str = ""
     #: eval: made by the evaluator for a workload's ``eval_every`` (not by the tenant;
     #: not counted against the tenant's workload quota).
     periodic: bool = False

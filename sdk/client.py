@@ -44,7 +44,7 @@ from joynexus.schemas.errors import (
     Unavailable,
 )
 from joynexus.schemas.inference import PolicyRecord, TensorBytes, encode_msgpack
-from joynexus.schemas.jobs import JobEvent, TrainingJob, check_name
+from joynexus.schemas.jobs import JobEvent, LogEvent, TrainingJob, WorkloadEnded, check_name
 from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, REQUIRED, STATE_FIELD
 from joynexus.schemas.workloads import (
     CONTENT_TYPE,
@@ -93,7 +93,9 @@ class Workload:
 
     def events(self, *, from_start: bool = True) -> AsyncIterator[JobEvent]:
         """This workload's job events (reserved, ready, leased, completed...) as they happen."""
-        return self.client.events(self.name, from_start=from_start)
+        return self.client.events(
+            self.name, from_start=from_start, generation=self.record.generation
+        )
 
     def refresh(self) -> asyncio.Future[Workload]:
         return self.client.get_workload(self.name)
@@ -338,7 +340,7 @@ class Client:
                 self._infer.act(
                     self.tenant,
                     schema=rec.schema_signature,
-                    policy_key=workload,
+                    workload=workload,
                     policy_version=version,
                     images=images,
                     instruction=instruction or rec.spec.instruction,
@@ -579,7 +581,7 @@ class Client:
             data = await self._weights(rec)
             manifest = {
                 "tenant_id": rec.tenant_id,
-                "workload": rec.policy_key,
+                "workload": rec.workload,
                 "version": rec.version,
                 "action_module": rec.head_type,
                 "head_config": rec.head_config,
@@ -607,7 +609,7 @@ class Client:
             reply = await self._api(
                 "get_policy",
                 PolicyQuery(
-                    workload=rec.policy_key,
+                    workload=rec.workload,
                     version=rec.version,
                     offset=len(out),
                     limit=self._b.max_payload // 2,
@@ -619,13 +621,23 @@ class Client:
 
     # ------------------------------------------------------------ events
     async def events(
-        self, workload: str | None = None, *, from_start: bool = True
+        self,
+        workload: str | None = None,
+        *,
+        from_start: bool = True,
+        generation: int | None = None,
     ) -> AsyncIterator[JobEvent]:
         """The tenant's job events in log order (optionally of one workload), live.
 
+        With ``workload``: the events of its current generation (or of ``generation``;
+        a name created again after its workload ended starts over), and the iterator
+        ends once that
+        generation has ended (done, failed or cancelled: ``refresh()`` says how).
         Pages through the control plane by stream sequence (no server-side
         consumer to leak), so a reconnect or a control plane restart neither
         skips nor repeats an event."""
+        if workload is not None and generation is None:
+            generation = (await self.get_workload(workload)).record.generation
         after = 0 if from_start else -1
         if after < 0:
             after = (await self._api("read_events", ReadEvents(after_seq=-1))).last_seq
@@ -642,9 +654,15 @@ class Client:
                 await asyncio.sleep(0.5)  # control plane restarting: resume from `after`
                 continue
             for entry in reply.events:
-                event: JobEvent = decode(bytes(entry.event), JobEvent, what="job event")  # type: ignore[arg-type]
+                event: LogEvent = decode(bytes(entry.event), LogEvent, what="job event")  # type: ignore[arg-type]
                 after = entry.seq
-                if workload is None or event.job.policy_key == workload:
+                if isinstance(event, WorkloadEnded):
+                    if event.workload == workload and event.generation == generation:
+                        return
+                    continue
+                if workload is None or (
+                    event.job.workload == workload and event.job.generation == generation
+                ):
                     yield event
             after = max(after, reply.last_seq)
 

@@ -195,7 +195,7 @@ def module(head: str = "oft_mlp") -> TenantModule:
 
 
 def job(task_type: str, **extra: str) -> TrainingJob:
-    return TrainingJob(job_id="j", tenant_id="acme", task_type=task_type, policy_key="p",  # type: ignore[arg-type]
+    return TrainingJob(job_id="j", tenant_id="acme", task_type=task_type, workload="p",  # type: ignore[arg-type]
                        metadata=JobMetadata(extra={"instruction": "pick", **extra}))
 
 

@@ -30,7 +30,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
-from joynexus.schemas.jobs import GlobalLimits, JobMetadata, JobState, TenantTaskPolicy, TrainingJob
+from joynexus.schemas.jobs import GlobalLimits, JobMetadata, JobState, TrainingJob, WorkloadPolicy
 
 S = JobState
 ENVS, STEPS, SDIM, ADIM, H = 2, 8, 5, 3, 2
@@ -74,14 +74,14 @@ async def rl_job(broker: Broker, data: dict[str, np.ndarray]) -> tuple[TrainingJ
     """A published v1 policy and an RL job waiting for actor_forward with ``data``."""
     c = SchedulerClient(broker, by="test")
     await c.set_limits(GlobalLimits(max_active_rollouts=8))
-    await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="rl", max_in_flight=4,
+    await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="rl", max_in_flight=4,
                                         max_active_rollouts=4))
     cfg = HeadConfig(feature_dim=feature_dim(BASE), state_dim=SDIM, action_dim=ADIM,
                      action_horizon=H, hidden=32)
     module = TenantModule("acme", "oft_mlp", cfg, lr=1e-3)
     await PolicyStore(broker).publish("acme", "pick", module, SCHEMA, BASE, version=1)
     job = await c.reserve(
-        "acme", "rl", policy_key="pick", sample_count=len(data["rewards"]), behavior_policy_version=1,
+        "acme", "rl", workload="pick", sample_count=len(data["rewards"]), behavior_policy_version=1,
         metadata=JobMetadata(schema_signature=SCHEMA.signature(),
                              extra={"actor_forward": "1", "instruction": "pick the cube"}),
     )

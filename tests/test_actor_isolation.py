@@ -29,7 +29,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
-from joynexus.schemas.jobs import JobMetadata, JobState, TenantTaskPolicy, TrainingJob
+from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob, WorkloadPolicy
 from joynexus.schemas.rows import MAX_ROWS_PER_CALL, check_values
 
 pytestmark = pytest.mark.timeout(180)
@@ -179,7 +179,7 @@ async def ready_job(c: SchedulerClient, tq: TrainingQueue, tenant: str, data: di
     job = await c.reserve(
         tenant,
         "sft",
-        policy_key=POLICY,
+        workload=POLICY,
         sample_count=len(data["obs_state"]),
         metadata=JobMetadata(schema_signature=SCHEMA.signature(), extra={"instruction": "pick the cube"}),
     )
@@ -206,7 +206,7 @@ async def test_nan_rows_fail_only_their_job_and_the_actor_keeps_training(
 ) -> None:
     c = SchedulerClient(broker, by="test")
     for t in ("acme", "bolt"):
-        await c.set_policy(TenantTaskPolicy(tenant_id=t, task_type="sft", max_in_flight=8))
+        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="sft", max_in_flight=8))
     policies = PolicyStore(broker)
     first = {}
     for i, t in enumerate(("acme", "bolt")):

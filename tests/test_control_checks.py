@@ -135,7 +135,12 @@ _RL, _SFT = spec("rl1"), spec("sft1", "sft")
     [
         (spec("rl2"), [], Q, None),
         (_RL, [rec(_RL)], Q, "retried"),  # the same spec again: the record it made
-        (spec("rl1", num_envs=3), [rec(_RL)], Q, "already has a workload named"),
+        (spec("rl1", num_envs=3), [rec(_RL)], Q, "already has an active workload named"),
+        # a name whose workload ended is created again: the next generation, its slot reused
+        (spec("rl1", num_envs=3), [rec(_RL, state="done")], Q, 2),
+        (_RL, [rec(_RL, state="cancelled", generation=4)], Quota(max_workloads=1), 5),
+        (spec("p0", "eval"), [rec(spec("p0", "eval"), state="done", periodic=True)], Q,
+         "periodic evaluations"),
         (spec("rl2"), [rec(_RL)], Q, "already runs an active rl workload"),
         (spec("rl2"), [rec(_RL, state="cancelled")], Q, None),
         (spec("rl2"), [rec(_SFT)], Q, None),  # one active workload per task type
@@ -151,10 +156,12 @@ _RL, _SFT = spec("rl1"), spec("sft1", "sft")
     ],
 )
 def test_create_against_the_tenants_records(
-    new: WorkloadSpec, held: list[WorkloadRecord], quota: Quota, outcome: str | None
+    new: WorkloadSpec, held: list[WorkloadRecord], quota: Quota, outcome: str | int | None
 ) -> None:
     if outcome is None:
-        assert c.check_create("acme", new, held, quota) is None
+        assert c.check_create("acme", new, held, quota) == 1  # a new name: generation 1
+    elif isinstance(outcome, int):
+        assert c.check_create("acme", new, held, quota) == outcome
     elif outcome == "retried":
         assert c.check_create("acme", new, held, quota) is held[0]
     else:
@@ -170,6 +177,35 @@ def test_cancel_changes_only_an_active_record(state: str) -> None:
     out = c.cancelled(r)
     assert out.state == ("cancelled" if state == "active" else state)
     assert (out.spec, out.created_at, out.schema_signature) == (_RL, 5.0, "sig")
+
+
+@pytest.mark.parametrize(
+    ("state", "generation", "end_state", "becomes"),
+    [
+        ("active", 2, "done", "done"),
+        ("active", 2, "failed", "failed"),
+        ("active", 1, "done", None),  # an earlier generation's end: not this record's
+        ("cancelled", 2, "done", None),  # a cancel came first: it stays cancelled
+        ("active", 2, "cancelled", None),  # the cancel wrote the record itself
+    ],
+)
+def test_a_generations_end_becomes_its_records_state(
+    state: str, generation: int, end_state: str, becomes: str | None
+) -> None:
+    from joynexus.schemas.jobs import WorkloadEnded
+
+    r = rec(_SFT, state=state, generation=2, created_at=5.0)
+    end = WorkloadEnded(tenant_id="acme", workload="sft1", generation=generation,
+                        state=end_state, completed=20, failed=1, dropped=0, last_version=21,
+                        reason="20 jobs completed", at=9.0)  # type: ignore[arg-type]
+    out = c.ended(r, end)
+    if becomes is None:
+        assert out is None
+        return
+    assert out is not None and (out.state, out.finished_at, out.reason) == (
+        becomes, 9.0, "20 jobs completed")
+    assert out.result == {"completed": 20.0, "failed": 1.0, "dropped": 0.0, "last_version": 21.0}
+    assert (out.spec, out.created_at, out.generation) == (_SFT, 5.0, 2)
 
 
 # ------------------------------------------------------------ tenant submissions
@@ -216,7 +252,7 @@ def test_close_abort_and_expiry_decisions() -> None:
 # ------------------------------------------------------------ the tenant's data
 def _job(**kw: Any) -> TrainingJob:
     kw.setdefault("producer_role", "tenant")
-    return TrainingJob(job_id="j", tenant_id="acme", task_type="sft", policy_key="w", **kw)
+    return TrainingJob(job_id="j", tenant_id="acme", task_type="sft", workload="w", **kw)
 
 
 _ROW = {"x": TensorBytes(dtype="float32", shape=[1], data=b"\0" * 4)}

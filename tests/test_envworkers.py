@@ -179,12 +179,12 @@ def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
 
 
 def test_the_rl_producers_decisions_around_a_reserve() -> None:
-    """RLProducer.run's pure steps: the backoff after refusals, when a refusal calls
-    for the completion check, and where a produced job goes next."""
+    """RLProducer.run's pure steps: the backoff after refusals, which refusal ends
+    the run, and where a produced job goes next."""
     from joynexus.agents.envworkers import (
         RESERVE_BACKOFF_S,
         after_rollout,
-        asks_if_done,
+        ends_run,
         next_backoff,
     )
     from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob
@@ -193,14 +193,15 @@ def test_the_rl_producers_decisions_around_a_reserve() -> None:
     for _ in range(6):
         waits.append(next_backoff(waits[-1]))
     assert waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
-    refusal = "workload acme.pick reached its completion target (4 jobs)"
-    assert asks_if_done(True, refusal)
-    assert not asks_if_done(False, refusal)
-    assert not asks_if_done(True, "max_in_flight reached")
+    # Decided by the scheduler's refusal code, never its words.
+    assert ends_run(True, "ended") and ends_run(True, "superseded")
+    assert not ends_run(False, "ended")
+    for waited in ("in_flight", "rollouts", "global_rollouts", "completion_target", ""):
+        assert not ends_run(True, waited)
 
     def job(extra: dict[str, str]) -> TrainingJob:
         return TrainingJob(
-            job_id="j", tenant_id="acme", task_type="rl", policy_key="pick",
+            job_id="j", tenant_id="acme", task_type="rl", workload="pick",
             partition_id="p", metadata=JobMetadata(extra=extra),
         )
 

@@ -959,7 +959,7 @@ async def publish_unloadable(broker: Broker, store: PolicyStore, tenant: str) ->
     obj = await broker.js.object_store(broker.names.weights_store)
     await obj.put(bad.object_name, b"not safetensors")
     kv = await broker.js.key_value(broker.names.policy_bucket)
-    await kv.put(broker.names.policy_key(tenant, "default"), encode(bad))
+    await kv.put(broker.names.policy_record_key(tenant, "default"), encode(bad))
 
 
 async def test_scale_up_loads_weights_before_joining_and_failure_rolls_back(

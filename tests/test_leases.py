@@ -20,7 +20,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.layout import ensure_layout
 from joynexus.schemas.errors import Unavailable
-from joynexus.schemas.jobs import JobState, TenantTaskPolicy
+from joynexus.schemas.jobs import JobState, WorkloadPolicy
 from joynexus.schemas.scheduler import ReserveRequest
 
 TTL = 2
@@ -65,7 +65,7 @@ async def test_a_deposed_scheduler_cannot_admit(broker: Broker) -> None:
         assert await a.stand_by(stop)
         await a.start()
         c = SchedulerClient(broker, by="producer", deadline_s=20)
-        await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="sft", max_in_flight=64))
+        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", max_in_flight=64))
         first = await c.reserve("acme", "sft")
         assert first is not None and first.state is JobState.RESERVED
         # b stands by while a renews

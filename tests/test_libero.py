@@ -105,7 +105,7 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
     try:
         for _ in range(240):
             done = await sched.list_jobs(
-                "acme", policy_key="rl", states=[JobState.NEEDS_ADVANTAGES]
+                "acme", workload="rl", states=[JobState.NEEDS_ADVANTAGES]
             )
             if done or task.done():
                 break

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import msgspec
 import pytest
 
-from joynexus.agents.lifecycle import SchedulerCore, allowed, transition
+from joynexus.agents.lifecycle import Refused, SchedulerCore, allowed, transition
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
@@ -26,8 +27,8 @@ from joynexus.schemas.jobs import (
     Marked,
     Reserved,
     StageLeased,
-    TenantTaskPolicy,
     TrainingJob,
+    WorkloadPolicy,
 )
 from joynexus.schemas.scheduler import ReserveRequest
 
@@ -72,7 +73,7 @@ KINDS = [
 
 
 def job(state: JobState = S.RESERVED, **kw: object) -> TrainingJob:
-    base = dict(job_id="j1", tenant_id="acme", task_type="rl", policy_key="default", state=state)
+    base = dict(job_id="j1", tenant_id="acme", task_type="rl", workload="default", state=state)
     base.update(kw)
     return TrainingJob(**base)  # type: ignore[arg-type]
 
@@ -123,7 +124,7 @@ def test_event_of_another_job_is_rejected() -> None:
 class Driver:
     """Runs the core the way the agent does, with a fake sequence counter."""
 
-    def __init__(self, **policies: TenantTaskPolicy) -> None:
+    def __init__(self, **policies: WorkloadPolicy) -> None:
         self.core = SchedulerCore(lease_ttl_s=10.0)
         self.seq = itertools.count(1)
         self.now = 0.0
@@ -131,7 +132,7 @@ class Driver:
             self.core.policies[p.key] = p
 
     def run(self, ev):
-        if isinstance(ev, (str, TrainingJob)):
+        if isinstance(ev, (Refused, TrainingJob)):
             return ev
         self.core.apply(ev, self.now)
         return self.core.commit(ev.job.job_id, next(self.seq))
@@ -152,20 +153,22 @@ class Driver:
         return None if j is None else self.run(self.core.decide_lease(j, at=0, by="a"))
 
 
-def pol(tenant: str, task: str = "rl", **kw: object) -> TenantTaskPolicy:
-    return TenantTaskPolicy(tenant_id=tenant, task_type=task, **kw)  # type: ignore[arg-type]
+def pol(tenant: str, task: str = "rl", **kw: object) -> WorkloadPolicy:
+    return WorkloadPolicy(tenant_id=tenant, task_type=task, **kw)  # type: ignore[arg-type]
 
 
 def test_admission_max_in_flight_and_rollouts() -> None:
     d = Driver(a=pol("a", max_in_flight=2, max_active_rollouts=1))
     j1 = d.reserve("a")
     assert isinstance(j1, TrainingJob)
-    assert "rollouts active" in d.reserve("a")  # one rollout already under way
+    refused = d.reserve("a")  # one rollout already under way
+    assert refused.code == "rollouts" and "rollouts active" in refused.reason
     d.ready(j1.job_id)
     j2 = d.reserve("a")
     assert isinstance(j2, TrainingJob)
     d.ready(j2.job_id)
-    assert "max_in_flight 2" in d.reserve("a")
+    refused = d.reserve("a")
+    assert refused.code == "in_flight" and "max_in_flight 2" in refused.reason
     leased = d.lease()
     d.run(d.core.decide_complete(leased.job_id, leased.attempt, result_version=1, at=0, by="a"))
     assert isinstance(d.reserve("a"), TrainingJob)
@@ -179,16 +182,17 @@ def test_global_rollout_limit_and_completion_target() -> None:
     )
     d.core.limits = GlobalLimits(max_active_rollouts=1)
     assert isinstance(d.reserve("a"), TrainingJob)
-    assert d.reserve("b").startswith("global")
+    assert d.reserve("b").code == "global_rollouts"
     # SFT jobs are not rollouts; the completion target counts in-flight + completed.
     assert isinstance(d.reserve("c", "sft"), TrainingJob)
     assert isinstance(d.reserve("c", "sft"), TrainingJob)
-    assert "completion target 2" in d.reserve("c", "sft")
+    refused = d.reserve("c", "sft")
+    assert refused.code == "completion_target" and "completion target 2" in refused.reason
 
 
 def test_unknown_tenant_is_a_clear_error() -> None:
     d = Driver(a=pol("a"))
-    with pytest.raises(UnknownTenant, match="'ghost' has no policy"):
+    with pytest.raises(UnknownTenant, match="'ghost' has no workload 'default'"):
         d.reserve("ghost")
     with pytest.raises(UnknownJob):
         d.core.get("nope")
@@ -198,7 +202,7 @@ def test_reserve_is_idempotent_by_job_id() -> None:
     d = Driver(a=pol("a"))
     j = d.reserve("a", job_id="jx")
     assert d.reserve("a", job_id="jx") == j
-    assert d.core.in_flight["a.rl"] == 1
+    assert d.core.in_flight["a.default.1"] == 1
 
 
 def test_lease_order_priority_then_rl_then_fifo() -> None:
@@ -306,7 +310,7 @@ def test_rebuild_from_last_events_gives_same_state() -> None:
 
     def recording_run(ev):
         out = orig_run(ev)
-        if not isinstance(ev, (str, TrainingJob)):
+        if not isinstance(ev, (Refused, TrainingJob)):
             events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
         return out
 
@@ -324,3 +328,127 @@ def test_rebuild_from_last_events_gives_same_state() -> None:
     assert strip(fresh) == strip(d.core)
     assert fresh.by_state == d.core.by_state and fresh.versions == {"a.default": 4}
     assert fresh.next_ready("actor").job_id == d.core.next_ready("actor").job_id
+
+
+# ------------------------------------------------- per workload, per generation
+def finish(d: Driver, job: TrainingJob, how: str = "complete") -> TrainingJob:
+    """Take ``job`` from reserved through ready and a lease to its end."""
+    d.ready(job.job_id)
+    leased = d.core.next_ready("actor", frozenset(j for j in d.core.jobs if j != job.job_id))
+    assert leased is not None and leased.job_id == job.job_id
+    leased = d.run(d.core.decide_lease(leased, at=0, by="a"))
+    if how == "complete":
+        return d.run(d.core.decide_complete(job.job_id, leased.attempt, result_version=2,
+                                            at=0, by="a"))
+    return d.run(d.core.decide_end(job.job_id, "fail", "broken", attempt=leased.attempt,
+                                   at=0, by="a"))
+
+
+def sft(d: Driver, workload: str, generation: int = 1, tenant: str = "acme"):
+    return d.reserve(tenant, "sft", workload=workload, generation=generation)
+
+
+def test_a_second_workload_of_a_tenant_counts_from_zero() -> None:
+    """The reproduction of issue 30: `first` completed 2 jobs (its target), `second`
+    (target 1, the same tenant and task type) is admitted and ends on its own."""
+    d = Driver(first=pol("acme", "sft", workload="first", completion_target=2, max_in_flight=4))
+    for _ in range(2):
+        finish(d, sft(d, "first"))
+    end = d.core.decide_workload_end("acme", "first", at=5.0, by="s")
+    assert end is not None and (end.state, end.completed, end.generation) == ("done", 2, 1)
+    d.core.note_ended(end)
+    assert sft(d, "first").code == "ended"
+    d.core.set_policy(pol("acme", "sft", workload="second", completion_target=1, max_in_flight=4))
+    j = sft(d, "second")
+    assert isinstance(j, TrainingJob) and j.workload == "second"
+    assert sft(d, "second").code == "completion_target"  # its one job is in flight
+    assert d.core.decide_workload_end("acme", "second", at=0, by="s") is None
+    finish(d, j)
+    end2 = d.core.decide_workload_end("acme", "second", at=0, by="s")
+    assert end2 is not None and (end2.state, end2.completed, end2.last_version) == ("done", 1, 2)
+
+
+def test_a_name_created_again_is_a_new_generation() -> None:
+    d = Driver(w=pol("acme", "sft", workload="w", completion_target=1))
+    finish(d, sft(d, "w"))
+    d.core.note_ended(d.core.decide_workload_end("acme", "w", at=0, by="s"))
+    d.core.set_policy(pol("acme", "sft", workload="w", generation=2, completion_target=1))
+    # A late producer of generation 1 is told it was replaced, not admitted into 2.
+    assert sft(d, "w", generation=1).code == "superseded"
+    j = sft(d, "w", generation=2)
+    assert isinstance(j, TrainingJob) and j.generation == 2
+    assert d.core.in_flight["acme.w.2"] == 1 and d.core.completed["acme.w.1"] == 1
+    # A late set_policy of the older generation does not take the name back.
+    d.core.set_policy(pol("acme", "sft", workload="w", generation=1, completion_target=9))
+    assert d.core.policies["acme.w"].generation == 2
+
+
+def test_a_workload_whose_jobs_keep_failing_ends_failed() -> None:
+    d = Driver(w=pol("acme", "sft", workload="w", completion_target=2, max_in_flight=4))
+    finish(d, sft(d, "w"), "fail")
+    assert d.core.decide_workload_end("acme", "w", at=0, by="s") is None  # 1 failure < 2
+    finish(d, sft(d, "w"), "fail")
+    end = d.core.decide_workload_end("acme", "w", at=0, by="s")
+    assert end is not None and (end.state, end.failed, end.completed) == ("failed", 2, 0)
+    assert "2 jobs failed" in end.reason
+
+
+def test_failed_jobs_are_replaced_until_the_target_completes() -> None:
+    d = Driver(w=pol("acme", "sft", workload="w", completion_target=2, max_in_flight=4))
+    finish(d, sft(d, "w"))
+    finish(d, sft(d, "w"), "fail")  # admission reopens: completed + in flight is 1
+    finish(d, sft(d, "w"))
+    end = d.core.decide_workload_end("acme", "w", at=0, by="s")
+    assert end is not None and (end.state, end.completed, end.failed) == ("done", 2, 1)
+
+
+def test_no_end_without_a_target_and_no_end_twice() -> None:
+    d = Driver(w=pol("acme", "sft", workload="w"), t=pol("acme", "rl", workload="t",
+                                                        completion_target=1))
+    finish(d, sft(d, "w"))
+    assert d.core.decide_workload_end("acme", "w", at=0, by="s") is None  # runs until cancelled
+    finish(d, d.reserve("acme", "rl", workload="t"))
+    [end] = d.core.pending_ends(at=0, by="s")
+    prev = d.core.note_ended(end)
+    assert d.core.pending_ends(at=0, by="s") == []
+    d.core.forget_ended(end, prev)  # its append failed: due again
+    assert [e.workload for e in d.core.pending_ends(at=0, by="s")] == ["t"]
+
+
+def test_rebuild_counts_per_generation_and_finds_an_end_due() -> None:
+    """A scheduler that stopped between a workload's last completion and appending its
+    end: the rebuilt core counts the same and has the end due; with the end in the log
+    it is ended (reserves refused) and nothing is due."""
+    d = Driver(w=pol("acme", "sft", workload="w", generation=2, completion_target=2,
+                     max_in_flight=4))
+    events: dict[str, tuple[object, int]] = {}
+    orig_run = d.run
+
+    def recording_run(ev):
+        out = orig_run(ev)
+        if not isinstance(ev, (Refused, TrainingJob)):
+            events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
+        return out
+
+    d.run = recording_run  # type: ignore[method-assign]
+    for _ in range(2):
+        finish(d, sft(d, "w", generation=2))
+
+    def rebuilt() -> SchedulerCore:
+        fresh = SchedulerCore(lease_ttl_s=10.0)
+        fresh.set_policy(d.core.policies["acme.w"])
+        for ev, seq in sorted(events.values(), key=lambda x: x[1]):
+            fresh.load(ev, seq, 0.0)  # type: ignore[arg-type]
+        return fresh
+
+    fresh = rebuilt()
+    assert +fresh.completed == +d.core.completed == Counter({"acme.w.2": 2})
+    [due] = fresh.pending_ends(at=0, by="s")
+    assert (due.state, due.generation, due.completed) == ("done", 2, 2)
+    again = rebuilt()
+    again.note_ended(due)  # as read back from the log
+    assert again.pending_ends(at=0, by="s") == []
+    refused = again.decide_reserve(
+        ReserveRequest(job_id="late", tenant_id="acme", task_type="sft", workload="w",
+                       generation=2), at=0, by="p")
+    assert isinstance(refused, Refused) and refused.code == "ended"

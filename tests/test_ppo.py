@@ -291,7 +291,7 @@ def test_job_metadata_numbers_out_of_bounds_fall_back_to_defaults() -> None:
     from joynexus.schemas.jobs import JobMetadata, TrainingJob
 
     def job(**extra: str) -> TrainingJob:
-        return TrainingJob(job_id="j", tenant_id="acme", task_type="rl", policy_key="p",
+        return TrainingJob(job_id="j", tenant_id="acme", task_type="rl", workload="p",
                            metadata=JobMetadata(extra=extra))
 
     for raw in ("nan", "inf", "-1", "1e9", "x"):

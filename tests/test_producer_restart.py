@@ -51,14 +51,14 @@ async def test_a_producer_that_crashes_as_its_workload_ends_leaves_no_job_open(
     it is not started again (above), and the job it left is failed, not left open."""
     from joynexus.agents.scheduler import SchedulerAgent
     from joynexus.agents.scheduler_client import SchedulerClient
-    from joynexus.schemas.jobs import JobState, TenantTaskPolicy, TrainingJob
+    from joynexus.schemas.jobs import JobState, TrainingJob, WorkloadPolicy
     from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
 
     sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=5.0, expire_every_s=0.2)
     await sched.start()
     try:
         c = SchedulerClient(broker, by="test")
-        await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="sft", max_in_flight=2))
+        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", max_in_flight=2))
         rec = WorkloadRecord(
             tenant_id="acme", spec=WorkloadSpec(name="s", task_type="sft", dataset="d"),
             created_at=1.0,
@@ -68,7 +68,7 @@ async def test_a_producer_that_crashes_as_its_workload_ends_leaves_no_job_open(
         held: list[TrainingJob] = []
 
         async def make() -> None:
-            job = await c.reserve("acme", "sft", policy_key="s", sample_count=4)
+            job = await c.reserve("acme", "sft", workload="s", sample_count=4)
             assert job is not None
             held.append(job)
             stop.set()  # cancelled meanwhile

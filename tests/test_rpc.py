@@ -28,7 +28,7 @@ from joynexus.schemas.errors import (
     RateLimited,
     Unavailable,
 )
-from joynexus.schemas.jobs import JobState, TenantTaskPolicy
+from joynexus.schemas.jobs import JobState, WorkloadPolicy
 from joynexus.schemas.scheduler import DEFAULT_LEASE_TTL_S, ErrorBody, Reply
 
 
@@ -302,7 +302,7 @@ async def test_the_keep_alive_follows_the_ttl_the_scheduler_replies(broker: Brok
     try:
         c = SchedulerClient(broker, by="actor-1")
         assert c.lease_ttl_s == DEFAULT_LEASE_TTL_S  # nothing said yet
-        await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="sft", max_in_flight=2))
+        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", max_in_flight=2))
         job = await c.reserve("acme", "sft")
         assert job is not None
         await c.mark(job.job_id, JobState.READY)

@@ -21,7 +21,7 @@ from joynexus.schemas.errors import (
     StaleLease,
     UnknownTenant,
 )
-from joynexus.schemas.jobs import GlobalLimits, JobState, Leased, TenantTaskPolicy
+from joynexus.schemas.jobs import GlobalLimits, JobState, Leased, WorkloadPolicy
 from joynexus.schemas.scheduler import Reply
 
 S = JobState
@@ -42,8 +42,8 @@ async def sched(broker: Broker) -> AsyncIterator[SchedulerAgent]:
 
 async def setup_tenants(c: SchedulerClient) -> None:
     await c.set_limits(GlobalLimits(max_active_rollouts=16))
-    await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="rl", max_in_flight=16, max_active_rollouts=16))
-    await c.set_policy(TenantTaskPolicy(tenant_id="bolt", task_type="sft", max_in_flight=16))
+    await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="rl", max_in_flight=16, max_active_rollouts=16))
+    await c.set_policy(WorkloadPolicy(tenant_id="bolt", task_type="sft", max_in_flight=16))
 
 
 async def completed_count(broker: Broker, tenant: str, job_id: str) -> int:
@@ -404,7 +404,7 @@ async def test_fail_open_fails_only_the_owners_open_jobs(broker: Broker, sched: 
     await setup_tenants(c)
 
     async def job(key: str, producer: str) -> str:
-        j = await c.reserve("acme", "rl", policy_key=key, metadata=JobMetadata(extra={"producer": producer}))
+        j = await c.reserve("acme", "rl", workload=key, metadata=JobMetadata(extra={"producer": producer}))
         assert j is not None
         return j.job_id
 

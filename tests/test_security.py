@@ -232,7 +232,7 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
             state=TensorBytes.from_array(np.zeros((1, 12), np.float32)),
         )
         wl = (await acme.get_workload("pick")).record
-        claim = encode_msgpack(InferRequest(tenant_id="bolt", policy_key="pick",
+        claim = encode_msgpack(InferRequest(tenant_id="bolt", workload="pick",
                                             schema_signature=wl.schema_signature,
                                             observation=obs))
         await nc.publish(n.infer(MODEL, "bolt"), claim, reply=nc.new_inbox())

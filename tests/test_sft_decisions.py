@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from joynexus.schemas.samples import (
     STATE_FIELD,
     image_field,
 )
+from joynexus.schemas.scheduler import Refusal
 
 
 @pytest.mark.parametrize(
@@ -50,18 +53,12 @@ def test_backoff_doubles_to_its_cap() -> None:
     assert max(seen) == MAX_BACKOFF_S and seen[-1] == MAX_BACKOFF_S
 
 
-@pytest.mark.parametrize(
-    ("reason", "ends"),
-    [
-        ("workload acme/pick reached its completion target (100 jobs)", True),
-        ("completion target", True),
-        ("", False),  # no refusal recorded: wait and retry
-        ("tenant acme has 4 sft jobs in flight (max_in_flight=4)", False),
-        ("global limit on active rollouts reached", False),
-    ],
-)
-def test_which_refusal_ends_the_run(reason: str, ends: bool) -> None:
-    assert refusal_ends_run(reason) is ends
+@pytest.mark.parametrize("code", [*typing.get_args(Refusal), ""])
+def test_which_refusal_ends_the_run(code: str) -> None:
+    """Every code the scheduler can refuse with (and none): only an ended or replaced
+    generation ends the run; the last jobs of the target in flight (one may fail) and
+    the limits on jobs at once are waited out."""
+    assert refusal_ends_run(code) is (code in ("ended", "superseded"))
 
 
 def test_job_extra_carries_what_the_actor_reads() -> None:

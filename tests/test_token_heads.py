@@ -377,7 +377,7 @@ async def test_oft_attn_workload_trains_through_the_service_and_acts_grouped(
         infer = InferenceClient(broker)
 
         async def ask(t: str) -> Any:
-            return await infer.request(t, schema=recs[t].schema_signature, policy_key="push",
+            return await infer.request(t, schema=recs[t].schema_signature, workload="push",
                                        policy_version=recs[t].version, images=obs[t][0],
                                        instruction="push the cube", state=obs[t][1])
 

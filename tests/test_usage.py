@@ -26,7 +26,7 @@ from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.deploy import embedded
 from joynexus.ops.tenants import add_tenant
 from joynexus.schemas.errors import PermissionDenied
-from joynexus.schemas.jobs import JobState, TenantTaskPolicy
+from joynexus.schemas.jobs import JobState, WorkloadPolicy
 from joynexus.sdk import Client
 
 TENANTS = ("acme", "bolt", "cora")
@@ -79,7 +79,7 @@ async def test_parts_add_up_to_busy_time_and_queue_bytes(broker: Broker) -> None
     running = asyncio.create_task(meter.run())
     try:
         c = SchedulerClient(broker, by="test")
-        await c.set_policy(TenantTaskPolicy(tenant_id="acme", task_type="sft", max_in_flight=4))
+        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", max_in_flight=4))
         tq = TrainingQueue(broker)
         put = 0
         for i in range(2):

@@ -34,6 +34,7 @@ from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
+from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.fastpath import settle
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
@@ -104,6 +105,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         )
         self._records_by_key = self._records_mirror.values
         self._tq_bytes = {}
+        self._log = JobEventLog(broker)
         # Usage metering (broker.usage): folds busy intervals, queue puts and job ends
         # into a checkpoint; answers the usage verb (the tenant's own figures only).
         self.meter = Meter(broker, instance=f"{instance}-meter")
@@ -139,6 +141,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         await settle(self.b.nc)
         if nc is not self.b.nc:
             await settle(nc)
+        self.rpc.spawn(self._apply_logged_ends())
         self.rpc.spawn(self._adopt_open_jobs())
         self.rpc.spawn(self._expire_open_jobs())
         self.rpc.spawn(self.meter.run())

@@ -10,16 +10,18 @@ See docs/ARCHITECTURE.md ("Layout and import root",
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError
 
-from joynexus.agents.control.checks import cancelled, open_jobs_of
+from joynexus.agents.control.checks import cancelled, ended, open_jobs_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
+from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
@@ -29,7 +31,7 @@ from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, UnknownJob, UnknownTenant
-from joynexus.schemas.jobs import TrainingJob, check_name
+from joynexus.schemas.jobs import TrainingJob, WorkloadEnded, check_name
 from joynexus.schemas.workloads import WorkloadRecord
 
 #: Publishes version 1 of a new workload's policy; returns its schema signature.
@@ -46,6 +48,7 @@ class ControlBase:
     _ids: Any
     _lock: asyncio.Lock  # one create at a time: slot allocation is check-then-write
     _policies: PolicyRecords
+    _log: JobEventLog
     _tq: TrainingQueue
     # Job events seen per tenant (a core subscription): wakes read_events long-polls.
     _ticks: dict[str, int]
@@ -88,11 +91,39 @@ class ControlBase:
         return decode(entry.value, WorkloadRecord)
 
     async def _cancel(self, tenant: str, name: str) -> WorkloadRecord:
-        rec = await self._get(tenant, name)
-        if rec.state == "active":
-            rec = cancelled(rec)
+        """Cancel the workload, then append its end to the job log (where its
+        events end for the SDK, and a restarted scheduler takes it as ended)."""
+        async with self._lock:
+            rec = await self._get(tenant, name)
+            if rec.state != "active":
+                return rec
+            rec = cancelled(rec, time.time())
             await self._put_record(rec)
+        if rec.spec.task_type != "eval":
+            await self._log.append_workload_end(
+                WorkloadEnded(
+                    tenant_id=tenant, workload=name, generation=rec.generation,
+                    state="cancelled", reason="cancelled by its tenant",
+                    at=rec.finished_at, by=self.instance,
+                )
+            )
         return rec
+
+    async def _end_workload(self, end: WorkloadEnded) -> None:
+        """A workload generation's end from the job log becomes its record's state."""
+        async with self._lock:
+            try:
+                rec = await self._get(end.tenant_id, end.workload)
+            except UnknownTenant:
+                return
+            new = ended(rec, end)
+            if new is not None:
+                await self._put_record(new)
+
+    async def _apply_logged_ends(self) -> None:
+        """Ends appended while no control plane watched (a restart): applied once."""
+        for end in await self._log.workload_ends():
+            await self._end_workload(end)
 
     async def _tenant_job(self, tenant: str, job_id: str, verb: str) -> TrainingJob:
         """One of the tenant's jobs; another tenant's is refused like an unknown one."""

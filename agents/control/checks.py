@@ -28,7 +28,7 @@ from joynexus.schemas.errors import (
 )
 from joynexus.schemas.identities import TenantIdentity, TenantRequest
 from joynexus.schemas.inference import FeatureSchemaSpec
-from joynexus.schemas.jobs import JobState, TrainingJob, check_name
+from joynexus.schemas.jobs import JobState, TrainingJob, WorkloadEnded, check_name
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.samples import (
     FIELDS,
@@ -131,28 +131,44 @@ def bound_spec(tenant: str, spec: WorkloadSpec, q: Quota) -> WorkloadSpec:
 
 def check_create(
     tenant: str, spec: WorkloadSpec, every: Sequence[WorkloadRecord], q: Quota
-) -> WorkloadRecord | None:
+) -> WorkloadRecord | int:
     """May ``tenant``, holding the records ``every``, create ``spec``? The existing
-    record for a retried create (the same spec under the same name), None for a
-    new one; InvalidSpec or QuotaExceeded otherwise."""
+    record for a retried create (the same spec under the name of an active
+    workload), else the generation the new workload gets: 1 for a new name, one
+    more than the last for the name of a workload that ended (done, failed or
+    cancelled: its record is replaced, its jobs and versions stay theirs).
+    InvalidSpec or QuotaExceeded otherwise."""
     # The evaluator's periodic evaluations (eval_every) are not the tenant's to count.
     records = [r for r in every if not r.periodic]
     active = [r for r in records if r.state == "active"]
+    generation = 1
     for rec in every:
         if rec.spec.name == spec.name:
-            if rec.spec == spec:
-                return rec  # a retried create
-            raise InvalidSpec(
-                f"tenant {tenant!r} already has a workload named {spec.name!r}; pick another name"
-            )
+            if rec.state == "active":
+                if rec.spec == spec:
+                    return rec  # a retried create
+                raise InvalidSpec(
+                    f"tenant {tenant!r} already has an active workload named {spec.name!r}; "
+                    "pick another name, or cancel it first"
+                )
+            if rec.periodic:
+                raise InvalidSpec(
+                    f"{spec.name!r} names one of tenant {tenant!r}'s periodic evaluations; "
+                    "pick another name"
+                )
+            generation = rec.generation + 1
+            continue
         if rec.state == "active" and rec.spec.task_type == spec.task_type != "eval":
             raise InvalidSpec(
                 f"tenant {tenant!r} already runs an active {spec.task_type} workload "
-                f"({rec.spec.name!r}); cancel it first or wait for it to finish"
+                f"({rec.spec.name!r}); cancel it, or wait until it is done (it ends once its "
+                "completion target of jobs completed; without a target only a cancel ends it)"
             )
-    if len(records) >= q.max_workloads:
+    # A name reused replaces its ended record: it takes no new slot.
+    kept = [r for r in records if r.spec.name != spec.name]
+    if len(kept) >= q.max_workloads:
         raise QuotaExceeded(
-            f"tenant {tenant!r} has {len(records)} workloads, its quota's max_workloads; "
+            f"tenant {tenant!r} has {len(kept)} workloads, its quota's max_workloads; "
             "ask your operator to raise it"
         )
     if len(active) >= q.max_active_workloads:
@@ -166,19 +182,32 @@ def check_create(
             f"tenant {tenant!r} has {evals} evaluations running (quota "
             f"{q.max_concurrent_evals}); wait for one to finish"
         )
-    return None
+    return generation
 
 
-def cancelled(rec: WorkloadRecord) -> WorkloadRecord:
+def cancelled(rec: WorkloadRecord, at: float = 0.0) -> WorkloadRecord:
     """The record after a cancel (an ended workload stays as it is)."""
     if rec.state != "active":
         return rec
-    return WorkloadRecord(
-        tenant_id=rec.tenant_id,
-        spec=rec.spec,
-        state="cancelled",
-        created_at=rec.created_at,
-        schema_signature=rec.schema_signature,
+    return msgspec.structs.replace(rec, state="cancelled", finished_at=at)
+
+
+def ended(rec: WorkloadRecord, end: WorkloadEnded) -> WorkloadRecord | None:
+    """The record after its generation's end (None: the end is not this record's, or
+    the record has ended already, say by a cancel that came first)."""
+    if rec.state != "active" or rec.generation != end.generation or end.state == "cancelled":
+        return None
+    return msgspec.structs.replace(
+        rec,
+        state=end.state,
+        finished_at=end.at,
+        result={
+            "completed": float(end.completed),
+            "failed": float(end.failed),
+            "dropped": float(end.dropped),
+            "last_version": float(end.last_version),
+        },
+        reason=end.reason,
     )
 
 

@@ -31,10 +31,11 @@ from joynexus.agents.control.checks import (
 )
 from joynexus.broker import metrics
 from joynexus.broker.direct import read_subject
-from joynexus.broker.subjects import parse_job_subject
+from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.usage import UsageQuery
-from joynexus.schemas.errors import InvalidSpec, ShapeMismatch, UnknownTenant
-from joynexus.schemas.jobs import check_name
+from joynexus.schemas.base import decode
+from joynexus.schemas.errors import InvalidSpec, JoyNexusError, ShapeMismatch, UnknownTenant
+from joynexus.schemas.jobs import WorkloadEnded, check_name
 from joynexus.schemas.rows import check_values
 from joynexus.schemas.workloads import (
     ApiReply,
@@ -53,6 +54,9 @@ class DataGateway(ControlBase):
             tenant, job_id, state = parse_job_subject(msg.subject)
         except InvalidSpec:
             return
+        if is_workload_end(msg.subject):
+            with contextlib.suppress(JoyNexusError):
+                self.rpc.spawn(self._end_workload(decode(msg.data, WorkloadEnded)))
         if state in TERMINAL_STATES:  # its rows leave the Training Queue with it
             held = self._tq_bytes.get(tenant)
             if held is not None:
@@ -101,9 +105,9 @@ class DataGateway(ControlBase):
         check_tq_room(tenant, sum(held.values()), size, self.quotas.get(tenant))
         try:
             data = {metrics.clip(name, 64): t.to_array(name) for name, t in req.fields.items()}
-            fs = (await self._policies.latest(tenant, job.policy_key)).feature_schema
-            check_rows(data, fs, job.policy_key)
-            check_values(data, fs, job.policy_key)
+            fs = (await self._policies.latest(tenant, job.workload)).feature_schema
+            check_rows(data, fs, job.workload)
+            check_values(data, fs, job.workload)
             held[job.job_id] = held.get(job.job_id, 0) + size
             meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
         except (InvalidSpec, ShapeMismatch) as e:

@@ -49,7 +49,8 @@ class SubmissionsAPI(ControlBase):
         job = await self.sched.reserve(
             tenant,
             spec.task_type,
-            policy_key=spec.name,
+            workload=spec.name,
+            generation=rec.generation,
             domain=spec.env or Path(spec.dataset).name,  # no server path in job records
             sample_count=req.sample_count,
             behavior_policy_version=req.behavior_policy_version,
@@ -89,7 +90,7 @@ class SubmissionsAPI(ControlBase):
                 if not takes_tenant_data(rec.spec):
                     continue
                 jobs = await self.sched.list_jobs(
-                    rec.tenant_id, policy_key=rec.spec.name, states=[JobState.RESERVED]
+                    rec.tenant_id, workload=rec.spec.name, states=[JobState.RESERVED]
                 )
             except Exception as e:  # one unreadable record must not stop the others
                 log.warning("adopting open jobs of %s failed: %s", key, e)

@@ -17,7 +17,7 @@ import msgspec
 from joynexus.agents.control.base import ControlBase
 from joynexus.agents.control.checks import bound_spec, check_create
 from joynexus.agents.datasets import resolve_dataset
-from joynexus.schemas.jobs import TenantTaskPolicy
+from joynexus.schemas.jobs import WorkloadPolicy
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.workloads import (
     ApiReply,
@@ -45,28 +45,28 @@ class WorkloadsAPI(ControlBase):
         q = self.quotas.get(tenant)
         spec = await asyncio.to_thread(self._bounded_spec, tenant, req.spec, q)
         async with self._lock:
-            retried = check_create(tenant, spec, await self._records(tenant), q)
-            if retried is not None:
-                return ApiReply(workload=retried)
+            checked = check_create(tenant, spec, await self._records(tenant), q)
+            if isinstance(checked, WorkloadRecord):
+                return ApiReply(workload=checked)  # a retried create
+            generation = checked
             if spec.init_from_workload:
                 await self._get(tenant, spec.init_from_workload)
-            record = WorkloadRecord(tenant_id=tenant, spec=spec, created_at=time.time())
+            record = WorkloadRecord(
+                tenant_id=tenant, spec=spec, generation=generation, created_at=time.time()
+            )
             signature = await self.init_policy(record)
             if spec.task_type == "eval":  # no jobs, no training: the evaluator picks it up
                 record = msgspec.structs.replace(record, schema_signature=signature)
                 await self._put_record(record)
                 return ApiReply(workload=record)
-            record = WorkloadRecord(
-                tenant_id=tenant,
-                spec=spec,
-                created_at=record.created_at,
-                schema_signature=signature,
-            )
+            record = msgspec.structs.replace(record, schema_signature=signature)
             s = spec.scheduling
             await self.sched.set_policy(
-                TenantTaskPolicy(
+                WorkloadPolicy(
                     tenant_id=tenant,
                     task_type=spec.task_type,
+                    workload=spec.name,
+                    generation=generation,
                     priority=s.priority,
                     max_in_flight=s.max_in_flight,
                     max_active_rollouts=s.max_active_rollouts,

@@ -45,7 +45,7 @@ Knobs (environment): ``JOYNEXUS_ENV_SPARES`` (warm idle workers, default 1),
 
 One module per job: :mod:`.assign` (the role name, the knobs, :class:`Assignment`,
 ``worker_env``), :mod:`.producer` (:class:`RLProducer` and the pure ``next_backoff``,
-``asks_if_done``, ``after_rollout``), :mod:`.worker` (:class:`EnvWorker`,
+``ends_run``, ``after_rollout``), :mod:`.worker` (:class:`EnvWorker`,
 ``warm_up``), :mod:`.supervisor` (:class:`EnvSupervisor`); every name is
 re-exported here. See docs/ARCHITECTURE.md ("Environment workers").
 """
@@ -70,7 +70,7 @@ from joynexus.agents.envworkers.producer import (
     _Stopped,
     _unless_stopped,
     after_rollout,
-    asks_if_done,
+    ends_run,
     next_backoff,
 )
 from joynexus.agents.envworkers.supervisor import EnvSupervisor
@@ -93,8 +93,8 @@ __all__ = [
     "_unless_stopped",
     "_workers_wanted",
     "after_rollout",
-    "asks_if_done",
     "assignment_key",
+    "ends_run",
     "next_backoff",
     "warm_up",
     "worker_env",

@@ -1,10 +1,11 @@
 """One RL workload's rollouts (:class:`RLProducer`) and the pure decisions its
-loop runs around (``next_backoff``, ``asks_if_done``, ``after_rollout``)."""
+loop runs around (``next_backoff``, ``ends_run``, ``after_rollout``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -40,7 +41,10 @@ from joynexus.schemas.samples import (
     STEP_FIELD,
     SUCCESS_FIELD,
 )
+from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import WorkloadRecord
+
+log = logging.getLogger(__name__)
 
 
 class _Stopped(Exception):
@@ -56,10 +60,10 @@ def next_backoff(wait_s: float) -> float:
     return min(wait_s * 2, RESERVE_BACKOFF_S[1])
 
 
-def asks_if_done(until_done: bool, refusal: str) -> bool:
-    """Does a refused reserve call for the completion check (the scheduler refused
-    for the workload's completion target, and the caller stops once it is met)?"""
-    return until_done and "completion target" in refusal
+def ends_run(until_done: bool, refusal: str) -> bool:
+    """Does a refused reserve end this producer's run: the workload's generation ended
+    (its completion target met) or was replaced, and the caller runs until done?"""
+    return until_done and refusal in FINAL_REFUSALS
 
 
 def after_rollout(job: TrainingJob) -> JobState:
@@ -132,10 +136,11 @@ class RLProducer:
                 span, job = await self._reserve(schema, instruction, version)
                 if job is None:
                     span.end()
-                    if asks_if_done(until_done, self.sched.last_refusal):
-                        if await self._target_completed():
-                            self.done = True
-                            return True
+                    if ends_run(until_done, self.sched.last_refusal_code):
+                        log.info("%s: %s/%s: %s", self.instance, self.tenant, self.spec.name,
+                                 self.sched.last_refusal)
+                        self.done = True
+                        return True
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), backoff)
                     backoff = next_backoff(backoff)
@@ -177,7 +182,8 @@ class RLProducer:
             job = await self.sched.reserve(
                 self.tenant,
                 "rl",
-                policy_key=self.spec.name,
+                workload=self.spec.name,
+                generation=self.rec.generation,
                 domain=self.spec.env,
                 sample_count=self.spec.num_envs * self.spec.horizon,
                 behavior_policy_version=version,
@@ -268,21 +274,13 @@ class RLProducer:
             self._std = (version, head.action_std_A(floor).detach().cpu().numpy().astype(np.float32))
         return self._std[1]
 
-    async def _target_completed(self) -> bool:
-        target = self.spec.scheduling.completion_target
-        if target is None:
-            return False
-        done = await self.sched.list_jobs(
-            self.tenant, policy_key=self.spec.name, states=[JobState.COMPLETED]
-        )
-        return len(done) >= target
-
     async def _fail_orphans(self) -> None:
         """Jobs a previous incarnation reserved but never finished producing."""
         await self.sched.fail_open(
             self.tenant,
             self.spec.name,
             "producer restarted before the rollout finished",
+            generation=self.rec.generation,
             owned=lambda job: (
                 not self.own_orphans_only or job.metadata.extra.get("producer") == self.instance
             ),
@@ -302,7 +300,7 @@ class RLProducer:
                 self.infer.act(
                     self.tenant,
                     schema=schema,
-                    policy_key=self.spec.name,
+                    workload=self.spec.name,
                     policy_version=version,
                     images={c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
                     instruction=instruction,

@@ -92,7 +92,7 @@ def validate(req: InferRequest, lp: LoadedPolicy) -> tuple[FeatureBatch, torch.T
     if req.schema_signature != rec.schema_signature:
         raise IncompatibleSchema(
             f"request schema {req.schema_signature!r} does not match tenant {req.tenant_id!r} "
-            f"policy {req.policy_key!r} v{rec.version}, trained on {rec.schema_signature!r}; "
+            f"policy {req.workload!r} v{rec.version}, trained on {rec.schema_signature!r}; "
             "send observations in the policy's schema"
         )
     batch = canonical(lp.schema, req.observation)

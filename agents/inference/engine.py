@@ -276,11 +276,11 @@ class InferenceEngine:
         self.state = "stopped"
 
     # ------------------------------------------------------------ policies
-    def loaded_versions(self, tenant_id: str, policy_key: str = "default") -> list[int]:
-        return self.cache.loaded_versions(tenant_id, policy_key)
+    def loaded_versions(self, tenant_id: str, workload: str = "default") -> list[int]:
+        return self.cache.loaded_versions(tenant_id, workload)
 
-    def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
-        return self.cache.latest_version(tenant_id, policy_key)
+    def latest_version(self, tenant_id: str, workload: str = "default") -> int | None:
+        return self.cache.latest_version(tenant_id, workload)
 
     def _watch_ended(self, task: asyncio.Task[None]) -> None:
         if self.state in ("prepared", "serving") and not task.cancelled() and task.exception():

@@ -124,7 +124,7 @@ class Intake:
             self._check_tenant(request.subject, req)
             admission.check_quota(req, self.quotas.get(req.tenant_id))
             span.set_attribute("joynexus.tenant", req.tenant_id)
-            lp = self.cache.lookup(req.tenant_id, req.policy_key, req.policy_version)
+            lp = self.cache.lookup(req.tenant_id, req.workload, req.policy_version)
             if lp is None:
                 self.rpc.spawn(self._admit_later(request, req, span, received))
                 return
@@ -156,7 +156,7 @@ class Intake:
         self, request: Request, req: InferRequest, span: Any, received: float
     ) -> None:
         try:
-            lp = await self.cache.resolve(req.tenant_id, req.policy_key, req.policy_version)
+            lp = await self.cache.resolve(req.tenant_id, req.workload, req.policy_version)
             self._admit(request, req, lp, span, received)
         except Exception as e:
             await self.reply_error(request, e, span)

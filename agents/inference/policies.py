@@ -23,7 +23,7 @@ from joynexus.schemas.inference import IncompatibleSchema, PolicyRecord
 
 log = logging.getLogger(__name__)
 
-PolicyId = tuple[str, str, int]  # (tenant, policy_key, version)
+PolicyId = tuple[str, str, int]  # (tenant, workload, version)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class LoadedPolicy:
 
     @property
     def id(self) -> PolicyId:
-        return (self.record.tenant_id, self.record.policy_key, self.record.version)
+        return (self.record.tenant_id, self.record.workload, self.record.version)
 
 
 def evictions(
@@ -75,11 +75,11 @@ class PolicyCache:
         self._latest: dict[tuple[str, str], int] = {}
         self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
 
-    def loaded_versions(self, tenant_id: str, policy_key: str = "default") -> list[int]:
-        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, policy_key))
+    def loaded_versions(self, tenant_id: str, workload: str = "default") -> list[int]:
+        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, workload))
 
-    def latest_version(self, tenant_id: str, policy_key: str = "default") -> int | None:
-        return self._latest.get((tenant_id, policy_key))
+    def latest_version(self, tenant_id: str, workload: str = "default") -> int | None:
+        return self._latest.get((tenant_id, workload))
 
     async def watch(self, ready: asyncio.Event) -> None:
         """Load every version the policy KV announces for this base model; ``ready`` is
@@ -97,15 +97,15 @@ class PolicyCache:
                     self.instance,
                     rec.version,
                     rec.tenant_id,
-                    rec.policy_key,
-                    self._latest.get((rec.tenant_id, rec.policy_key)),
+                    rec.workload,
+                    self._latest.get((rec.tenant_id, rec.workload)),
                     e,
                 )
                 continue
             self.advance_latest(rec)
 
     def advance_latest(self, rec: PolicyRecord) -> None:
-        tk = (rec.tenant_id, rec.policy_key)
+        tk = (rec.tenant_id, rec.workload)
         if rec.version > self._latest.get(tk, 0):
             self._latest[tk] = rec.version
             self._evict(tk)
@@ -117,7 +117,7 @@ class PolicyCache:
             self._used.pop(pid, None)
 
     async def ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
-        pid = (rec.tenant_id, rec.policy_key, rec.version)
+        pid = (rec.tenant_id, rec.workload, rec.version)
         lp = self._policies.get(pid)
         if lp is not None:
             return lp
@@ -131,7 +131,7 @@ class PolicyCache:
     async def _load(self, rec: PolicyRecord) -> LoadedPolicy:
         if rec.base_model != self.base_model:
             raise IncompatibleSchema(
-                f"tenant {rec.tenant_id!r} policy {rec.policy_key!r} v{rec.version} is for base model "
+                f"tenant {rec.tenant_id!r} policy {rec.workload!r} v{rec.version} is for base model "
                 f"{rec.base_model!r}; this endpoint serves {self.base_model!r}"
             )
         schema = feature_schema_of(rec)
@@ -145,29 +145,29 @@ class PolicyCache:
         lp = LoadedPolicy(rec, schema, module)
         self._policies[lp.id] = lp
         self._used[lp.id] = next(self._uses)
-        self._evict((rec.tenant_id, rec.policy_key))
+        self._evict((rec.tenant_id, rec.workload))
         log.info(
-            "engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.policy_key, rec.version
+            "engine %s loaded %s.%s v%d", self.instance, rec.tenant_id, rec.workload, rec.version
         )
         return lp
 
-    def lookup(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy | None:
+    def lookup(self, tenant_id: str, workload: str, version: int | None) -> LoadedPolicy | None:
         """The resident policy a request asks for (None: not resident)."""
-        v = version or self._latest.get((tenant_id, policy_key))
+        v = version or self._latest.get((tenant_id, workload))
         if v is None:
             return None
-        lp = self._policies.get((tenant_id, policy_key, v))
+        lp = self._policies.get((tenant_id, workload, v))
         if lp is not None:
             self._used[lp.id] = next(self._uses)
         return lp
 
-    async def resolve(self, tenant_id: str, policy_key: str, version: int | None) -> LoadedPolicy:
+    async def resolve(self, tenant_id: str, workload: str, version: int | None) -> LoadedPolicy:
         """The policy a request asks for, loading it from the store when not resident."""
-        lp = self.lookup(tenant_id, policy_key, version)
+        lp = self.lookup(tenant_id, workload, version)
         if lp is not None:
             return lp
         rec = await self.store.get(
-            tenant_id, policy_key, version
+            tenant_id, workload, version
         )  # UnknownTenant / UnknownPolicyVersion
         lp = await self.ensure_loaded(rec)
         if not version:

@@ -62,7 +62,7 @@ def feature_schema_of(record: PolicyRecord) -> FeatureSchema:
     )
     if schema.signature() != record.schema_signature:
         raise InvalidSpec(
-            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: feature_schema gives "
+            f"policy {record.tenant_id}.{record.workload} v{record.version}: feature_schema gives "
             f"{schema.signature()!r} but the record says {record.schema_signature!r}; republish it"
         )
     return schema
@@ -96,7 +96,7 @@ def module_from_weights(record: PolicyRecord, data: bytes) -> TenantModule:
         raise
     except Exception as e:  # bad bytes or a state dict of another shape
         raise InvalidSpec(
-            f"policy {record.tenant_id}.{record.policy_key} v{record.version}: weights "
+            f"policy {record.tenant_id}.{record.workload} v{record.version}: weights "
             f"{record.object_name!r} do not load into a {record.head_type} head ({e}); republish them"
         ) from e
     module.version = record.version
@@ -113,7 +113,7 @@ class PolicyStore(PolicyRecords):
     async def publish(
         self,
         tenant_id: str,
-        policy_key: str,
+        workload: str,
         module: TenantModule,
         schema: FeatureSchema,
         base_model: str | None = None,
@@ -147,7 +147,7 @@ class PolicyStore(PolicyRecords):
             )
         return await self.publish_weights(
             tenant_id,
-            policy_key,
+            workload,
             lambda v: weights_bytes(module, v),
             head_type=module.head_type,
             head_config=asdict(cfg),

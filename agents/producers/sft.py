@@ -41,6 +41,7 @@ from joynexus.schemas.samples import (
     STATE_FIELD,
     image_field,
 )
+from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class SFTProducer:
         while not stop.is_set():
             job, span = await self._reserve(schema, instruction, cursor)
             if job is None:
-                if refusal_ends_run(self.sched.last_refusal):
+                if refusal_ends_run(self.sched.last_refusal_code):
+                    log.info("sft %s/%s: %s; its producer stops", self.tenant, self.spec.name,
+                             self.sched.last_refusal)
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff)
@@ -111,6 +114,7 @@ class SFTProducer:
             self.spec.name,
             "producer restarted before the batch was written",
             states=(JobState.RESERVED,),
+            generation=self.rec.generation,
         )
 
     async def _load_cursor(self, kv: Any) -> int:
@@ -130,7 +134,8 @@ class SFTProducer:
             job = await self.sched.reserve(
                 self.tenant,
                 "sft",
-                policy_key=self.spec.name,
+                workload=self.spec.name,
+                generation=self.rec.generation,
                 domain=Path(self.spec.dataset).name,  # the name, not the service's path
                 sample_count=self.spec.batch_size,
                 metadata=JobMetadata(
@@ -161,10 +166,11 @@ def next_backoff(backoff: float) -> float:
     return min(backoff * 2, MAX_BACKOFF_S)
 
 
-def refusal_ends_run(reason: str) -> bool:
-    """A reservation refused because the workload reached its completion target ends
-    the run; any other refusal (in-flight or rollout limits) is waited out."""
-    return "completion target" in reason
+def refusal_ends_run(code: str) -> bool:
+    """A reservation refused because the workload's generation ended (its completion
+    target met) or was replaced ends the run; any other refusal (in-flight limits, the
+    last jobs of the target still in flight, one of which may fail) is waited out."""
+    return code in FINAL_REFUSALS
 
 
 def batch_indices(order: np.ndarray, cursor: int, batch_size: int) -> list[int]:

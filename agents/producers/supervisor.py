@@ -58,7 +58,8 @@ class ProducerAgent:
         self.b = broker
         self.task_type = task_type
         self.instance = instance
-        self.running: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        #: (workload key, generation) -> its producer's task and stop event.
+        self.running: dict[tuple[str, int], tuple[asyncio.Task[None], asyncio.Event]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.task_type == "rl":
@@ -82,20 +83,24 @@ class ProducerAgent:
             async for key, rec in watch_workloads(self.b, stop, idle=self._reap):
                 if rec.spec.task_type != self.task_type or rec.spec.source != "service":
                     continue
-                if rec.state == "active" and key not in self.running:
+                run = (key, rec.generation)
+                for other in [r for r in self.running if r[0] == key and r != run]:
+                    self.running[other][1].set()  # a generation since replaced
+                if rec.state == "active" and run not in self.running:
                     ev = asyncio.Event()
                     cls: Any = SFTProducer
                     if self.task_type == "rl":
                         from joynexus.agents.envworkers import RLProducer as cls
+
                     def make(cls: Any = cls, rec: WorkloadRecord = rec, ev: asyncio.Event = ev) -> Any:
                         return cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}").run(ev)
 
-                    self.running[key] = (
+                    self.running[run] = (
                         asyncio.create_task(self._guard(make, key, ev, record=rec)),
                         ev,
                     )
-                elif rec.state != "active" and key in self.running:
-                    self.running[key][1].set()
+                elif rec.state != "active" and run in self.running:
+                    self.running[run][1].set()
         finally:
             for _task, ev in self.running.values():
                 ev.set()
@@ -137,7 +142,8 @@ class ProducerAgent:
         for i in range(tries):
             try:
                 await sched.fail_open(
-                    rec.tenant_id, rec.spec.name, "producer crashed; its workload ended"
+                    rec.tenant_id, rec.spec.name, "producer crashed; its workload ended",
+                    generation=rec.generation,
                 )
                 return
             except JoyNexusError as e:

@@ -59,7 +59,7 @@ def infer_request(tenant: str, workload: str, signature: str, rows: int, *,
         instruction=instruction,
         state=TensorBytes.from_array(np.zeros((rows, 12), np.float32)),
     )
-    return encode_msgpack(InferRequest(tenant_id=claim or tenant, policy_key=workload,
+    return encode_msgpack(InferRequest(tenant_id=claim or tenant, workload=workload,
                                        schema_signature=signature, observation=obs))
 
 

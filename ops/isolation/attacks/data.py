@@ -79,7 +79,7 @@ async def attack_nan_batch(dep: Deployment, attacker: str, victim: str) -> Attac
             from joynexus.agents.scheduler_client import SchedulerClient
 
             jobs = await SchedulerClient(dep.service, by="iso").list_jobs(
-                attacker, policy_key="nan-sft")
+                attacker, workload="nan-sft")
             trained = [j.job_id for j in jobs if j.state in (
                 JobState.READY, JobState.LEASED, JobState.COMPLETED)]
             ck.add("no NaN job reached training", not trained,
@@ -107,7 +107,7 @@ async def attack_nan_in_step(dep: Deployment, attacker: str, victim: str) -> Att
     sched = SchedulerClient(dep.service, by="iso-producer")
     try:
         job = await sched.reserve(
-            attacker, "sft", policy_key="nan-step", sample_count=4, producer_role="iso",
+            attacker, "sft", workload="nan-step", sample_count=4, producer_role="iso",
             metadata=JobMetadata(schema_signature=rec.schema_signature,
                                  extra={"instruction": "pick the cube"}),
         )

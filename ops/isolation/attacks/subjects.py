@@ -65,7 +65,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         stream_api("PURGE", n.jobs_stream),
         stream_api("DELETE", n.tq_stream),
         kv_subject(n.workloads_bucket, vkey),
-        kv_subject(n.policy_bucket, n.policy_key(victim, VICTIM_WORKLOAD)),
+        kv_subject(n.policy_bucket, n.policy_record_key(victim, VICTIM_WORKLOAD)),
         n.metrics("security", victim),
         kv_subject(n.identities_bucket, "evil"),
         victim_inbox,
@@ -121,7 +121,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
     try:
         from joynexus.schemas.inference import PolicyRecord
 
-        hist = await kvwatch.history(pkv, n.policy_key(victim, VICTIM_WORKLOAD))
+        hist = await kvwatch.history(pkv, n.policy_record_key(victim, VICTIM_WORKLOAD))
         for h in hist:
             if h.value:
                 decode(h.value, PolicyRecord)
