@@ -58,7 +58,9 @@ async def test_a_producer_that_crashes_as_its_workload_ends_leaves_no_job_open(
     await sched.start()
     try:
         c = SchedulerClient(broker, by="test")
-        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", max_in_flight=2))
+        await c.set_policy(
+            WorkloadPolicy(tenant_id="acme", task_type="sft", workload="s", max_in_flight=2)
+        )
         rec = WorkloadRecord(
             tenant_id="acme", spec=WorkloadSpec(name="s", task_type="sft", dataset="d"),
             created_at=1.0,

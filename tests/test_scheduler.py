@@ -73,7 +73,7 @@ async def test_full_rl_lifecycle_through_the_api(broker: Broker, sched: Schedule
 async def test_bad_requests_get_clear_errors_and_service_continues(broker: Broker, sched: SchedulerAgent) -> None:
     c = SchedulerClient(broker, by="t")
     await setup_tenants(c)
-    with pytest.raises(UnknownTenant, match="'ghost' has no policy"):
+    with pytest.raises(UnknownTenant, match="'ghost' has no workload 'default'"):
         await c.reserve("ghost", "rl")
     msg = await broker.nc.request(broker.names.sched("reserve"), b"{not json", timeout=5)
     reply = decode(msg.data, Reply)
@@ -402,6 +402,9 @@ async def test_fail_open_fails_only_the_owners_open_jobs(broker: Broker, sched: 
 
     c = SchedulerClient(broker, by="t")
     await setup_tenants(c)
+    for name in ("pick", "push"):
+        await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="rl", workload=name,
+                                          max_in_flight=16, max_active_rollouts=16))
 
     async def job(key: str, producer: str) -> str:
         j = await c.reserve("acme", "rl", workload=key, metadata=JobMetadata(extra={"producer": producer}))
@@ -439,7 +442,7 @@ async def test_a_restarted_scheduler_has_every_tenants_policy_and_version_counte
     agent2 = await start_scheduler(broker)
     try:
         assert early_kv_marker  # the fault was on for the restart's read
-        assert set(agent2.core.policies) == {"acme.rl", "bolt.sft"}
+        assert set(agent2.core.policies) == {"acme.default", "bolt.default"}
         assert agent2.core.limits.max_active_rollouts == 16
         assert agent2.core.versions == {"acme.pick": 7}
     finally:
