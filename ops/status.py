@@ -71,7 +71,49 @@ async def collect(b: Broker) -> dict[str, Any]:
     out["env_workers"] = env_workers(out["agents"].get("managers", []))
     out["security"] = await _refusals(b)
     out["tenants"] = await _tenants(b)
+    out["workloads"] = await _workloads(b, out.get("scheduler", {}).get("versions", {}))
     return out
+
+
+#: At most this many workload records are listed (the newest first).
+MAX_WORKLOADS_SHOWN = 200
+
+
+async def _workloads(b: Broker, versions: dict[str, int]) -> list[dict[str, Any]] | dict[str, str]:
+    """Every workload record (newest first): its state, generation, how it ended and
+    its policy's current version. Periodic evaluations are left out."""
+    from joynexus.broker.subjects import CURSOR_KEYS
+    from joynexus.schemas.base import decode
+    from joynexus.schemas.workloads import WorkloadRecord
+
+    try:
+        kv = await b.js.key_value(b.names.workloads_bucket)
+        keys = await kvwatch.keys(kv)
+    except Exception as e:  # no layout yet, or an identity that may not read the bucket
+        return {"error": f"workloads not listed ({type(e).__name__}): {e}"}
+    recs = []
+    for key in keys:
+        if key.startswith(CURSOR_KEYS):
+            continue
+        with contextlib.suppress(Exception):
+            rec = decode((await kv.get(key)).value, WorkloadRecord)
+            if not rec.periodic:
+                recs.append(rec)
+    recs.sort(key=lambda r: r.created_at, reverse=True)
+    return [
+        {
+            "tenant": r.tenant_id,
+            "workload": r.spec.name,
+            "task": r.spec.task_type,
+            "generation": r.generation,
+            "state": r.state,
+            "version": versions.get(f"{r.tenant_id}.{r.spec.name}", 0),
+            "target": r.spec.scheduling.completion_target,
+            "completed": int(r.result.get("completed", 0)) if r.state in ("done", "failed") else None,
+            "reason": r.reason,
+        }
+        for r in recs[:MAX_WORKLOADS_SHOWN]
+    ]
 
 
 async def _tenants(b: Broker) -> list[dict[str, Any]] | dict[str, str]:
@@ -408,6 +450,19 @@ def render(s: dict[str, Any]) -> str:
             "Tenants (in use / quota; `joynexus tenant set NAME --quota KEY=VALUE` changes it)\n"
             + table(trows, ["tenant", "class", "active", "workloads", "open jobs", "TQ MiB",
                             "requests"])
+        )
+    workloads = s.get("workloads")
+    if isinstance(workloads, list) and workloads:
+        wrows = [
+            [w["tenant"], w["workload"], w["task"], w["generation"], w["state"], w["version"],
+             "-" if w["target"] is None else w["target"],
+             "" if w["completed"] is None else w["completed"], w["reason"][:60]]
+            for w in workloads
+        ]
+        parts.append(
+            "Workloads (newest first; done: its completion target of jobs completed)\n"
+            + table(wrows, ["tenant", "workload", "task", "gen", "state", "version", "target",
+                            "completed", "why it ended"])
         )
     srows = [[k, v["messages"], f"{v['bytes'] / 1e6:.2f} MB"] for k, v in s["streams"].items()]
     parts.append("Streams\n" + table(srows, ["stream", "messages", "bytes"]))

@@ -25,6 +25,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.status import collect, render
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import JobState
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -141,6 +142,13 @@ async def test_sft_twice_in_a_row_both_train_to_their_targets_and_end_done(
                 (S.COMPLETED, S.DROPPED, S.FAILED)]
     states = {w.name: w.record.state for w in await acme.list_workloads()}
     assert states == {"first": "done", "second": "done"}
+    # What `joynexus status` shows an operator.
+    shown = await collect(broker)
+    rows = {w["workload"]: w for w in shown["workloads"]}
+    assert (rows["first"]["state"], rows["first"]["completed"], rows["first"]["version"]) == (
+        "done", 20, 21)
+    assert (rows["second"]["state"], rows["second"]["completed"]) == ("done", 10)
+    assert "Workloads (newest first" in render(shown)
     await acme.close()
 
 
