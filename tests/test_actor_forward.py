@@ -74,8 +74,8 @@ async def rl_job(broker: Broker, data: dict[str, np.ndarray]) -> tuple[TrainingJ
     """A published v1 policy and an RL job waiting for actor_forward with ``data``."""
     c = SchedulerClient(broker, by="test")
     await c.set_limits(GlobalLimits(max_active_rollouts=8))
-    await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="rl", max_in_flight=4,
-                                        max_active_rollouts=4))
+    await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="rl", workload="pick",
+                                      max_in_flight=4, max_active_rollouts=4))
     cfg = HeadConfig(feature_dim=feature_dim(BASE), state_dim=SDIM, action_dim=ADIM,
                      action_horizon=H, hidden=32)
     module = TenantModule("acme", "oft_mlp", cfg, lr=1e-3)

@@ -206,7 +206,7 @@ async def test_nan_rows_fail_only_their_job_and_the_actor_keeps_training(
 ) -> None:
     c = SchedulerClient(broker, by="test")
     for t in ("acme", "bolt"):
-        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="sft", max_in_flight=8))
+        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="sft", workload=POLICY, max_in_flight=8))
     policies = PolicyStore(broker)
     first = {}
     for i, t in enumerate(("acme", "bolt")):
