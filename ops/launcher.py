@@ -71,6 +71,7 @@ def role_slots(
     (the scheduler's lease names its holder by it)."""
     from joynexus.agents.health import RoleSlot
     from joynexus.ops.deploy import role_env
+    from joynexus.ops.threads import role_thread_env
 
     extra = extra or {}
     suffix = host_id or "0"
@@ -82,7 +83,7 @@ def role_slots(
             argv=role_command(
                 r, url, namespace, instance=f"{r}-{suffix}", out_dir=out_dir, extra=extra.get(r)
             ),
-            env={**(env or {}), **host_env, **role_env(r)} or None,
+            env={**role_thread_env(r), **(env or {}), **host_env, **role_env(r)} or None,
         )
         for r in roles
     ]

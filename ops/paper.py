@@ -38,6 +38,7 @@ import psutil
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from joynexus.agents.datasets import DATASETS_ENV
+from joynexus.agents.envworkers.assign import WARM_ENV
 from joynexus.agents.procs import die_with_parent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
@@ -54,6 +55,7 @@ from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
 from joynexus.ops.roles import DEPLOYMENT_ROLES
 from joynexus.ops.tenants import add_tenant
+from joynexus.ops.threads import role_thread_env
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -231,6 +233,8 @@ class Deployment:
         #: Warm environment workers (the RL tenants' workers of one window), started
         #: with the deployment so that no window pays a worker's start-up.
         self.env_workers = env_workers
+        #: One env of each simulator kind the RL tenants use (WARM_ENV).
+        self.warm_envs = tuple({env_kind_of(env): env for _, env in reversed(RL_TASKS)}.values())
         self.roles: tuple[str, ...] = ROLES
         #: The tenants' dataset spaces (<root>/<tenant>), given to the control role.
         self.datasets = datasets_root(out)
@@ -265,12 +269,17 @@ class Deployment:
                 stderr=subprocess.STDOUT,
                 env={
                     **os.environ,
+                    **role_thread_env(role),  # the cores shared on purpose
                     **role_env(role),
                     DATASETS_ENV: str(self.datasets.resolve()),
                     "PYTHONUNBUFFERED": "1",
                     "JOYNEXUS_ENV_SPARES": str(self.env_workers),
                     "JOYNEXUS_ENV_WORKERS_MAX": str(self.env_workers),
                     "JOYNEXUS_LIBERO_MAX_STEPS": str(self.libero_max_steps),
+                    # Every worker builds and resets each kind of env the tenants use
+                    # before it is ready: LIBERO's first env costs ~40 s here, which
+                    # held the LIBERO tenant back 21-68 s into the shared window.
+                    WARM_ENV: ",".join(self.warm_envs),
                 },
                 preexec_fn=die_with_parent,
             )

@@ -96,7 +96,7 @@ async def _workloads(b: Broker, versions: dict[str, int]) -> list[dict[str, Any]
         if key.startswith(CURSOR_KEYS):
             continue
         with contextlib.suppress(Exception):
-            rec = decode((await kv.get(key)).value, WorkloadRecord)
+            rec = decode((await kv.get(key)).value or b"", WorkloadRecord)
             if not rec.periodic:
                 recs.append(rec)
     recs.sort(key=lambda r: r.created_at, reverse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 
 from joynexus.agents.envworkers import EnvSupervisor
 from joynexus.ops.status import env_workers, render
@@ -208,3 +209,28 @@ def test_the_rl_producers_decisions_around_a_reserve() -> None:
     assert after_rollout(job({"actor_forward": "1"})) is JobState.NEEDS_ACTOR_FORWARD
     assert after_rollout(job({})) is JobState.NEEDS_ADVANTAGES
     assert after_rollout(job({"actor_forward": "0"})) is JobState.NEEDS_ADVANTAGES
+
+
+def test_the_envs_a_worker_warms() -> None:
+    """$JOYNEXUS_ENV_WARM: each env kind a deployment's tenants use is built and reset
+    once before a worker is ready (LIBERO's first env costs ~40 s here, ManiSkill's
+    ~18 s), the default PickCube-v1; a name that is no env is refused with the fix;
+    the supervisor hands the setting to the workers it starts."""
+    from joynexus.agents.envworkers.assign import WARM_ENV, warm_envs, worker_env
+
+    assert warm_envs({}) == ("PickCube-v1",)
+    assert warm_envs({WARM_ENV: " PickCube-v1, LIBERO-spatial-0,PickCube-v1 "}) == (
+        "PickCube-v1", "LIBERO-spatial-0")
+    with pytest.raises(ValueError, match="LIBERO-nope-3 not an environment name"):
+        warm_envs({WARM_ENV: "PickCube-v1,LIBERO-nope-3"})
+    import os
+
+    before = os.environ.get(WARM_ENV)
+    os.environ[WARM_ENV] = "LIBERO-spatial-0"
+    try:
+        assert worker_env()[WARM_ENV] == "LIBERO-spatial-0"
+    finally:
+        if before is None:
+            os.environ.pop(WARM_ENV)
+        else:
+            os.environ[WARM_ENV] = before

@@ -128,8 +128,13 @@ class RLProducer:
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
         await self._fail_orphans()
         own_env = self.env is None
+        t0 = time.perf_counter()
         env = self.env or await self._make_env(schema)
+        if own_env:
+            log.info("%s: %s/%s: %s built in %.1f s", self.instance, self.tenant,
+                     self.spec.name, self.spec.env, time.perf_counter() - t0)
         backoff = RESERVE_BACKOFF_S[0]
+        waiting_since: float | None = None
         try:
             while not stop.is_set():
                 version = (await self.policies.latest(self.tenant, self.spec.name)).version
@@ -141,10 +146,18 @@ class RLProducer:
                                  self.sched.last_refusal)
                         self.done = True
                         return True
+                    if waiting_since is None:  # once per wait, not per retry
+                        waiting_since = time.perf_counter()
+                        log.info("%s: %s/%s: waiting: %s", self.instance, self.tenant,
+                                 self.spec.name, self.sched.last_refusal)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), backoff)
                     backoff = next_backoff(backoff)
                     continue
+                if waiting_since is not None:
+                    log.info("%s: %s/%s: admitted after waiting %.1f s", self.instance,
+                             self.tenant, self.spec.name, time.perf_counter() - waiting_since)
+                    waiting_since = None
                 backoff = RESERVE_BACKOFF_S[0]
                 with trace.use_span(span, end_on_exit=True):
                     span.set_attribute("job_id", job.job_id)
@@ -212,6 +225,8 @@ class RLProducer:
         """Roll out for ``job``, put its rows, hand it on; False once stopped mid-rollout
         (the job failed). A tenant-caused error fails this job only."""
         await self.sched.mark(job.job_id, JobState.PRODUCING)
+        log.info("%s: %s/%s: rollout of job %s (version %d) begins", self.instance,
+                 self.tenant, self.spec.name, job.job_id, version)
         try:
             t0 = time.time()
             try:
@@ -220,6 +235,9 @@ class RLProducer:
                 await self.sched.fail(job.job_id, "producer stopped mid-rollout")
                 return False
             rows = len(data[STATE_FIELD])
+            log.info("%s: %s/%s: rollout of job %s (version %d) done: %d steps in %.2f s",
+                     self.instance, self.tenant, self.spec.name, job.job_id, version, rows,
+                     time.time() - t0)
             await metrics.busy(
                 self.b,
                 "env",

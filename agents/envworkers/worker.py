@@ -8,11 +8,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 import msgspec
 
-from joynexus.agents.envworkers.assign import ENV_ROLE, THREADS_ENV, Assignment, assignment_key
+from joynexus.agents.envworkers.assign import (
+    ENV_ROLE,
+    THREADS_ENV,
+    Assignment,
+    assignment_key,
+    warm_envs,
+)
 from joynexus.agents.envworkers.producer import RLProducer
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
@@ -35,13 +42,22 @@ def _die_hard_with_parent() -> None:
         os._exit(1)
 
 
-async def warm_up() -> None:
-    """Start the CPU renderer (the first rgb env of a process: 15-30 s here)."""
-    from joynexus.agents.envs.maniskill import make_env
+async def warm_up(instance: str, envs: tuple[str, ...]) -> dict[str, float]:
+    """Build and reset each of ``envs`` once (``$JOYNEXUS_ENV_WARM``): the first env of
+    a kind starts its renderer and loads its assets (ManiSkill 15-30 s here, LIBERO
+    about 40 s), so no tenant's first rollout pays that. Seconds per env."""
+    from joynexus.agents.envs.registry import make_env
 
-    env = await asyncio.to_thread(make_env, "PickCube-v1", obs="rgb", num_envs=1, image_size=64)
-    await asyncio.to_thread(env.reset, 0)
-    await asyncio.to_thread(env.close)
+    took: dict[str, float] = {}
+    for name in envs:
+        t0 = time.perf_counter()
+        log.info("%s: warming %s", instance, name)
+        env = await asyncio.to_thread(make_env, name, obs="rgb", num_envs=1, image_size=64)
+        await asyncio.to_thread(env.reset, 0)
+        await asyncio.to_thread(env.close)
+        took[name] = round(time.perf_counter() - t0, 2)
+        log.info("%s: %s warm in %.1f s", instance, name, took[name])
+    return took
 
 
 class EnvWorker:
@@ -101,12 +117,19 @@ class EnvWorker:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get(THREADS_ENV, "1"))))
+        # What this worker does (start, warm-up, each rollout, waits) is in its log at INFO.
+        logging.getLogger("joynexus.agents.envworkers").setLevel(logging.INFO)
+        t0 = time.perf_counter()
+        envs = warm_envs()  # a bad $JOYNEXUS_ENV_WARM is refused before anything else
+        log.info("%s: starting (pid %d), warming %s", self.instance, os.getpid(), ", ".join(envs))
         health = await self.b.js.key_value(self.b.names.health_bucket)
         workloads = await self.b.js.key_value(self.b.names.workloads_bucket)
         await self._fail_own_orphans(health, workloads)
-        await warm_up()
+        warmed = await warm_up(self.instance, envs)
+        log.info("%s: ready in %.1f s", self.instance, time.perf_counter() - t0)
         await metrics.emit(
-            self.b, "system", service=ENV_ROLE, ready=True, instance=self.instance
+            self.b, "system", service=ENV_ROLE, ready=True, instance=self.instance,
+            warm_s=warmed,
         )
         watch = asyncio.create_task(self._watch(health))
         stopper = asyncio.create_task(stop.wait())
