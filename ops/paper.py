@@ -41,6 +41,7 @@ from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.envworkers.assign import WARM_ENV
 from joynexus.agents.procs import die_with_parent
 from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.eventlog import JobEventLog
@@ -50,7 +51,7 @@ from joynexus.broker.layout import (
     delete_layout,
     ensure_layout,
 )
-from joynexus.broker.subjects import service_api
+from joynexus.broker.subjects import HEARTBEAT_KEYS, service_api
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
 from joynexus.ops.roles import DEPLOYMENT_ROLES
@@ -163,6 +164,11 @@ class PhaseResult:
     env_steps: int = 0
     #: Per RL tenant (base name): (duration s, steps) of every rollout begun in the window.
     rollouts: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
+    #: CPU seconds every process of the deployment used in the windows.
+    cpu_s: float = 0.0
+    #: Each role's peak RSS and start-to-ready seconds; all processes' peak RSS together.
+    roles: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    peak_rss_mb_total: float = 0.0
 
     def mean_tenants_per_batch(self) -> float | None:
         return (
@@ -240,6 +246,16 @@ class Deployment:
         self.datasets = datasets_root(out)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.peak_rss_mb = {"train": 0.0, "infer": 0.0}
+        #: Peak RSS per role (env-worker: the largest worker), and of every process
+        #: of the deployment together (its roles and their env workers).
+        self.role_rss_mb: dict[str, float] = {}
+        self.peak_rss_mb_total = 0.0
+        #: Seconds from a role's process start to its first heartbeat (it beats once
+        #: its imports are done and it runs).
+        self.ready_s: dict[str, float] = {}
+        self.started_at = 0.0
+        #: CPU seconds all processes used in each measured window, in order.
+        self.window_cpu_s: list[float] = []
         self._logs: list[Any] = []
         self.creds: dict[str, Credentials] = {}
 
@@ -250,6 +266,7 @@ class Deployment:
         return await Client.connect(credentials=self.creds[tenant])
 
     def start(self) -> None:
+        self.started_at = time.time()
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for role in self.roles:
@@ -284,14 +301,42 @@ class Deployment:
                 preexec_fn=die_with_parent,
             )
 
-    def poll_rss(self) -> None:
-        for role, service in (("actor", "train"), ("inference", "infer")):
-            p = self.procs.get(role)
-            if p is None or p.poll() is not None:
+    def processes(self) -> dict[str, list[psutil.Process]]:
+        """The live processes of each role; env workers (producer-rl's children) as
+        role ``env-worker``."""
+        out: dict[str, list[psutil.Process]] = defaultdict(list)
+        for role, p in self.procs.items():
+            if p.poll() is not None:
                 continue
             with contextlib.suppress(psutil.Error):
-                rss = psutil.Process(p.pid).memory_info().rss / 2**20
-                self.peak_rss_mb[service] = max(self.peak_rss_mb[service], rss)
+                proc = psutil.Process(p.pid)
+                out[role].append(proc)
+                if role == "producer-rl":
+                    out["env-worker"] += proc.children(recursive=True)
+        return out
+
+    def poll_rss(self) -> None:
+        total = 0.0
+        for role, procs in self.processes().items():
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    rss = proc.memory_info().rss / 2**20
+                    total += rss
+                    self.role_rss_mb[role] = max(self.role_rss_mb.get(role, 0.0), rss)
+                    service = {"actor": "train", "inference": "infer"}.get(role)
+                    if service:
+                        self.peak_rss_mb[service] = max(self.peak_rss_mb[service], rss)
+        self.peak_rss_mb_total = max(self.peak_rss_mb_total, total)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) every process of the deployment used so far."""
+        total = 0.0
+        for procs in self.processes().values():
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+        return total
 
     def check_alive(self) -> None:
         for role, p in self.procs.items():
@@ -327,6 +372,15 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
                 ready.add(m.get("service", ""))
 
     sub = await b.nc.subscribe(b.names.metrics("system"), cb=on_metric)
+    health = await b.js.key_value(b.names.health_bucket)
+
+    async def beats() -> None:  # each role's first heartbeat: its start-to-ready time
+        with contextlib.suppress(Exception):
+            for key in await kvwatch.keys(health):
+                role = key.split(".")[1] if key.startswith(HEARTBEAT_KEYS) else ""
+                if role in dep.procs and role not in dep.ready_s and dep.started_at:
+                    dep.ready_s[role] = round(time.time() - dep.started_at, 2)
+
     try:
         await SchedulerClient(b, by="paper", call_timeout_s=2, deadline_s=timeout_s).snapshot()
         deadline = time.monotonic() + timeout_s
@@ -343,7 +397,10 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
                 with contextlib.suppress(Exception):
                     await b.nc.request(service_api("PING", service), b"", timeout=1)
                     pending.discard(service)
+            await beats()
+            dep.poll_rss()
             await asyncio.sleep(0.5)
+        await beats()
     finally:
         await sub.unsubscribe()
 
@@ -362,6 +419,7 @@ async def _run_tenants(
         for p in tenants
     }
     sched = SchedulerClient(b, by="paper")
+    cpu0 = dep.cpu_seconds()
     t0 = time.time()
     try:
         for p in tenants:
@@ -390,6 +448,7 @@ async def _run_tenants(
                 raise JoyNexusError(f"{label}: not finished after {timeout_s:.0f}s ({done})")
             await asyncio.sleep(0.5)
         t1 = time.time()
+        dep.window_cpu_s.append(dep.cpu_seconds() - cpu0)
     finally:
         if progress:
             print(file=sys.stderr)
@@ -611,10 +670,41 @@ async def run_phase(
             print(f"[{name}] could not delete namespace {ns}'s streams: {e!r}", file=sys.stderr)
         finally:
             await b.close()
+    per_round = len(dep.window_cpu_s) // max(1, len(rounds))
     for r, res in enumerate(results):
         res.peak_rss_mb = {k: round(v, 1) for k, v in dep.peak_rss_mb.items()}
         res.wall_s = sum(w1 - w0 for w0, w1 in windows[r])
+        res.cpu_s = round(sum(dep.window_cpu_s[r * per_round:(r + 1) * per_round]), 2)
+        res.peak_rss_mb_total = round(dep.peak_rss_mb_total, 1)
+        res.roles = {
+            role: {"rss_mb": round(dep.role_rss_mb.get(role, 0.0), 1),
+                   "ready_s": dep.ready_s.get(role)}
+            for role in sorted({*dep.role_rss_mb, *dep.ready_s})
+        }
     return results
+
+
+def cores_bound(shared: PhaseResult, isolated: PhaseResult, cores: int | None = None) -> dict[str, Any]:
+    """The most sharing can save on this machine: the same work needs at least the
+    CPU seconds the isolated run used, and ``cores`` cores run them in no less than
+    that over ``cores`` seconds of wall time, so the ratio is at most isolated wall /
+    (isolated CPU s / cores). How busy the shared run kept the cores says how close
+    it came (1.0: every core busy all the window)."""
+    from joynexus.ops.threads import deployment_cores
+
+    cores = cores or deployment_cores()
+    floor_s = isolated.cpu_s / cores if isolated.cpu_s else 0.0
+    return {
+        "cores": cores,
+        "isolated_cpu_s": isolated.cpu_s,
+        "shared_cpu_s": shared.cpu_s,
+        "shared_floor_wall_s": round(floor_s, 2),
+        "max_device_time_ratio": round(isolated.wall_s / floor_s, 3) if floor_s else None,
+        "shared_core_utilization": (
+            round(shared.cpu_s / (cores * shared.wall_s), 3) if shared.wall_s else None),
+        "isolated_core_utilization": (
+            round(isolated.cpu_s / (cores * isolated.wall_s), 3) if isolated.wall_s else None),
+    }
 
 
 def env_kind_of(env: str) -> str:
@@ -672,6 +762,9 @@ def summarize(shared: PhaseResult, isolated: PhaseResult) -> dict[str, Any]:
             ),
             "env_steps": r.env_steps,
             "env_steps_per_s": round(r.env_steps / r.wall_s, 2) if r.wall_s else None,
+            "cpu_s": r.cpu_s,
+            "peak_rss_mb_total": r.peak_rss_mb_total,
+            "roles": r.roles,
             **rollout_stats(r),
         }
 
@@ -689,6 +782,7 @@ def summarize(shared: PhaseResult, isolated: PhaseResult) -> dict[str, Any]:
             shared.compute_util("infer"), isolated.compute_util("infer")
         ),
         "mean_tenants_per_batch": shared.mean_tenants_per_batch(),
+        "cores_bound": cores_bound(shared, isolated),
         "paper": PAPER,
         "shared": phase(shared),
         "isolated": phase(isolated),
@@ -769,6 +863,11 @@ async def run_paper(
     results["tenants"] = pairs[0]["tenants"]
     results["config"] = asdict(cfg)
     results["notes"] = NOTES
+    results["peak_rss_mb_total"] = max(results["shared"]["peak_rss_mb_total"],
+                                       results["isolated"]["peak_rss_mb_total"])
+    results["roles"] = results["shared"]["roles"]
+    results["planner"] = planner_prediction(out)
+    results["limits"] = limits_sentence(results)
     if progress:
         print(
             "  measuring the shared-forward speedup grid (Figure 10) ...",
@@ -793,6 +892,53 @@ async def run_paper(
     results["timelines"] = {"shared": lanes(shared[mid]), "isolated": lanes(isolated[mid])}
     (out / "report.json").write_text(json.dumps(results, indent=2))
     return results
+
+
+def planner_prediction(out: Path) -> dict[str, Any]:
+    """What the capacity planner (``joynexus plan --from-run``) predicts for this run's
+    windows from its own event log: the ratio, and the shared window with the
+    isolated run's costs (no contention for the cores: what overlapping alone gives)."""
+    try:
+        from joynexus.ops.plan import plan_from_run
+
+        p = plan_from_run(out)
+    except Exception as e:  # the report goes on without it
+        return {"error": f"{type(e).__name__}: {e}"}
+    iso = p["predicted"]["isolated_wall_s"]
+    free = p.get("shared_wall_s_with_isolated_costs")
+    return {
+        "device_time_ratio": p["predicted"]["device_time_ratio"],
+        "error": p["error"],
+        "uncontended_device_time_ratio": round(iso / free, 3) if iso and free else None,
+    }
+
+
+def limits_sentence(results: dict[str, Any]) -> str:
+    """What limits the ratio here, in a sentence a reader understands."""
+    b = results.get("cores_bound") or {}
+    pl = results.get("planner") or {}
+    bits = [f"Measured {results.get('device_time_ratio')}x"]
+    if pl.get("device_time_ratio") is not None:
+        bits.append(f"the planner predicts {pl['device_time_ratio']}x for this run from its "
+                    "own event log")
+    if pl.get("uncontended_device_time_ratio") is not None:
+        bits.append(f"{pl['uncontended_device_time_ratio']}x if the shared run's steps cost "
+                    "what they cost alone (overlap without contention for the cores)")
+    text = "; ".join(bits) + "."
+    if b.get("max_device_time_ratio") is not None:
+        text += (
+            f" The {b['cores']} cores bound it: the isolated run used {b['isolated_cpu_s']} CPU s, "
+            f"which {b['cores']} cores cannot run in less than {b['shared_floor_wall_s']} s, so "
+            f"sharing can at best be {b['max_device_time_ratio']}x; the shared run kept the "
+            f"cores {_as_percent(b.get('shared_core_utilization'))} busy (isolated "
+            f"{_as_percent(b.get('isolated_core_utilization'))}), and its simulators, inference and "
+            "training slowed each other where they met on the same cores."
+        )
+    return text
+
+
+def _as_percent(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.0f}%"
 
 
 def print_summary(results: dict[str, Any], out: Path) -> None:
@@ -851,6 +997,8 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
     print(f"  {'':30} {'shared':>10} {'isolated':>10}  ratio")
     for name, a, b, r in rows:
         print(f"  {name:30} {a!s:>10} {b!s:>10}  {r}")
+    if results.get("limits"):
+        print(f"\n  What limits the ratio here: {results['limits']}")
     if len(results.get("device_time_ratios", [])) > 1:
         print(
             f"\n  device_time_ratio per repeat: {results['device_time_ratios']} "

@@ -410,6 +410,17 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
     if sharing:
         parts.append("## Sharing\n")
         parts.append(_table(["what", "measured"], sharing))
+    if results.get("limits"):
+        parts.append("## What limits the ratio here\n")
+        parts.append(str(results["limits"]) + "\n")
+    roles = results.get("roles")
+    if isinstance(roles, Mapping) and roles:
+        parts.append("## Processes (shared run)\n")
+        role_rows = [[r, _fmt(v.get("rss_mb"), "mb"), _fmt(v.get("ready_s"))]
+                     for r, v in roles.items()]
+        role_rows.append(["all processes together (peak)",
+                          _fmt(results.get("peak_rss_mb_total"), "mb"), ""])
+        parts.append(_table(["role", "peak RSS", "start to first heartbeat (s)"], role_rows))
 
     if runs:
         parts.append("## Runs\n")

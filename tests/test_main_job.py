@@ -57,8 +57,19 @@ def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None
         assert (v["eval_success"] is None) == (v["task_type"] == "sft")
         assert v["isolated"]["updates"] == v["updates"]
     assert set(results["group_speedup"]) and all(x > 0 for x in results["group_speedup"].values())
+    # Every process's memory and start, the bound the cores set, the planner's word.
+    assert results["peak_rss_mb_total"] > results["shared"]["peak_rss_mb"]["train"]
+    roles = results["roles"]
+    assert {"scheduler", "control", "actor", "inference", "env-worker"} <= set(roles)
+    assert all(v["rss_mb"] > 10 for v in roles.values()), roles
+    assert roles["scheduler"]["ready_s"] is not None and roles["scheduler"]["ready_s"] > 0
+    bound = results["cores_bound"]
+    assert bound["cores"] >= 1 and bound["isolated_cpu_s"] > 0 and bound["shared_cpu_s"] > 0
+    assert bound["max_device_time_ratio"] > 0
+    assert "device_time_ratio" in results["planner"], results["planner"]
     report = (out / "report.md").read_text()
     assert "device_time_ratio" in report and "1.39x" in report
+    assert "What limits the ratio here" in report and "cores cannot run" in report
     for png in out.glob("plots/*.png"):
         assert png.stat().st_size > 10_000
     assert {p.name for p in out.glob("plots/*.png")} == {
