@@ -55,6 +55,10 @@ class _Stopped(Exception):
 RESERVE_BACKOFF_S = (0.05, 1.0)
 
 
+#: A wait for admission at least this long is logged (with the refusal that began it).
+LOGGED_WAIT_S = 1.0
+
+
 def next_backoff(wait_s: float) -> float:
     """The wait after another refused reserve."""
     return min(wait_s * 2, RESERVE_BACKOFF_S[1])
@@ -135,6 +139,7 @@ class RLProducer:
                      self.spec.name, self.spec.env, time.perf_counter() - t0)
         backoff = RESERVE_BACKOFF_S[0]
         waiting_since: float | None = None
+        waited_for = ""
         try:
             while not stop.is_set():
                 version = (await self.policies.latest(self.tenant, self.spec.name)).version
@@ -146,17 +151,17 @@ class RLProducer:
                                  self.sched.last_refusal)
                         self.done = True
                         return True
-                    if waiting_since is None:  # once per wait, not per retry
-                        waiting_since = time.perf_counter()
-                        log.info("%s: %s/%s: waiting: %s", self.instance, self.tenant,
-                                 self.spec.name, self.sched.last_refusal)
+                    if waiting_since is None:  # said once the wait is over (if it was long)
+                        waiting_since, waited_for = time.perf_counter(), self.sched.last_refusal
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), backoff)
                     backoff = next_backoff(backoff)
                     continue
                 if waiting_since is not None:
-                    log.info("%s: %s/%s: admitted after waiting %.1f s", self.instance,
-                             self.tenant, self.spec.name, time.perf_counter() - waiting_since)
+                    waited = time.perf_counter() - waiting_since
+                    if waited >= LOGGED_WAIT_S:
+                        log.info("%s: %s/%s: admitted after waiting %.1f s (%s)", self.instance,
+                                 self.tenant, self.spec.name, waited, waited_for)
                     waiting_since = None
                 backoff = RESERVE_BACKOFF_S[0]
                 with trace.use_span(span, end_on_exit=True):
