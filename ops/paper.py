@@ -183,8 +183,8 @@ class PhaseResult:
 
 
 def round_tenant(tenant: str, r: int) -> str:
-    """Round ``r``'s name of a tenant (admission counts per tenant and task, so every
-    round of ``--repeat`` gets fresh tenants): acme, acme1, acme2, ..."""
+    """Round ``r``'s name of a tenant (every round of ``--repeat`` gets fresh tenants,
+    so each round's policies, evaluations and figures are its own): acme, acme1, ..."""
     return tenant if r == 0 else f"{tenant}{r}"
 
 
