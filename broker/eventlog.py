@@ -17,6 +17,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.errors import APIError, NotFoundError
@@ -135,33 +136,13 @@ class JobEventLog:
 
     async def workload_ends(self) -> list[WorkloadEnded]:
         """The newest end of every workload name in the log (oldest first)."""
-        out: list[tuple[int, WorkloadEnded]] = []
-        sub = await self.b.js.pull_subscribe(
-            self.n.all_workload_ends,
-            stream=self.n.jobs_stream,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=30.0,
-                mem_storage=True,
-            ),
-        )
-        info = await sub.consumer_info()
-        try:
-            remaining = info.num_pending or 0
-            while remaining > 0:
-                for m in await sub.fetch(min(remaining, 2000), timeout=5.0):
-                    remaining = m.metadata.num_pending
-                    try:
-                        out.append((m.metadata.sequence.stream, decode(m.data, WorkloadEnded)))
-                    except JoyNexusError as e:
-                        log.warning("skipping workload end at seq %s: %s",
-                                    m.metadata.sequence.stream, e)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-                await self.b.js.delete_consumer(self.n.jobs_stream, info.name)
-        return [end for _, end in sorted(out, key=lambda x: x[0])]
+        out: list[WorkloadEnded] = []
+        async for m in self._pull(self.n.all_workload_ends, DeliverPolicy.LAST_PER_SUBJECT):
+            try:
+                out.append(decode(m.data, WorkloadEnded))
+            except JoyNexusError as e:
+                log.warning("skipping workload end at seq %s: %s", m.metadata.sequence.stream, e)
+        return out
 
     async def _publish_expecting(
         self, subject: str, payload: bytes, headers: dict[str, str]
@@ -219,12 +200,9 @@ class JobEventLog:
                 latest[key] = item
         return sorted(latest.values(), key=lambda s: s.seq), bad
 
-    async def _read(
-        self,
-        subject: str,
-        policy: DeliverPolicy,
-        bad: list[tuple[int, str]] | None = None,
-    ) -> AsyncIterator[Stored]:
+    async def _pull(self, subject: str, policy: DeliverPolicy) -> AsyncIterator[Any]:
+        """Every message on ``subject`` in the log from ``policy``, through an ephemeral
+        consumer deleted at the end (it would show up in `nats consumer ls`)."""
         sub = await self.b.js.pull_subscribe(
             subject,
             stream=self.n.jobs_stream,
@@ -239,37 +217,43 @@ class JobEventLog:
         try:
             remaining = info.num_pending or 0
             while remaining > 0:
-                msgs = await sub.fetch(min(remaining, 2000), timeout=5.0)
-                for m in msgs:
+                for m in await sub.fetch(min(remaining, 2000), timeout=5.0):
                     remaining = m.metadata.num_pending
-                    if is_workload_end(m.subject):
-                        continue  # a workload's end, not a job's event
-                    try:
-                        ev: JobEvent = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
-                        tenant, job_id, state = parse_job_subject(m.subject)
-                        if (tenant, job_id, state) != (
-                            ev.job.tenant_id,
-                            ev.job.job_id,
-                            ev.job.state.value,
-                        ):
-                            raise InvalidMessage(
-                                f"event on {m.subject} describes job {ev.job.job_id} of "
-                                f"{ev.job.tenant_id} in state {ev.job.state.value}"
-                            )
-                    except JoyNexusError as e:
-                        log.warning("skipping stream seq %s: %s", m.metadata.sequence.stream, e)
-                        if bad is not None:
-                            bad.append((m.metadata.sequence.stream, str(e)))
-                        continue
-                    yield Stored(
-                        event=ev,
-                        seq=m.metadata.sequence.stream,
-                        subject=m.subject,
-                        headers=dict(m.headers or {}),
-                    )
+                    yield m
         finally:
-            # Delete the ephemeral consumer now rather than leaving it to its
-            # inactivity timeout (it would show up in `nats consumer ls`).
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
                 await self.b.js.delete_consumer(self.n.jobs_stream, info.name)
+
+    async def _read(
+        self,
+        subject: str,
+        policy: DeliverPolicy,
+        bad: list[tuple[int, str]] | None = None,
+    ) -> AsyncIterator[Stored]:
+        async for m in self._pull(subject, policy):
+            if is_workload_end(m.subject):
+                continue  # a workload's end, not a job's event
+            try:
+                ev: JobEvent = decode(m.data, JobEvent, what=f"job event {m.subject}")  # type: ignore[arg-type]
+                tenant, job_id, state = parse_job_subject(m.subject)
+                if (tenant, job_id, state) != (
+                    ev.job.tenant_id,
+                    ev.job.job_id,
+                    ev.job.state.value,
+                ):
+                    raise InvalidMessage(
+                        f"event on {m.subject} describes job {ev.job.job_id} of "
+                        f"{ev.job.tenant_id} in state {ev.job.state.value}"
+                    )
+            except JoyNexusError as e:
+                log.warning("skipping stream seq %s: %s", m.metadata.sequence.stream, e)
+                if bad is not None:
+                    bad.append((m.metadata.sequence.stream, str(e)))
+                continue
+            yield Stored(
+                event=ev,
+                seq=m.metadata.sequence.stream,
+                subject=m.subject,
+                headers=dict(m.headers or {}),
+            )

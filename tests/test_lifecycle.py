@@ -153,6 +153,21 @@ class Driver:
         return None if j is None else self.run(self.core.decide_lease(j, at=0, by="a"))
 
 
+def recording(d: Driver) -> dict[str, tuple[object, int]]:
+    """Each job's last event and its sequence, as the log would hold them, from now on."""
+    events: dict[str, tuple[object, int]] = {}
+    orig_run = d.run
+
+    def recording_run(ev):
+        out = orig_run(ev)
+        if not isinstance(ev, (Refused, TrainingJob)):
+            events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
+        return out
+
+    d.run = recording_run  # type: ignore[method-assign]
+    return events
+
+
 def pol(tenant: str, task: str = "rl", **kw: object) -> WorkloadPolicy:
     return WorkloadPolicy(tenant_id=tenant, task_type=task, **kw)  # type: ignore[arg-type]
 
@@ -305,16 +320,7 @@ def test_rebuild_from_last_events_gives_same_state() -> None:
         a=pol("a", max_in_flight=5, max_active_rollouts=5), b=pol("b", task="sft", max_in_flight=5)
     )
     d.core.limits = GlobalLimits(max_active_rollouts=9)
-    events: dict[str, tuple[object, int]] = {}
-    orig_run = d.run
-
-    def recording_run(ev):
-        out = orig_run(ev)
-        if not isinstance(ev, (Refused, TrainingJob)):
-            events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
-        return out
-
-    d.run = recording_run  # type: ignore[method-assign]
+    events = recording(d)
     for t, task in [("a", "rl"), ("b", "sft"), ("a", "rl"), ("b", "sft")]:
         j = d.reserve(t, task)
         d.ready(j.job_id)
@@ -421,16 +427,7 @@ def test_rebuild_counts_per_generation_and_finds_an_end_due() -> None:
     it is ended (reserves refused) and nothing is due."""
     d = Driver(w=pol("acme", "sft", workload="w", generation=2, completion_target=2,
                      max_in_flight=4))
-    events: dict[str, tuple[object, int]] = {}
-    orig_run = d.run
-
-    def recording_run(ev):
-        out = orig_run(ev)
-        if not isinstance(ev, (Refused, TrainingJob)):
-            events[ev.job.job_id] = (ev, d.core.last_seq[ev.job.job_id])
-        return out
-
-    d.run = recording_run  # type: ignore[method-assign]
+    events = recording(d)
     for _ in range(2):
         finish(d, sft(d, "w", generation=2))
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+import test_e2e
 from test_e2e import Deployment, client, wait_for
 
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
@@ -34,11 +32,10 @@ from joynexus.sdk import Client
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 S = JobState
 
-
-@pytest.fixture(scope="module")
-def backbone() -> Backbone:
-    torch.manual_seed(0)
-    return Backbone.build(BackboneConfig(size="tiny"))
+# The deployment of test_e2e, one tiny backbone per module; its `deployment` fixture
+# takes this module's `datasets_root`.
+backbone = test_e2e.backbone
+deployment = test_e2e.deployment
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +46,6 @@ def datasets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     generate_dataset("PickCube-v1", root / "acme" / "pick", episodes=2, obs="rgb",
                      image_size=64, seed=0)
     return root
-
-
-@pytest.fixture
-async def deployment(
-    broker: Broker, backbone: Backbone, tmp_path: Path, datasets_root: Path
-) -> AsyncIterator[Deployment]:
-    d = Deployment(broker, backbone, tmp_path / "actor", datasets_root)
-    await d.start()
-    yield d
-    await d.close()
 
 
 def sft(name: str, target: int | None) -> WorkloadSpec:
