@@ -196,6 +196,18 @@ class Actor:
 
     # ------------------------------------------------------------ loop
     async def run(self, stop: asyncio.Event) -> None:
+        # The actor also publishes version 1 of new workloads' heads (fresh weights
+        # need torch, which the control plane does not import): its endpoint.
+        from joynexus.agents.producers.init import PolicyInitService
+
+        init = PolicyInitService(self.b, instance=self.instance)
+        await init.start()
+        try:
+            await self._train(stop)
+        finally:
+            await init.stop()
+
+    async def _train(self, stop: asyncio.Event) -> None:
         pending: list[TrainingJob] = []
         while not stop.is_set():
             pending += await self._lease(wait=not pending, room=self.max_group - len(pending))

@@ -14,7 +14,6 @@ See docs/ARCHITECTURE.md, "RL: PPO, the actor_forward stage, exploration".
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 from collections import OrderedDict
 from typing import Any
@@ -22,6 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from joynexus.agents.jobextra import (
+    MAX_EXPLORATION_STD,
+    exploration_floor,
+    extra_number,
+    uses_actor_forward,
+    uses_decisions,
+)
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import canonicalize_request
 from joynexus.agents.models.grouped import encode_for
@@ -42,39 +48,12 @@ VALUES_FIELD = "values"
 FORWARD_ROWS = 64
 #: Tenant modules kept loaded (one per (tenant, policy, version)).
 CACHE = 8
-#: Exploration std bounds (env action units); the spec validates the same.
-MAX_EXPLORATION_STD = 1.0
 
 
 def gaussian_head(action_module: str) -> bool:
     """Heads of this type have a tractable likelihood and a critic (PPO applies)."""
     cls = HEADS.get(action_module)
     return cls is not None and issubclass(cls, GaussianPolicy)
-
-
-def uses_actor_forward(job: TrainingJob) -> bool:
-    """The job was routed through this stage (its producer said so)."""
-    return job.metadata.extra.get("actor_forward") == "1"
-
-
-def extra_number(job: TrainingJob, key: str, lo: float, hi: float, default: float = 0.0) -> float:
-    """A number of the job's metadata, ``default`` where absent, unreadable or outside [lo, hi]."""
-    raw = job.metadata.extra.get(key, "")
-    try:
-        v = float(raw) if raw else default
-    except ValueError:
-        return default
-    return v if math.isfinite(v) and lo <= v <= hi else default
-
-
-def exploration_floor(job: TrainingJob) -> float:
-    """The std floor (env action units) the job's rollout sampled with; 0 if none."""
-    return extra_number(job, "exploration_std", 0.0, MAX_EXPLORATION_STD)
-
-
-def uses_decisions(job: TrainingJob) -> bool:
-    """The job's rows say where the policy decided (``DECISION_FIELD``)."""
-    return job.metadata.extra.get("decisions") == "1"
 
 
 def chunk_mask(decision_len_M: np.ndarray, horizon: int) -> np.ndarray:
@@ -194,6 +173,7 @@ class ActorForwardAgent:
 
 
 __all__ = [
+    "MAX_EXPLORATION_STD",
     "OLD_LOGP_FIELD",
     "STAGE",
     "VALUES_FIELD",

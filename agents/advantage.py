@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from joynexus.agents.actor_forward import (
-    extra_number,
-    uses_actor_forward,
-    uses_decisions,
-)
+from joynexus.agents.jobextra import extra_number, uses_actor_forward, uses_decisions
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker

@@ -9,7 +9,7 @@ seeing each other. With the default namespace an operator sees::
     nats kv ls            -> JNX_TENANTS, JNX_WORKLOADS, JNX_POLICY, JNX_HEALTH,
                              JNX_TRAINER, JNX_USAGE, JNX_IDENTITIES (with authorization on)
     nats object ls        -> JNX_WEIGHTS, JNX_CHECKPOINTS
-    nats micro ls         -> jnx-sched, jnx-control, jnx-infer
+    nats micro ls         -> jnx-sched, jnx-control, jnx-infer, jnx-init
 
 See docs/ARCHITECTURE.md, "Layout and import root" and "Names an operator sees".
 """
@@ -370,6 +370,19 @@ class Names:
         if verb not in SCHEDULER_VERBS:
             raise InvalidSpec(f"unknown scheduler verb {verb!r}")
         return f"{self.namespace}.{SCHED}.{verb}"
+
+    # -- the actor's policy initialisation (agents only: under the scheduler's token,
+    # which only the service identities may publish on)
+    @property
+    def policy_init_service(self) -> str:
+        """The actor role's micro service that publishes version 1 of a new workload's
+        policy (fresh weights: torch), for the control plane (which imports none)."""
+        return f"{self.namespace}-init"
+
+    @property
+    def policy_init(self) -> str:
+        """Its endpoint: ``<ns>.sched.init_policy``."""
+        return f"{self.namespace}.{SCHED}.init_policy"
 
     # -- metrics and advisories
     def metrics(self, kind: str, tenant_id: str = "_") -> str:

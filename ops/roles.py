@@ -5,7 +5,9 @@ A role is a :class:`Role`: what it imports before its first heartbeat, where
 are read off :data:`REGISTRY`, so a new role is one entry. ``joynexus agent
 <role>`` runs one per process; the launcher and the tests start several in
 one process. Every role beats while it runs and resumes from durable state
-(its durable consumer, the event log, its checkpoint) when restarted.
+(its durable consumer, the event log, its checkpoint) when restarted. A beat
+carries the process's RSS and, once the role serves, ``ready_s``: seconds from
+the process's start to then (:attr:`Role.ready_when` says how a role tells).
 
 Knobs the CLI has no flags for come from the environment (the health manager
 passes them unchanged to the processes it restarts): ``JOYNEXUS_HEARTBEAT_S``
@@ -17,24 +19,28 @@ passes them unchanged to the processes it restarts): ``JOYNEXUS_HEARTBEAT_S``
 2), ``JOYNEXUS_ENV_SPARES`` and ``JOYNEXUS_ENV_WORKERS_MAX`` (role
 ``producer-rl``: warm idle environment workers, 1, and at most, 8).
 
-See docs/ARCHITECTURE.md, "Processes".
+See docs/ARCHITECTURE.md, "Processes" and "Light roles".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import orjson
 
 from joynexus.agents.datasets import default_root
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
+from joynexus.broker.subjects import service_api
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,9 @@ class RoleOptions:
     )
     #: The NATS URL this role was given (producer-rl hands it to its env workers).
     nats_url: str = ""
+    #: Told once when the role serves (after the heartbeat's ready mark, which
+    #: :func:`run_role` adds); runners call ``o.ready()``.
+    ready: Callable[[], None] = field(default=lambda: None, repr=False)
 
 
 Runner = Callable[[Broker, asyncio.Event, RoleOptions], Awaitable[None]]
@@ -88,6 +97,9 @@ class Role:
     supervised: bool = True
     #: Takes `--out` (its checkpoints' directory) when the launcher starts it.
     writes_checkpoints: bool = False
+    #: How the role tells it serves: ``runner`` (its runner calls ``o.ready()``) or
+    #: ``announced`` (it publishes a ``system`` metric with ``ready`` and its instance).
+    ready_when: Literal["runner", "announced"] = "runner"
 
 
 def _say(msg: str) -> None:
@@ -109,6 +121,7 @@ async def _scheduler(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     if not await agent.stand_by(stop):
         return
     await agent.start()
+    o.ready()
     _say(
         f"{o.instance}: serving {b.names.scheduler_service} ({agent.rebuild_stats['jobs']} jobs "
         f"rebuilt; lease held as {lease.holder})"
@@ -128,15 +141,18 @@ async def _scheduler(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 async def _control(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.control import ControlPlane
-    from joynexus.agents.workloads import PolicyInitializer
+    from joynexus.agents.producers.init import PolicyInitializer
 
     control = ControlPlane(
         b,
-        init_policy=PolicyInitializer(b),
+        # Light: a new workload's fresh weights are built by the actor role (its
+        # endpoint); checks and copies of another version need no torch.
+        init_policy=PolicyInitializer(b, remote=True),
         instance=o.instance,
         datasets_root=o.datasets_root,
     )
     await control.start()
+    o.ready()
     _say(
         f"{o.instance}: serving {b.names.control_service} on {b.names.all_api} "
         f"(datasets under {o.datasets_root}/<tenant>)"
@@ -148,16 +164,49 @@ async def _control(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 async def _inference(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.inference import run_inference_agent
 
-    await run_inference_agent(
-        b,
-        stop,
-        size=o.backbone_size,
-        backbone_path=o.backbone_path,
-        max_batch=o.max_batch,
-        max_wait_ms=o.max_wait_ms,
-        instance=o.instance,
-        threads=o.torch_threads,
-    )
+    ready = asyncio.create_task(_ready_when_answering(b, b.names.inference_service, o))
+    try:
+        await run_inference_agent(
+            b,
+            stop,
+            size=o.backbone_size,
+            backbone_path=o.backbone_path,
+            max_batch=o.max_batch,
+            max_wait_ms=o.max_wait_ms,
+            instance=o.instance,
+            threads=o.torch_threads,
+        )
+    finally:
+        ready.cancel()
+
+
+async def _ready_when_answering(
+    b: Broker, service: str, o: RoleOptions, every_s: float = 0.25
+) -> None:
+    """``o.ready()`` once an engine of this process (``<instance>-<k>`` in the micro
+    service's metadata) answers the service's PING."""
+    inbox = b.nc.new_inbox()
+    found = asyncio.Event()
+
+    async def on_reply(msg: Any) -> None:
+        try:
+            m = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            return
+        meta = m.get("metadata") if isinstance(m, dict) else None
+        inst = meta.get("instance") if isinstance(meta, dict) else None
+        if isinstance(inst, str) and inst.rsplit("-", 1)[0] == o.instance:
+            found.set()
+
+    sub = await b.nc.subscribe(inbox, cb=on_reply)
+    try:
+        while not found.is_set():
+            await b.nc.publish(service_api("PING", service), b"", reply=inbox)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(found.wait(), every_s)
+        o.ready()
+    finally:
+        await sub.unsubscribe()
 
 
 async def _producer_rl(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
@@ -177,7 +226,7 @@ async def _env_worker(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 
 async def _producer_sft(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
-    from joynexus.agents.workloads import ProducerAgent
+    from joynexus.agents.producers.supervisor import ProducerAgent
 
     await ProducerAgent(b, "sft", instance=o.instance).run(stop)
 
@@ -185,6 +234,7 @@ async def _producer_sft(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 async def _advantage(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.advantage import AdvantageAgent
 
+    o.ready()
     await AdvantageAgent(b, instance=o.instance, ack_wait_s=o.ack_wait_s).worker.run(stop)
 
 
@@ -197,6 +247,7 @@ async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None
         Backbone.build,
         BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
     )
+    o.ready()
     await ActorForwardAgent(b, backbone, instance=o.instance, ack_wait_s=o.ack_wait_s).run(stop)
 
 
@@ -208,6 +259,7 @@ async def _actor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
         Backbone.build,
         BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
     )
+    o.ready()
     await Actor(b, backbone, instance=o.instance, out_dir=o.out_dir).run(stop)
 
 
@@ -216,12 +268,14 @@ async def _evaluator(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
     # Stops within a step on `stop` (SIGTERM/SIGINT of `joynexus agent`), leaving
     # unfinished evaluations active for the next evaluator.
+    o.ready()
     await Evaluator(b, instance=o.instance, max_concurrent=max(1, o.max_evals)).run(stop)
 
 
 async def _monitor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.monitor import MonitorAgent
 
+    o.ready()
     await MonitorAgent(b, out_dir=o.data_dir / "monitor", instance=o.instance).run(stop)
 
 
@@ -237,6 +291,7 @@ async def _synthetic(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
         batch=32,
         ack_wait_s=o.ack_wait_s,
     )
+    o.ready()
     await asyncio.gather(stage.run(stop), pipe.actor(stop=stop))
 
 
@@ -246,6 +301,7 @@ async def _health(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.health import HealthCore, HealthManager
 
     _say(f"{o.instance}: watching heartbeats in {b.names.health_bucket}")
+    o.ready()
     await HealthManager(b, instance=o.instance, core=HealthCore(heartbeat_s=o.heartbeat_s)).run(
         stop
     )
@@ -283,10 +339,22 @@ REGISTRY: dict[str, Role] = {
     r.name: r
     for r in (
         Role("scheduler", _scheduler, (_A + "scheduler",), up_order=0),
-        Role("control", _control, (_A + "control", _A + "workloads"), up_order=1),
+        Role("control", _control, (_A + "control", _A + "producers.init"), up_order=1),
         Role("inference", _inference, (_A + "inference",), up_order=2),
-        Role("producer-rl", _producer_rl, (_A + "envworkers", _A + "health"), up_order=6),
-        Role("producer-sft", _producer_sft, (_A + "workloads",), up_order=7),
+        Role(
+            "producer-rl",
+            _producer_rl,
+            (_A + "envworkers", _A + "health"),
+            up_order=6,
+            ready_when="announced",
+        ),
+        Role(
+            "producer-sft",
+            _producer_sft,
+            (_A + "producers.supervisor",),
+            up_order=7,
+            ready_when="announced",
+        ),
         Role("advantage", _advantage, (_A + "advantage",), up_order=3),
         Role(
             "actor-forward",
@@ -306,7 +374,12 @@ REGISTRY: dict[str, Role] = {
         Role("synthetic", _synthetic, (_A + "synthetic",)),
         Role("health", _health, (_A + "health",), supervised=False),
         # Started by producer-rl, one or more per RL workload (agents/envworkers/).
-        Role("env-worker", _env_worker, (_A + "envworkers", _A + "inference")),
+        Role(
+            "env-worker",
+            _env_worker,
+            (_A + "envworkers", _A + "inference"),
+            ready_when="announced",
+        ),
     )
 }
 
@@ -331,12 +404,51 @@ def by_name(name: str) -> Role:
 
 async def run_role(name: str, b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     """Run role ``name`` until ``stop``, beating into the health bucket all along
-    (``hb.<role>.<instance>``; the beats count the errors it logs)."""
+    (``hb.<role>.<instance>``; the beats count the errors it logs, carry the RSS and,
+    once the role serves, ``ready_s``; ``o.ready`` is told then too)."""
     r = by_name(name)
     for module in r.imports:
         importlib.import_module(module)
     await ensure_layout(b)
     from joynexus.agents.health import Heartbeater
 
-    async with Heartbeater(b, r.name, o.instance, interval_s=o.heartbeat_s).running():
-        await r.run(b, stop, o)
+    hb = Heartbeater(b, r.name, o.instance, interval_s=o.heartbeat_s)
+    told = o.ready
+    said: list[float] = []
+
+    def ready() -> None:
+        if not said:
+            said.append(hb.mark_ready())
+            told()
+
+    o = replace(o, ready=ready)
+    async with hb.running():
+        if r.ready_when == "runner":
+            await r.run(b, stop, o)
+            return
+        # Subscribed before the runner starts: its announcement follows on this connection.
+        sub = await b.nc.subscribe(b.names.metrics("system"))
+        announced = asyncio.create_task(_ready_on_announce(sub, o))
+        try:
+            await r.run(b, stop, o)
+        finally:
+            announced.cancel()
+            with contextlib.suppress(BaseException):
+                await announced
+
+
+async def _ready_on_announce(sub: Any, o: RoleOptions) -> None:
+    """``o.ready()`` when this process publishes a ``system`` metric with ``ready`` and
+    its instance (``sub``: the metrics' subscription; NATS echoes a connection's own
+    messages), then stop listening."""
+    try:
+        async for msg in sub.messages:
+            try:
+                m = orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(m, dict) and m.get("ready") is True and m.get("instance") == o.instance:
+                o.ready()
+                return
+    finally:
+        await sub.unsubscribe()

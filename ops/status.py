@@ -408,15 +408,19 @@ def render(s: dict[str, Any]) -> str:
                 a.get("pid"),
                 a.get("state"),
                 f"{a.get('age_s')}s",
+                f"{a['rss_mb']:.0f} MiB" if a.get("rss_mb") else "-",
+                f"{a['ready_s']:.1f}s" if a.get("ready_s") is not None else "-",
                 a.get("errors", 0),
                 (a.get("last_error") or "")[:40],
             ]
             for a in agents
         ]
         parts.append(
-            "Agents (heartbeats)\n"
+            "Agents (heartbeats; RSS now, ready: seconds from process start to serving)\n"
             + table(
-                arows, ["role", "instance", "pid", "state", "last beat", "errors", "last error"]
+                arows,
+                ["role", "instance", "pid", "state", "last beat", "RSS", "ready", "errors",
+                 "last error"],
             )
         )
     if s.get("security"):

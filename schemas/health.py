@@ -35,6 +35,10 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     last_error: str = ""
     #: How long the agent's event loop has not run (0: responsive).
     loop_lag_s: float = 0.0
+    #: The process's resident memory at this beat (MiB; 0: unknown).
+    rss_mb: float = 0.0
+    #: Seconds from the process's start to its role serving (None: not yet ready).
+    ready_s: float | None = None
 
 
 class HealthDecision(msgspec.Struct, kw_only=True):

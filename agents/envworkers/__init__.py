@@ -47,10 +47,14 @@ One module per job: :mod:`.assign` (the role name, the knobs, :class:`Assignment
 ``worker_env``), :mod:`.producer` (:class:`RLProducer` and the pure ``next_backoff``,
 ``ends_run``, ``after_rollout``), :mod:`.worker` (:class:`EnvWorker`,
 ``warm_up``), :mod:`.supervisor` (:class:`EnvSupervisor`); every name is
-re-exported here. See docs/ARCHITECTURE.md ("Environment workers").
+re-exported here, those of the producer and the worker on first use (they import
+torch; the supervisor does not). See docs/ARCHITECTURE.md ("Environment workers").
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from joynexus.agents.envworkers.assign import (
     ASSIGN_PREFIX,
@@ -64,17 +68,39 @@ from joynexus.agents.envworkers.assign import (
     assignment_key,
     worker_env,
 )
-from joynexus.agents.envworkers.producer import (
-    RESERVE_BACKOFF_S,
-    RLProducer,
-    _Stopped,
-    _unless_stopped,
-    after_rollout,
-    ends_run,
-    next_backoff,
-)
 from joynexus.agents.envworkers.supervisor import EnvSupervisor
-from joynexus.agents.envworkers.worker import EnvWorker, _die_hard_with_parent, warm_up
+
+if TYPE_CHECKING:
+    from joynexus.agents.envworkers.producer import (
+        RESERVE_BACKOFF_S,
+        RLProducer,
+        _Stopped,
+        _unless_stopped,
+        after_rollout,
+        ends_run,
+        next_backoff,
+    )
+    from joynexus.agents.envworkers.worker import EnvWorker, _die_hard_with_parent, warm_up
+
+#: Names of the worker's side, imported on first use: the supervisor (role
+#: producer-rl) stays light, without torch (docs/ARCHITECTURE.md, "Light roles").
+_LAZY = {
+    **dict.fromkeys(
+        ("RESERVE_BACKOFF_S", "RLProducer", "_Stopped", "_unless_stopped", "after_rollout",
+         "ends_run", "next_backoff"),
+        "producer",
+    ),
+    **dict.fromkeys(("EnvWorker", "_die_hard_with_parent", "warm_up"), "worker"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "ASSIGN_PREFIX",

@@ -4,8 +4,10 @@ of its own, and the count of the errors the process logs.
 A thread with its own connection, so that an agent that blocks its event loop
 (a simulator step, an import of torch) still beats and is not taken for dead;
 the beat carries the loop's lag instead. A beat's key has a per-message TTL,
-so a dead or stopped agent's key expires. See docs/ARCHITECTURE.md ("Health:
-heartbeats and in-place restarts").
+so a dead or stopped agent's key expires. Each beat also carries the process's
+resident memory (``rss_mb``) and, once its role serves (:meth:`Heartbeater.mark_ready`),
+the seconds from the process's start to then (``ready_s``). See docs/ARCHITECTURE.md
+("Health: heartbeats and in-place restarts", "Light roles").
 """
 
 from __future__ import annotations
@@ -29,6 +31,33 @@ from joynexus.broker.subjects import kv_subject
 from joynexus.schemas.health import Heartbeat
 
 log = logging.getLogger(__name__)
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB (/proc; elsewhere its peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (its exec: interpreter start and imports
+    included), from /proc to 10 ms; None where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Fields after the command name (which may hold spaces), from field 3:
+            # starttime (field 22) is the 20th, in clock ticks since boot.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _ErrorCounter(logging.Handler):
@@ -70,6 +99,17 @@ class Heartbeater:
         self._loop_seen = time.monotonic()
         self._done = threading.Event()
         self._final_state = "stopped"
+        #: When the process started (the beats' ``ready_s`` counts from it).
+        self.process_started_at = self.started_at - (process_age_s() or 0.0)
+        #: Seconds from the process's start to its role serving; None until then.
+        self.ready_s: float | None = None
+
+    def mark_ready(self) -> float:
+        """The role serves from now on: later beats carry ``ready_s`` (the first
+        call counts); the seconds since the process started."""
+        if self.ready_s is None:
+            self.ready_s = round(time.time() - self.process_started_at, 3)
+        return self.ready_s
 
     async def beat(self, b: Broker, state: str = "running", ttl_s: int | None = None) -> None:
         self.beats += 1
@@ -86,6 +126,8 @@ class Heartbeater:
             errors=self.errors.count,
             last_error=self.errors.last,
             loop_lag_s=round(max(0.0, time.monotonic() - self._loop_seen - self.interval_s), 3),
+            rss_mb=round(rss_mb(), 1),
+            ready_s=self.ready_s,
         )
         ttl = ttl_s or ttl_for(self.interval_s)
         await b.js.publish(

@@ -14,11 +14,11 @@ import asyncio
 import json
 from dataclasses import asdict
 
-from joynexus.agents.models.features import FeatureSchema
+from joynexus.agents.featureschema import FeatureSchema, feature_schema_of, schema_spec
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
-from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
+from joynexus.schemas.inference import PolicyRecord
 
 __all__ = [
     "PolicyStore",
@@ -30,42 +30,6 @@ __all__ = [
 
 
 # -- conversions (pure) --------------------------------------------------------
-
-
-def schema_spec(schema: FeatureSchema) -> FeatureSchemaSpec:
-    return FeatureSchemaSpec(
-        camera_slots=list(schema.camera_slots),
-        image_hw=list(schema.image_hw),
-        state_dim=schema.state_dim,
-        action_dim=schema.action_dim,
-        action_horizon=schema.action_horizon,
-        base_model=schema.base_model,
-        history_len=schema.history_len,
-        channels=schema.channels,
-        state_keys=list(schema.state_keys),
-    )
-
-
-def feature_schema_of(record: PolicyRecord) -> FeatureSchema:
-    """The FeatureSchema a record was published with; checks it against the signature."""
-    s = record.feature_schema
-    schema = FeatureSchema(
-        tuple(s.camera_slots),
-        (int(s.image_hw[0]), int(s.image_hw[1])),
-        s.state_dim,
-        s.action_dim,
-        s.action_horizon,
-        base_model=s.base_model,
-        history_len=s.history_len,
-        channels=s.channels,
-        state_keys=tuple(s.state_keys),
-    )
-    if schema.signature() != record.schema_signature:
-        raise InvalidSpec(
-            f"policy {record.tenant_id}.{record.workload} v{record.version}: feature_schema gives "
-            f"{schema.signature()!r} but the record says {record.schema_signature!r}; republish it"
-        )
-    return schema
 
 
 def weights_bytes(module: TenantModule, version: int | None = None) -> bytes:

@@ -4,12 +4,16 @@
   backbone's feature width, normalisation stats, and the pure target builders
   (``chunk_targets``, ``decision_lengths``);
 - :mod:`.init`: ``PolicyInitializer``, the control plane's hook that publishes
-  version 1 of a new workload's policy;
+  version 1 of a new workload's policy (checks and copies here, fresh weights at
+  the actor's ``PolicyInitService``);
 - :mod:`.sft`: ``SFTProducer``;
 - :mod:`.supervisor`: ``ProducerAgent`` (a producer per active workload of its
   kind) and ``watch_workloads``.
 
-The RL producer runs in environment worker processes
+Every module here is light (no torch, simulator or lerobot at import): the
+control plane and the producers' supervisors import them; torch is imported
+inside what computes with it (fresh weights, reading a LeRobot dataset). The RL
+producer runs in environment worker processes
 (:mod:`joynexus.agents.envworkers`); sample field names are in
 :mod:`joynexus.schemas.samples`.
 See docs/ARCHITECTURE.md
@@ -18,7 +22,7 @@ See docs/ARCHITECTURE.md
 
 from __future__ import annotations
 
-from joynexus.agents.producers.init import PolicyInitializer
+from joynexus.agents.producers.init import PolicyInitializer, PolicyInitService
 from joynexus.agents.producers.schema import (
     EXPLORATION_STD,
     MAX_INFO_BYTES,
@@ -35,6 +39,7 @@ from joynexus.agents.producers.supervisor import ProducerAgent, watch_workloads
 __all__ = [
     "EXPLORATION_STD",
     "MAX_INFO_BYTES",
+    "PolicyInitService",
     "PolicyInitializer",
     "ProducerAgent",
     "SFTProducer",

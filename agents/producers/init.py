@@ -2,69 +2,303 @@
 module: fresh weights, or a copy of a version of another of the tenant's
 workloads (SFT then RL); an evaluation publishes nothing, its version is checked.
 
-See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").
+Light: the checks and the copy need no torch (a copy is the source version's
+safetensors bytes with their header retagged, :func:`retag_safetensors`). Only
+fresh weights do (a head built and initialised: :func:`publish_fresh`, imported
+lazily). The control role runs ``PolicyInitializer(b, remote=True)``, which asks
+for fresh weights at the actor role's endpoint (:class:`PolicyInitService`,
+``<ns>.sched.init_policy``, served by the actor next to its training loop) with the
+workload's schema and normalisation statistics read here, so the actor's host
+needs no access to the tenant's dataset. In-process (tests, benches)
+``PolicyInitializer(b)`` builds them itself.
+
+See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version",
+"Light roles").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
 
-from joynexus.agents.models.heads import HeadConfig, TenantModule
-from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
-from joynexus.agents.producers.schema import feature_dim, normalization_stats, workload_schema
+from joynexus.agents.featureschema import (
+    FeatureSchema,
+    feature_dim,
+    feature_schema_of,
+    schema_from_spec,
+    schema_spec,
+)
+from joynexus.agents.producers.schema import normalization_stats, workload_schema
+from joynexus.broker import rpc
 from joynexus.broker.connection import Broker
-from joynexus.schemas.errors import InvalidSpec
-from joynexus.schemas.workloads import WorkloadRecord
+from joynexus.broker.fastpath import settle
+from joynexus.broker.policy import PolicyRecords
+from joynexus.schemas.base import Wire, decode, encode
+from joynexus.schemas.errors import InvalidSpec, Unavailable
+from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
+from joynexus.schemas.scheduler import ErrorBody
+from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
+
+log = logging.getLogger(__name__)
+
+#: Normalisation statistics: ``{"observation.state": {"mean": [...], ...}, "action": ...}``.
+Stats = dict[str, dict[str, list[float]]]
+
+
+class InitRequest(Wire, kw_only=True):
+    """Fresh weights for version 1 of ``record``'s policy, of ``schema``, normalised
+    by ``normalization`` (both read by the control plane)."""
+
+    record: WorkloadRecord
+    schema: FeatureSchemaSpec
+    normalization: Stats = {}
+
+
+class InitReply(Wire, kw_only=True):
+    signature: str = ""
+    error: ErrorBody | None = None
+
+
+#: Asking the actor for fresh weights: nobody serving yet (the actor role starting:
+#: it builds its backbone first) or a lost reply is asked again for 60 s; asking
+#: twice is harmless (version 1 published already is a retried create).
+INIT_RETRY = rpc.RetryPolicy(
+    "policy_init",
+    attempts=0,
+    deadline_s=60.0,
+    base_s=0.2,
+    cap_s=2.0,
+    retry_on=(rpc.NoResponders, rpc.NoReply),
+)
 
 
 class PolicyInitializer:
-    """Publishes version 1 of a new workload's policy (the control plane's hook)."""
+    """Publishes version 1 of a new workload's policy (the control plane's hook).
 
-    def __init__(self, broker: Broker) -> None:
-        self.store = PolicyStore(broker)
+    ``remote``: fresh weights come from the actor role's endpoint (the control role:
+    no torch in its process); otherwise they are built here."""
+
+    def __init__(self, broker: Broker, *, remote: bool = False, timeout_s: float = 20.0) -> None:
+        self.b = broker
+        self.records = PolicyRecords(broker)
+        self.remote = remote
+        self.timeout_s = timeout_s
 
     async def __call__(self, record: WorkloadRecord) -> str:
         spec = record.spec
         schema, _ = await asyncio.to_thread(workload_schema, spec)
         if spec.task_type == "eval":  # evaluates an existing version: check it, publish nothing
-            src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
-            if feature_schema_of(src).backbone_key() != schema.backbone_key() or (
-                src.feature_schema.state_dim,
-                src.feature_schema.action_dim,
-            ) != (schema.state_dim, schema.action_dim):
-                raise InvalidSpec(
-                    f"{spec.init_from_workload!r} v{src.version} ({src.schema_signature}) cannot act in "
-                    f"{spec.env} ({schema.signature()}): cameras, image size, state and action dims must match"
-                )
+            src = await self.records.get(record.tenant_id, spec.init_from_workload, spec.init_from)
+            check_eval_source(src, spec, schema)
             return src.schema_signature
-        cfg = HeadConfig(
-            feature_dim=feature_dim(spec.base_model),
-            state_dim=schema.state_dim,
-            action_dim=schema.action_dim,
-            action_horizon=schema.action_horizon,
-            hidden=spec.head_hidden,
-            seed=spec.seed,
-        )
-        module = TenantModule(record.tenant_id, spec.action_module, cfg, lr=spec.learning_rate)
-        module.set_normalization(await asyncio.to_thread(normalization_stats, spec))
         if spec.init_from_workload:
-            src = await self.store.get(record.tenant_id, spec.init_from_workload, spec.init_from)
-            if (
-                feature_schema_of(src).signature() != schema.signature()
-                or src.head_type != spec.action_module
-            ):
-                raise InvalidSpec(
-                    f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
-                    f"({src.head_type}, {src.schema_signature}) differs from this workload's "
-                    f"({spec.action_module}, {schema.signature()})"
-                )
-            loaded = module_from_weights(src, await self.store.load_weights(src))
-            module.head.load_state_dict(loaded.head.state_dict())
-        try:
-            await self.store.publish(
-                record.tenant_id, spec.name, module, schema, spec.base_model, version=1
-            )
-        except InvalidSpec:
-            pass  # v1 exists: a retried create
+            src = await self.records.get(record.tenant_id, spec.init_from_workload, spec.init_from)
+            await self._copy(record, schema, src)
+            return schema.signature()
+        stats = await asyncio.to_thread(normalization_stats, spec)
+        if self.remote:
+            return await self._ask(record, schema, stats)
+        await publish_fresh(self.b, record, schema, stats)
         return schema.signature()
 
+    async def _copy(self, record: WorkloadRecord, schema: FeatureSchema, src: PolicyRecord) -> None:
+        """Version 1 as a copy of ``src``'s weights (SFT then RL): same head, same schema."""
+        spec = record.spec
+        head_config = copied_head_config(src, spec, schema)
+        data = retag_safetensors(
+            await self.records.load_weights(src),
+            {"version": "1", "config": json.dumps(head_config)},
+            what=f"{src.tenant_id}.{src.workload} v{src.version}",
+        )
+        with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create
+            await self.records.publish_weights(
+                record.tenant_id,
+                spec.name,
+                lambda _v: data,
+                head_type=src.head_type,
+                head_config=head_config,
+                feature_schema=schema_spec(schema),
+                schema_signature=schema.signature(),
+                base_model=spec.base_model,
+                version=1,
+            )
+
+    async def _ask(self, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> str:
+        def unanswered(e: Unavailable) -> Unavailable:
+            return Unavailable(
+                f"no actor published version 1 of {record.spec.name!r} within "
+                f"{INIT_RETRY.deadline_s:.0f}s ({type(e.__cause__ or e).__name__}): fresh "
+                "weights are built by the actor role; is `joynexus agent actor` running?"
+            )
+
+        reply = await rpc.call(
+            self.b,
+            self.b.names.policy_init,
+            encode(InitRequest(record=record, schema=schema_spec(schema), normalization=stats)),
+            rpc.checked(InitReply, "policy init reply"),
+            timeout_s=self.timeout_s,
+            retry=INIT_RETRY,
+            unanswered=unanswered,
+        )
+        return reply.signature
+
+
+# ---------------------------------------------------------------- pure decisions
+def check_eval_source(src: PolicyRecord, spec: WorkloadSpec, schema: FeatureSchema) -> None:
+    """An evaluation's version must act in its env: same backbone inputs, state and
+    action dims (InvalidSpec naming both otherwise)."""
+    if feature_schema_of(src).backbone_key() != schema.backbone_key() or (
+        src.feature_schema.state_dim,
+        src.feature_schema.action_dim,
+    ) != (schema.state_dim, schema.action_dim):
+        raise InvalidSpec(
+            f"{spec.init_from_workload!r} v{src.version} ({src.schema_signature}) cannot act in "
+            f"{spec.env} ({schema.signature()}): cameras, image size, state and action dims must match"
+        )
+
+
+def copied_head_config(
+    src: PolicyRecord, spec: WorkloadSpec, schema: FeatureSchema
+) -> dict[str, Any]:
+    """The head config of a copy of ``src`` for ``spec``: the source's, with the new
+    workload's sizes and seed (InvalidSpec where the weights would not fit: another
+    head, schema or hidden width)."""
+    if feature_schema_of(src).signature() != schema.signature() or src.head_type != spec.action_module:
+        raise InvalidSpec(
+            f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
+            f"({src.head_type}, {src.schema_signature}) differs from this workload's "
+            f"({spec.action_module}, {schema.signature()})"
+        )
+    hidden = src.head_config.get("hidden")
+    if hidden != spec.head_hidden:
+        raise InvalidSpec(
+            f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
+            f"is {hidden} wide, this workload's head_hidden is {spec.head_hidden}; give the same"
+        )
+    return {
+        **src.head_config,
+        "feature_dim": feature_dim(spec.base_model),
+        "state_dim": schema.state_dim,
+        "action_dim": schema.action_dim,
+        "action_horizon": schema.action_horizon,
+        "hidden": spec.head_hidden,
+        "seed": spec.seed,
+    }
+
+
+#: The largest safetensors header read (a head's is a few KiB).
+MAX_HEADER_BYTES = 16 << 20
+
+
+def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "weights") -> bytes:
+    """``data`` (safetensors bytes) with ``metadata`` merged into its header's
+    ``__metadata__``; the tensors' bytes are kept as they are (their offsets count
+    from the end of the header, which is padded to 8 bytes as safetensors writes it)."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or n > min(len(data) - 8, MAX_HEADER_BYTES):
+            raise ValueError("header length")
+        header = json.loads(data[8 : 8 + n])
+        if not isinstance(header, dict):
+            raise ValueError("header")
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict):
+            raise ValueError("metadata")
+    except ValueError as e:
+        raise InvalidSpec(f"{what}: the weights are not safetensors ({e}); republish them") from None
+    header["__metadata__"] = {**meta, **metadata}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+# ---------------------------------------------------------------- fresh weights (torch)
+async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
+    """Build ``record``'s head with fresh weights and ``stats`` and publish it as
+    version 1 (a version 1 there already is a retried create). Imports torch."""
+    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.policyio import PolicyStore
+
+    spec = record.spec
+    cfg = HeadConfig(
+        feature_dim=feature_dim(spec.base_model),
+        state_dim=schema.state_dim,
+        action_dim=schema.action_dim,
+        action_horizon=schema.action_horizon,
+        hidden=spec.head_hidden,
+        seed=spec.seed,
+    )
+    module = TenantModule(record.tenant_id, spec.action_module, cfg, lr=spec.learning_rate)
+    module.set_normalization(stats)
+    with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create
+        await PolicyStore(b).publish(
+            record.tenant_id, spec.name, module, schema, spec.base_model, version=1
+        )
+
+
+class PolicyInitService:
+    """The endpoint that publishes fresh version 1 weights (``<ns>.sched.init_policy``,
+    micro service ``<ns>-init``, one queue group: any actor answers). The actor role
+    serves it; the control plane asks (``PolicyInitializer(b, remote=True)``)."""
+
+    def __init__(self, broker: Broker, *, instance: str) -> None:
+        self.b = broker
+        self.instance = instance
+        self.rpc = rpc.Server(
+            broker,
+            "policy-init",
+            error_reply=lambda code, message: InitReply(error=ErrorBody(code=code, message=message)),
+            clip=None,
+            internal="internal error: {error}",
+        )
+        self._service: Any = None
+        self.served = 0
+
+    async def start(self) -> None:
+        from nats.micro import add_service
+
+        n = self.b.names
+        self._service = await add_service(
+            self.b.nc,
+            name=n.policy_init_service,
+            version="0.1.0",
+            description="JoyNexus policy initialisation: version 1 of a new workload's head",
+            metadata={"instance": self.instance},
+        )
+        await self._service.add_endpoint(
+            name="init_policy", subject=n.policy_init, handler=self._on_request
+        )
+        await settle(self.b.nc)  # on the server before start() returns
+
+    async def _on_request(self, request: Any) -> None:
+        self.rpc.serve(request, lambda: self._handle(request.data), span="policy.init")
+
+    async def _handle(self, data: bytes) -> InitReply:
+        req = decode(data or b"{}", InitRequest, what="InitRequest")
+        schema = schema_from_spec(req.schema)
+        await publish_fresh(self.b, req.record, schema, req.normalization)
+        self.served += 1
+        return InitReply(signature=schema.signature())
+
+    async def stop(self) -> None:
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+            self._service = None
+        await self.rpc.stop()
+
+
+__all__ = [
+    "INIT_RETRY",
+    "InitReply",
+    "InitRequest",
+    "PolicyInitService",
+    "PolicyInitializer",
+    "check_eval_source",
+    "copied_head_config",
+    "publish_fresh",
+    "retag_safetensors",
+]

@@ -3,6 +3,11 @@ from its LeRobot dataset's ``meta/info.json``), the backbone's feature width,
 normalisation statistics, and the pure builders of training targets (action
 chunks, decision lengths). The field names live in :mod:`joynexus.schemas.samples`.
 
+Light (no torch, no simulator, no lerobot): the control plane calls all of it. The
+two readers of a generated dataset's meta files (:func:`read_observation_meta`,
+:func:`dataset_stats`) are those of :mod:`joynexus.agents.envs.lerobot_data` without
+importing that module (torch, lerobot); a test checks both agree.
+
 See docs/ARCHITECTURE.md ("Layout and import root",
 "Workloads, from the SDK to a new policy version").
 """
@@ -15,18 +20,27 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.agents.models.backbone import SIZES
-from joynexus.agents.models.features import FeatureSchema
+from joynexus.agents.featureschema import FeatureSchema, feature_dim
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.samples import ACTION, OBS_IMAGES, OBS_STATE
-from joynexus.schemas.workloads import BASE_MODELS, WorkloadSpec
+from joynexus.schemas.workloads import WorkloadSpec
+
+__all__ = [
+    "EXPLORATION_STD",
+    "MAX_INFO_BYTES",
+    "OBSERVATION_FILE",
+    "chunk_targets",
+    "dataset_stats",
+    "decision_lengths",
+    "feature_dim",
+    "normalization_stats",
+    "read_observation_meta",
+    "unusable_dataset",
+    "workload_schema",
+]
 
 #: RL: Gaussian exploration (env action units) for heads without a learned std.
 EXPLORATION_STD = 0.1
-
-
-def feature_dim(base_model: str) -> int:
-    return int(SIZES[BASE_MODELS[base_model]]["text"]["hidden_size"])
 
 
 def unusable_dataset(spec: WorkloadSpec) -> InvalidSpec:
@@ -39,6 +53,24 @@ def unusable_dataset(spec: WorkloadSpec) -> InvalidSpec:
 
 #: meta/info.json larger than this is not read (a dataset's is a few KiB).
 MAX_INFO_BYTES = 4 << 20
+
+#: What a generated dataset's observations are made of, next to LeRobot's meta files
+#: (``agents.envs.lerobot_data.OBSERVATION_FILE``, written there; a test checks both agree).
+OBSERVATION_FILE = "joynexus_observation.json"
+
+
+def read_observation_meta(root: Path) -> dict[str, Any] | None:
+    """The observation choice a dataset was generated with, or None (a dataset made
+    elsewhere): ``agents.envs.lerobot_data.read_observation_meta`` without importing
+    lerobot's module (torch), for the control plane."""
+    p = Path(root) / "meta" / OBSERVATION_FILE
+    try:
+        if not p.is_file() or p.stat().st_size > 1 << 16:
+            return None
+        meta = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _dataset_layout(root: Path) -> tuple[list[str], tuple[int, int], int, int]:
@@ -121,7 +153,6 @@ def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
 def _dataset_state_keys(spec: WorkloadSpec, state_dim: int) -> tuple[str, ...]:
     """The state keys a dataset recorded (generate_dataset's observation file), checked
     against the spec's ``state`` when it names one; () for a dataset made elsewhere."""
-    from joynexus.agents.envs.lerobot_data import read_observation_meta
     from joynexus.agents.envs.maniskill import resolve_state_keys, state_key_dims
 
     meta = read_observation_meta(Path(spec.dataset)) or {}
@@ -149,14 +180,35 @@ def _dataset_state_keys(spec: WorkloadSpec, state_dim: int) -> tuple[str, ...]:
     return recorded
 
 
-def normalization_stats(spec: WorkloadSpec) -> dict[str, Any]:
+def dataset_stats(
+    root: Path, keys: tuple[str, ...] = (OBS_STATE, ACTION)
+) -> dict[str, dict[str, list[float]]]:
+    """LeRobot's normalisation statistics (meta/stats.json: mean, std, min, max per
+    dimension) of ``keys``; an empty dict for a key the file lacks
+    (``agents.envs.lerobot_data.dataset_stats`` without torch)."""
+    p = Path(root) / "meta" / "stats.json"
+    out: dict[str, dict[str, list[float]]] = {}
+    try:
+        raw = json.loads(p.read_text()) if p.is_file() and p.stat().st_size < 64 << 20 else {}
+    except (OSError, ValueError):
+        raw = {}
+    for k in keys:
+        entry = raw.get(k) if isinstance(raw, dict) else None
+        if isinstance(entry, dict):
+            out[k] = {
+                s: [float(x) for x in np.asarray(entry[s], dtype=np.float64).reshape(-1)]
+                for s in ("mean", "std", "min", "max")
+                if s in entry
+            }
+    return out
+
+
+def normalization_stats(spec: WorkloadSpec) -> dict[str, dict[str, list[float]]]:
     """Normalisation statistics for a new workload's head: an SFT dataset's LeRobot
     stats (meta/stats.json mean/std of state and action); {} otherwise (identity,
     or what ``init_from_workload``'s weights carry)."""
     if spec.task_type != "sft" or not spec.dataset:
         return {}
-    from joynexus.agents.envs.lerobot_data import dataset_stats
-
     return dataset_stats(Path(spec.dataset))
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 
-from joynexus.agents.models.features import FeatureSchema
+from joynexus.agents.featureschema import FeatureSchema
 from joynexus.agents.producers.schema import unusable_dataset, workload_schema
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import tracing
