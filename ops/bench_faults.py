@@ -41,7 +41,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
-from joynexus.broker.subjects import parse_job_subject
+from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.launcher import role_slots
 from joynexus.schemas.jobs import GlobalLimits, JobState, TrainingJob, WorkloadPolicy
@@ -92,6 +92,8 @@ async def read_job_subjects(b: Broker) -> dict[tuple[str, str], list[str]]:
             except TimeoutError:
                 break
             for m in msgs:
+                if is_workload_end(m.subject):
+                    continue  # a workload's end (done, cancelled), not a job's event
                 tenant, job, state = parse_job_subject(m.subject)
                 out[(tenant, job)].append(state)
             if msgs and msgs[-1].metadata.num_pending == 0:
