@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
-from joynexus.broker.subjects import ASSIGNMENT_KEYS, SUPERVISOR_KEYS, service_api
+from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS, service_api
 from joynexus.schemas.errors import Unavailable
 
 
@@ -258,7 +258,7 @@ async def _heartbeats(b: Broker) -> dict[str, Any]:
                 if entry.key.startswith(SUPERVISOR_KEYS):  # a health manager: its slots and decisions
                     managers.append(value)
                     continue
-                if entry.key.startswith(ASSIGNMENT_KEYS):  # an environment worker's assignment
+                if not entry.key.startswith(HEARTBEAT_KEYS):  # an assignment, a role's lease
                     continue
                 value["age_s"] = round(now - float(value.get("at", now)), 1)
                 out.append(value)

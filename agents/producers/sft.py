@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,9 @@ from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
+
+#: The module that reads LeRobot datasets (imports torch and lerobot).
+_LEROBOT_DATA = "joynexus.agents.envs.lerobot_data"
 
 
 class SFTProducer:
@@ -93,12 +97,16 @@ class SFTProducer:
 
     async def _open(self) -> tuple[FeatureSchema, str, Any]:
         """The workload's feature schema and instruction, and its LeRobot dataset."""
-        from joynexus.agents.envs.lerobot_data import load_dataset
-
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
+        # lerobot's reader imports torch and lerobot (seconds, ~800 MiB): the process's
+        # first SFT workload pays it, off the event loop (the supervisor stays light
+        # until then; docs/ARCHITECTURE.md, "Light roles").
+        lerobot_data = await asyncio.to_thread(importlib.import_module, _LEROBOT_DATA)
         try:
             ds = await asyncio.to_thread(
-                load_dataset, Path(self.spec.dataset), action_horizon=self.spec.action_horizon
+                lerobot_data.load_dataset,
+                Path(self.spec.dataset),
+                action_horizon=self.spec.action_horizon,
             )
         except Exception as e:  # lerobot's own errors name files and keys: logged, not replied
             log.warning(
