@@ -279,3 +279,17 @@ def test_retag_keeps_the_tensors_and_sets_the_metadata() -> None:
     for bad in (b"", b"\xff" * 8 + b"{}", (2).to_bytes(8, "little") + b"[]"):
         with pytest.raises(InvalidSpec, match="not safetensors"):
             retag_safetensors(bad, {"version": "1"})
+
+
+async def test_fresh_weights_without_an_actor_fail_unavailable_naming_it(broker, monkeypatch) -> None:
+    import dataclasses
+
+    from joynexus.agents.producers import init
+    from joynexus.schemas.errors import Unavailable
+    from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
+
+    monkeypatch.setattr(init, "INIT_RETRY", dataclasses.replace(init.INIT_RETRY, deadline_s=0.5))
+    rec = WorkloadRecord(tenant_id="acme", spec=WorkloadSpec(name="rl", task_type="rl",
+                                                             env="PickCube-v1"))
+    with pytest.raises(Unavailable, match="joynexus agent actor"):
+        await init.PolicyInitializer(broker, remote=True, timeout_s=0.5)(rec)

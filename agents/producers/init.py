@@ -63,12 +63,13 @@ class InitReply(Wire, kw_only=True):
 
 
 #: Asking the actor for fresh weights: nobody serving yet (the actor role starting:
-#: it builds its backbone first) or a lost reply is asked again for 60 s; asking
-#: twice is harmless (version 1 published already is a retried create).
+#: it builds its backbone first) or a lost reply is asked again for 20 s; asking
+#: twice is harmless (version 1 published already is a retried create). With the
+#: per-call timeout (8 s) the control plane answers within the SDK's 30 s.
 INIT_RETRY = rpc.RetryPolicy(
     "policy_init",
     attempts=0,
-    deadline_s=60.0,
+    deadline_s=20.0,
     base_s=0.2,
     cap_s=2.0,
     retry_on=(rpc.NoResponders, rpc.NoReply),
@@ -81,7 +82,7 @@ class PolicyInitializer:
     ``remote``: fresh weights come from the actor role's endpoint (the control role:
     no torch in its process); otherwise they are built here."""
 
-    def __init__(self, broker: Broker, *, remote: bool = False, timeout_s: float = 20.0) -> None:
+    def __init__(self, broker: Broker, *, remote: bool = False, timeout_s: float = 8.0) -> None:
         self.b = broker
         self.records = PolicyRecords(broker)
         self.remote = remote
