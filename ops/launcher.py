@@ -149,7 +149,8 @@ async def wait_answering(
     b: object, manager: object, roles: list[str], stop: asyncio.Event, *, say_every_s: float = 15.0
 ) -> float | None:
     """Until every role process beats and the request servers among them answer
-    (the scheduler, the control plane, an inference engine); seconds it took, or
+    (the scheduler, the control plane, an inference engine, the actor's policy
+    initialisation); seconds it took, or
     None if stopped first. Says what it still waits for every ``say_every_s``."""
     import time
 
@@ -160,6 +161,8 @@ async def wait_answering(
     services = {
         "control": b.names.control_service,  # type: ignore[attr-defined]
         "inference": b.names.inference_service,  # type: ignore[attr-defined]
+        # The actor serves the first version of every new workload's action module.
+        "actor": b.names.policy_init_service,  # type: ignore[attr-defined]
     }
     answered: set[str] = set()
     while not stop.is_set():

@@ -40,6 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.envworkers.assign import WARM_ENV
 from joynexus.agents.procs import die_with_parent
+from joynexus.agents.producers.supervisor import SFT_WARM_ENV
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
@@ -297,6 +298,7 @@ class Deployment:
                     # before it is ready: LIBERO's first env costs ~40 s here, which
                     # held the LIBERO tenant back 21-68 s into the shared window.
                     WARM_ENV: ",".join(self.warm_envs),
+                    SFT_WARM_ENV: "1",  # the SFT tenant's dataset reader loaded, too
                 },
                 preexec_fn=die_with_parent,
             )
@@ -384,7 +386,8 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
     try:
         await SchedulerClient(b, by="paper", call_timeout_s=2, deadline_s=timeout_s).snapshot()
         deadline = time.monotonic() + timeout_s
-        pending = {b.names.control_service, b.names.inference_service}
+        pending = {b.names.control_service, b.names.inference_service,
+                   b.names.policy_init_service}
         producers = {r for r in dep.roles if r.startswith("producer-")}
         while pending or not producers <= ready:
             dep.check_alive()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +24,10 @@ from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
+
+#: producer-sft loads LeRobot's dataset reader before it says it is ready ("1"), not
+#: when its first SFT workload comes (the default: the role stays light until then).
+SFT_WARM_ENV = "JOYNEXUS_SFT_WARM"
 
 
 async def watch_workloads(
@@ -72,6 +78,10 @@ class ProducerAgent:
             )
             await asyncio.to_thread(env.reset, 0)
             await asyncio.to_thread(env.close)
+        if self.task_type == "sft" and os.environ.get(SFT_WARM_ENV, "").strip() in ("1", "true"):
+            # LeRobot's dataset reader (torch and lerobot, ~5 s and ~850 MiB): a
+            # deployment that wants its first SFT job not to pay it asks for it now.
+            await asyncio.to_thread(importlib.import_module, "joynexus.agents.envs.lerobot_data")
         await metrics.emit(
             self.b,
             "system",
