@@ -165,8 +165,9 @@ class PhaseResult:
     env_steps: int = 0
     #: Per RL tenant (base name): (duration s, steps) of every rollout begun in the window.
     rollouts: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
-    #: CPU seconds every process of the deployment used in the windows.
+    #: CPU seconds every process of the deployment used in the windows (and by role).
     cpu_s: float = 0.0
+    cpu_s_by_role: dict[str, float] = field(default_factory=dict)
     #: Each role's peak RSS and start-to-ready seconds; all processes' peak RSS together.
     roles: dict[str, dict[str, float | None]] = field(default_factory=dict)
     peak_rss_mb_total: float = 0.0
@@ -240,8 +241,9 @@ class Deployment:
         #: Warm environment workers (the RL tenants' workers of one window), started
         #: with the deployment so that no window pays a worker's start-up.
         self.env_workers = env_workers
-        #: One env of each simulator kind the RL tenants use (WARM_ENV).
-        self.warm_envs = tuple({env_kind_of(env): env for _, env in reversed(RL_TASKS)}.values())
+        #: The env each worker warms, one per RL tenant's worker (WARM_ENV, in turn):
+        #: each worker holds one simulator kind, not all.
+        self.warm_envs = tuple(env for _, env in RL_TASKS)
         self.roles: tuple[str, ...] = ROLES
         #: The tenants' dataset spaces (<root>/<tenant>), given to the control role.
         self.datasets = datasets_root(out)
@@ -255,8 +257,8 @@ class Deployment:
         #: its imports are done and it runs).
         self.ready_s: dict[str, float] = {}
         self.started_at = 0.0
-        #: CPU seconds all processes used in each measured window, in order.
-        self.window_cpu_s: list[float] = []
+        #: CPU seconds each role used in each measured window, in order.
+        self.window_cpu_s: list[dict[str, float]] = []
         self._logs: list[Any] = []
         self.creds: dict[str, Credentials] = {}
 
@@ -294,9 +296,9 @@ class Deployment:
                     "JOYNEXUS_ENV_SPARES": str(self.env_workers),
                     "JOYNEXUS_ENV_WORKERS_MAX": str(self.env_workers),
                     "JOYNEXUS_LIBERO_MAX_STEPS": str(self.libero_max_steps),
-                    # Every worker builds and resets each kind of env the tenants use
-                    # before it is ready: LIBERO's first env costs ~40 s here, which
-                    # held the LIBERO tenant back 21-68 s into the shared window.
+                    # Each worker builds and resets its tenant's kind of env before it
+                    # is ready: LIBERO's first env costs ~40 s here, which held the
+                    # LIBERO tenant back 21-68 s into the shared window.
                     WARM_ENV: ",".join(self.warm_envs),
                     SFT_WARM_ENV: "1",  # the SFT tenant's dataset reader loaded, too
                 },
@@ -330,15 +332,15 @@ class Deployment:
                         self.peak_rss_mb[service] = max(self.peak_rss_mb[service], rss)
         self.peak_rss_mb_total = max(self.peak_rss_mb_total, total)
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds (user + system) every process of the deployment used so far."""
-        total = 0.0
-        for procs in self.processes().values():
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each role's processes used so far."""
+        out: dict[str, float] = defaultdict(float)
+        for role, procs in self.processes().items():
             for proc in procs:
                 with contextlib.suppress(psutil.Error):
                     t = proc.cpu_times()
-                    total += t.user + t.system
-        return total
+                    out[role] += t.user + t.system
+        return out
 
     def check_alive(self) -> None:
         for role, p in self.procs.items():
@@ -451,7 +453,8 @@ async def _run_tenants(
                 raise JoyNexusError(f"{label}: not finished after {timeout_s:.0f}s ({done})")
             await asyncio.sleep(0.5)
         t1 = time.time()
-        dep.window_cpu_s.append(dep.cpu_seconds() - cpu0)
+        cpu1 = dep.cpu_seconds()
+        dep.window_cpu_s.append({r: round(cpu1[r] - cpu0.get(r, 0.0), 2) for r in cpu1})
     finally:
         if progress:
             print(file=sys.stderr)
@@ -677,7 +680,12 @@ async def run_phase(
     for r, res in enumerate(results):
         res.peak_rss_mb = {k: round(v, 1) for k, v in dep.peak_rss_mb.items()}
         res.wall_s = sum(w1 - w0 for w0, w1 in windows[r])
-        res.cpu_s = round(sum(dep.window_cpu_s[r * per_round:(r + 1) * per_round]), 2)
+        by_role: dict[str, float] = defaultdict(float)
+        for w in dep.window_cpu_s[r * per_round:(r + 1) * per_round]:
+            for role, cpu in w.items():
+                by_role[role] += cpu
+        res.cpu_s_by_role = {k: round(v, 2) for k, v in sorted(by_role.items())}
+        res.cpu_s = round(sum(by_role.values()), 2)
         res.peak_rss_mb_total = round(dep.peak_rss_mb_total, 1)
         res.roles = {
             role: {"rss_mb": round(dep.role_rss_mb.get(role, 0.0), 1),
@@ -688,15 +696,16 @@ async def run_phase(
 
 
 def cores_bound(shared: PhaseResult, isolated: PhaseResult, cores: int | None = None) -> dict[str, Any]:
-    """The most sharing can save on this machine: the same work needs at least the
-    CPU seconds the isolated run used, and ``cores`` cores run them in no less than
-    that over ``cores`` seconds of wall time, so the ratio is at most isolated wall /
-    (isolated CPU s / cores). How busy the shared run kept the cores says how close
-    it came (1.0: every core busy all the window)."""
+    """What the cores allow: the shared run used ``shared.cpu_s`` CPU seconds, which
+    ``cores`` cores cannot run in less than that over ``cores`` seconds of wall time,
+    so with the same CPU spent the ratio is at most isolated wall / that floor. How
+    busy each run kept the cores says how CPU-bound it was (1.0: every core busy the
+    whole window); a ratio past the bound needs the same work in fewer CPU seconds
+    (less contention between simulators, idle roles that spend less)."""
     from joynexus.ops.threads import deployment_cores
 
     cores = cores or deployment_cores()
-    floor_s = isolated.cpu_s / cores if isolated.cpu_s else 0.0
+    floor_s = shared.cpu_s / cores if shared.cpu_s else 0.0
     return {
         "cores": cores,
         "isolated_cpu_s": isolated.cpu_s,
@@ -766,6 +775,7 @@ def summarize(shared: PhaseResult, isolated: PhaseResult) -> dict[str, Any]:
             "env_steps": r.env_steps,
             "env_steps_per_s": round(r.env_steps / r.wall_s, 2) if r.wall_s else None,
             "cpu_s": r.cpu_s,
+            "cpu_s_by_role": r.cpu_s_by_role,
             "peak_rss_mb_total": r.peak_rss_mb_total,
             "roles": r.roles,
             **rollout_stats(r),
@@ -930,12 +940,14 @@ def limits_sentence(results: dict[str, Any]) -> str:
     text = "; ".join(bits) + "."
     if b.get("max_device_time_ratio") is not None:
         text += (
-            f" The {b['cores']} cores bound it: the isolated run used {b['isolated_cpu_s']} CPU s, "
-            f"which {b['cores']} cores cannot run in less than {b['shared_floor_wall_s']} s, so "
-            f"sharing can at best be {b['max_device_time_ratio']}x; the shared run kept the "
-            f"cores {_as_percent(b.get('shared_core_utilization'))} busy (isolated "
-            f"{_as_percent(b.get('isolated_core_utilization'))}), and its simulators, inference and "
-            "training slowed each other where they met on the same cores."
+            f" The {b['cores']} cores bound it: the shared run spent {b['shared_cpu_s']} CPU s "
+            f"(the isolated run {b['isolated_cpu_s']}), which {b['cores']} cores cannot run in "
+            f"less than {b['shared_floor_wall_s']} s, so with that much CPU sharing saves at "
+            f"most {b['max_device_time_ratio']}x; the shared run kept the cores "
+            f"{_as_percent(b.get('shared_core_utilization'))} busy (isolated "
+            f"{_as_percent(b.get('isolated_core_utilization'))}), so past that the same work "
+            "must cost fewer CPU seconds: its simulators ran slower side by side than alone "
+            "(they, inference and training took the same cores from each other)."
         )
     return text
 

@@ -416,11 +416,15 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
     roles = results.get("roles")
     if isinstance(roles, Mapping) and roles:
         parts.append("## Processes (shared run)\n")
-        role_rows = [[r, _fmt(v.get("rss_mb"), "mb"), _fmt(v.get("ready_s"))]
+        shared = results.get("shared") if isinstance(results.get("shared"), Mapping) else {}
+        cpu = dict((shared or {}).get("cpu_s_by_role") or {})
+        role_rows = [[r, _fmt(v.get("rss_mb"), "mb"), _fmt(v.get("ready_s")), _fmt(cpu.get(r))]
                      for r, v in roles.items()]
-        role_rows.append(["all processes together (peak)",
-                          _fmt(results.get("peak_rss_mb_total"), "mb"), ""])
-        parts.append(_table(["role", "peak RSS", "start to first heartbeat (s)"], role_rows))
+        role_rows.append(["all processes together",
+                          _fmt(results.get("peak_rss_mb_total"), "mb"), "",
+                          _fmt((shared or {}).get("cpu_s"))])
+        parts.append(_table(["role", "peak RSS (MB)", "start to first heartbeat (s)",
+                             "CPU s in the shared window"], role_rows))
 
     if runs:
         parts.append("## Runs\n")

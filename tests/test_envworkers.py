@@ -212,25 +212,29 @@ def test_the_rl_producers_decisions_around_a_reserve() -> None:
 
 
 def test_the_envs_a_worker_warms() -> None:
-    """$JOYNEXUS_ENV_WARM: each env kind a deployment's tenants use is built and reset
-    once before a worker is ready (LIBERO's first env costs ~40 s here, ManiSkill's
-    ~18 s), the default PickCube-v1; a name that is no env is refused with the fix;
-    the supervisor hands the setting to the workers it starts."""
-    from joynexus.agents.envworkers.assign import WARM_ENV, warm_envs, worker_env
+    """$JOYNEXUS_ENV_WARM: the env each worker builds and resets before it is ready, one
+    per worker in turn (LIBERO's first env costs ~40 s here, ManiSkill's ~18 s, and a
+    worker holding both kinds ~3.5 GB); default PickCube-v1; a name that is no env is
+    refused with the fix. A workload takes an idle worker warmed for its kind first."""
+    from joynexus.agents.envworkers.assign import (
+        WARM_ENV,
+        prefer_warmed,
+        warm_envs,
+        warm_for,
+        worker_env,
+    )
 
     assert warm_envs({}) == ("PickCube-v1",)
-    assert warm_envs({WARM_ENV: " PickCube-v1, LIBERO-spatial-0,PickCube-v1 "}) == (
-        "PickCube-v1", "LIBERO-spatial-0")
+    plan = warm_envs({WARM_ENV: " PickCube-v1, PushCube-v1,LIBERO-spatial-0 "})
+    assert plan == ("PickCube-v1", "PushCube-v1", "LIBERO-spatial-0")
+    assert [warm_for(k, plan) for k in range(4)] == [*plan, "PickCube-v1"]
+    assert warm_envs({WARM_ENV: "PickCube-v1,PickCube-v1"}) == ("PickCube-v1",)
     with pytest.raises(ValueError, match="LIBERO-nope-3 not an environment name"):
         warm_envs({WARM_ENV: "PickCube-v1,LIBERO-nope-3"})
-    import os
-
-    before = os.environ.get(WARM_ENV)
-    os.environ[WARM_ENV] = "LIBERO-spatial-0"
-    try:
-        assert worker_env()[WARM_ENV] == "LIBERO-spatial-0"
-    finally:
-        if before is None:
-            os.environ.pop(WARM_ENV)
-        else:
-            os.environ[WARM_ENV] = before
+    assert worker_env("LIBERO-spatial-0")[WARM_ENV] == "LIBERO-spatial-0"
+    assert WARM_ENV not in worker_env()
+    warmed = {"w0": "maniskill", "w1": "maniskill", "w2": "libero", "w3": "libero"}
+    started = {"w0", "w1", "w2"}  # w3 still starting
+    assert prefer_warmed(["w0", "w1", "w2", "w3"], "libero", warmed, started)[:2] == ["w2", "w3"]
+    assert prefer_warmed(["w3", "w2", "w0"], "maniskill", warmed, started) == ["w0", "w2", "w3"]
+    assert prefer_warmed(["w3", "w0"], "libero", warmed, started) == ["w3", "w0"]

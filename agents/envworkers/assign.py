@@ -21,11 +21,13 @@ RELEASE_GRACE_ENV = "JOYNEXUS_ENV_RELEASE_S"
 
 
 THREADS_ENV = "JOYNEXUS_ENV_THREADS"
-#: Environments every worker builds and resets once before it says it is ready,
-#: comma-separated (default: PickCube-v1, which starts ManiSkill's CPU renderer).
-#: The first env of a kind in a process pays its imports, renderer and assets (here
-#: ManiSkill 18 s, LIBERO 40 s; the next one of the kind 2-3 s): a deployment whose
-#: tenants use LIBERO names a LIBERO task too, or its first rollout pays it.
+#: Environments the workers build and reset once before they say they are ready,
+#: comma-separated, one per worker in turn (worker k: the k-th, wrapping); the
+#: supervisor gives a workload a worker warmed for its simulator kind first. Default
+#: PickCube-v1 (ManiSkill's CPU renderer). The first env of a kind in a process pays
+#: its imports, renderer and assets (here ManiSkill 18 s, LIBERO 40 s; the next one of
+#: the kind 2-3 s), and holds their memory (a worker with both kinds loaded: ~3.5 GB,
+#: one: ~1.4-2 GB): name a kind as often as the tenants using it want workers.
 WARM_ENV = "JOYNEXUS_ENV_WARM"
 DEFAULT_WARM = ("PickCube-v1",)
 
@@ -49,15 +51,28 @@ def warm_envs(environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[
     return names
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(warm: str | None = None) -> dict[str, str]:
     """A worker's compute threads (default 1): several workers share the cores, and
     a simulator step gains little from intra-op threads while oversubscribed
-    threads cost every process on the machine."""
+    threads cost every process on the machine; and the env it warms (``warm``)."""
     n = os.environ.get(THREADS_ENV, "1")
     out = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, THREADS_ENV: n}
-    if os.environ.get(WARM_ENV):
-        out[WARM_ENV] = os.environ[WARM_ENV]
+    if warm:
+        out[WARM_ENV] = warm
     return out
+
+
+def warm_for(k: int, plan: tuple[str, ...]) -> str:
+    """The env the ``k``-th worker a supervisor starts warms: the plan in turn."""
+    return plan[k % len(plan)]
+
+
+def prefer_warmed(idle: list[str], kind: str, warmed: dict[str, str],
+                  warm: set[str]) -> list[str]:
+    """Idle workers in the order a workload of simulator ``kind`` should take them:
+    warmed for its kind first (one still starting will be; another kind's would
+    pay this kind's first env, 18-40 s), started before still starting."""
+    return sorted(idle, key=lambda i: (warmed.get(i) != kind, i not in warm))
 
 
 def assignment_key(instance: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from joynexus.agents.envs.registry import env_kind
 from joynexus.agents.envworkers.assign import (
     ENV_ROLE,
     MAX_WORKERS_ENV,
@@ -22,6 +23,9 @@ from joynexus.agents.envworkers.assign import (
     Assignment,
     _workers_wanted,
     assignment_key,
+    prefer_warmed,
+    warm_envs,
+    warm_for,
     worker_env,
 )
 from joynexus.agents.scheduler_client import SchedulerClient
@@ -33,6 +37,14 @@ from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
+
+
+def _kind_of(rec: WorkloadRecord) -> str:
+    """The simulator kind of an RL workload's env ("" if it names none we know)."""
+    try:
+        return env_kind(rec.spec.env)
+    except JoyNexusError:
+        return ""
 
 
 class EnvSupervisor:
@@ -65,6 +77,11 @@ class EnvSupervisor:
         #: instance -> workload key ("" = standby).
         self.pool: dict[str, str] = {}
         self.warm: set[str] = set()
+        #: The env each new worker warms, in turn ($JOYNEXUS_ENV_WARM), and the
+        #: simulator kind each worker warmed (assignment prefers a match).
+        self.warm_plan = warm_envs()
+        self._spawned = 0
+        self.warmed: dict[str, str] = {}
         #: Active service RL workloads: key -> record.
         self.active: dict[str, WorkloadRecord] = {}
         self.done: set[str] = set()
@@ -158,9 +175,12 @@ class EnvSupervisor:
         from joynexus.agents.health import RoleSlot
 
         inst = self._new_instance()
+        warm = warm_for(self._spawned, self.warm_plan)
+        self._spawned += 1
+        self.warmed[inst] = env_kind(warm)
         await self._assign(inst, key)  # before it starts: it reads it once warm
         self.manager.add_slot(
-            RoleSlot(role=ENV_ROLE, instance=inst, argv=self._argv(inst), env=worker_env())
+            RoleSlot(role=ENV_ROLE, instance=inst, argv=self._argv(inst), env=worker_env(warm))
         )
         return inst
 
@@ -169,6 +189,7 @@ class EnvSupervisor:
         # (a worker taken off a cancelled workload, then stopped as a spare too many).
         keys = [k for k in dict.fromkeys((self.pool.pop(inst, ""), self.served.pop(inst, ""))) if k]
         self.warm.discard(inst)
+        self.warmed.pop(inst, None)
 
         async def gone() -> None:
             await self.manager.remove_slot(inst)  # returns once the process is gone
@@ -216,7 +237,8 @@ class EnvSupervisor:
             for inst in have[wanted[key]:]:
                 await self._assign(inst, "")
             need = wanted[key] - len(have)
-            idle = sorted((i for i, k in self.pool.items() if not k), key=lambda i: i not in self.warm)
+            idle = prefer_warmed([i for i, k in self.pool.items() if not k],
+                                 _kind_of(active[key]), self.warmed, self.warm)
             for inst in idle[:need]:
                 await self._assign(inst, key)
                 need -= 1
