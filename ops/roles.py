@@ -17,7 +17,12 @@ passes them unchanged to the processes it restarts): ``JOYNEXUS_HEARTBEAT_S``
 ``JOYNEXUS_DATASETS`` (role ``control``: root of ``<root>/<tenant>/<dataset>``,
 ``.jnx/datasets``), ``JOYNEXUS_MAX_EVALS`` (role ``evaluator``: rounds at once,
 2), ``JOYNEXUS_ENV_SPARES`` and ``JOYNEXUS_ENV_WORKERS_MAX`` (role
-``producer-rl``: warm idle environment workers, 1, and at most, 8).
+``producer-rl``: warm idle environment workers, 1, and at most, 8),
+``JOYNEXUS_ENV_WARM`` (the env each new worker builds and resets before it is
+ready, comma-separated, one per worker in turn: PickCube-v1), ``JOYNEXUS_SFT_WARM``
+(role ``producer-sft``: "1" loads LeRobot's dataset reader before it is ready) and
+``JOYNEXUS_CORES`` (the cores the launcher plans every role's threads from,
+``ops/threads.py``).
 
 See docs/ARCHITECTURE.md, "Processes" and "Light roles".
 """
