@@ -245,20 +245,25 @@ def test_feature_dims_are_the_backbone_sizes() -> None:
         assert feature_dim(base) == SIZES[size]["text"]["hidden_size"]
 
 
-def test_the_light_dataset_readers_agree_with_lerobot_data(tmp_path) -> None:
-    from joynexus.agents.envs import lerobot_data
+def test_the_dataset_meta_readers_are_one_light_module(tmp_path) -> None:
+    """lerobot_data (torch) and the light producers read a dataset's meta files
+    through the same functions, and those read what they should."""
+    from joynexus.agents.envs import lerobot_data, lerobot_meta
     from joynexus.agents.producers import schema
 
-    assert schema.OBSERVATION_FILE == lerobot_data.OBSERVATION_FILE
+    for name in ("OBSERVATION_FILE", "read_observation_meta", "dataset_stats"):
+        assert getattr(schema, name) is getattr(lerobot_meta, name) is getattr(lerobot_data, name)
     root = _fake_sft_dataset(tmp_path / "d")
-    assert schema.read_observation_meta(root) is None is lerobot_data.read_observation_meta(root)
-    (root / "meta" / schema.OBSERVATION_FILE).write_text(
-        json.dumps({"task": "PickCube-v1", "state_keys": ["agent/qpos"], "cameras": ["front"]})
-    )
-    assert schema.read_observation_meta(root) == lerobot_data.read_observation_meta(root)
-    assert schema.dataset_stats(root) == lerobot_data.dataset_stats(root)
+    assert lerobot_meta.read_observation_meta(root) is None
+    meta = {"task": "PickCube-v1", "state_keys": ["agent/qpos"], "cameras": ["front"]}
+    (root / "meta" / lerobot_meta.OBSERVATION_FILE).write_text(json.dumps(meta))
+    assert lerobot_meta.read_observation_meta(root) == meta
+    (root / "meta" / "stats.json").write_text(json.dumps(
+        {"observation.state": {"mean": [1, 2], "std": [0.5, 0.5]}}))
+    assert lerobot_meta.dataset_stats(root) == {
+        "observation.state": {"mean": [1.0, 2.0], "std": [0.5, 0.5]}}
     (root / "meta" / "stats.json").write_text("not json")
-    assert schema.dataset_stats(root) == lerobot_data.dataset_stats(root) == {}
+    assert lerobot_meta.dataset_stats(root) == {}
 
 
 def test_retag_keeps_the_tensors_and_sets_the_metadata() -> None:

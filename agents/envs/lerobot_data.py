@@ -36,6 +36,11 @@ import numpy as np
 import torch
 
 from joynexus.agents.envs.experts import ScriptedExpert
+from joynexus.agents.envs.lerobot_meta import (
+    OBSERVATION_FILE,
+    dataset_stats,
+    read_observation_meta,
+)
 from joynexus.agents.envs.maniskill import (
     ACTION,
     OBS_IMAGES,
@@ -74,7 +79,6 @@ class DatasetInfo:
 #: What the dataset's observations are made of (task, state keys, cameras...), next to
 #: LeRobot's own meta files; the service reads it to use the same choice in rollouts
 #: and evaluation of a policy trained on the dataset.
-OBSERVATION_FILE = "joynexus_observation.json"
 
 
 def state_names(spec: EnvSpec) -> list[str]:
@@ -98,37 +102,6 @@ def observation_meta(spec: EnvSpec) -> dict[str, Any]:
         "instruction": spec.instruction,
     }
 
-
-def read_observation_meta(root: Path) -> dict[str, Any] | None:
-    """The observation choice a dataset was generated with, or None (a dataset made elsewhere)."""
-    p = Path(root) / "meta" / OBSERVATION_FILE
-    try:
-        if not p.is_file() or p.stat().st_size > 1 << 16:
-            return None
-        meta = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def dataset_stats(root: Path, keys: Sequence[str] = (OBS_STATE, ACTION)) -> dict[str, dict[str, list[float]]]:
-    """LeRobot's normalisation statistics (meta/stats.json: mean, std, min, max per
-    dimension) of ``keys``; an empty dict for a key the file lacks."""
-    p = Path(root) / "meta" / "stats.json"
-    out: dict[str, dict[str, list[float]]] = {}
-    try:
-        raw = json.loads(p.read_text()) if p.is_file() and p.stat().st_size < 64 << 20 else {}
-    except (OSError, ValueError):
-        raw = {}
-    for k in keys:
-        entry = raw.get(k) if isinstance(raw, dict) else None
-        if isinstance(entry, dict):
-            out[k] = {
-                s: [float(x) for x in np.asarray(entry[s], dtype=np.float64).reshape(-1)]
-                for s in ("mean", "std", "min", "max")
-                if s in entry
-            }
-    return out
 
 
 def lerobot_features(spec: EnvSpec) -> dict[str, dict[str, Any]]:

@@ -4,9 +4,9 @@ normalisation statistics, and the pure builders of training targets (action
 chunks, decision lengths). The field names live in :mod:`joynexus.schemas.samples`.
 
 Light (no torch, no simulator, no lerobot): the control plane calls all of it. The
-two readers of a generated dataset's meta files (:func:`read_observation_meta`,
-:func:`dataset_stats`) are those of :mod:`joynexus.agents.envs.lerobot_data` without
-importing that module (torch, lerobot); a test checks both agree.
+readers of a generated dataset's meta files (:func:`read_observation_meta`,
+:func:`dataset_stats`) are :mod:`joynexus.agents.envs.lerobot_meta`'s, the light
+module that :mod:`joynexus.agents.envs.lerobot_data` takes them from too.
 
 See docs/ARCHITECTURE.md ("Layout and import root",
 "Workloads, from the SDK to a new policy version").
@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from joynexus.agents.envs.lerobot_meta import (
+    OBSERVATION_FILE,
+    dataset_stats,
+    read_observation_meta,
+)
 from joynexus.agents.featureschema import FeatureSchema, feature_dim
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.samples import ACTION, OBS_IMAGES, OBS_STATE
@@ -54,23 +58,6 @@ def unusable_dataset(spec: WorkloadSpec) -> InvalidSpec:
 #: meta/info.json larger than this is not read (a dataset's is a few KiB).
 MAX_INFO_BYTES = 4 << 20
 
-#: What a generated dataset's observations are made of, next to LeRobot's meta files
-#: (``agents.envs.lerobot_data.OBSERVATION_FILE``, written there; a test checks both agree).
-OBSERVATION_FILE = "joynexus_observation.json"
-
-
-def read_observation_meta(root: Path) -> dict[str, Any] | None:
-    """The observation choice a dataset was generated with, or None (a dataset made
-    elsewhere): ``agents.envs.lerobot_data.read_observation_meta`` without importing
-    lerobot's module (torch), for the control plane."""
-    p = Path(root) / "meta" / OBSERVATION_FILE
-    try:
-        if not p.is_file() or p.stat().st_size > 1 << 16:
-            return None
-        meta = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 def _dataset_layout(root: Path) -> tuple[list[str], tuple[int, int], int, int]:
@@ -179,28 +166,6 @@ def _dataset_state_keys(spec: WorkloadSpec, state_dim: int) -> tuple[str, ...]:
             )
     return recorded
 
-
-def dataset_stats(
-    root: Path, keys: tuple[str, ...] = (OBS_STATE, ACTION)
-) -> dict[str, dict[str, list[float]]]:
-    """LeRobot's normalisation statistics (meta/stats.json: mean, std, min, max per
-    dimension) of ``keys``; an empty dict for a key the file lacks
-    (``agents.envs.lerobot_data.dataset_stats`` without torch)."""
-    p = Path(root) / "meta" / "stats.json"
-    out: dict[str, dict[str, list[float]]] = {}
-    try:
-        raw = json.loads(p.read_text()) if p.is_file() and p.stat().st_size < 64 << 20 else {}
-    except (OSError, ValueError):
-        raw = {}
-    for k in keys:
-        entry = raw.get(k) if isinstance(raw, dict) else None
-        if isinstance(entry, dict):
-            out[k] = {
-                s: [float(x) for x in np.asarray(entry[s], dtype=np.float64).reshape(-1)]
-                for s in ("mean", "std", "min", "max")
-                if s in entry
-            }
-    return out
 
 
 def normalization_stats(spec: WorkloadSpec) -> dict[str, dict[str, list[float]]]:
