@@ -189,12 +189,17 @@ class SchedulerCore:
         elif job.state is S.DROPPED:
             self.dropped[gk] += sign
 
-    def set_policy(self, policy: WorkloadPolicy) -> WorkloadPolicy:
-        """Take ``policy`` for its workload unless a newer generation's is in force
-        (a late retry of an older create); returns the policy in force."""
+    def is_superseded(self, policy: WorkloadPolicy) -> bool:
+        """Whether a newer generation's policy is in force for its workload (``policy``
+        is a late retry of an older create)."""
         cur = self.policies.get(policy.key)
-        if cur is not None and cur.generation > policy.generation:
-            return cur
+        return cur is not None and cur.generation > policy.generation
+
+    def set_policy(self, policy: WorkloadPolicy) -> WorkloadPolicy:
+        """Take ``policy`` for its workload unless it is superseded; returns the
+        policy in force."""
+        if self.is_superseded(policy):
+            return self.policies[policy.key]
         self.policies[policy.key] = policy
         return policy
 

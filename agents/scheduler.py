@@ -483,8 +483,7 @@ class SchedulerAgent:
         return await self._end(req, "fail")
 
     async def _on_set_policy(self, req: SetPolicyRequest) -> Reply:
-        cur = self.core.policies.get(req.policy.key)
-        if cur is not None and cur.generation > req.policy.generation:
+        if self.core.is_superseded(req.policy):
             return Reply()  # a late retry for a generation since replaced
         await self._kv.put(req.policy.key, encode(req.policy))
         self.core.set_policy(req.policy)

@@ -379,10 +379,12 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
     health = await b.js.key_value(b.names.health_bucket)
 
     async def beats() -> None:  # each role's first heartbeat: its start-to-ready time
+        if not dep.started_at or set(dep.procs) <= set(dep.ready_s):
+            return  # every role seen: no more reads of the bucket's keys
         with contextlib.suppress(Exception):
             for key in await kvwatch.keys(health):
                 role = key.split(".")[1] if key.startswith(HEARTBEAT_KEYS) else ""
-                if role in dep.procs and role not in dep.ready_s and dep.started_at:
+                if role in dep.procs and role not in dep.ready_s:
                     dep.ready_s[role] = round(time.time() - dep.started_at, 2)
 
     try:
