@@ -202,6 +202,10 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
         # 1. Publish a job event for bolt: refused, the log has nothing from acme.
         forged = n.job_subject("bolt", bolt_job.job_id, "completed")
         await nc.publish(forged, b'{"forged": true}')
+        # 1b. End bolt's workload by forging its end in the log: refused the same way.
+        forged_end = n.workload_end_subject("bolt", "pick")
+        await nc.publish(forged_end, b'{"event": "workload_ended", "tenant_id": "bolt", '
+                                     b'"workload": "pick", "state": "done"}')
         # 2. Subscribe to bolt's job events: refused, nothing arrives.
         spied: list[Any] = []
 
@@ -217,13 +221,14 @@ async def test_tenant_cannot_reach_another_tenants_data_and_both_keep_training(
         # 4. Register a workload as bolt.
         await nc.publish(n.api("bolt", "create_workload"), b"{}")
         await nc.flush()
-        await until(lambda: len(errors) >= 5, 10, "the server's refusals")
+        await until(lambda: len(errors) >= 6, 10, "the server's refusals")
         text = "\n".join(errors)
-        for subject in (forged, n.tenant_jobs("bolt"), n.direct_get(n.tq_stream),
+        for subject in (forged, forged_end, n.tenant_jobs("bolt"), n.direct_get(n.tq_stream),
                         n.api("bolt", "create_workload")):
             assert f'"{subject.lower()}"' in text, (subject, text)
         assert "$js.api.stream.info.obj_jnx_weights" in text
         assert nc.is_connected  # a refusal does not cost the connection
+        assert (await bolt.get_workload("pick")).record.state == "active"  # bolt goes on
         # 5. An inference request claiming to be bolt: on bolt's subject it is refused by
         # the server; on acme's own subject with bolt in the payload, by the engine.
         obs = Observation(
