@@ -55,6 +55,27 @@ def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
 
 
+def _in_space(base: str, requested: str) -> str:
+    """``requested`` (relative to the space ``base``, or absolute) resolved, symlinks
+    followed; ValueError unless it is a directory inside ``base``."""
+    cand = Path(requested)
+    if not cand.is_absolute():
+        cand = Path(base) / cand
+    real = os.path.realpath(cand)
+    if not _inside(real, base) or not os.path.isdir(real):
+        raise ValueError("outside the space")
+    return real
+
+
+def _file_in_space(base: str, real: str, name: str, most: int) -> str:
+    """``real/name`` resolved: a regular file inside ``base`` of at most ``most``
+    bytes (ValueError otherwise)."""
+    path = os.path.realpath(os.path.join(real, name))
+    if not _inside(path, base) or not os.path.isfile(path) or os.path.getsize(path) > most:
+        raise ValueError(name)
+    return path
+
+
 def resolve_dataset(
     root: Path | str, tenant: str, requested: str, override: str = ""
 ) -> str:
@@ -71,22 +92,12 @@ def resolve_dataset(
         raise fail
     try:
         base = os.path.realpath(tenant_root(root, tenant, override))
-        cand = Path(requested)
-        if not cand.is_absolute():
-            cand = Path(base) / cand
-        real = os.path.realpath(cand)
-        if not _inside(real, base) or not os.path.isdir(real):
-            raise fail
+        real = _in_space(base, requested)
         for part in _DATASET_PARTS:
             p = os.path.join(real, part)
             if os.path.lexists(p) and not _inside(os.path.realpath(p), base):
                 raise fail
-        info = os.path.join(real, "meta", "info.json")
-        info_real = os.path.realpath(info)
-        if not _inside(info_real, base) or not os.path.isfile(info_real):
-            raise fail
-        if os.path.getsize(info_real) > MAX_INFO_BYTES:
-            raise fail
+        _file_in_space(base, real, os.path.join("meta", "info.json"), MAX_INFO_BYTES)
     except InvalidSpec:
         raise fail from None
     except (OSError, ValueError):
@@ -94,10 +105,47 @@ def resolve_dataset(
     return real
 
 
+#: An exported head's files (``Client.export``) and the largest of each read.
+EXPORT_FILES: dict[str, int] = {"head.safetensors": 256 << 20, "manifest.json": 1 << 20}
+
+
+def no_export(tenant: str, requested: str) -> InvalidSpec:
+    """The one refusal of an exported head's name, whatever went wrong."""
+    shown = requested if len(requested) <= 200 else requested[:200] + "..."
+    return InvalidSpec(
+        f"tenant {tenant!r} has no exported head {shown!r} in its dataset space (a directory "
+        "holding head.safetensors and manifest.json, as Client.export writes it; name it by "
+        "its path inside your dataset space)"
+    )
+
+
+def resolve_export(
+    root: Path | str, tenant: str, requested: str, override: str = ""
+) -> str:
+    """The absolute, symlink-free path of an exported head in ``tenant``'s dataset
+    space (``WorkloadSpec.init_from_export``): a directory inside the space whose
+    ``head.safetensors`` and ``manifest.json`` are regular files inside it too, of
+    bounded size (:data:`EXPORT_FILES`). One generic :class:`InvalidSpec` otherwise."""
+    fail = no_export(tenant, requested if isinstance(requested, str) else "")
+    if not isinstance(requested, str) or not requested.strip() or "\x00" in requested:
+        raise fail
+    try:
+        base = os.path.realpath(tenant_root(root, tenant, override))
+        real = _in_space(base, requested)
+        for name, most in EXPORT_FILES.items():
+            _file_in_space(base, real, name, most)
+    except (OSError, ValueError):
+        raise fail from None
+    return real
+
+
 __all__ = [
     "DATASETS_ENV",
+    "EXPORT_FILES",
     "default_root",
     "no_dataset",
+    "no_export",
     "resolve_dataset",
+    "resolve_export",
     "tenant_root",
 ]

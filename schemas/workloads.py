@@ -94,6 +94,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: Start from this version of ``init_from_workload`` (same tenant); None = fresh weights.
     init_from: int | None = None
     init_from_workload: str = ""
+    #: sft, rl: start from a head exported by ``Client.export`` (a directory holding
+    #: ``head.safetensors`` and ``manifest.json``), named by its path inside the
+    #: tenant's dataset space like ``dataset``; the head type, width and sample
+    #: layout must be this workload's. Not with ``init_from_workload``.
+    init_from_export: str = ""
     #: RL: parallel envs and steps per rollout job; SFT: samples per job.
     num_envs: int = 2
     horizon: int = 16
@@ -134,8 +139,8 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     exploration_std: float | None = None
     #: rl with PPO (Gaussian heads): the first ``critic_warmup`` updates train only the
     #: critic (the policy is held while the value estimates it starts without are
-    #: learnt). None: 10 when the workload starts from another's policy
-    #: (``init_from_workload``), else 0.
+    #: learnt). None: 10 when the workload starts from a trained policy
+    #: (``init_from_workload`` or ``init_from_export``), else 0.
     critic_warmup: int | None = None
     #: rl with PPO: the adaptive step's target KL per update (the policy's learning rate
     #: shrinks when an update moves it more than twice this far from the behaviour
@@ -204,6 +209,19 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(f"learning_rate must be in (0, 1), got {self.learning_rate}")
         if self.init_from is not None and self.init_from < 0:
             raise InvalidSpec(f"init_from must be a version >= 0, got {self.init_from}")
+        if self.init_from_export:
+            if self.task_type not in ("sft", "rl"):
+                raise InvalidSpec(
+                    f"init_from_export applies to sft and rl workloads (the heads they train), "
+                    f"not {self.task_type}"
+                )
+            if self.init_from_workload:
+                raise InvalidSpec(
+                    "give init_from_workload (a version of one of your workloads) or "
+                    "init_from_export (an exported head in your dataset space), not both"
+                )
+            if len(self.init_from_export) > 1024 or "\x00" in self.init_from_export:
+                raise InvalidSpec("init_from_export must be a path of at most 1024 characters")
         if self.exploration_std is not None and not (
             isinstance(self.exploration_std, (int, float))
             and math.isfinite(self.exploration_std)
@@ -226,10 +244,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(f"target_kl must be a number in [0, 1] (0: a fixed learning rate), got {self.target_kl!r}")
 
     def warmup_updates(self) -> int:
-        """``critic_warmup`` resolved (None: 10 from another's policy, else 0)."""
+        """``critic_warmup`` resolved (None: 10 from a trained policy, another
+        workload's or an exported one, else 0)."""
         if self.critic_warmup is not None:
             return self.critic_warmup
-        return 10 if self.init_from_workload else 0
+        return 10 if self.init_from_workload or self.init_from_export else 0
 
     def _check_eval_fields(self) -> None:
         for field, lo, hi in (

@@ -668,14 +668,25 @@ class Client:
 
 
 def _normalization(weights: bytes) -> dict[str, dict[str, list[float]]]:
-    """The normalisation statistics a head's safetensors carry (state and action mean/std)."""
-    from safetensors.torch import load
+    """The normalisation statistics a head's safetensors carry (state and action
+    mean/std), read from its header with numpy (the SDK imports no torch)."""
+    n = int.from_bytes(weights[:8], "little")
+    header = json.loads(weights[8 : 8 + n])
+    body = memoryview(weights)[8 + n :]
 
-    t = load(weights)
+    def tensor(name: str) -> list[float] | None:
+        t = header.get(name)
+        if not isinstance(t, dict) or t.get("dtype") not in ("F32", "F64"):
+            return None
+        a, b = t["data_offsets"]
+        dtype = np.float32 if t["dtype"] == "F32" else np.float64
+        return [float(x) for x in np.frombuffer(body[a:b], dtype=dtype)]
+
     out: dict[str, dict[str, list[float]]] = {}
     for key, prefix in (("observation.state", "state"), ("action", "action")):
-        if f"{prefix}_mean" in t and f"{prefix}_std" in t:
-            out[key] = {"mean": t[f"{prefix}_mean"].tolist(), "std": t[f"{prefix}_std"].tolist()}
+        mean, std = tensor(f"{prefix}_mean"), tensor(f"{prefix}_std")
+        if mean is not None and std is not None:
+            out[key] = {"mean": mean, "std": std}
     return out
 
 

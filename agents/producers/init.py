@@ -99,6 +99,10 @@ class PolicyInitializer:
             src = await self.records.get(record.tenant_id, spec.init_from_workload, spec.init_from)
             await self._copy(record, schema, src)
             return schema.signature()
+        if spec.init_from_export:
+            data, manifest = await asyncio.to_thread(read_export, spec.init_from_export)
+            await self._import(record, schema, data, manifest)
+            return schema.signature()
         stats = await asyncio.to_thread(normalization_stats, spec)
         if self.remote:
             return await self._ask(record, schema, stats)
@@ -107,23 +111,66 @@ class PolicyInitializer:
 
     async def _copy(self, record: WorkloadRecord, schema: FeatureSchema, src: PolicyRecord) -> None:
         """Version 1 as a copy of ``src``'s weights (SFT then RL): same head, same schema."""
-        spec = record.spec
-        head_config = copied_head_config(src, spec, schema)
-        data = retag_safetensors(
-            await self.records.load_weights(src),
-            {"version": "1", "config": json.dumps(head_config)},
+        what = f"{record.spec.init_from_workload!r} v{src.version}"
+        if src.base_model != record.spec.base_model:
+            raise InvalidSpec(
+                f"cannot start {record.spec.name!r} from {what}: it was trained on "
+                f"{src.base_model}, this workload runs on {record.spec.base_model}"
+            )
+        head_config = copied_head_config(
+            what, src.head_type, src.head_config, feature_schema_of(src).signature(),
+            record.spec, schema,
+        )
+        await self._publish_v1(
+            record, schema, await self.records.load_weights(src), src.head_type, head_config,
             what=f"{src.tenant_id}.{src.workload} v{src.version}",
+        )
+
+    async def _import(
+        self, record: WorkloadRecord, schema: FeatureSchema, data: bytes, manifest: dict[str, Any]
+    ) -> None:
+        """Version 1 from an exported head (``init_from_export``): the manifest must
+        name this workload's head, width, sample layout and base model, and the
+        weights must be well-formed safetensors of a bounded header."""
+        spec = record.spec
+        what = f"the exported head {spec.init_from_export!r}"
+        head_type, head_config = manifest.get("action_module"), manifest.get("head_config")
+        if not isinstance(head_type, str) or not isinstance(head_config, dict):
+            raise InvalidSpec(f"{what}: its manifest.json names no action_module and head_config; export it again")
+        if manifest.get("base_model") != spec.base_model:
+            raise InvalidSpec(
+                f"cannot start {spec.name!r} from {what}: it was trained on "
+                f"{str(manifest.get('base_model'))[:64]!r}, this workload runs on {spec.base_model}"
+            )
+        head_config = copied_head_config(
+            what, head_type, head_config, str(manifest.get("schema_signature", ""))[:128], spec, schema
+        )
+        check_safetensors(data, what=what)
+        await self._publish_v1(record, schema, data, head_type, head_config, what=what)
+
+    async def _publish_v1(
+        self,
+        record: WorkloadRecord,
+        schema: FeatureSchema,
+        data: bytes,
+        head_type: str,
+        head_config: dict[str, Any],
+        *,
+        what: str,
+    ) -> None:
+        weights = retag_safetensors(
+            data, {"version": "1", "config": json.dumps(head_config)}, what=what
         )
         with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create
             await self.records.publish_weights(
                 record.tenant_id,
-                spec.name,
-                lambda _v: data,
-                head_type=src.head_type,
+                record.spec.name,
+                lambda _v: weights,
+                head_type=head_type,
                 head_config=head_config,
                 feature_schema=schema_spec(schema),
                 schema_signature=schema.signature(),
-                base_model=spec.base_model,
+                base_model=record.spec.base_model,
                 version=1,
             )
 
@@ -162,25 +209,31 @@ def check_eval_source(src: PolicyRecord, spec: WorkloadSpec, schema: FeatureSche
 
 
 def copied_head_config(
-    src: PolicyRecord, spec: WorkloadSpec, schema: FeatureSchema
+    what: str,
+    head_type: str,
+    head_config: dict[str, Any],
+    signature: str,
+    spec: WorkloadSpec,
+    schema: FeatureSchema,
 ) -> dict[str, Any]:
-    """The head config of a copy of ``src`` for ``spec``: the source's, with the new
-    workload's sizes and seed (InvalidSpec where the weights would not fit: another
-    head, schema or hidden width)."""
-    if feature_schema_of(src).signature() != schema.signature() or src.head_type != spec.action_module:
+    """The head config of a copy of a trained head (``what``: another workload's
+    version, or an exported head) for ``spec``: its own, with the new workload's
+    sizes and seed (InvalidSpec where the weights would not fit: another head,
+    sample layout or hidden width)."""
+    if signature != schema.signature() or head_type != spec.action_module:
         raise InvalidSpec(
-            f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
-            f"({src.head_type}, {src.schema_signature}) differs from this workload's "
+            f"cannot start {spec.name!r} from {what}: its head "
+            f"({head_type[:64]}, {signature}) differs from this workload's "
             f"({spec.action_module}, {schema.signature()})"
         )
-    hidden = src.head_config.get("hidden")
+    hidden = head_config.get("hidden")
     if hidden != spec.head_hidden:
         raise InvalidSpec(
-            f"cannot start {spec.name!r} from {spec.init_from_workload!r} v{src.version}: its head "
-            f"is {hidden} wide, this workload's head_hidden is {spec.head_hidden}; give the same"
+            f"cannot start {spec.name!r} from {what}: its head "
+            f"is {str(hidden)[:16]} wide, this workload's head_hidden is {spec.head_hidden}; give the same"
         )
     return {
-        **src.head_config,
+        **head_config,
         "feature_dim": feature_dim(spec.base_model),
         "state_dim": schema.state_dim,
         "action_dim": schema.action_dim,
@@ -192,6 +245,83 @@ def copied_head_config(
 
 #: The largest safetensors header read (a head's is a few KiB).
 MAX_HEADER_BYTES = 16 << 20
+
+
+#: safetensors dtypes and their sizes in bytes.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def check_safetensors(data: bytes, *, what: str = "weights") -> None:
+    """``data`` is well-formed safetensors: a bounded JSON header whose every
+    tensor has a known dtype and a shape whose bytes are exactly its offsets,
+    which lie inside the data and together cover it (InvalidSpec otherwise). The
+    loader (strict ``load_state_dict``) then checks names and shapes against the head."""
+    def bad(reason: str) -> InvalidSpec:
+        return InvalidSpec(f"{what}: head.safetensors is not well-formed ({reason}); export it again")
+
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if n < 2 or n > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise bad("header length")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        raise bad("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("header")
+    body = len(data) - 8 - n
+    spans = []
+    for key, t in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(t, dict) or t.get("dtype") not in _DTYPE_BYTES:
+            raise bad(f"tensor {str(key)[:64]!r}: dtype")
+        shape, offsets = t.get("shape"), t.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise bad(f"tensor {str(key)[:64]!r}: shape")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= body):
+            raise bad(f"tensor {str(key)[:64]!r}: offsets")
+        size = _DTYPE_BYTES[t["dtype"]]
+        for d in shape:
+            size *= d
+        if offsets[1] - offsets[0] != size:
+            raise bad(f"tensor {str(key)[:64]!r}: {size} bytes for its shape, offsets span "
+                      f"{offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1]))
+    if not spans:
+        raise bad("no tensors")
+    end = 0
+    for a, b in sorted(spans):
+        if a != end:
+            raise bad("tensors overlap or leave gaps")
+        end = b
+    if end != body:
+        raise bad("bytes after the last tensor")
+
+
+def read_export(path: str) -> tuple[bytes, dict[str, Any]]:
+    """An exported head's weights and manifest (``path`` already resolved inside
+    the tenant's space by the control plane: ``agents.datasets.resolve_export``)."""
+    from pathlib import Path
+
+    from joynexus.agents.datasets import EXPORT_FILES
+
+    root = Path(path)
+    try:
+        manifest = json.loads((root / "manifest.json").read_bytes()[: EXPORT_FILES["manifest.json"]])
+        with open(root / "head.safetensors", "rb") as f:
+            data = f.read(EXPORT_FILES["head.safetensors"] + 1)
+    except (OSError, ValueError) as e:
+        raise InvalidSpec(
+            f"the exported head {path!r} could not be read ({type(e).__name__}); export it again"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise InvalidSpec(f"the exported head {path!r}: manifest.json is not an object; export it again")
+    if len(data) > EXPORT_FILES["head.safetensors"]:
+        raise InvalidSpec(f"the exported head {path!r}: head.safetensors is too large")
+    return data, manifest
 
 
 def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "weights") -> bytes:
@@ -299,7 +429,9 @@ __all__ = [
     "PolicyInitService",
     "PolicyInitializer",
     "check_eval_source",
+    "check_safetensors",
     "copied_head_config",
     "publish_fresh",
+    "read_export",
     "retag_safetensors",
 ]
