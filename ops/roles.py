@@ -58,6 +58,7 @@ class RoleOptions:
     backbone_size: str = "tiny"
     backbone_path: str | None = None
     max_batch: int = 16
+    max_rows: int = 64
     max_wait_ms: float = 5.0
     #: Inference: torch intra-op threads (None: ``serving_threads``'s default).
     torch_threads: int | None = None
@@ -177,6 +178,7 @@ async def _inference(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
             size=o.backbone_size,
             backbone_path=o.backbone_path,
             max_batch=o.max_batch,
+            max_rows=o.max_rows,
             max_wait_ms=o.max_wait_ms,
             instance=o.instance,
             threads=o.torch_threads,

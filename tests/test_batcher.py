@@ -122,6 +122,67 @@ def test_plan_invariants_on_random_queues() -> None:
                 assert queue[mine[len(chosen)]].key not in keys  # blocked, not forgotten
 
 
+def r(*items: str) -> list[Arrival]:
+    """``"a64"``: tenant a, a request of 64 rows (key k, arrived at 0)."""
+    return [Arrival(s[0], "k", 0.0, False, int(s[1:])) for s in items]
+
+
+@pytest.mark.parametrize(
+    ("queue", "last_served", "max_rows", "want"),
+    [
+        # a batch is bounded by rows: a 64-row request fills one of its own
+        (r("m64", "m64", "v1"), {}, 64, (0,)),
+        # the victim's turn comes next: it runs before the flood's second request ...
+        (r("m64", "v1"), {"m": 1}, 64, (1,)),
+        # ... and with another small tenant, not behind a row-heavy one
+        (r("m64", "v1", "w2"), {"m": 3, "v": 1, "w": 2}, 64, (1, 2)),
+        # the first request always runs, however large (nothing could run it otherwise)
+        (r("m100", "v1"), {}, 64, (0,)),
+        # rows fill up with every tenant's turns, each FIFO
+        (r("a8", "a8", "b8", "b8"), {}, 24, (0, 2, 1)),
+        # a request that would not fit keeps its tenant's later ones out (FIFO) ...
+        (r("a8", "a60", "a1", "b1"), {}, 64, (0, 3)),
+        # ... while other tenants' still fit
+        (r("a60", "b8", "c4"), {}, 64, (0, 2)),
+        # no row bound: the request count alone (as before)
+        (r("m64", "m64", "v1"), {}, None, (0, 2, 1)),
+    ],
+)
+def test_plan_bounds_rows(
+    queue: list[Arrival], last_served: dict[str, int], max_rows: int | None,
+    want: tuple[int, ...],
+) -> None:
+    assert tuple(plan(queue, last_served, 16, max_rows)) == want
+
+
+def test_a_full_row_batch_runs_without_waiting_for_company() -> None:
+    queue = [Arrival("a", "k", 1.0, True, 64), Arrival("b", "k", 1.0, True, 8)]
+    assert choose(queue, {}, now=1.011, freed_at=1.010, max_batch=16, max_wait_s=W,
+                  max_rows=64).take == (0,)
+    got = choose(queue[:1], {}, now=1.011, freed_at=1.010, max_batch=16, max_wait_s=W, max_rows=64)
+    assert got.take == (0,)  # 64 of 64 rows: full
+
+
+def test_a_small_tenant_waits_at_most_one_batch_behind_a_flood() -> None:
+    """Whatever the flood sends (requests up to the row bound), a 1-row request that
+    arrives runs in the next batch or the one after (the batch running when it came,
+    then the one the flood's turn may hold)."""
+    rng = random.Random(3)
+    for _ in range(300):
+        queue = [Arrival("m", "k", float(i), False, rng.randint(1, 64)) for i in range(rng.randint(1, 20))]
+        queue.append(Arrival("v", "k", 99.0, False, 1))
+        last: dict[str, int] = {"v": rng.randint(0, 5), "m": rng.randint(0, 5)}
+        for batch_no in range(2):
+            take = plan(queue, last, 16, 64)
+            assert sum(queue[i].rows for i in take) <= 64 or len(take) == 1
+            if any(queue[i].tenant == "v" for i in take):
+                break
+            last = served(last, [queue[i].tenant for i in take], 10 + batch_no, 100)
+            queue = [p for i, p in enumerate(queue) if i not in set(take)]
+        else:
+            raise AssertionError("the 1-row request waited more than two batches")
+
+
 @pytest.mark.parametrize(
     ("before", "tenants", "turn", "forget_above", "after"),
     [

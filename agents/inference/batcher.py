@@ -5,7 +5,10 @@ batch runs, requests accumulate and form the next one (up to ``max_batch``) the
 moment it ends; ``max_wait`` only bounds how long a request that arrived at a
 busy engine may then still wait for company, counted from when the engine could
 first have run it. Tenants take turns, each in FIFO order, so a tenant that
-queues a thousand requests waits behind itself. :func:`choose` decides "which
+queues a thousand requests waits behind itself; a batch is bounded by rows as
+well as requests (``max_rows``: a forward's cost grows with its rows), so a
+tenant sending large requests fills a batch of its own and one with 1-row
+requests waits at most about one batch behind it (issue 24). :func:`choose` decides "which
 prefix now" from the pending requests' keys and arrival times alone; the engine
 only runs what it says. See docs/ARCHITECTURE.md ("The Inference Queue").
 """
@@ -37,6 +40,8 @@ class Waiting(Protocol):
     def enqueued(self) -> float: ...  # when it joined the queue (perf_counter)
     @property
     def busy(self) -> bool: ...  # it arrived while a batch was running
+    @property
+    def rows(self) -> int: ...  # observations in it: what its forward costs
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Arrival:
     key: str
     enqueued: float = 0.0
     busy: bool = False
+    rows: int = 1
 
 
 @dataclass
@@ -70,6 +76,10 @@ class Pending:
     def tenant(self) -> str:
         return self.req.tenant_id
 
+    @property
+    def rows(self) -> int:
+        return self.batch.batch_size
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -80,11 +90,16 @@ class Choice:
     until: float | None = None
 
 
-def plan(queue: Sequence[Waiting], last_served: Mapping[str, int], max_batch: int) -> list[int]:
+def plan(
+    queue: Sequence[Waiting], last_served: Mapping[str, int], max_batch: int,
+    max_rows: int | None = None,
+) -> list[int]:
     """The next batch (indices into ``queue``): tenants take turns (the one served longest
     ago first, then arrival), one request per tenant per round, each tenant's own requests
-    in FIFO order; a tenant whose next request cannot share the batch's backbone forward
-    sits this batch out. With one tenant this is the largest FIFO-compatible prefix."""
+    in FIFO order; a tenant whose next request cannot share the batch's backbone forward,
+    or would take the batch past ``max_rows`` rows, sits the rest of this batch out (the
+    batch's first request always runs, however large). With one tenant this is the
+    largest FIFO-compatible prefix within the bounds."""
     if not queue:
         return []
     lines: dict[str, deque[int]] = {}
@@ -93,13 +108,23 @@ def plan(queue: Sequence[Waiting], last_served: Mapping[str, int], max_batch: in
     order = sorted(lines, key=lambda t: last_served.get(t, -1))  # stable: arrival
     key = queue[lines[order[0]][0]].key
     out: list[int] = []
+    rows = 0
+    out_of_turn: set[str] = set()
     while len(out) < max_batch:
         took = False
         for t in order:
             line = lines[t]
-            if line and queue[line[0]].key == key and len(out) < max_batch:
-                out.append(line.popleft())
-                took = True
+            if t in out_of_turn or not line or len(out) >= max_batch:
+                continue
+            head = queue[line[0]]
+            if head.key != key:
+                continue
+            if out and max_rows is not None and rows + head.rows > max_rows:
+                out_of_turn.add(t)  # FIFO: its later requests wait behind this one
+                continue
+            out.append(line.popleft())
+            rows += head.rows
+            took = True
         if not took:
             break
     return out
@@ -113,20 +138,24 @@ def choose(
     freed_at: float,
     max_batch: int,
     max_wait_s: float,
+    max_rows: int | None = None,
 ) -> Choice:
     """Which batch to run now from an idle engine's queue, or how long to wait for company.
 
-    Runs at once when the batch is full, when an incompatible request behind it blocks
+    Runs at once when the batch is full (requests or rows), when an incompatible request behind it blocks
     it from growing, or when the head did not arrive at a busy engine. A head that did
     may wait until ``max_wait_s`` after the engine could first have run it (``freed_at``:
     when the last batch ended): waiting behind the running batch is not waiting for
     company. An empty queue gives an empty choice with nothing to wait for."""
-    take = plan(queue, last_served, max_batch)
+    take = plan(queue, last_served, max_batch, max_rows)
     if not take:
         return Choice()
     head = queue[0]
     deadline = max(head.enqueued, freed_at) + max_wait_s if head.busy else head.enqueued
-    if len(take) >= max_batch or len(take) < len(queue) or deadline - now <= 0:
+    full = len(take) >= max_batch or (
+        max_rows is not None and sum(queue[i].rows for i in take) >= max_rows
+    )
+    if full or len(take) < len(queue) or deadline - now <= 0:
         return Choice(take=tuple(take))
     return Choice(until=deadline)
 

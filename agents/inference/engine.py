@@ -51,7 +51,7 @@ from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import BatchInfo, InferError, encode_msgpack
 
-__all__ = ["INLINE_FORWARD_MS", "EngineStats", "InferenceEngine"]
+__all__ = ["DEFAULT_MAX_ROWS", "INLINE_FORWARD_MS", "EngineStats", "InferenceEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ BUSY_DELAY_S = 0.002
 #: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
 #: batches of many rows stay on the thread. A size not measured yet runs on the thread.
 INLINE_FORWARD_MS = 15.0
+#: Rows a batch holds at most by default: a tenant's largest request (the quota's
+#: ``max_infer_rows``, 64 by default) fills a batch of its own.
+DEFAULT_MAX_ROWS = 64
 
 #: Before an idle engine chooses its batch, the loop turns while turns bring requests
 #: already received (``InferenceEngine._take_in_received``), at most this long, and
@@ -93,6 +96,7 @@ class InferenceEngine:
         *,
         base_model: str | None = None,
         max_batch: int = 16,
+        max_rows: int = DEFAULT_MAX_ROWS,
         max_wait_ms: float = 5.0,
         instance: str = "infer-0",
         retain_versions: int = 4,
@@ -104,6 +108,8 @@ class InferenceEngine:
     ) -> None:
         if max_batch < 1:
             raise InvalidSpec(f"max_batch={max_batch}: must be >= 1")
+        if max_rows < 1:
+            raise InvalidSpec(f"max_rows={max_rows}: must be >= 1")
         if not max_wait_ms >= 0:
             raise InvalidSpec(f"max_wait_ms={max_wait_ms}: must be >= 0")
         if retain_versions < 1:
@@ -115,6 +121,8 @@ class InferenceEngine:
         self.base_model = base_model or backbone.config.base_model
         model_token(self.base_model)  # fails early on a name that cannot be a subject token
         self.max_batch = max_batch
+        #: rows (observations) a batch may hold; its first request runs whatever its size
+        self.max_rows = max_rows
         self.max_wait_s = max_wait_ms / 1e3
         self.instance = instance
         self.retain_versions = retain_versions
@@ -227,6 +235,7 @@ class InferenceEngine:
                 "instance": self.instance,
                 "base_model": self.base_model,
                 "max_batch": str(self.max_batch),
+                "max_rows": str(self.max_rows),
                 "max_wait_ms": f"{self.max_wait_s * 1e3:g}",
             },
             queue_group=n.inference_service,
@@ -234,6 +243,14 @@ class InferenceEngine:
         await self._service.add_endpoint(
             name=model_token(self.base_model),
             subject=n.infer(self.base_model),
+            handler=self.intake.on_request,
+            metadata={"base_model": self.base_model},
+        )
+        # The agents' requests for tenants (rollouts, evaluations): the same queue,
+        # on a subject only the service may publish to (their replies go to its inboxes).
+        await self._service.add_endpoint(
+            name=f"svc-{model_token(self.base_model)}",
+            subject=n.service_infer(self.base_model),
             handler=self.intake.on_request,
             metadata={"base_model": self.base_model},
         )
@@ -331,6 +348,7 @@ class InferenceEngine:
                 freed_at=self._freed_at,
                 max_batch=self.max_batch,
                 max_wait_s=self.max_wait_s,
+                max_rows=self.max_rows,
             )
             if choice.until is None:
                 break

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from joynexus.agents.inference.engine import InferenceEngine
+from joynexus.agents.inference.engine import DEFAULT_MAX_ROWS, InferenceEngine
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
@@ -75,6 +75,7 @@ class EnginePool:
         *,
         base_model: str | None = None,
         max_batch: int = 16,
+        max_rows: int = DEFAULT_MAX_ROWS,
         max_wait_ms: float = 5.0,
         retain_versions: int = 4,
         instance_prefix: str = "infer",
@@ -84,6 +85,7 @@ class EnginePool:
         self.kw: dict[str, Any] = dict(
             base_model=base_model,
             max_batch=max_batch,
+            max_rows=max_rows,
             max_wait_ms=max_wait_ms,
             retain_versions=retain_versions,
         )
@@ -145,6 +147,7 @@ async def run_inference_agent(
     base_model: str | None = None,
     size: str = "tiny",
     max_batch: int = 16,
+    max_rows: int = DEFAULT_MAX_ROWS,
     max_wait_ms: float = 5.0,
     instance: str = "infer-0",
     engines: int = 1,
@@ -169,6 +172,7 @@ async def run_inference_agent(
         backbone,
         base_model=base_model,
         max_batch=max_batch,
+        max_rows=max_rows,
         max_wait_ms=max_wait_ms,
         instance_prefix=instance,
     )
