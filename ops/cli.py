@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="actor/inference: load the backbone from this local directory instead",
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
+    p.add_argument(
+        "--max-rows", type=int, default=64,
+        help="inference: rows (observations) a batch holds at most; a larger request runs "
+        "alone (default 64: one tenant's largest request fills a batch of its own)",
+    )
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
     p.add_argument(
         "--torch-threads",
@@ -392,12 +398,29 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
+#: After SIGTERM or SIGINT a role stops gracefully within this long, or exits hard:
+#: a role whose server went away (its deployment killed) hung in its shutdown and
+#: outlived the deployment (an actor and a producer-rl seen orphaned).
+STOP_GRACE_S = 30.0
+
+
+def _stop_soon(stop: asyncio.Event) -> None:
+    """The first signal stops the role gracefully, with a hard exit ``STOP_GRACE_S``
+    later if that hangs; a second signal exits at once."""
+    if stop.is_set():
+        os._exit(130)
+    stop.set()
+    timer = threading.Timer(STOP_GRACE_S, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
 async def _until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _stop_soon, stop)
     return await main(stop)
 
 
@@ -659,6 +682,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             backbone_size=args.backbone,
             backbone_path=args.backbone_path,
             max_batch=args.max_batch,
+            max_rows=args.max_rows,
             max_wait_ms=args.max_wait_ms,
             torch_threads=args.torch_threads,
             data_dir=Path(args.data_dir),
