@@ -29,10 +29,12 @@ import msgspec
 import numpy as np
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from joynexus.agents.control.checks import periodic_to_forget, periodic_wait
 from joynexus.agents.envs.maniskill import run_episodes
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
+from joynexus.broker.quotas import QuotaBook
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
 from joynexus.schemas.workloads import (
@@ -260,15 +262,27 @@ class Evaluator:
         self._untrained: set[str] = set()
         #: Periodic evaluations this evaluator created (for tests and logs).
         self.created: list[str] = []
+        #: Every workload record as the watch last saw it (a tenant's evaluations and
+        #: active workloads count against its quota before a periodic one starts).
+        self.records: dict[str, WorkloadRecord] = {}
+        #: Per tenant, the periodic evaluations due but not started (its quota's
+        #: max_concurrent_evals reached), oldest first: queued, not dropped.
+        self.due: dict[str, deque[tuple[WorkloadSpec, int, str]]] = {}
+        self.quotas = QuotaBook(broker)
+        self._admit = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         from joynexus.agents.workloads import watch_workloads
 
         self._kv = await self.b.js.key_value(self.b.names.workloads_bucket)
+        await self.quotas.start()
         versions = asyncio.create_task(self._watch_versions())
+        admit = asyncio.create_task(self._admit_loop())
         try:
             async for key, rec in watch_workloads(self.b, stop, idle=self._reap):
                 self._reap()
+                self.records[key] = rec
+                self._admit.set()  # an evaluation that ended frees a slot
                 if rec.spec.eval_every:
                     self._trained[key] = rec.spec
                 if rec.spec.task_type != "eval":
@@ -281,9 +295,11 @@ class Evaluator:
                 elif rec.state != "active" and key in self.running:
                     self.running[key].control.cancel()
         finally:
-            versions.cancel()
-            with contextlib.suppress(BaseException):
-                await versions
+            for t in (versions, admit):
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+            await self.quotas.stop()
             # Stopping (SIGTERM): every evaluation stops within a step; records stay active.
             for r in self.running.values():
                 r.control.halt.set()
@@ -348,7 +364,53 @@ class Evaluator:
                 log.info("%s.%s: no evaluation of v%d (at most %d per workload)",
                          prec.tenant_id, spec.name, version, MAX_PERIODIC_EVALS)
                 continue
-            await self._periodic(prec.tenant_id, spec, version, prec.schema_signature)
+            line = self.due.setdefault(prec.tenant_id, deque())
+            if (spec.name, version) not in {(t.name, v) for t, v, _ in line}:
+                line.append((spec, version, prec.schema_signature))
+        self._admit.set()
+
+    async def _admit_loop(self) -> None:
+        """Start the queued periodic evaluations each tenant's quota has room for,
+        whenever a record changes (and every second: a quota may have grown)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._admit.wait(), 1.0)
+            self._admit.clear()
+            try:
+                await self.admit_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("admitting periodic evaluations")
+
+    async def admit_due(self) -> None:
+        """For each tenant with periodic evaluations due, oldest first: while its
+        quota has room (``periodic_wait``), drop those whose version is gone from the
+        policy history (nothing to evaluate), forget its oldest ended periodic records
+        beyond ``max_workloads`` (``periodic_to_forget``) and create the next."""
+        store = PolicyStore(self.b)
+        for tenant in list(self.due):
+            line = self.due[tenant]
+            q = self.quotas.get(tenant)
+            while line:
+                mine = [r for r in self.records.values() if r.tenant_id == tenant]
+                if periodic_wait(tenant, mine, q) is not None:
+                    break  # queued until one of its evaluations ends
+                train, version, signature = line.popleft()
+                try:
+                    await store.get(tenant, train.name, version)
+                except JoyNexusError:
+                    log.info("%s.%s: v%d left the policy history before its evaluation "
+                             "could start; skipped", tenant, train.name, version)
+                    continue
+                for old in periodic_to_forget(mine, q):
+                    key = self.b.names.workload_key(tenant, old.spec.name)
+                    with contextlib.suppress(KeyNotFoundError):
+                        await self._kv.delete(key)
+                    self.records.pop(key, None)
+                await self._periodic(tenant, train, version, signature)
+            if not line:
+                del self.due[tenant]
 
     async def _periodic(self, tenant: str, train: WorkloadSpec, version: int, signature: str) -> bool:
         """Create the evaluation record of ``version`` unless it exists (a KV create:
@@ -381,6 +443,7 @@ class Evaluator:
             await self._kv.create(key, encode(rec))
         except KeyWrongLastSequenceError:  # made already (or the tenant took the name)
             return False
+        self.records[key] = rec  # counted at once, before the watch brings it back
         self.created.append(key)
         log.info("periodic evaluation %s of %s v%d", key, train.name, version)
         return True

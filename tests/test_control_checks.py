@@ -148,11 +148,17 @@ _RL, _SFT = spec("rl1"), spec("sft1", "sft")
         (spec("rl2"), [rec(spec(f"s{i}", "sft"), state="completed") for i in range(2)],
          Quota(max_workloads=2), "max_workloads"),
         (spec("rl2"), [rec(_SFT)], Quota(max_active_workloads=1), "active workloads"),
-        # the evaluator's periodic evaluations do not count against the tenant
+        # the evaluator's periodic evaluations count while they run (issue 24) ...
         (spec("rl2"), [rec(spec(f"p{i}", "eval"), periodic=True) for i in range(3)],
-         Quota(max_workloads=2, max_active_workloads=1), None),
+         Quota(max_workloads=2, max_active_workloads=4), "max_workloads"),
+        (spec("rl2"), [rec(spec("p0", "eval"), periodic=True)],
+         Quota(max_active_workloads=1), "active workloads"),
         (spec("e3", "eval"), [rec(spec(f"e{i}", "eval")) for i in range(2)], Q, "evaluations running"),
-        (spec("e3", "eval"), [rec(spec(f"e{i}", "eval"), periodic=True) for i in range(2)], Q, None),
+        (spec("e3", "eval"), [rec(spec(f"e{i}", "eval"), periodic=True) for i in range(2)], Q,
+         "evaluations running"),
+        # ... ended, they are results with a bound of their own: no slot taken
+        (spec("rl2"), [rec(spec(f"p{i}", "eval"), state="done", periodic=True) for i in range(3)],
+         Quota(max_workloads=2, max_active_workloads=1), None),
     ],
 )
 def test_create_against_the_tenants_records(
@@ -169,6 +175,35 @@ def test_create_against_the_tenants_records(
                                              "evaluations running") else InvalidSpec
         with pytest.raises(error, match=outcome):
             c.check_create("acme", new, held, quota)
+
+
+@pytest.mark.parametrize(
+    ("held", "quota", "waits"),
+    [
+        ([], Q, None),
+        # the tenant's own evaluations and the periodic ones share max_concurrent_evals
+        ([rec(spec("e1", "eval")), rec(spec("p1", "eval"), periodic=True)], Q, "2 evaluations running"),
+        ([rec(spec("e1", "eval")), rec(spec("p1", "eval"), state="done", periodic=True)], Q, None),
+        ([rec(_RL), rec(_SFT)], Quota(max_active_workloads=2), "2 active workloads"),
+    ],
+)
+def test_a_periodic_evaluation_waits_within_the_quota(
+    held: list[WorkloadRecord], quota: Quota, waits: str | None
+) -> None:
+    got = c.periodic_wait("acme", held, quota)
+    assert got is None if waits is None else waits in (got or ""), got
+
+
+def test_ended_periodic_evaluations_beyond_the_quota_are_forgotten_oldest_first() -> None:
+    held = [
+        msgspec.structs.replace(rec(spec(f"p{i}", "eval"), state="done", periodic=True),
+                                finished_at=float(10 - i))
+        for i in range(5)
+    ] + [rec(spec("run", "eval"), periodic=True), rec(spec("own", "eval"), state="done")]
+    # max_workloads 3: keep the 2 newest ended periodic ones, room for the one to add
+    gone = c.periodic_to_forget(held, Quota(max_workloads=3))
+    assert [r.spec.name for r in gone] == ["p4", "p3", "p2"]
+    assert c.periodic_to_forget(held, Quota(max_workloads=64)) == []
 
 
 @pytest.mark.parametrize("state", ["active", "cancelled", "completed", "failed"])
@@ -440,3 +475,22 @@ def test_when_an_auth_change_counts_as_applied(
     applied: dict[str, int], now: float, state: str | None
 ) -> None:
     assert c.applied_state(applied, 7, now, discover_deadline=5.0, deadline=10.0) == state
+
+
+@pytest.mark.parametrize("seed", [-1, 2**20 + 1, 2**63, True])
+def test_a_seed_the_generators_refuse_is_refused_at_the_door(seed: Any) -> None:
+    """seed=-1 was accepted and crashed the SFT producer in a loop (issue 24)."""
+    with pytest.raises(InvalidSpec, match=r"seed must be an integer in 0\.\."):
+        spec(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**20])
+def test_every_accepted_seed_seeds_what_consumes_it(seed: int) -> None:
+    import numpy as np
+
+    from joynexus.agents.envs.maniskill.rollout import episode_seed
+
+    s = spec(seed=seed)
+    np.random.default_rng(s.seed)  # the SFT producer's batch order
+    np.random.default_rng(s.seed * 7919 + 996)  # the RL producer's noise
+    assert 0 <= episode_seed(s.seed * 100_003 + 10**6 + 996_000_000, 3, 10**6) < 2**31

@@ -185,6 +185,51 @@ async def test_every_k_versions_once_across_a_restart_with_videos_for_its_tenant
         await bolt.close()
 
 
+async def test_periodic_evaluations_run_within_the_tenants_eval_quota(
+    service: Service, broker: Broker, nats_server: EmbeddedNats
+) -> None:
+    """eval_every=1 on a fast trainer (issue 24): at most max_concurrent_evals (2) of the
+    tenant's evaluations run at once, its own included; the rest queue and all run,
+    none lost; the tenant cannot add its own past the quota meanwhile."""
+    b = broker
+    acme = await Client.connect(nats_server.url, tenant="acme", namespace=b.names.namespace)
+    store = PolicyStore(b)
+    ev, stop, task = service.start_evaluator("eval-q")
+    most = 0
+    try:
+        await acme.create_workload(WorkloadSpec(
+            name="push", task_type="rl", env="PushCube-v1", num_envs=1, horizon=8,
+            eval_every=1, eval_episodes=1))
+        # v2..v4: three evaluations due at once (v1 is published before its record
+        # exists: the evaluator sees no eval_every for it, as before)
+        assert await publish_next(store, 3) == 4
+        names = {periodic_eval_name("push", v) for v in range(2, 5)}
+        refused = False
+        deadline = asyncio.get_running_loop().time() + 180
+        while True:
+            recs = [r for r in [await record(b, n) for n in names] if r is not None]
+            running = [r for r in recs if r.spec.task_type == "eval" and r.state == "active"]
+            most = max(most, len(running))
+            if len(running) == 2 and not refused:
+                with pytest.raises(QuotaExceeded, match="evaluations running"):
+                    await acme.create_workload(WorkloadSpec(
+                        name="mine", task_type="eval", env="PushCube-v1",
+                        init_from_workload="push", episodes=1))
+                refused = True
+            done = {r.spec.name for r in recs if r.periodic and r.state == "done"}
+            if done >= names:
+                break
+            assert asyncio.get_running_loop().time() < deadline, (done, ev.due)
+            await asyncio.sleep(0.1)
+        assert most == 2 and refused, most
+        assert sorted(ev.created) == sorted(b.names.workload_key("acme", n) for n in names)
+        assert [h["version"] for h in await acme.eval_history("push")] == [2, 3, 4]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await acme.close()
+
+
 class CountingStop:
     """A stop control: ``rounds`` rounds, then stop; halts after ``queries`` policy queries."""
 
@@ -252,7 +297,7 @@ def test_the_main_job_report_plots_success_against_version(tmp_path: Path) -> No
     assert png.read_bytes()[:4] == b"\x89PNG"
     text = md.read_text()
     assert "## Evaluation by version" in text and "plots/eval_curves.png" in text
-    assert "| acme | 2 | 0.25 | 7 |" in text and "| bolt | 9 | 1 | - |" in text
+    assert "| acme | 2 | - | 0.25 | - | 7 |" in text and "| bolt | 9 | - | 1 | - | - |" in text
 
 
 def test_dataset_generate_progress_bar_shows_from_the_start() -> None:

@@ -138,8 +138,10 @@ def check_create(
     more than the last for the name of a workload that ended (done, failed or
     cancelled: its record is replaced, its jobs and versions stay theirs).
     InvalidSpec or QuotaExceeded otherwise."""
-    # The evaluator's periodic evaluations (eval_every) are not the tenant's to count.
-    records = [r for r in every if not r.periodic]
+    # The evaluator's periodic evaluations (eval_every) count while they run (they use
+    # the evaluator and the inference engine like the tenant's own); ended, they are
+    # results, kept within a bound of their own (periodic_to_forget).
+    records = [r for r in every if not r.periodic or r.state == "active"]
     active = [r for r in records if r.state == "active"]
     generation = 1
     for rec in every:
@@ -180,9 +182,32 @@ def check_create(
     if spec.task_type == "eval" and evals >= q.max_concurrent_evals:
         raise QuotaExceeded(
             f"tenant {tenant!r} has {evals} evaluations running (quota "
-            f"{q.max_concurrent_evals}); wait for one to finish"
+            f"{q.max_concurrent_evals}, periodic ones included); wait for one to finish"
         )
     return generation
+
+
+def periodic_wait(tenant: str, every: Iterable[WorkloadRecord], q: Quota) -> str | None:
+    """Why a periodic evaluation of ``tenant`` (``eval_every``) may not start now
+    (the tenant's evaluations running, periodic ones included, at
+    ``max_concurrent_evals``; its active workloads at ``max_active_workloads``), or
+    None: it may. The evaluator queues it meanwhile, it is not dropped."""
+    active = [r for r in every if r.state == "active"]
+    evals = sum(1 for r in active if r.spec.task_type == "eval")
+    if evals >= q.max_concurrent_evals:
+        return f"tenant {tenant!r} has {evals} evaluations running (quota {q.max_concurrent_evals})"
+    if len(active) >= q.max_active_workloads:
+        return f"tenant {tenant!r} has {len(active)} active workloads (quota {q.max_active_workloads})"
+    return None
+
+
+def periodic_to_forget(every: Iterable[WorkloadRecord], q: Quota) -> list[WorkloadRecord]:
+    """The tenant's ended periodic evaluations beyond ``max_workloads`` of them, oldest
+    first: the evaluator deletes these before it adds one (their results were also
+    emitted as learning metrics), so periodic records never pass the quota."""
+    ended = sorted((r for r in every if r.periodic and r.state != "active"),
+                   key=lambda r: (r.finished_at or r.created_at, r.spec.name))
+    return ended[: max(0, len(ended) - (q.max_workloads - 1))]
 
 
 def cancelled(rec: WorkloadRecord, at: float = 0.0) -> WorkloadRecord:
