@@ -54,12 +54,16 @@ class InferenceClient:
         timeout_s: float = 10.0,
         retry_for_s: float = 0.0,
         fast: bool = True,
+        service: bool = True,
     ) -> None:
         """``retry_for_s``: keep retrying a request that found no engine, that an
         engine dropped (it died mid-batch) or that its engine refused as
         overloaded, for up to this long (inference is idempotent); 0 = fail at once.
-        ``fast``: ask through the connection's fast path (False: nats-py's request)."""
+        ``fast``: ask through the connection's fast path (False: nats-py's request).
+        ``service``: an agent asking for a tenant (the agents' subject, replies in the
+        agents' inboxes); False: the tenant itself (its own subject and inboxes)."""
         self.b = broker
+        self.subject = broker.names.service_infer if service else broker.names.infer
         self.base_model = base_model
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
@@ -110,7 +114,7 @@ class InferenceClient:
         try:
             return await rpc.call(
                 self.b,
-                self.b.names.infer(model, tenant_id),
+                self.subject(model, tenant_id),
                 payload,
                 _result,
                 timeout_s=wait_s,

@@ -35,6 +35,7 @@ from joynexus.broker.subjects import (
     LEASE,
     METRICS,
     SCHED,
+    SVC_INFER,
     TQ,
     Names,
     any_namespace,
@@ -58,7 +59,7 @@ def tenant_permissions(names: Names, tenant_id: str) -> dict[str, Any]:
 
 
 #: Subject tokens after a namespace that the service publishes on.
-_SERVICE_TOKENS = (JOB, TQ, SCHED, METRICS, INFER, API, LEASE)
+_SERVICE_TOKENS = (JOB, TQ, SCHED, METRICS, INFER, SVC_INFER, API, LEASE)
 
 
 def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,
@@ -95,7 +96,8 @@ def responder_permissions() -> dict[str, Any]:
         "publish": {"allow": [ALL_INBOXES]},
         "subscribe": {
             "allow": [any_namespace(API, "*.*"), any_namespace(ADMIN, "*"),
-                      any_namespace(INFER, "*.*"), ALL_SERVICES, ALL_INBOXES],
+                      any_namespace(INFER, "*.*"), any_namespace(SVC_INFER, "*.*"),
+                      ALL_SERVICES, ALL_INBOXES],
             "deny": [ALL_ADMIN_INBOXES],
         },
     }

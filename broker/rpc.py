@@ -216,14 +216,22 @@ def checked(reply_type: type[R], what: str) -> Callable[[bytes], R]:
 
 
 # ------------------------------------------------------------ serving
-def reply_allowed(names: Names, reply: str, tenant: str | None) -> bool:
+def reply_allowed(
+    names: Names, reply: str, tenant: str | None, *, service: bool = False
+) -> bool:
     """May a request on ``tenant``'s subject (None: an operator or agent subject)
-    be answered at ``reply``?"""
+    be answered at ``reply``? On a tenant's own subject only in that tenant's
+    inboxes; on a subject only the service publishes to (``service``: the agents'
+    inference subject for a tenant) only in the agents'; elsewhere in the agents'
+    or the operators'."""
     if not reply or len(reply) > MAX_REPLY_LEN or any(c in reply for c in " \t\r\n*>"):
         return False
-    prefixes = [names.service_inbox_prefix, names.admin_inbox_prefix]
-    if tenant is not None:
-        prefixes.append(names.inbox_prefix(tenant))
+    if tenant is None:
+        prefixes = [names.service_inbox_prefix, names.admin_inbox_prefix]
+    elif service:
+        prefixes = [names.service_inbox_prefix]
+    else:
+        prefixes = [names.inbox_prefix(tenant)]
     return any(reply.startswith(p + ".") and len(reply) > len(p) + 1 for p in prefixes)
 
 
@@ -283,11 +291,11 @@ class Responder:
             await self._conn.close()
             self._conn = None
 
-    def allowed(self, request: Any, tenant: str | None) -> bool:
+    def allowed(self, request: Any, tenant: str | None, *, service: bool = False) -> bool:
         """False (and a security event, filed under ``tenant``) when the request's
         reply subject is not the requester's: the request must be dropped."""
         reply = _reply_of(request)
-        if reply_allowed(self.n, reply, tenant):
+        if reply_allowed(self.n, reply, tenant, service=service):
             return True
         self.refused += 1
         who = tenant or "_"

@@ -30,6 +30,9 @@ TQ = "tq"
 SCHED = "sched"
 METRICS = "metrics"
 INFER = "infer"
+#: The agents' inference subjects (on a tenant's behalf: rollouts, evaluations);
+#: only the service may publish there, so only there may a reply go to its inboxes.
+SVC_INFER = "isvc"
 API = "api"
 ADMIN = "admin"
 TQ_DATA = "d"
@@ -276,6 +279,14 @@ class Names:
         The tenant is a subject token so the broker can fence it: a tenant may
         publish only to its own, and the engine checks the payload against it."""
         return f"{self.namespace}.{INFER}.{model_token(base_model)}.{tenant_id}"
+
+    def service_infer(self, base_model: str, tenant_id: str = "*") -> str:
+        """The agents' inference subject for ``tenant_id``'s policy (rollouts and
+        evaluations the service runs for it): ``jnx.isvc.<model>.<tenant>``. Only
+        the service publishes here, so only a request here may be answered in the
+        agents' inboxes; a request on the tenant's own subject is answered only in
+        the tenant's."""
+        return f"{self.namespace}.{SVC_INFER}.{model_token(base_model)}.{tenant_id}"
 
     def tenant_infer(self, tenant_id: str) -> str:
         """Every base model's inference subject of one tenant (what it may publish to)."""

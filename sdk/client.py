@@ -118,7 +118,7 @@ class Client:
         self._b = broker
         self.tenant = tenant
         self.timeout_s = timeout_s
-        self._infer = InferenceClient(broker)
+        self._infer = InferenceClient(broker, service=False)
         self._records: dict[str, WorkloadRecord] = {}
         # Refusals the server reports asynchronously, matched to the calls waiting on them.
         self._waiting: dict[str, set[asyncio.Future[None]]] = {}

@@ -13,13 +13,14 @@ os.environ.setdefault("JOYNEXUS_STRICT_DECODE", "1")
 
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
+from joynexus.broker.subjects import Names
 from joynexus.ops.natsserver import EmbeddedNats
 
 _ns_counter = itertools.count()
@@ -45,6 +46,26 @@ async def broker(nats_server: EmbeddedNats, namespace: str) -> AsyncIterator[Bro
     yield b
     await delete_layout(b)  # leave the shared server clean for the next test
     await b.close()
+
+
+@pytest.fixture
+async def as_tenant(
+    nats_server: EmbeddedNats, namespace: str
+) -> AsyncIterator[Callable[[str], Awaitable[Broker]]]:
+    """``await as_tenant("acme")``: a connection whose replies arrive in acme's
+    inboxes, as an SDK client's do (a request on a tenant's subject is answered
+    only there)."""
+    opened: list[Broker] = []
+
+    async def connect(tenant: str) -> Broker:
+        b = await Broker.connect(nats_server.url, name=f"test-{tenant}", namespace=namespace,
+                                 inbox_prefix=Names(namespace).inbox_prefix(tenant))
+        opened.append(b)
+        return b
+
+    yield connect
+    for b in opened:
+        await b.close()
 
 
 @pytest.fixture

@@ -422,7 +422,7 @@ async def test_invalid_workloads_get_clear_errors(
     )
     with pytest.raises(InvalidSpec, match="already runs an active rl workload"):
         await acme.create_workload(WorkloadSpec(name="two", task_type="rl", env="PushCube-v1"))
-    msg = await broker.nc.request(
+    msg = await acme._b.nc.request(  # the tenant's connection: replies in its inboxes
         broker.names.api("acme", "create_workload"), b'{"spec": {"name": 3}}', timeout=10
     )
     reply = decode(msg.data, ApiReply)
@@ -431,6 +431,12 @@ async def test_invalid_workloads_get_clear_errors(
         and reply.error.code == "invalid_message"
         and "name" in reply.error.message
     )
+    # A body nested 8,000 deep is a clear refusal, not an internal error (issue 24).
+    deep = b'{"zzz": ' + b"[" * 8000 + b"]" * 8000 + b', "spec": {}}'
+    msg = await acme._b.nc.request(broker.names.api("acme", "create_workload"), deep, timeout=10)
+    reply = decode(msg.data, ApiReply)
+    assert reply.error is not None and reply.error.code == "invalid_message", reply
+    assert "nested too deeply" in reply.error.message
     # `joynexus status` sees the tenant, its policy and the inference engine.
     from joynexus.ops.status import collect, render
 
@@ -531,7 +537,7 @@ async def test_rollout_as_a_service_and_tenant_submitted_batches(
     )
     with pytest.raises(InvalidSpec, match="fed by the service"):
         await eve.submit_rollout("fed", data, behavior_policy_version=1)
-    msg = await broker.nc.request(
+    msg = await eve._b.nc.request(
         broker.names.api("eve", "close_job"), b'{"job_id": "%s"}' % job.job_id.encode(), timeout=10
     )
     reply = decode(msg.data, ApiReply)

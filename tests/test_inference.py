@@ -357,7 +357,7 @@ async def test_a_burst_into_an_idle_engine_rides_one_batch(
     engine = await make_engine(max_batch=16, max_wait_ms=500)
     client = InferenceClient(broker)
     await client.request("acme", schema=SCHEMA, **make_obs(0))  # warm
-    subject = broker.names.infer(MODEL, "acme")
+    subject = broker.names.service_infer(MODEL, "acme")  # an agent's burst for acme
     payloads = [raw_request("acme", make_obs(i)) for i in range(16)]
     assert sum(map(len, payloads)) > 256 * 1024
     seen = []
@@ -698,7 +698,7 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
     assert engine.stats.errors == 7
 
     # Bytes that are not an inference request, and tensor bytes that do not fit their shape.
-    msg = await broker.nc.request(broker.names.infer(MODEL, "a"), b"\x01garbage", timeout=5)
+    msg = await broker.nc.request(broker.names.service_infer(MODEL, "a"), b"\x01garbage", timeout=5)
     err = decode_msgpack(msg.data, InferReply)
     assert isinstance(err, InferError) and isinstance(err.to_exception(), InvalidMessage)
     assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
@@ -739,7 +739,7 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
     engine = await make_engine(backbone=gated, max_batch=8, max_wait_ms=300)
     client = InferenceClient(broker)
     oa, ob, forged = make_obs(1), make_obs(2), make_obs(3)
-    subject_a = broker.names.infer(MODEL, "a")
+    subject_a = broker.names.service_infer(MODEL, "a")
 
     hold = await hold_busy(gated, client, "a")
     calls = asyncio.gather(
@@ -773,12 +773,12 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
     with pytest.raises(PermissionDenied, match="claims tenant 'b'"):
         await client._once(MODEL, raw_request("b", forged), "a", 5)
     # A subject that names no tenant (a literal wildcard token) serves nobody.
-    msg = await broker.nc.request(broker.names.infer(MODEL), raw_request("a", oa), timeout=5)
+    msg = await broker.nc.request(broker.names.service_infer(MODEL), raw_request("a", oa), timeout=5)
     nobody = decode_msgpack(msg.data, InferReply)
     assert isinstance(nobody, InferError) and nobody.code == "permission_denied"
     assert "names no tenant" in nobody.message
     (event,) = await security_events(broker, "_")
-    assert event["action"] == "claim_tenant" and event["target"] == broker.names.infer(MODEL)
+    assert event["action"] == "claim_tenant" and event["target"] == broker.names.service_infer(MODEL)
     assert len(await security_events(broker, "a", n=2)) == 2
     # One event per refusal, each on the subject's tenant: b (whose policy was claimed) is not blamed.
     info = await broker.js.stream_info(broker.names.metrics_stream,
@@ -787,37 +787,49 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
                                    broker.names.metrics("security", "_"): 1}
 
 
-async def test_client_asks_on_the_tenants_own_subject(
-    broker: Broker, make_engine: Callable[..., Any]
+async def test_agents_and_tenants_ask_on_subjects_of_their_own(
+    broker: Broker, make_engine: Callable[..., Any], as_tenant: Callable[..., Any]
 ) -> None:
+    """An agent asks for a tenant on ``isvc.<model>.<tenant>`` (only the service may
+    publish there; its replies go to the agents' inboxes); a tenant on its own
+    ``infer.<model>.<tenant>``, answered only in its own inboxes (issue 24)."""
     await PolicyStore(broker).publish("acme", "default", make_module("acme"), SCHEMA)
     await PolicyStore(broker).publish("bolt", "default", make_module("bolt", seed=4), SCHEMA)
-    await make_engine(max_wait_ms=1)
+    engine = await make_engine(max_wait_ms=1)
     seen: list[tuple[str, str]] = []
 
     async def spy(msg: Any) -> None:  # a plain subscriber (no queue group) sees every request
         seen.append((msg.subject, decode_msgpack(msg.data, InferRequest).tenant_id))
 
-    sub = await broker.nc.subscribe(broker.names.infer(MODEL), cb=spy)
-    exact = await broker.nc.subscribe(broker.names.infer(MODEL, "acme"))
+    subs = [await broker.nc.subscribe(broker.names.infer(MODEL), cb=spy),
+            await broker.nc.subscribe(broker.names.service_infer(MODEL), cb=spy)]
     try:
-        client = InferenceClient(broker)
-        r = await client.request("acme", schema=SCHEMA, **make_obs(0))
+        agent = InferenceClient(broker)
+        r = await agent.request("acme", schema=SCHEMA, **make_obs(0))
         assert isinstance(r, InferResult) and r.policy_version == 1
-        await client.request("bolt", schema=SCHEMA, **make_obs(1))
-        msg = await exact.next_msg(timeout=5)
-        assert msg.subject == broker.names.infer(MODEL, "acme") == f"{broker.names.namespace}.infer.qwen2_5-vl-tiny.acme"
-        assert decode_msgpack(msg.data, InferRequest).tenant_id == "acme"
+        await agent.request("bolt", schema=SCHEMA, **make_obs(1))
+        ns = broker.names.namespace
+        assert broker.names.service_infer(MODEL, "acme") == f"{ns}.isvc.qwen2_5-vl-tiny.acme"
+        tenant = InferenceClient(await as_tenant("acme"), service=False)
+        assert isinstance(await tenant.request("acme", schema=SCHEMA, **make_obs(2)), InferResult)
         await broker.nc.flush()
-        assert seen == [(broker.names.infer(MODEL, "acme"), "acme"), (broker.names.infer(MODEL, "bolt"), "bolt")]
+        assert seen == [(broker.names.service_infer(MODEL, "acme"), "acme"),
+                        (broker.names.service_infer(MODEL, "bolt"), "bolt"),
+                        (broker.names.infer(MODEL, "acme"), "acme")]
+        # On a tenant's subject, a reply asked for in the agents' inboxes is dropped.
+        refused = engine.intake.rpc.refused
+        with pytest.raises(TimeoutError):
+            await broker.nc.request(broker.names.infer(MODEL, "acme"),
+                                    raw_request("acme", make_obs(3)), timeout=1)
+        assert engine.intake.rpc.refused == refused + 1
         # A tenant id that cannot be a subject token never reaches the wire.
         with pytest.raises(InvalidSpec, match=r"tenant 'a\.b' is not a valid name"):
-            await client.request("a.b", schema=SCHEMA, **make_obs(2))
+            await agent.request("a.b", schema=SCHEMA, **make_obs(2))
         await broker.nc.flush()
-        assert len(seen) == 2
+        assert len(seen) == 4
     finally:
-        await sub.unsubscribe()
-        await exact.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
 
 
 class FlakyBackbone:
@@ -905,14 +917,16 @@ async def test_visible_as_micro_service_and_reply_continues_the_trace(
     info = infos[0]
     assert info["name"] == broker.names.inference_service
     assert info["metadata"]["instance"] == engine.instance
-    (ep,) = info["endpoints"]
-    # One endpoint for every tenant of the model: the tenant is the subject's last token.
+    ep, svc = info["endpoints"]
+    # One endpoint for every tenant of the model: the tenant is the subject's last token;
+    # the agents' requests for tenants on an endpoint of their own.
     assert ep["subject"] == f"{broker.names.namespace}.infer.qwen2_5-vl-tiny.*" == broker.names.infer(MODEL)
-    assert ep["queue_group"] == broker.names.inference_service
+    assert svc["subject"] == broker.names.service_infer(MODEL)
+    assert ep["queue_group"] == svc["queue_group"] == broker.names.inference_service
 
     o = dict(make_obs(0), instruction="go")
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    msg = await broker.nc.request(broker.names.infer(MODEL, "acme"), raw_request("acme", o), timeout=5,
+    msg = await broker.nc.request(broker.names.service_infer(MODEL, "acme"), raw_request("acme", o), timeout=5,
                                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
     assert isinstance(decode_msgpack(msg.data, InferReply), InferResult)
     assert msg.headers is not None and msg.headers["traceparent"].split("-")[1] == trace_id

@@ -188,7 +188,7 @@ async def test_bad_libero_names_are_refused_with_the_valid_ones(
     # At the control plane's door (a client that skips the SDK's own check).
     b = service
     cora = await _tenant(nats_server, b, "cora")
-    msg = await b.nc.request(
+    msg = await cora._b.nc.request(  # its own connection: replies in its inboxes
         b.names.api("cora", "create_workload"),
         b'{"spec": {"name": "rl", "task_type": "rl", "env": "LIBERO-object-12"}}',
         timeout=10,

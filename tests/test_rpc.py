@@ -72,7 +72,9 @@ class EchoService:
 
     async def on_request(self, request: Any) -> None:
         tenant = request.subject.split(".")[2]
-        if not self.server.allowed(request, tenant):
+        # Asked by the test's agent connection for a tenant (replies in the agents'
+        # inboxes, as on the inference engine's agents' subject).
+        if not self.server.allowed(request, tenant, service=True):
             return
 
         async def handle() -> EchoReply:
@@ -319,3 +321,34 @@ async def test_the_keep_alive_follows_the_ttl_the_scheduler_replies(broker: Brok
         assert Reply().lease_ttl_s == 0.0
     finally:
         await agent.stop()
+
+
+@pytest.mark.parametrize(
+    ("reply", "tenant", "service", "ok"),
+    [
+        # a tenant's own subject: only its own inboxes (issue 24: the agents' and the
+        # operators' inbox space were accepted too, so the control plane wrote a
+        # tenant-chosen subject into the agents' private inboxes)
+        ("_INBOX.jnx.acme.x1", "acme", False, True),
+        ("_INBOX.jnx._svc.x1", "acme", False, False),
+        ("_INBOX.jnx._admin.x1", "acme", False, False),
+        ("_INBOX.jnx.bolt.x1", "acme", False, False),
+        ("_INBOX.jnx.acme", "acme", False, False),  # the prefix alone is no inbox
+        # the agents' subject for a tenant (only the service may publish there)
+        ("_INBOX.jnx._svc.x1", "acme", True, True),
+        ("_INBOX.jnx.acme.x1", "acme", True, False),
+        # no tenant's subject: the agents' and the operators'
+        ("_INBOX.jnx._svc.x1", None, False, True),
+        ("_INBOX.jnx._admin.x1", None, False, True),
+        ("_INBOX.jnx.acme.x1", None, False, False),
+        ("jnx.api.bolt.create_workload", "acme", False, False),
+        ("_INBOX.jnx.acme.>", "acme", False, False),
+        ("", "acme", False, False),
+    ],
+)
+def test_a_reply_goes_only_where_its_subject_promises(
+    reply: str, tenant: str | None, service: bool, ok: bool
+) -> None:
+    from joynexus.broker.subjects import Names
+
+    assert rpc.reply_allowed(Names("jnx"), reply, tenant, service=service) is ok

@@ -21,7 +21,7 @@ from joynexus.agents.models.features import (
     wire_view,
 )
 from joynexus.broker import metrics
-from joynexus.broker.subjects import check_token
+from joynexus.broker.subjects import SVC_INFER, check_token
 from joynexus.schemas.errors import InvalidSpec, QuotaExceeded, ShapeMismatch
 from joynexus.schemas.inference import IncompatibleSchema, InferRequest, Observation
 from joynexus.schemas.quotas import Quota
@@ -35,6 +35,13 @@ def subject_tenant(subject: str) -> str | None:
     except InvalidSpec:
         return None
     return tenant
+
+
+def service_subject(subject: str) -> bool:
+    """A request on the agents' inference subject (``<ns>.isvc.<model>.<tenant>``),
+    which only the service may publish to."""
+    parts = subject.split(".")
+    return len(parts) == 4 and parts[1] == SVC_INFER
 
 
 def check_quota(req: InferRequest, q: Quota) -> None:

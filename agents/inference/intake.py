@@ -100,7 +100,7 @@ class Intake:
         """The endpoint handler: decode and enqueue, never wait."""
         received = time.perf_counter()
         tenant = admission.subject_tenant(request.subject)
-        if not self.rpc.allowed(request, tenant):
+        if not self.rpc.allowed(request, tenant, service=admission.service_subject(request.subject)):
             self.stats.rejected += 1
             return  # dropped, unanswered: the reply subject is not the requester's
         self._begin()
