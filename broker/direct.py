@@ -69,3 +69,23 @@ async def read_subject(
     finally:
         await sub.unsubscribe()
     return items, max(last, start_seq - 1, 0)
+
+
+async def last_seq_of(b: Broker, stream: str, subject: str) -> int:
+    """The stream sequence of the last message on ``subject`` (wildcards allowed),
+    0 if there is none: a position of that subject's own, which says nothing of
+    the rest of the stream (the control plane's ``read_events`` "from now on")."""
+    prefix = getattr(b.js, "_prefix", JS_API)
+    try:
+        msg = await b.nc.request(
+            b.names.direct_get(stream, prefix), json.dumps({"last_by_subj": subject}).encode(),
+            timeout=REQUEST_TIMEOUT_S,
+        )
+    except TimeoutError as e:
+        raise Unavailable(f"reading the last of {subject} from {stream} timed out") from e
+    hdrs = msg.headers or {}
+    if hdrs.get("Status") == "404":
+        return 0
+    if hdrs.get("Status") is not None:
+        raise Unavailable(f"direct get on {stream} failed: {hdrs.get('Status')} {hdrs.get('Description', '')}")
+    return int(hdrs[SEQUENCE])

@@ -47,6 +47,10 @@ def decode(data: bytes | memoryview, typ: type[T], *, what: str | None = None) -
         raise InvalidMessage(
             f"malformed {what or getattr(typ, '__name__', typ)}: not valid JSON ({e})"
         ) from e
+    except RecursionError:  # msgspec's own depth check, on a free-form (Any) field
+        raise InvalidMessage(
+            f"malformed {what or getattr(typ, '__name__', typ)}: nested too deeply"
+        ) from None
     v = getattr(obj, "v", WIRE_VERSION)
     if isinstance(v, int) and v > WIRE_VERSION:
         raise SchemaVersionError(

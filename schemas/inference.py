@@ -238,6 +238,8 @@ def decode_msgpack(data: bytes | memoryview, typ: Any, *, what: str | None = Non
         raise InvalidMessage(f"malformed {name}: {e}") from e
     except msgspec.DecodeError as e:
         raise InvalidMessage(f"malformed {name}: not valid msgpack ({e})") from e
+    except RecursionError:  # msgspec's own depth check, on a free-form (Any) field
+        raise InvalidMessage(f"malformed {name}: nested too deeply") from None
     v = getattr(obj, "v", WIRE_VERSION)
     if isinstance(v, int) and v > WIRE_VERSION:
         raise SchemaVersionError(

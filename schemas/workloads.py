@@ -60,6 +60,11 @@ def describe_envs() -> str:
     return ", ".join((*RL_ENVS, *(f"LIBERO-{s}-{{0..{n - 1}}}" for s, n in LIBERO_SUITES.items())))
 
 
+#: The largest seed a workload may give: the episode and batch seeds derived from it
+#: (seed + episode index, seed * 1000 + ...) stay within numpy's and ManiSkill's 32 bits.
+MAX_SEED = 2**20
+
+
 class Scheduling(Wire, kw_only=True, omit_defaults=True):
     priority: int = 0
     max_in_flight: int = 2
@@ -207,6 +212,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 raise InvalidSpec(f"{field} must be >= 1, got {getattr(self, field)}")
         if not 0 < self.learning_rate < 1:
             raise InvalidSpec(f"learning_rate must be in (0, 1), got {self.learning_rate}")
+        if isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+            raise InvalidSpec(
+                f"seed must be an integer in 0..{MAX_SEED} (numpy's and the simulators' "
+                f"generators take no negative seed), got {self.seed!r}"
+            )
         if self.init_from is not None and self.init_from < 0:
             raise InvalidSpec(f"init_from must be a version >= 0, got {self.init_from}")
         if self.init_from_export:

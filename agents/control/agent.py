@@ -37,7 +37,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.fastpath import settle
 from joynexus.broker.kvmirror import KVMirror
-from joynexus.broker.policy import PolicyRecords
+from joynexus.broker.policy import PolicyRecords, WeightsCache
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import CURSOR_KEYS
@@ -80,6 +80,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         self._lock = asyncio.Lock()
         self._ids = None
         self._policies = PolicyRecords(broker)
+        self._weights = WeightsCache()
         self._tq = TrainingQueue(broker)
         self._ticks = {}
         self._tick = asyncio.Condition()

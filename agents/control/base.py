@@ -23,7 +23,7 @@ from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.kvmirror import KVMirror
-from joynexus.broker.policy import PolicyRecords
+from joynexus.broker.policy import PolicyRecords, WeightsCache
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import Names
@@ -48,6 +48,7 @@ class ControlBase:
     _ids: Any
     _lock: asyncio.Lock  # one create at a time: slot allocation is check-then-write
     _policies: PolicyRecords
+    _weights: WeightsCache
     _log: JobEventLog
     _tq: TrainingQueue
     # Job events seen per tenant (a core subscription): wakes read_events long-polls.

@@ -30,7 +30,7 @@ from joynexus.agents.control.checks import (
     weights_slice,
 )
 from joynexus.broker import metrics
-from joynexus.broker.direct import read_subject
+from joynexus.broker.direct import last_seq_of, read_subject
 from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.usage import UsageQuery
 from joynexus.schemas.base import decode
@@ -69,9 +69,10 @@ class DataGateway(ControlBase):
 
     async def _read_events(self, tenant: str, req: ReadEvents) -> ApiReply:
         check_after_seq(req.after_seq)
-        if req.after_seq < 0:  # from now on: where the log ends
-            info = await self.b.js.stream_info(self.n.jobs_stream)
-            return ApiReply(last_seq=info.state.last_seq)
+        if req.after_seq < 0:  # from now on: after the tenant's own last event (the
+            # stream's last sequence would tell it the other tenants' event rate)
+            return ApiReply(last_seq=await last_seq_of(self.b, self.n.jobs_stream,
+                                                       self.n.tenant_jobs(tenant)))
         limit, wait_s = events_page(req)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
@@ -122,7 +123,8 @@ class DataGateway(ControlBase):
         if req.limit <= 0:
             return ApiReply(policy=rec)
         part = weights_slice(req.offset, req.limit, self.b.max_payload)
-        weights = await self._policies.load_weights(rec)
+        weights = await self._weights.get(rec.object_name,
+                                          lambda: self._policies.load_weights(rec))
         return ApiReply(policy=rec, data=weights[part])
 
     async def _usage(self, tenant: str, req: UsageQuery) -> ApiReply:

@@ -142,9 +142,10 @@ class PolicyInitializer:
                 f"cannot start {spec.name!r} from {what}: it was trained on "
                 f"{str(manifest.get('base_model'))[:64]!r}, this workload runs on {spec.base_model}"
             )
-        head_config = copied_head_config(
-            what, head_type, head_config, str(manifest.get("schema_signature", ""))[:128], spec, schema
-        )
+        signature = manifest.get("schema_signature")
+        if not isinstance(signature, str) or len(signature) > 4096:
+            signature = ""  # names no layout: refused below as another one
+        head_config = copied_head_config(what, head_type, head_config, signature, spec, schema)
         check_safetensors(data, what=what)
         await self._publish_v1(record, schema, data, head_type, head_config, what=what)
 
@@ -223,7 +224,7 @@ def copied_head_config(
     if signature != schema.signature() or head_type != spec.action_module:
         raise InvalidSpec(
             f"cannot start {spec.name!r} from {what}: its head "
-            f"({head_type[:64]}, {signature}) differs from this workload's "
+            f"({head_type[:64]}, {signature[:400]}) differs from this workload's "
             f"({spec.action_module}, {schema.signature()})"
         )
     hidden = head_config.get("hidden")
