@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import shutil
 import tempfile
 import time
@@ -27,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from joynexus.ops.benchstats import wilson
 
 TENANT = "acme"
 
@@ -96,17 +97,6 @@ QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
          rl_budget_s=60.0, rl_updates=2, rl_num_envs=2, rl_horizon=16),
 )
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95% with z = 1.96)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
 
 
 def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None) -> Any:

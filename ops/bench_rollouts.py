@@ -54,7 +54,7 @@ async def bench_rollouts(
     max_tenants: int = 3,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from joynexus.ops.paper import Deployment, _wait_ready
+    from joynexus.ops.paper import Deployment, wait_ready
 
     with tempfile.TemporaryDirectory(prefix="jnx-rollouts-") as tmp:
         ns = f"roll{uuid.uuid4().hex[:6]}"
@@ -71,7 +71,7 @@ async def bench_rollouts(
 
         try:
             await ensure_layout(b)
-            ready = asyncio.ensure_future(_wait_ready(b, dep, timeout_s=300))
+            ready = asyncio.ensure_future(wait_ready(b, dep, timeout_s=300))
             await asyncio.sleep(0.2)
             dep.start()
             if progress:

@@ -11,6 +11,7 @@ See docs/ARCHITECTURE.md, "Measured".
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -29,6 +30,7 @@ __all__ = [
     "ratio_ci",
     "round_order",
     "summarize",
+    "wilson",
 ]
 
 #: One arm's per-round wall times, in milliseconds.
@@ -142,3 +144,14 @@ def summarize(xs: Sequence[float]) -> dict[str, Any]:
         "mean_ms": round(statistics.fmean(xs), 3) if xs else float("nan"),
         "n": len(xs),
     }
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% with z = 1.96)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))

@@ -53,8 +53,10 @@ from joynexus.broker.layout import (
     ensure_layout,
 )
 from joynexus.broker.subjects import HEARTBEAT_KEYS, service_api
+from joynexus.ops.benchstats import wilson
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
+from joynexus.ops.paper_heads import RECIPES, init_path, prepare_heads
 from joynexus.ops.roles import DEPLOYMENT_ROLES
 from joynexus.ops.tenants import add_tenant
 from joynexus.ops.threads import role_thread_env
@@ -115,10 +117,23 @@ class PaperConfig:
     #: LIBERO episodes end after this many steps here (the suites' own limits are
     #: 280-520, ManiSkill's 50): it bounds the final evaluation's time.
     libero_max_steps: int = 50
-    #: RL tenants evaluate every ``eval_every``-th version during training
-    #: (``eval_episodes`` episodes, pinned; 0: only the final evaluation). Both runs
-    #: do the same evaluations, so the shared-vs-isolated comparison stays fair.
-    eval_every: int = 0
+    #: After the shared run (outside every window), ``eval_points`` versions of each
+    #: ManiSkill RL tenant (1: its start, its last, evenly between) are evaluated,
+    #: ``eval_episodes`` episodes each (``eval_num_envs`` side by side), pinned: its
+    #: learning curve; the LIBERO tenant's ``libero_eval_points`` (its return curve).
+    eval_points: int = 3
+    libero_eval_points: int = 2
+    #: LIBERO's episodes per point: one env, every episode its full 50 steps for a
+    #: head that never succeeds (sparse reward: return 0), ~7 s each here; 10 took
+    #: 178 s for the first point.
+    libero_eval_episodes: int = 4
+    eval_num_envs: int = 5
+    #: RL from a trained head: the policy's learning rate (the SFT's 1e-3 would
+    #: undo it in a few updates).
+    rl_learning_rate: float = 1e-4
+    #: The starting heads' demonstrations and SFT updates, as a share of
+    #: ``paper_heads.RECIPES`` (runs under 2 minutes make tiny heads).
+    head_scale: float = 1.0
 
     @classmethod
     def for_minutes(cls, minutes: float, *, repeat: int = 1) -> PaperConfig:
@@ -129,10 +144,11 @@ class PaperConfig:
         rl_updates = max(1, round(10 * k))
         return cls(
             rl_updates=rl_updates,
-            # A learning curve of a few points per RL tenant in runs of 2 minutes and more.
-            eval_every=max(1, rl_updates // 3) if minutes >= 2 else 0,
+            # A learning curve of three points per RL tenant in runs of 2 minutes and more.
+            eval_points=3 if minutes >= 2 else 2,
             sft_updates=max(2, round(20 * k)),
-            eval_episodes=1 if minutes < 2 else 2,
+            eval_episodes=2 if minutes < 2 else 10,
+            head_scale=1.0 if minutes >= 2 else 0.02,
             phase_timeout_s=max(600.0, 300.0 * minutes),
             repeat=max(1, repeat),
         )
@@ -171,6 +187,11 @@ class PhaseResult:
     #: Each role's peak RSS and start-to-ready seconds; all processes' peak RSS together.
     roles: dict[str, dict[str, float | None]] = field(default_factory=dict)
     peak_rss_mb_total: float = 0.0
+    #: The learning-curve evaluations after the windows: every process's RSS
+    #: together at its peak, and the evaluator's.
+    eval_peak_rss_mb_total: float = 0.0
+    eval_peak_rss_mb_evaluator: float = 0.0
+    eval_wall_s: float = 0.0
 
     def mean_tenants_per_batch(self) -> float | None:
         return (
@@ -196,10 +217,13 @@ def base_tenant(tenant: str) -> str:
 
 def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
     """The tenants' workloads of round ``r``; ``dataset`` names the SFT tenant's
-    dataset inside its dataset space (``<datasets root>/<SFT_TENANT>/<dataset>``)."""
+    dataset inside its dataset space (``<datasets root>/<SFT_TENANT>/<dataset>``).
+    The ManiSkill RL tenants start from their task's SFT head (``paper_heads``:
+    privileged state, as the demonstrations), its first updates critic-only."""
     out: list[TenantPlan] = []
     for base, env in RL_TASKS:
         tenant = round_tenant(base, r)
+        from_head = env in RECIPES
         spec = WorkloadSpec(
             name="rl",
             task_type="rl",
@@ -208,8 +232,9 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
             horizon=cfg.horizon,
             action_horizon=cfg.action_horizon,
             seed=len(out),
-            eval_every=cfg.eval_every,
-            eval_episodes=max(1, cfg.eval_episodes),
+            **({"init_from_export": init_path(env), "state": ["privileged"],
+                "learning_rate": cfg.rl_learning_rate,
+                "critic_warmup": max(1, cfg.rl_updates // 3)} if from_head else {}),
             scheduling=Scheduling(
                 max_in_flight=max(2, cfg.workers + 1),
                 max_active_rollouts=cfg.workers,
@@ -319,17 +344,24 @@ class Deployment:
                     out["env-worker"] += proc.children(recursive=True)
         return out
 
-    def poll_rss(self) -> None:
-        total = 0.0
+    def rss_mb(self) -> dict[str, list[float]]:
+        """Each role's processes' RSS now (MiB)."""
+        out: dict[str, list[float]] = defaultdict(list)
         for role, procs in self.processes().items():
             for proc in procs:
                 with contextlib.suppress(psutil.Error):
-                    rss = proc.memory_info().rss / 2**20
-                    total += rss
-                    self.role_rss_mb[role] = max(self.role_rss_mb.get(role, 0.0), rss)
-                    service = {"actor": "train", "inference": "infer"}.get(role)
-                    if service:
-                        self.peak_rss_mb[service] = max(self.peak_rss_mb[service], rss)
+                    out[role].append(proc.memory_info().rss / 2**20)
+        return out
+
+    def poll_rss(self) -> None:
+        total = 0.0
+        for role, sizes in self.rss_mb().items():
+            for rss in sizes:
+                total += rss
+                self.role_rss_mb[role] = max(self.role_rss_mb.get(role, 0.0), rss)
+                service = {"actor": "train", "inference": "infer"}.get(role)
+                if service:
+                    self.peak_rss_mb[service] = max(self.peak_rss_mb[service], rss)
         self.peak_rss_mb_total = max(self.peak_rss_mb_total, total)
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -364,7 +396,7 @@ class Deployment:
             log.close()
 
 
-async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> None:
+async def wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> None:
     """Until the scheduler, the control plane and an inference engine answer and
     both producers are warm (they announce it with a ``ready`` system metric)."""
     ready: set[str] = set()
@@ -412,7 +444,7 @@ async def _wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> N
         await sub.unsubscribe()
 
 
-async def _run_tenants(
+async def run_tenants(
     b: Broker,
     dep: Deployment,
     tenants: list[TenantPlan],
@@ -579,32 +611,93 @@ def _write_event_log(
                 f.write(orjson.dumps(m) + b"\n")
 
 
+def curve_versions(final: int, points: int) -> list[int]:
+    """The versions a learning curve evaluates: 1 (the start), ``final`` and
+    ``points - 2`` evenly between."""
+    if final <= 1 or points <= 1:
+        return [max(1, final)]
+    inner = {round(1 + (final - 1) * k / (points - 1)) for k in range(1, points - 1)}
+    return sorted({1, final} | inner)
+
+
+async def _evaluate_curve(
+    c: Client, p: TenantPlan, final: int, cfg: PaperConfig, progress: bool
+) -> list[dict[str, Any]]:
+    """The tenant's learning curve: its curve versions evaluated, pinned, one after
+    another (``eval_episodes`` each, side by side in ``eval_num_envs`` envs; LIBERO's
+    ``libero_eval_points``, ``libero_eval_episodes`` and ``libero_num_envs``), with the
+    success's 95% interval."""
+    libero = p.spec.env.startswith("LIBERO-")
+    points = cfg.libero_eval_points if libero else cfg.eval_points
+    num_envs = cfg.libero_num_envs if libero else cfg.eval_num_envs
+    episodes = min(cfg.eval_episodes, cfg.libero_eval_episodes) if libero else cfg.eval_episodes
+    out = []
+    for v in curve_versions(final, points):
+        t0 = time.time()
+        rep = await c.evaluate(p.spec.name, episodes=episodes, version=v,
+                               num_envs=max(1, min(num_envs, episodes)), seed=1000)
+        n = int(rep.get("episodes", episodes))
+        k = round(float(rep["success_rate"]) * n)
+        row = {"version": v, "episodes": n, "success_rate": rep["success_rate"],
+               "success_ci95": list(wilson(k, n)), "mean_return": rep.get("mean_return"),
+               "eval_s": round(time.time() - t0, 1)}
+        out.append(row)
+        if progress:
+            print(f"  evaluated {p.tenant} ({p.spec.env}) v{v}: {n} episodes, success "
+                  f"{row['success_rate']:.2f} {row['success_ci95']}, return "
+                  f"{row['mean_return'] or 0:.2f}, {row['eval_s']:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
 async def _tenant_outcomes(
-    b: Broker, dep: Deployment, tenants: list[TenantPlan], eval_episodes: int, result: PhaseResult
+    b: Broker, dep: Deployment, tenants: list[TenantPlan], cfg: PaperConfig | None,
+    result: PhaseResult, progress: bool = False,
 ) -> None:
+    """Each tenant's updates and states; with ``cfg``, each RL tenant's learning
+    curve too (every tenant's evaluations at once, after the windows)."""
     snap = await SchedulerClient(b, by="paper").snapshot()
+    clients = {p.tenant: await dep.tenant(b, p.tenant) for p in tenants}
+
+    async def watch_rss() -> None:  # the evaluations' memory, outside the windows
+        while True:
+            now = dep.rss_mb()
+            result.eval_peak_rss_mb_total = max(result.eval_peak_rss_mb_total,
+                                                round(sum(map(sum, now.values())), 1))
+            result.eval_peak_rss_mb_evaluator = max(result.eval_peak_rss_mb_evaluator,
+                                                    round(max(now.get("evaluator", [0.0])), 1))
+            await asyncio.sleep(1.0)
+
+    watcher = asyncio.ensure_future(watch_rss()) if cfg is not None else None
+    t0 = time.time()
+    try:
+        versions = {p.tenant: await clients[p.tenant].latest_version(p.spec.name) for p in tenants}
+        rl = [p for p in tenants if p.spec.task_type == "rl"] if cfg and cfg.eval_episodes else []
+        curves = dict(zip(
+            (p.tenant for p in rl),
+            await asyncio.gather(*(_evaluate_curve(clients[p.tenant], p, versions[p.tenant], cfg,
+                                                   progress)
+                                   for p in rl if cfg)),
+            strict=True,
+        ))
+    finally:
+        result.eval_wall_s = round(time.time() - t0, 1)
+        if watcher is not None:
+            watcher.cancel()
+        for c in clients.values():
+            await c.close()
     for p in tenants:
         states = snap.jobs_by_tenant_state.get(p.tenant, {})
-        async with await dep.tenant(b, p.tenant) as c:
-            version = await c.latest_version(p.spec.name)
-            eval_success, history = None, []
-            if p.spec.task_type == "rl" and eval_episodes:
-                report = await c.evaluate(p.spec.name, episodes=eval_episodes, version=version)
-                eval_success = report["success_rate"]
-                if p.spec.eval_every:  # the learning curve: periodic evaluations, then the final one
-                    history = [h for h in await c.eval_history(p.spec.name)
-                               if h.get("success_rate") is not None and h.get("version") != version]
-                    history.append({"version": version, "success_rate": eval_success,
-                                    "mean_return": report.get("mean_return")})
+        history = curves.get(p.tenant, [])
         result.tenants[base_tenant(p.tenant)] = {
             "task_type": p.spec.task_type,
             "env_or_dataset": p.spec.env or Path(p.spec.dataset).name,
             "simulator": env_kind_of(p.spec.env) if p.spec.env else None,
+            "starts_from": "sft head" if p.spec.init_from_export else "fresh head",
             "updates": states.get("completed", 0),
-            "final_version": version,
+            "final_version": versions[p.tenant],
             "dropped_stale": states.get("dropped", 0),
             "failed": states.get("failed", 0),
-            "eval_success": eval_success,
+            "eval_success": history[-1]["success_rate"] if history else None,
             **({"eval_history": history} if history else {}),
         }
 
@@ -636,7 +729,7 @@ async def run_phase(
     try:
         await ensure_layout(b)
         # The producers announce readiness on the metrics subject: listen before they start.
-        ready_wait = asyncio.ensure_future(_wait_ready(b, dep))
+        ready_wait = asyncio.ensure_future(wait_ready(b, dep))
         await asyncio.sleep(0.2)
         dep.start()
         await ready_wait
@@ -650,7 +743,7 @@ async def run_phase(
             for group in groups:
                 label = f"{tag}:{base_tenant(group[0].tenant)}" if isolated else tag
                 windows[r].append(
-                    await _run_tenants(b, dep, group, label, cfg.phase_timeout_s, progress)
+                    await run_tenants(b, dep, group, label, cfg.phase_timeout_s, progress)
                 )
         metrics = await _metrics(b)
         for r, tenants in enumerate(rounds):
@@ -662,11 +755,11 @@ async def run_phase(
             async for s in JobEventLog(b)._read(b.names.all_jobs, DeliverPolicy.ALL)
         ]
         _write_event_log(out, name, metrics + jobs, rounds, windows, isolated=isolated)
-        # Final policies are evaluated once, after the first shared round (same seeds,
-        # same work: the isolated run trains the same versions).
+        # The learning curves are evaluated once, after the first shared round's
+        # windows (pinned versions: the isolated run trains the same work).
         for r, tenants in enumerate(rounds):
-            evals = 0 if isolated or r > 0 else cfg.eval_episodes
-            await _tenant_outcomes(b, dep, tenants, evals, results[r])
+            await _tenant_outcomes(b, dep, tenants, None if isolated or r else cfg, results[r],
+                                   progress)
     finally:
         dep.stop()
         try:
@@ -853,6 +946,12 @@ async def run_paper(
             seed=0,
         )
     rounds = [plans(cfg, SFT_DATASET, r) for r in range(cfg.repeat)]
+    # The RL tenants' starting heads (made once, then cached), outside both windows.
+    heads = await prepare_heads(
+        url, out, cfg,
+        {p.tenant: p.spec.env for ps in rounds for p in ps if p.spec.init_from_export},
+        progress=progress,
+    )
     for r in range(1, cfg.repeat):  # each round's SFT tenant has the dataset in its space
         copy = datasets_root(out) / round_tenant(SFT_TENANT, r) / SFT_DATASET
         if not (copy / "meta" / "info.json").exists():
@@ -877,10 +976,16 @@ async def run_paper(
     # Outcomes and evaluations come from the first pair (only it is evaluated).
     results["tenants"] = pairs[0]["tenants"]
     results["config"] = asdict(cfg)
+    results["starting_heads"] = heads
     results["notes"] = NOTES
     results["peak_rss_mb_total"] = max(results["shared"]["peak_rss_mb_total"],
                                        results["isolated"]["peak_rss_mb_total"])
     results["roles"] = results["shared"]["roles"]
+    results["evaluations"] = {  # the learning curves, after the windows
+        "peak_rss_mb_total": shared[0].eval_peak_rss_mb_total,
+        "peak_rss_mb_evaluator": shared[0].eval_peak_rss_mb_evaluator,
+        "wall_s": shared[0].eval_wall_s,
+    }
     results["planner"] = planner_prediction(out)
     results["limits"] = limits_sentence(results)
     if progress:
@@ -1033,6 +1138,21 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
             f"  {t:8} {v['task_type']:5} {v.get('env_or_dataset', ''):17} {v['updates']:>7} "
             f"{v['final_version']:>7} {v['dropped_stale']:>5} {v['failed']:>6} {ev:>5} {roll!s:>9}"
         )
+    curves = {t: v["eval_history"] for t, v in results["tenants"].items() if v.get("eval_history")}
+    if curves:
+        print("\n  learning curves (pinned versions, after the windows; success [95% interval], return)")
+        for t, history in curves.items():
+            start = results["tenants"][t].get("starts_from", "")
+            points = "  ".join(
+                f"v{h['version']} {h['success_rate']:.2f} [{h['success_ci95'][0]:.2f}, "
+                f"{h['success_ci95'][1]:.2f}] {h.get('mean_return') or 0:.1f}"
+                for h in history
+            )
+            print(f"  {t:8} ({start}) {points}")
+    ev = results.get("evaluations") or {}
+    if ev:
+        print(f"  evaluations took {ev.get('wall_s')} s; peak RSS of all processes meanwhile "
+              f"{ev.get('peak_rss_mb_total')} MB (evaluator {ev.get('peak_rss_mb_evaluator')} MB)")
 
 
 async def main_job(

@@ -218,7 +218,14 @@ def plot_eval_curves(curves: Mapping[str, Sequence[Any]], path: Path) -> Path:
         pts = eval_points(history)
         if pts:
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, "-", marker="o", linewidth=1.6, label=name)
+            line = ax.plot(xs, ys, "-", marker="o", linewidth=1.6, label=name)[0]
+            bounds = {int(r["version"]): r["success_ci95"] for r in history
+                      if isinstance(r, Mapping) and r.get("success_ci95")}
+            if bounds:  # the 95% interval of each point's success
+                lo = [y - bounds[x][0] if x in bounds else 0.0 for x, y in zip(xs, ys, strict=True)]
+                hi = [bounds[x][1] - y if x in bounds else 0.0 for x, y in zip(xs, ys, strict=True)]
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor=line.get_color(),
+                            alpha=0.5, capsize=3)
     ax.set_xlabel("policy version")
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.03, 1.03)
@@ -226,7 +233,7 @@ def plot_eval_curves(curves: Mapping[str, Sequence[Any]], path: Path) -> Path:
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=9)
-    ax.set_title("Evaluation success against version (periodic evaluation)", fontsize=12)
+    ax.set_title("Evaluation success against version (pinned, 95% intervals)", fontsize=12)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -477,11 +484,39 @@ def write_report(out_dir: Path, results: Mapping[str, Any], plots: Mapping[str, 
     curves = eval_curves_of(results)
     if curves:
         parts.append("## Evaluation by version\n")
+        heads = results.get("starting_heads") or {}
+        if heads:
+            parts.append(
+                "The ManiSkill RL tenants start from an SFT head trained on scripted "
+                "demonstrations before either window ("
+                + "; ".join(f"{task}: {h['demos']} demos, {h['updates']} updates"
+                            f"{', cached' if h.get('cached') else ', made in this run'}"
+                            for task, h in heads.items())
+                + "). Each version below was evaluated after the windows, pinned, on the "
+                "same seeds.\n"
+            )
+        ci = {name: {int(r["version"]): r for r in history
+                     if isinstance(r, Mapping) and r.get("version") is not None}
+              for name, history in curves.items()}
+
+        def interval(name: str, v: int) -> str:
+            row = ci.get(name, {}).get(v) or {}
+            lo_hi = row.get("success_ci95")
+            return f"[{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi else "-"
+
         parts.append(_table(
-            ["tenant", "version", "success rate", "mean return"],
-            [[name, str(v), _fmt(succ), _fmt(ret)]
+            ["tenant", "version", "episodes", "success rate", "95% interval", "mean return"],
+            [[name, str(v), _fmt((ci.get(name, {}).get(v) or {}).get("episodes")), _fmt(succ),
+              interval(name, v), _fmt(ret)]
              for name, history in curves.items() for v, succ, ret in eval_points(history)],
         ))
+        ev = results.get("evaluations") or {}
+        if ev.get("wall_s"):
+            parts.append(
+                f"\nThe evaluations took {ev['wall_s']:.0f} s after the windows; every "
+                f"process together peaked at {ev.get('peak_rss_mb_total', 0):.0f} MB meanwhile "
+                f"(the evaluator {ev.get('peak_rss_mb_evaluator', 0):.0f} MB).\n"
+            )
 
     speedup = results.get("group_speedup") or {}
     if speedup:

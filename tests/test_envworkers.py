@@ -171,12 +171,21 @@ def test_main_job_accounts_worker_lanes_and_tenants_per_batch() -> None:
 
 
 def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
-    from joynexus.ops.paper import PaperConfig, plans
+    """Curves are evaluated after the windows (no periodic evaluation inside one);
+    the ManiSkill tenants start from their task's SFT head, critic first."""
+    from joynexus.ops.paper import PaperConfig, curve_versions, plans
 
     cfg = PaperConfig.for_minutes(4)
-    assert cfg.eval_every == 3 and PaperConfig.for_minutes(0.4).eval_every == 0
-    rl = [p.spec for p in plans(cfg, "d") if p.spec.task_type == "rl"]
-    assert rl and all(s.eval_every == 3 and s.eval_episodes == cfg.eval_episodes for s in rl)
+    assert cfg.eval_points == 3 and cfg.eval_episodes == 10 and PaperConfig.for_minutes(0.4).eval_points == 2
+    assert curve_versions(11, 3) == [1, 6, 11] and curve_versions(11, 2) == [1, 11]
+    assert curve_versions(1, 3) == [1] and curve_versions(3, 5) == [1, 2, 3]
+    rl = {p.spec.env: p.spec for p in plans(cfg, "d") if p.spec.task_type == "rl"}
+    assert all(s.eval_every == 0 for s in rl.values())
+    for env in ("PickCube-v1", "PushCube-v1"):
+        s = rl[env]
+        assert s.init_from_export == f"heads/{env}" and s.state == ["privileged"]
+        assert s.warmup_updates() == cfg.rl_updates // 3 and s.learning_rate == 1e-4
+    assert not rl["LIBERO-spatial-0"].init_from_export
 
 
 def test_the_rl_producers_decisions_around_a_reserve() -> None:

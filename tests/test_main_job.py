@@ -38,6 +38,8 @@ def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None
         env={
             **{k: v for k, v in os.environ.items() if not k.endswith("_MAX_BYTES")},
             "JOYNEXUS_NATS_MAX_FILE_STORE": str(4 * 1024**3),
+            # A first run: the RL tenants' starting heads are made, then cached here.
+            "JOYNEXUS_CACHE": str(tmp_path / "cache"),
         },
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -55,6 +57,15 @@ def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None
         assert v["updates"] >= 1 and v["final_version"] == 1 + v["updates"], (t, v)
         assert v["failed"] == 0 and v["dropped_stale"] >= 0
         assert (v["eval_success"] is None) == (v["task_type"] == "sft")
+        if v["task_type"] == "rl":  # the learning curve: its start and its last version
+            assert [h["version"] for h in v["eval_history"]] == [1, v["final_version"]], v
+    # The ManiSkill tenants started from SFT heads made before the windows, now cached.
+    assert tenants["acme"]["starts_from"] == tenants["bolt"]["starts_from"] == "sft head"
+    assert tenants["cora"]["starts_from"] == "fresh head"
+    heads = results["starting_heads"]
+    assert set(heads) == {"PickCube-v1", "PushCube-v1"} and not any(h["cached"] for h in heads.values())
+    for h in heads.values():
+        assert (Path(h["path"]) / "head.safetensors").is_file() and h["train_s"] > 0
         assert v["isolated"]["updates"] == v["updates"]
     assert set(results["group_speedup"]) and all(x > 0 for x in results["group_speedup"].values())
     # Every process's memory and start, the bound the cores set, the planner's word.
