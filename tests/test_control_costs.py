@@ -42,19 +42,11 @@ async def test_the_cache_reads_once_for_all_who_ask_at_once_and_stays_bounded() 
 
 
 async def test_slices_of_a_version_read_its_weights_once(broker, tmp_path) -> None:
-    from joynexus.agents.control import ControlPlane
-    from joynexus.agents.scheduler import SchedulerAgent
-    from joynexus.agents.workloads import PolicyInitializer
-    from joynexus.schemas.workloads import PolicyQuery, WorkloadSpec
-    from joynexus.sdk import Client
+    from test_positions import control_and_client
 
-    sched = SchedulerAgent(broker)
-    await sched.start()
-    control = ControlPlane(broker, init_policy=PolicyInitializer(broker), datasets_root=tmp_path)
-    await control.start()
-    url = broker.nc.connected_url
-    acme = await Client.connect(f"nats://{url.netloc}", tenant="acme", namespace=broker.names.namespace)
-    try:
+    from joynexus.schemas.workloads import PolicyQuery, WorkloadSpec
+
+    async with control_and_client(broker, tmp_path) as (control, acme):
         await acme.create_workload(WorkloadSpec(name="rl", task_type="rl", env="PickCube-v1"))
         replies = await asyncio.gather(*(
             acme._api("get_policy", PolicyQuery(workload="rl", version=1, offset=i, limit=1))
@@ -63,7 +55,3 @@ async def test_slices_of_a_version_read_its_weights_once(broker, tmp_path) -> No
         whole = await acme._weights(replies[0].policy)
         assert [r.data for r in replies] == [whole[i : i + 1] for i in range(32)]
         assert control._weights.loads == 1
-    finally:
-        await acme.close()
-        await control.stop()
-        await sched.stop()

@@ -5,6 +5,10 @@ other tenants' event rate. Now it is the sequence of the tenant's own last event
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 from joynexus.agents.control import ControlPlane
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.workloads import PolicyInitializer
@@ -23,14 +27,28 @@ async def _event(b: Broker, tenant: str, job_id: str) -> int:
     return int(ack.seq)
 
 
-async def test_a_tenants_position_says_nothing_of_the_others(broker: Broker, tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def control_and_client(
+    broker: Broker, datasets: Path, tenant: str = "acme"
+) -> AsyncIterator[tuple[ControlPlane, Client]]:
+    """A scheduler and a control plane in this process, and ``tenant``'s client."""
     sched = SchedulerAgent(broker)
     await sched.start()
-    control = ControlPlane(broker, init_policy=PolicyInitializer(broker), datasets_root=tmp_path)
+    control = ControlPlane(broker, init_policy=PolicyInitializer(broker), datasets_root=datasets)
     await control.start()
     url = broker.nc.connected_url
-    acme = await Client.connect(f"nats://{url.netloc}", tenant="acme", namespace=broker.names.namespace)
+    client = await Client.connect(f"nats://{url.netloc}", tenant=tenant,
+                                  namespace=broker.names.namespace)
     try:
+        yield control, client
+    finally:
+        await client.close()
+        await control.stop()
+        await sched.stop()
+
+
+async def test_a_tenants_position_says_nothing_of_the_others(broker: Broker, tmp_path) -> None:
+    async with control_and_client(broker, tmp_path) as (_, acme):
         async def position() -> int:
             return (await acme._api("read_events", ReadEvents(after_seq=-1))).last_seq
 
@@ -43,7 +61,3 @@ async def test_a_tenants_position_says_nothing_of_the_others(broker: Broker, tmp
         # The live iterator still starts after the tenant's own last event.
         mine2 = await _event(broker, "acme", "a2")
         assert await position() == mine2
-    finally:
-        await acme.close()
-        await control.stop()
-        await sched.stop()
