@@ -232,9 +232,6 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
             horizon=cfg.horizon,
             action_horizon=cfg.action_horizon,
             seed=len(out),
-            **({"init_from_export": init_path(env), "state": ["privileged"],
-                "learning_rate": cfg.rl_learning_rate,
-                "critic_warmup": max(1, cfg.rl_updates // 3)} if from_head else {}),
             scheduling=Scheduling(
                 max_in_flight=max(2, cfg.workers + 1),
                 max_active_rollouts=cfg.workers,
@@ -242,6 +239,11 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
                 completion_target=cfg.rl_updates,
             ),
         )
+        if from_head:
+            spec = msgspec.structs.replace(
+                spec, init_from_export=init_path(env), state=["privileged"],
+                learning_rate=cfg.rl_learning_rate, critic_warmup=max(1, cfg.rl_updates // 3),
+            )
         out.append(TenantPlan(tenant, spec, cfg.rl_updates))
     spec = WorkloadSpec(
         name="sft",
@@ -1149,10 +1151,10 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
                 for h in history
             )
             print(f"  {t:8} ({start}) {points}")
-    ev = results.get("evaluations") or {}
-    if ev:
-        print(f"  evaluations took {ev.get('wall_s')} s; peak RSS of all processes meanwhile "
-              f"{ev.get('peak_rss_mb_total')} MB (evaluator {ev.get('peak_rss_mb_evaluator')} MB)")
+    evals = results.get("evaluations") or {}
+    if evals:
+        print(f"  evaluations took {evals.get('wall_s')} s; peak RSS of all processes meanwhile "
+              f"{evals.get('peak_rss_mb_total')} MB (evaluator {evals.get('peak_rss_mb_evaluator')} MB)")
 
 
 async def main_job(
