@@ -494,3 +494,21 @@ def test_every_accepted_seed_seeds_what_consumes_it(seed: int) -> None:
     np.random.default_rng(s.seed)  # the SFT producer's batch order
     np.random.default_rng(s.seed * 7919 + 996)  # the RL producer's noise
     assert 0 <= episode_seed(s.seed * 100_003 + 10**6 + 996_000_000, 3, 10**6) < 2**31
+
+
+def test_a_body_nested_too_deeply_is_a_clear_refusal() -> None:
+    """msgspec raises RecursionError on a deep free-form (Any) value; decode makes it
+    InvalidMessage, in JSON and in msgpack (issue 24 item 7)."""
+    import msgspec
+
+    from joynexus.schemas.base import decode
+    from joynexus.schemas.errors import InvalidMessage
+    from joynexus.schemas.inference import decode_msgpack
+
+    class Free(msgspec.Struct):
+        a: Any = None
+
+    with pytest.raises(InvalidMessage, match="nested too deeply"):
+        decode(b'{"a": ' + b"[" * 8000 + b"]" * 8000 + b"}", Free)
+    with pytest.raises(InvalidMessage, match="nested too deeply"):
+        decode_msgpack(b"\x81\xa1a" + b"\x91" * 8000 + b"\x90", Free)
