@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,13 @@ class PaperConfig:
     #: The starting heads' demonstrations and SFT updates, as a share of
     #: ``paper_heads.RECIPES`` (runs under 2 minutes make tiny heads).
     head_scale: float = 1.0
+    #: Updates per tenant of the warm-up round each phase runs before its first
+    #: measured window (0: none). A deployment's first workloads pay what later ones
+    #: do not (each worker's first build of its tenant's env, the first train step and
+    #: forward of each head kind, the inference engine's first batches): in the shared
+    #: run's first round that made the window 15-20% longer than its later rounds'.
+    #: Both phases run the same warm-up, all tenants at once, outside every window.
+    warmup_updates: int = 2
 
     @classmethod
     def for_minutes(cls, minutes: float, *, repeat: int = 1) -> PaperConfig:
@@ -213,6 +220,20 @@ def round_tenant(tenant: str, r: int) -> str:
 
 def base_tenant(tenant: str) -> str:
     return tenant.rstrip("0123456789")
+
+
+def warmup_round(cfg: PaperConfig) -> int:
+    """The round index of the warm-up tenants (after the measured rounds' names)."""
+    return cfg.repeat
+
+
+def warmup_plans(cfg: PaperConfig, dataset: str) -> list[TenantPlan]:
+    """The warm-up round: the measured rounds' workloads (the same builds, heads and
+    datasets) with ``warmup_updates`` updates each, under tenants of their own."""
+    if cfg.warmup_updates <= 0:
+        return []
+    small = replace(cfg, rl_updates=cfg.warmup_updates, sft_updates=cfg.warmup_updates)
+    return plans(small, dataset, warmup_round(cfg))
 
 
 def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
@@ -453,8 +474,11 @@ async def run_tenants(
     label: str,
     timeout_s: float,
     progress: bool,
+    *,
+    measured: bool = True,
 ) -> tuple[float, float]:
-    """Create the workloads, wait until each reached its updates; returns the window."""
+    """Create the workloads, wait until each reached its updates; returns the window
+    (its CPU seconds by role noted in ``dep.window_cpu_s`` if ``measured``)."""
     clients = {
         p.tenant: await dep.tenant(b, p.tenant)
         for p in tenants
@@ -490,7 +514,9 @@ async def run_tenants(
             await asyncio.sleep(0.5)
         t1 = time.time()
         cpu1 = dep.cpu_seconds()
-        dep.window_cpu_s.append({r: round(cpu1[r] - cpu0.get(r, 0.0), 2) for r in cpu1})
+        if measured:
+            dep.window_cpu_s.append(
+                {r: round(cpu1[r] - cpu0.get(r, 0.0), 2) for r in cpu1})
     finally:
         if progress:
             print(file=sys.stderr)
@@ -713,10 +739,12 @@ async def run_phase(
     isolated: bool,
     cfg: PaperConfig,
     progress: bool,
+    warmup: list[TenantPlan] | None = None,
 ) -> list[PhaseResult]:
     """One warm deployment per phase, one result per round (fresh tenants each):
     shared runs a round's tenants at once; isolated runs them one at a time (each
-    window measured alone, laid end to end)."""
+    window measured alone, laid end to end). ``warmup``'s tenants run first, all at
+    once, in both phases alike, outside every window."""
     results = [PhaseResult(name) for _ in rounds]
     ns = f"{name[:4]}{uuid.uuid4().hex[:6]}"
     n_rl = sum(1 for p in rounds[0] if p.spec.task_type == "rl")
@@ -739,6 +767,9 @@ async def run_phase(
         await SchedulerClient(b, by="paper").set_limits(
             GlobalLimits(max_active_rollouts=max(3, cfg.workers * n_rl))
         )
+        if warmup:
+            await run_tenants(b, dep, warmup, f"{name}:warm-up", cfg.phase_timeout_s, progress,
+                              measured=False)
         for r, tenants in enumerate(rounds):
             groups = [[p] for p in tenants] if isolated else [tenants]
             tag = f"{name}" if len(rounds) == 1 else f"{name}#{r + 1}"
@@ -919,8 +950,11 @@ NOTES = [
     "leaves partly idle while its simulator, its inference request or its training step "
     "waits for the others; a machine with accelerators overlaps different resources.",
     "Start-up is in neither run: both start measuring once every role is up and warm "
-    "(backbones built, the environment workers' renderers started); --repeat N measures "
-    "N pairs and reports the median.",
+    "(backbones built, the environment workers' renderers started) and a warm-up round "
+    "(every tenant's workload with a few updates, all at once) has run in its "
+    "deployment, so the first measured window pays no first env build, first train "
+    "step or first batch that the later ones do not; --repeat N measures N pairs and "
+    "reports the median.",
 ]
 
 
@@ -948,22 +982,25 @@ async def run_paper(
             seed=0,
         )
     rounds = [plans(cfg, SFT_DATASET, r) for r in range(cfg.repeat)]
+    warmup = warmup_plans(cfg, SFT_DATASET)
     # The RL tenants' starting heads (made once, then cached), outside both windows.
     heads = await prepare_heads(
         url, out, cfg,
-        {p.tenant: p.spec.env for ps in rounds for p in ps if p.spec.init_from_export},
+        {p.tenant: p.spec.env for ps in [*rounds, warmup] for p in ps
+         if p.spec.init_from_export},
         progress=progress,
     )
-    for r in range(1, cfg.repeat):  # each round's SFT tenant has the dataset in its space
+    # Each later round's SFT tenant, and the warm-up's, has the dataset in its space.
+    for r in [*range(1, cfg.repeat), *([warmup_round(cfg)] if warmup else [])]:
         copy = datasets_root(out) / round_tenant(SFT_TENANT, r) / SFT_DATASET
         if not (copy / "meta" / "info.json").exists():
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(dataset, copy)
     shared = await run_phase(
-        url, out, "shared", rounds, isolated=False, cfg=cfg, progress=progress
+        url, out, "shared", rounds, isolated=False, cfg=cfg, progress=progress, warmup=warmup
     )
     isolated = await run_phase(
-        url, out, "isolated", rounds, isolated=True, cfg=cfg, progress=progress
+        url, out, "isolated", rounds, isolated=True, cfg=cfg, progress=progress, warmup=warmup
     )
     pairs = [summarize(sh, iso) for sh, iso in zip(shared, isolated, strict=True)]
     ratios = [p["device_time_ratio"] for p in pairs]

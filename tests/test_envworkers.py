@@ -247,3 +247,59 @@ def test_the_envs_a_worker_warms() -> None:
     assert prefer_warmed(["w0", "w1", "w2", "w3"], "libero", warmed, started)[:2] == ["w2", "w3"]
     assert prefer_warmed(["w3", "w2", "w0"], "maniskill", warmed, started) == ["w0", "w2", "w3"]
     assert prefer_warmed(["w3", "w0"], "libero", warmed, started) == ["w3", "w0"]
+
+
+async def test_a_workers_idle_envs_are_bounded_and_keyed_by_their_build() -> None:
+    """The env pool gives an env only to the same build (the seed aside), keeps at most
+    its capacity idle (least recently used closed first), closes on replacement, and
+    refuses a bad ``$JOYNEXUS_ENV_POOL``. A workload then takes the worker keeping its
+    env built first."""
+    from joynexus.agents.envworkers.assign import prefer_warmed
+    from joynexus.agents.envworkers.envpool import POOL_ENV, EnvPool, build_key, pool_capacity
+
+    class Env:
+        closed = 0
+
+        def close(self) -> None:
+            Env.closed += 1
+
+    pick = build_key("PickCube-v1", obs="rgb", num_envs=2, image_size=64,
+                     cameras=["base_camera"], state_keys=["privileged"])
+    push = build_key("PushCube-v1", obs="rgb", num_envs=2, image_size=64,
+                     cameras=["base_camera"])
+    lib = build_key("LIBERO-spatial-0", obs="rgb", num_envs=1, image_size=64)
+    assert pick == build_key("PickCube-v1", obs="rgb", num_envs=2, image_size=64,
+                             cameras=("base_camera",), state_keys=("privileged",))
+    assert pick != build_key("PickCube-v1", obs="rgb", num_envs=1, image_size=64,
+                             cameras=["base_camera"], state_keys=["privileged"])
+    pool = EnvPool(capacity=2)
+    a, b, c = Env(), Env(), Env()
+    await pool.give(pick, a)
+    await pool.give(push, b)
+    assert pool.names() == ["PickCube-v1", "PushCube-v1"] and Env.closed == 0
+    assert pool.take(lib) is None  # another build: not given
+    assert pool.take(pick) is a and pool.take(pick) is None  # once
+    await pool.give(pick, a)
+    await pool.give(lib, c)  # over capacity: push (least recently used) is closed
+    assert Env.closed == 1 and pool.names() == ["LIBERO-spatial-0", "PickCube-v1"]
+    await pool.give(pick, Env())  # the same build again: the older one is closed
+    assert Env.closed == 2 and len(pool) == 2
+    await pool.close()
+    assert Env.closed == 4 and len(pool) == 0
+    off = EnvPool(capacity=0)
+    await off.give(pick, Env())
+    assert len(off) == 0 and Env.closed == 5
+    assert (off.hits, off.misses, pool.hits, pool.misses) == (0, 0, 1, 2)
+    assert pool_capacity({}) == 2 and pool_capacity({POOL_ENV: "0"}) == 0
+    for bad in ("-1", "two"):
+        with pytest.raises(ValueError, match=POOL_ENV):
+            pool_capacity({POOL_ENV: bad})
+    warmed = {"w0": "maniskill", "w1": "maniskill", "w2": "libero"}
+    started = {"w0", "w1", "w2"}
+    pooled = {"w1": {"PushCube-v1"}, "w2": {"PickCube-v1"}}
+    assert prefer_warmed(["w0", "w1", "w2"], "maniskill", warmed, started,
+                         env="PushCube-v1", pooled=pooled) == ["w1", "w0", "w2"]
+    # A worker of the other kind that keeps the env built beats a warmed one without.
+    assert prefer_warmed(["w0", "w1", "w2"], "maniskill", warmed, started,
+                         env="PickCube-v1", pooled=pooled)[0] == "w2"
+    assert prefer_warmed(["w0", "w1"], "maniskill", warmed, started) == ["w0", "w1"]

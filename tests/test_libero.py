@@ -33,6 +33,7 @@ from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import JobState
+from joynexus.schemas.samples import OBS_STATE
 from joynexus.schemas.workloads import ApiReply, Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 
@@ -147,6 +148,68 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
     # The learned action chunks of the executed actions (the policy's, with exploration).
     assert data["actions"].shape == (M, 2, 7) and np.abs(data["actions"]).max() <= 1.0
     await acme.close()
+
+
+async def _first_rollout(b: Broker, producer: Any, tenant: str) -> Any:
+    """Run ``producer`` until its first job is on the Training Queue; that job."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(producer.run(stop))
+    sched = SchedulerClient(b, by="test")
+    try:
+        for _ in range(240):
+            done = await sched.list_jobs(tenant, workload="rl", states=[JobState.NEEDS_ADVANTAGES])
+            if done or task.done():
+                break
+            await asyncio.sleep(0.25)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert done, f"no rollout of {tenant} reached the Training Queue"
+    return done[0]
+
+
+async def test_a_workers_built_env_serves_the_next_workload_from_a_clean_reset(
+    service: Broker, nats_server: EmbeddedNats
+) -> None:
+    """A worker keeps a workload's LIBERO envs built (2-8 s to build here) and gives them
+    to the next workload of the same build, another tenant's: that workload's first
+    observation is the one a freshly built env shows for its own seed (nothing of the
+    previous tenant's episode is left), and an env of another build is not reused."""
+    from joynexus.agents.envworkers import RLProducer
+    from joynexus.agents.envworkers.envpool import EnvPool
+
+    b = service
+    spec = dict(name="rl", task_type="rl", env=ENV, num_envs=1, horizon=3, action_horizon=2,
+                scheduling=Scheduling(max_in_flight=1, completion_target=1))
+    pool = EnvPool(capacity=1)
+    firsts: dict[str, Any] = {}
+    for tenant, seed in (("dora", 0), ("ezra", 7)):
+        c = await _tenant(nats_server, b, tenant)
+        await c.create_workload(WorkloadSpec(**spec, seed=seed))  # type: ignore[arg-type]
+        rec = (await c.get_workload("rl")).record
+        job = await _first_rollout(b, RLProducer(b, rec, instance=f"w-{tenant}", pool=pool),
+                                   tenant)
+        tq = TrainingQueue(b)
+        meta = await tq.async_get_meta(["obs_state", "episode_seed"], 100, tenant_id=tenant,
+                                       partition_id=job.partition_id, task_name="train")
+        data = await tq.async_get_data(meta)
+        firsts[tenant] = (data["obs_state"][0], int(data["episode_seed"][0]))
+        await c.close()
+    assert (pool.misses, pool.hits, len(pool)) == (1, 1, 1)  # ezra got dora's env
+    # ezra's first observation: that of a fresh env reset with its episode's seed (to
+    # MuJoCo's settling noise, 1e-4 here between two resets of one env).
+    (got, seed), (dora, dora_seed) = firsts["ezra"], firsts["dora"]
+    assert seed != dora_seed
+    schema, _ = workload_schema(WorkloadSpec(**spec, seed=7))  # type: ignore[arg-type]
+    fresh = registry.make_env(ENV, obs="rgb", num_envs=1, cameras=schema.camera_slots)
+    try:
+        want = fresh.reset([seed])[OBS_STATE][0]
+    finally:
+        fresh.close()
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    assert np.abs(got - dora).max() > 5e-3  # another recorded initial state
+    await pool.close()
+    assert len(pool) == 0
 
 
 async def test_libero_evaluation_stays_pinned_to_its_version(

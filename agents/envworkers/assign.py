@@ -68,11 +68,15 @@ def warm_for(k: int, plan: tuple[str, ...]) -> str:
 
 
 def prefer_warmed(idle: list[str], kind: str, warmed: dict[str, str],
-                  warm: set[str]) -> list[str]:
-    """Idle workers in the order a workload of simulator ``kind`` should take them:
-    warmed for its kind first (one still starting will be; another kind's would
+                  warm: set[str], *, env: str = "",
+                  pooled: dict[str, set[str]] | None = None) -> list[str]:
+    """Idle workers in the order a workload of simulator ``kind`` (env ``env``) should
+    take them: one keeping ``env`` built (``pooled``: instance -> env names it keeps)
+    first, then warmed for its kind (one still starting will be; another kind's would
     pay this kind's first env, 18-40 s), started before still starting."""
-    return sorted(idle, key=lambda i: (warmed.get(i) != kind, i not in warm))
+    pooled = pooled or {}
+    return sorted(idle, key=lambda i: (env not in pooled.get(i, ()), warmed.get(i) != kind,
+                                       i not in warm))
 
 
 def assignment_key(instance: str) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
+from joynexus.agents.envworkers.envpool import EnvPool, build_key, close_env
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.workloads import (
@@ -96,6 +97,7 @@ class RLProducer:
         instance: str,
         own_orphans_only: bool = False,
         env: Any = None,
+        pool: EnvPool | None = None,
     ) -> None:
         from joynexus.agents.inference import InferenceClient
 
@@ -117,6 +119,9 @@ class RLProducer:
         self.rng = np.random.default_rng(self.spec.seed * 7919 + self.seed_salt)
         self.rollouts = 0
         self.env = env
+        #: The worker's idle envs: this workload's build is taken from it and given
+        #: back when the workload ends cleanly (None: built here, closed at the end).
+        self.pool = pool
         self.done = False
         from joynexus.agents.actor_forward import gaussian_head
 
@@ -132,53 +137,71 @@ class RLProducer:
         schema, instruction = await asyncio.to_thread(workload_schema, self.spec)
         await self._fail_orphans()
         own_env = self.env is None
-        t0 = time.perf_counter()
-        env = self.env or await self._make_env(schema)
-        if own_env:
+        build = self._build_args(schema)
+        key = build_key(**{k: v for k, v in build.items() if k != "seed"})
+        env = self.env
+        if env is None and self.pool is not None:
+            env = self.pool.take(key)
+            if env is not None:
+                log.info("%s: %s/%s: %s reused from this worker's idle envs", self.instance,
+                         self.tenant, self.spec.name, self.spec.env)
+        if env is None:
+            t0 = time.perf_counter()
+            env = await self._make_env(schema)
             log.info("%s: %s/%s: %s built in %.1f s", self.instance, self.tenant,
                      self.spec.name, self.spec.env, time.perf_counter() - t0)
+        broken = False
+        try:
+            return await self._loop(env, schema, instruction, stop, until_done)
+        except BaseException:
+            broken = True
+            raise
+        finally:
+            if own_env:
+                if self.pool is not None and not broken:
+                    await self.pool.give(key, env)
+                else:
+                    await close_env(env)
+
+    async def _loop(
+        self, env: Any, schema: Any, instruction: str, stop: asyncio.Event, until_done: bool
+    ) -> bool:
         backoff = RESERVE_BACKOFF_S[0]
         waiting_since: float | None = None
         waited_for = ""
-        try:
-            while not stop.is_set():
-                version = (await self.policies.latest(self.tenant, self.spec.name)).version
-                span, job = await self._reserve(schema, instruction, version)
-                if job is None:
-                    span.end()
-                    if ends_run(until_done, self.sched.last_refusal_code):
-                        log.info("%s: %s/%s: %s", self.instance, self.tenant, self.spec.name,
-                                 self.sched.last_refusal)
-                        self.done = True
-                        return True
-                    if waiting_since is None:  # said once the wait is over (if it was long)
-                        waiting_since, waited_for = time.perf_counter(), self.sched.last_refusal
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), backoff)
-                    backoff = next_backoff(backoff)
-                    continue
-                if waiting_since is not None:
-                    waited = time.perf_counter() - waiting_since
-                    if waited >= LOGGED_WAIT_S:
-                        log.info("%s: %s/%s: admitted after waiting %.1f s (%s)", self.instance,
-                                 self.tenant, self.spec.name, waited, waited_for)
-                    waiting_since = None
-                backoff = RESERVE_BACKOFF_S[0]
-                with trace.use_span(span, end_on_exit=True):
-                    span.set_attribute("job_id", job.job_id)
-                    if not await self._produce(job, env, schema, instruction, version, stop):
-                        break
-        finally:
-            if own_env:
-                await asyncio.to_thread(env.close)
+        while not stop.is_set():
+            version = (await self.policies.latest(self.tenant, self.spec.name)).version
+            span, job = await self._reserve(schema, instruction, version)
+            if job is None:
+                span.end()
+                if ends_run(until_done, self.sched.last_refusal_code):
+                    log.info("%s: %s/%s: %s", self.instance, self.tenant, self.spec.name,
+                             self.sched.last_refusal)
+                    self.done = True
+                    return True
+                if waiting_since is None:  # said once the wait is over (if it was long)
+                    waiting_since, waited_for = time.perf_counter(), self.sched.last_refusal
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = next_backoff(backoff)
+                continue
+            if waiting_since is not None:
+                waited = time.perf_counter() - waiting_since
+                if waited >= LOGGED_WAIT_S:
+                    log.info("%s: %s/%s: admitted after waiting %.1f s (%s)", self.instance,
+                             self.tenant, self.spec.name, waited, waited_for)
+                waiting_since = None
+            backoff = RESERVE_BACKOFF_S[0]
+            with trace.use_span(span, end_on_exit=True):
+                span.set_attribute("job_id", job.job_id)
+                if not await self._produce(job, env, schema, instruction, version, stop):
+                    break
         return False
 
-    async def _make_env(self, schema: Any) -> Any:
-        from joynexus.agents.envs.registry import make_env
-
-        return await asyncio.to_thread(
-            make_env,
-            self.spec.env,
+    def _build_args(self, schema: Any) -> dict[str, Any]:
+        """The ``make_env`` arguments of this workload's envs."""
+        return dict(
+            name=self.spec.env,
             obs="rgb",
             num_envs=self.spec.num_envs,
             image_size=self.spec.image_size,
@@ -187,6 +210,12 @@ class RLProducer:
             cameras=schema.camera_slots,
             state_keys=getattr(schema, "state_keys", ()) or self.spec.state or None,
         )
+
+    async def _make_env(self, schema: Any) -> Any:
+        from joynexus.agents.envs.registry import make_env
+
+        args = self._build_args(schema)
+        return await asyncio.to_thread(make_env, args.pop("name"), **args)
 
     async def _reserve(
         self, schema: Any, instruction: str, version: int

@@ -82,6 +82,8 @@ class EnvSupervisor:
         self.warm_plan = warm_envs()
         self._spawned = 0
         self.warmed: dict[str, str] = {}
+        #: The env names each worker keeps built (said with its ``workload_done``).
+        self.pooled: dict[str, set[str]] = {}
         #: Active service RL workloads: key -> record.
         self.active: dict[str, WorkloadRecord] = {}
         self.done: set[str] = set()
@@ -190,6 +192,7 @@ class EnvSupervisor:
         keys = [k for k in dict.fromkeys((self.pool.pop(inst, ""), self.served.pop(inst, ""))) if k]
         self.warm.discard(inst)
         self.warmed.pop(inst, None)
+        self.pooled.pop(inst, None)
 
         async def gone() -> None:
             await self.manager.remove_slot(inst)  # returns once the process is gone
@@ -238,7 +241,8 @@ class EnvSupervisor:
                 await self._assign(inst, "")
             need = wanted[key] - len(have)
             idle = prefer_warmed([i for i, k in self.pool.items() if not k],
-                                 _kind_of(active[key]), self.warmed, self.warm)
+                                 _kind_of(active[key]), self.warmed, self.warm,
+                                 env=active[key].spec.env, pooled=self.pooled)
             for inst in idle[:need]:
                 await self._assign(inst, key)
                 need -= 1
@@ -258,10 +262,12 @@ class EnvSupervisor:
             m = orjson.loads(msg.data)
             if m.get("service") != ENV_ROLE or m.get("instance") not in self.pool:
                 return
-            if m.get("ready"):
+            if m.get("ready"):  # a (re)started worker: it keeps no env built yet
                 self.warm.add(m["instance"])
+                self.pooled.pop(m["instance"], None)
                 self._changed.set()
             elif m.get("event") == "workload_done" and m.get("workload") in self.active:
+                self.pooled[m["instance"]] = {str(n) for n in m.get("pooled") or ()}
                 self.done.add(m["workload"])
                 self._changed.set()
 

@@ -20,6 +20,7 @@ from joynexus.agents.envworkers.assign import (
     assignment_key,
     warm_envs,
 )
+from joynexus.agents.envworkers.envpool import EnvPool
 from joynexus.agents.envworkers.producer import RLProducer
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
@@ -68,6 +69,8 @@ class EnvWorker:
         self.instance = instance
         self.assignment = Assignment()
         self.changed = asyncio.Event()
+        #: Built envs kept between workloads (``$JOYNEXUS_ENV_POOL``).
+        self.pool = EnvPool()
 
     async def _watch(self, kv: Any) -> None:
         key = assignment_key(self.instance)
@@ -148,6 +151,7 @@ class EnvWorker:
             watch.cancel()
             stopper.cancel()
             await asyncio.gather(watch, stopper, return_exceptions=True)
+            await self.pool.close()
 
     async def _serve(self, key: str, workloads: Any, stop: asyncio.Event) -> None:
         """Run the producer of workload ``key`` until the assignment changes, ``stop``,
@@ -175,7 +179,8 @@ class EnvWorker:
         relay_task = asyncio.create_task(relay())
         log.info("%s: rollouts of %s (%s)", self.instance, key, spec.env)
         try:
-            producer = RLProducer(self.b, rec, instance=self.instance, own_orphans_only=True)
+            producer = RLProducer(self.b, rec, instance=self.instance, own_orphans_only=True,
+                                  pool=self.pool)
             if await producer.run(local, until_done=True):
                 await metrics.emit(
                     self.b,
@@ -184,6 +189,9 @@ class EnvWorker:
                     event="workload_done",
                     instance=self.instance,
                     workload=key,
+                    # The envs it keeps built: the supervisor gives their next workload
+                    # this worker first.
+                    pooled=self.pool.names(),
                 )
                 log.info("%s: %s is done", self.instance, key)
         finally:
