@@ -21,6 +21,14 @@ inference engines) answers through a :class:`Server`. See docs/ARCHITECTURE.md
 - **A bounded number of requests in flight**, per tenant (its quota's
   ``max_requests_in_flight``) and in all: past the bound a request is answered
   at once with ``rate_limited`` (retryable) instead of being spawned.
+- **A fair share of the server's time** (``slots``): of a tenant's admitted
+  requests at most ``slots(tenant)`` do their work at once; the others wait, in
+  order, until one of its own ends. The event loop is the control plane's one
+  CPU: 32 concurrent handlers of one tenant made every other tenant's call 13-20x
+  slower (issue 24); now another tenant's request competes with a few of them,
+  and a verb that works longer holds its slot longer, so costs its tenant more
+  of its share. A long poll gives its slot back while it waits
+  (:func:`waiting`).
 - **A handler that raises answers an error body** (the error's stable code,
   its message clipped; a bug answers ``error`` and is logged) with the
   micro-service error headers, and the server keeps serving.
@@ -35,9 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -254,6 +263,34 @@ def error_headers(code: str, message: str, headers: dict[str, str] | None = None
     return headers
 
 
+class _Held:
+    """The slot a request works in, and whether it holds it now."""
+
+    def __init__(self, slot: asyncio.Semaphore) -> None:
+        self.slot = slot
+        self.held = False
+
+
+_HELD: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("rpc_slot", default=None)
+
+
+@contextlib.asynccontextmanager
+async def waiting() -> AsyncIterator[None]:
+    """Inside a handler: give the tenant's working slot back while waiting (a long
+    poll waits for events, it does no work), take it again, in turn, after."""
+    h = _HELD.get()
+    if h is None or not h.held:
+        yield
+        return
+    h.slot.release()
+    h.held = False
+    try:
+        yield
+    finally:
+        await h.slot.acquire()
+        h.held = True
+
+
 class Responder:
     """Reply checks, in-flight bounds, spawned tasks and the answering connection of
     one request server (``source`` names it in security events)."""
@@ -376,6 +413,7 @@ class Server(Responder):
         limit: Callable[[str], int] | None = None,
         total: int = MAX_IN_FLIGHT_TOTAL,
         respond: RawRespond | None = None,
+        slots: Callable[[str], int] | None = None,
     ) -> None:
         super().__init__(b, source, limit=limit, total=total)
         self.error_reply = error_reply
@@ -383,6 +421,12 @@ class Server(Responder):
         self.clip = clip
         self.internal = internal
         self.respond = respond
+        self.slots = slots
+        #: Per tenant with requests admitted: the slots its requests work in.
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        #: The most requests of one tenant that ever worked at once (for tests).
+        self.peak_working: dict[str, int] = {}
+        self._working: dict[str, int] = {}
 
     def error_of(self, e: BaseException) -> tuple[str, str]:
         """(code, message) of a failed request: the error's own, clipped; a bug's
@@ -406,7 +450,8 @@ class Server(Responder):
         """Answer ``request`` with what ``handle()`` returns, in a task of its own
         (nats-py runs one callback at a time per subscription: a long poll never
         blocks the others), counted against ``tenant``'s in-flight bound (past it:
-        ``rate_limited`` at once). ``handle`` decodes the request and does the work
+        ``rate_limited`` at once) and, with ``slots``, working only in one of
+        ``tenant``'s slots. ``handle`` decodes the request and does the work
         in a span ``span`` continuing the caller's trace (``traced_only``: only when
         the request carries one; thousands of root spans a second would only cost);
         ``error_reply``: this request's, instead of the server's."""
@@ -415,8 +460,44 @@ class Server(Responder):
         except RateLimited as e:
             self.spawn(self.answer_error(request, e, error_reply=error_reply))
             return
-        task = self.spawn(self._answer(request, handle, span, traced_only, error_reply))
-        task.add_done_callback(lambda _t: self.release(tenant))
+        slot = self._slot(tenant)
+        work = handle if slot is None else self._in_slot(tenant or "", slot, handle)
+        task = self.spawn(self._answer(request, work, span, traced_only, error_reply))
+        task.add_done_callback(lambda _t: self._release(tenant))
+
+    def _slot(self, tenant: str | None) -> asyncio.Semaphore | None:
+        if self.slots is None or not tenant:
+            return None
+        sem = self._slots.get(tenant)
+        if sem is None:
+            sem = self._slots[tenant] = asyncio.Semaphore(max(1, self.slots(tenant)))
+        return sem
+
+    def _in_slot(
+        self, tenant: str, slot: asyncio.Semaphore, handle: Callable[[], Awaitable[Any]]
+    ) -> Callable[[], Awaitable[Any]]:
+        async def work() -> Any:
+            held = _Held(slot)
+            await slot.acquire()
+            held.held = True
+            token = _HELD.set(held)
+            n = self._working[tenant] = self._working.get(tenant, 0) + 1
+            self.peak_working[tenant] = max(self.peak_working.get(tenant, 0), n)
+            try:
+                return await handle()
+            finally:
+                _HELD.reset(token)
+                self._working[tenant] = self._working.get(tenant, 1) - 1
+                if held.held:
+                    slot.release()
+
+        return work
+
+    def _release(self, tenant: str | None) -> None:
+        self.release(tenant)
+        if tenant and tenant not in self.in_flight:  # none admitted: none waits on it
+            self._slots.pop(tenant, None)
+            self._working.pop(tenant, None)
 
     async def _answer(
         self,

@@ -22,8 +22,11 @@ from typing import Any
 
 from joynexus.ops.isolation import (
     CATALOGUE,
+    P50_TARGET,
     P99_ABS_BOUND_S,
     P99_RATIO_BOUND,
+    P99_TARGET,
+    TRAIN_RATE_TARGET,
     Deployment,
     prepare,
     run_attack,
@@ -80,6 +83,11 @@ async def bench_isolation(
         "attacks_held": sum(1 for r in tried if r["held"]),
         "victim_ok": sum(1 for r in tried if r.get("victim_ok")),
         "victim_bound": {"p99_ratio": P99_RATIO_BOUND, "p99_abs_s": P99_ABS_BOUND_S},
+        # Issue 24's targets for every attack within quota (the victim's p50 and p99
+        # against its baseline in the same run, and its training rate).
+        "victim_target": {"p50_ratio": P50_TARGET, "p99_ratio": P99_TARGET,
+                          "train_rate_ratio": TRAIN_RATE_TARGET},
+        "attacks_within_target": sum(1 for r in tried if r.get("within_target")),
         "deployment": "external" if url else "embedded (fresh, secured)",
         "seconds": round(time.monotonic() - t0, 1),
     }

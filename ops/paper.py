@@ -158,6 +158,7 @@ class PaperConfig:
             head_scale=1.0 if minutes >= 2 else 0.02,
             phase_timeout_s=max(600.0, 300.0 * minutes),
             repeat=max(1, repeat),
+            warmup_updates=2 if minutes >= 2 else 1,
         )
 
 
@@ -1016,6 +1017,8 @@ async def run_paper(
     results["tenants"] = pairs[0]["tenants"]
     results["config"] = asdict(cfg)
     results["starting_heads"] = heads
+    results["warmup"] = {"updates_per_tenant": cfg.warmup_updates,
+                         "tenants": [p.tenant for p in warmup]}
     results["notes"] = NOTES
     results["peak_rss_mb_total"] = max(results["shared"]["peak_rss_mb_total"],
                                        results["isolated"]["peak_rss_mb_total"])

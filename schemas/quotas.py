@@ -60,6 +60,9 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     #: Requests of this tenant being served at once by one control plane / engine;
     #: past it the request is refused with ``rate_limited`` (retry later).
     max_requests_in_flight: int = 32
+    #: Of those, how many do their work at once on a control plane (the rest wait
+    #: their turn, in order): the tenant's share of the control plane's time.
+    max_requests_working: int = 4
     #: The directory under which this tenant's SFT datasets must live
     #: (empty: ``<datasets root>/<tenant>``, the service's default).
     dataset_root: str = ""

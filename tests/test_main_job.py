@@ -53,6 +53,9 @@ def test_main_job_runs_both_phases_and_writes_the_report(tmp_path: Path) -> None
     )
     tenants = results["tenants"]
     assert set(tenants) == {"acme", "bolt", "cora", "dana"}
+    # Each phase warmed up on tenants of its own, outside the windows and the figures.
+    assert results["warmup"] == {"updates_per_tenant": 1,
+                                 "tenants": ["acme1", "bolt1", "cora1", "dana1"]}
     for t, v in tenants.items():
         assert v["updates"] >= 1 and v["final_version"] == 1 + v["updates"], (t, v)
         assert v["failed"] == 0 and v["dropped_stale"] >= 0

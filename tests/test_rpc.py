@@ -48,7 +48,8 @@ class EchoService:
     """A micro service whose one endpoint answers through an rpc.Server, as the
     control plane's tenant API does (the tenant from the subject)."""
 
-    def __init__(self, b: Broker, *, limit: int = 32, total: int = rpc.MAX_IN_FLIGHT_TOTAL) -> None:
+    def __init__(self, b: Broker, *, limit: int = 32, total: int = rpc.MAX_IN_FLIGHT_TOTAL,
+                 slots: int | None = None) -> None:
         self.b = b
         self.release = asyncio.Event()
         self.handled = 0
@@ -59,6 +60,7 @@ class EchoService:
             error_reply=lambda code, message: EchoReply(error=ErrorBody(code=code, message=message)),
             limit=lambda _t: limit,
             total=total,
+            slots=None if slots is None else (lambda _t: slots),
         )
         self.service: Any = None
 
@@ -90,6 +92,9 @@ class EchoService:
                 raise RuntimeError("a bug in the handler")
             if req.do == "hold":
                 await self.release.wait()
+            if req.do == "poll":  # a long poll: waits without the tenant's slot
+                async with rpc.waiting():
+                    await self.release.wait()
             return EchoReply(text=req.text, tenant=tenant)
 
         self.server.serve(request, handle, span="echo", tenant=tenant)
@@ -200,6 +205,41 @@ async def test_the_in_flight_bound_holds_and_rate_limited_is_retried_by_policy(
     assert [r.text for r in await asyncio.gather(*held)] == ["0", "1"]
     assert (await later).text == "later"
     assert echo.server.in_flight == {} and echo.server.rate_limited >= 2
+
+
+async def test_a_tenant_works_in_its_slots_and_another_is_served_meanwhile(
+    broker: Broker,
+) -> None:
+    """Of a tenant's admitted requests at most ``slots`` work at once, the rest wait
+    their turn (answered, in the end, not refused); another tenant's request is
+    served at once; a long poll gives its slot back while it waits."""
+    svc = EchoService(broker, limit=10, slots=2)
+    await svc.start()
+    try:
+        held = [asyncio.create_task(ask(broker, "acme", Echo(text=str(i), do="hold")))
+                for i in range(6)]
+        await svc.handled_at_least(2)
+        await asyncio.sleep(0.3)  # the other four had time to start, if they could
+        assert svc.handled == 2 and svc.server.in_flight == {"acme": 6}
+        t0 = time.monotonic()
+        assert (await ask(broker, "beta", Echo(text="b"))).tenant == "beta"
+        assert time.monotonic() - t0 < 2.0
+        svc.release.set()
+        assert [r.text for r in await asyncio.gather(*held)] == [str(i) for i in range(6)]
+        assert svc.server.peak_working["acme"] == 2
+        assert svc.server.in_flight == {} and svc.server._slots == {}
+        # Long polls hold no slot: with both of beta's polls waiting, its call works.
+        svc.release.clear()
+        polls = [asyncio.create_task(ask(broker, "beta", Echo(text="p", do="poll")))
+                 for _ in range(3)]
+        await svc.handled_at_least(6 + 1 + 3)  # all three inside, with 2 slots
+        assert (await ask(broker, "beta", Echo(text="now"))).text == "now"
+        svc.release.set()
+        assert [r.text for r in await asyncio.gather(*polls)] == ["p"] * 3
+        assert svc.server._slots == {}
+    finally:
+        svc.release.set()
+        await svc.stop()
 
 
 async def test_the_total_bound_counts_every_tenant(broker: Broker) -> None:

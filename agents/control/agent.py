@@ -97,6 +97,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
             error_reply=lambda code, message: ApiReply(error=ErrorBody(code=code, message=message)),
             internal="internal error (reference {ref} in the control plane's log)",
             limit=lambda t: self.quotas.get(t).max_requests_in_flight,
+            slots=lambda t: self.quotas.get(t).max_requests_working,
         )
         # Workload records, from one watcher over the bucket: key -> record.
         self._records_mirror = KVMirror(

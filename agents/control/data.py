@@ -31,6 +31,7 @@ from joynexus.agents.control.checks import (
 )
 from joynexus.broker import metrics
 from joynexus.broker.direct import last_seq_of, read_subject
+from joynexus.broker.rpc import waiting
 from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.usage import UsageQuery
 from joynexus.schemas.base import decode
@@ -87,7 +88,8 @@ class DataGateway(ControlBase):
             # Wait for one of this tenant's events (re-read at least every second:
             # a core message can be seen just before the stream has stored it).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_tick(tenant, tick), min(left, 1.0))
+                async with waiting():  # without the tenant's working slot
+                    await asyncio.wait_for(self._wait_tick(tenant, tick), min(left, 1.0))
         return ApiReply(
             events=[EventEntry(seq=seq, event=msgspec.Raw(data)) for seq, data in items],
             last_seq=last,

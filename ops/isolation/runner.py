@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 #: times its baseline p99, or at most this many seconds.
 P99_RATIO_BOUND = 5.0
 P99_ABS_BOUND_S = 1.5
+#: The targets an attack within quota is judged by (issue 24): the victim's p50
+#: within 2x of its baseline, its p99 within 3x, its training rate at least 0.7x.
+#: Reported per attack (``within_target``), not asserted by the suite: a 2-core
+#: machine running the attacker, the victim and every agent is too noisy for that.
+P50_TARGET = 2.0
+P99_TARGET = 3.0
+TRAIN_RATE_TARGET = 0.7
 
 
 @dataclass
@@ -55,6 +62,17 @@ class Outcome:
         return round(self.during.p99 / self.baseline.p99, 2) if self.baseline.p99 else 0.0
 
     @property
+    def train_rate_ratio(self) -> float | None:
+        b, d = self.baseline.train_rate, self.during.train_rate
+        return round(d / b, 2) if b and d is not None else None
+
+    @property
+    def within_target(self) -> bool:
+        rate = self.train_rate_ratio
+        return (self.p50_ratio <= P50_TARGET and self.p99_ratio <= P99_TARGET
+                and (rate is None or rate >= TRAIN_RATE_TARGET))
+
+    @property
     def within_bound(self) -> bool:
         return self.during.p99 <= max(P99_RATIO_BOUND * self.baseline.p99, P99_ABS_BOUND_S)
 
@@ -75,6 +93,10 @@ class Outcome:
             "name": self.name, "class": self.klass, "held": self.held,
             "victim_ok": self.victim_ok,
             "victim_p50_ratio": self.p50_ratio, "victim_p99_ratio": self.p99_ratio,
+            "victim_train_rate_ratio": self.train_rate_ratio,
+            "within_target": self.within_target,
+            "victim_p50_ms": round(self.during.p50 * 1000, 1),
+            "baseline_p50_ms": round(self.baseline.p50 * 1000, 1),
             "victim_p99_ms": round(self.during.p99 * 1000, 1),
             "baseline_p99_ms": round(self.baseline.p99 * 1000, 1),
             "victim_errors": len(self.during.errors),

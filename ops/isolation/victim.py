@@ -45,19 +45,29 @@ class Stats:
     p99: float = 0.0
     max: float = 0.0
     errors: list[str] = field(default_factory=list)
+    #: The victim's policy versions per second over the window (None: not known).
+    train_rate: float | None = None
 
     @classmethod
-    def of(cls, xs: list[float], errors: list[str]) -> Stats:
+    def of(cls, xs: list[float], errors: list[str], train_rate: float | None = None) -> Stats:
         if not xs:
-            return cls(errors=errors)
+            return cls(errors=errors, train_rate=train_rate)
         s = sorted(xs)
         return cls(n=len(s), p50=statistics.median(s),
                    p99=s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)], max=s[-1],
-                   errors=errors)
+                   errors=errors, train_rate=train_rate)
 
     def brief(self) -> dict[str, Any]:
         return {"n": self.n, "p50_ms": round(self.p50 * 1000, 1),
-                "p99_ms": round(self.p99 * 1000, 1), "errors": len(self.errors)}
+                "p99_ms": round(self.p99 * 1000, 1), "errors": len(self.errors),
+                "versions_per_s": None if self.train_rate is None else round(self.train_rate, 2)}
+
+
+def rate(v0: int, v1: int, seconds: float) -> float | None:
+    """Versions per second between two reads of the latest version (None if either failed)."""
+    if v0 < 0 or v1 < 0 or seconds <= 0:
+        return None
+    return (v1 - v0) / seconds
 
 
 class Victim:
@@ -142,11 +152,12 @@ class Victim:
         xs: list[float] = []
         errors: list[str] = []
         stop = asyncio.Event()
+        v0, t0 = await self.version(), time.monotonic()
         task = asyncio.create_task(self._sample(stop, xs, errors))
         await asyncio.sleep(seconds)
         stop.set()
         await task
-        return Stats.of(xs, errors)
+        return Stats.of(xs, errors, rate(v0, await self.version(), time.monotonic() - t0))
 
     async def during(
         self, attack: Awaitable[Any], *, min_s: float = 1.0
@@ -168,6 +179,8 @@ class Victim:
             stop.set()
             await task
         took = time.monotonic() - t0
+        v1 = await self.version()
+        train_rate = rate(v0, v1, time.monotonic() - t0)
         deadline = time.monotonic() + PROGRESS_GRACE_S
         progressed = False
         while True:
@@ -178,4 +191,4 @@ class Victim:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.3)
-        return result, Stats.of(xs, errors), progressed, round(took, 1)
+        return result, Stats.of(xs, errors, train_rate), progressed, round(took, 1)

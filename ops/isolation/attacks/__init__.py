@@ -26,6 +26,11 @@ from joynexus.ops.isolation.attacks.inputs import (
     attack_non_finite_wait,
 )
 from joynexus.ops.isolation.attacks.quotas import attack_quotas
+from joynexus.ops.isolation.attacks.shares import (
+    attack_control_reads,
+    attack_inference_in_flight,
+    attack_inference_rows,
+)
 from joynexus.ops.isolation.attacks.subjects import (
     attack_reply_subject,
     attack_service_reads_admin_inbox,
@@ -40,6 +45,10 @@ CATALOGUE: list[Attack] = [
     Attack("foreign_dataset", attack_foreign_dataset, "5: reads other tenants' files", 90),
     Attack("quotas", attack_quotas, "6: no quotas, no operator bounds", 150),
     Attack("long_strings", attack_long_strings, "7: unbounded strings", 60),
+    Attack("inference_rows", attack_inference_rows, "24: an inference flood within quota", 90),
+    Attack("inference_in_flight", attack_inference_in_flight,
+           "24: an inference flood within quota", 120),
+    Attack("control_reads", attack_control_reads, "24: a control-plane flood within quota", 90),
     Attack("failed_logins", attack_failed_logins, "7: failed logins filed as the victim's", 60),
     Attack("service_reads_admin_inbox", attack_service_reads_admin_inbox,
            "7: the service reads the operator's replies", 30),
@@ -56,9 +65,12 @@ __all__ = [
     "CATALOGUE",
     "HOSTILE_BODIES",
     "attack_bad_identity_record",
+    "attack_control_reads",
     "attack_failed_logins",
     "attack_foreign_dataset",
     "attack_hostile_bodies",
+    "attack_inference_in_flight",
+    "attack_inference_rows",
     "attack_long_strings",
     "attack_nan_batch",
     "attack_nan_in_step",
