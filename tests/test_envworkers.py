@@ -284,12 +284,17 @@ async def test_a_workers_idle_envs_are_bounded_and_keyed_by_their_build() -> Non
     assert Env.closed == 1 and pool.names() == ["LIBERO-spatial-0", "PickCube-v1"]
     await pool.give(pick, Env())  # the same build again: the older one is closed
     assert Env.closed == 2 and len(pool) == 2
+    # A workload building PickCube another way closes the idle PickCube first.
+    other_pick = build_key("PickCube-v1", obs="rgb", num_envs=1, image_size=64)
+    assert pool.take(other_pick) is None
+    assert await pool.evict("PickCube-v1") == 1 and Env.closed == 3
+    assert pool.names() == ["LIBERO-spatial-0"] and await pool.evict("PickCube-v1") == 0
     await pool.close()
     assert Env.closed == 4 and len(pool) == 0
     off = EnvPool(capacity=0)
     await off.give(pick, Env())
     assert len(off) == 0 and Env.closed == 5
-    assert (off.hits, off.misses, pool.hits, pool.misses) == (0, 0, 1, 2)
+    assert (off.hits, off.misses, pool.hits, pool.misses) == (0, 0, 1, 3)
     assert pool_capacity({}) == 2 and pool_capacity({POOL_ENV: "0"}) == 0
     for bad in ("-1", "two"):
         with pytest.raises(ValueError, match=POOL_ENV):

@@ -174,14 +174,18 @@ async def test_a_workers_built_env_serves_the_next_workload_from_a_clean_reset(
     """A worker keeps a workload's LIBERO envs built (2-8 s to build here) and gives them
     to the next workload of the same build, another tenant's: that workload's first
     observation is the one a freshly built env shows for its own seed (nothing of the
-    previous tenant's episode is left), and an env of another build is not reused."""
+    previous tenant's episode is left). The worker's warm-up env is built as such a
+    workload builds it, so the first workload takes it too (no second ~0.9 GB env)."""
     from joynexus.agents.envworkers import RLProducer
     from joynexus.agents.envworkers.envpool import EnvPool
+    from joynexus.agents.envworkers.worker import warm_up
 
     b = service
     spec = dict(name="rl", task_type="rl", env=ENV, num_envs=1, horizon=3, action_horizon=2,
                 scheduling=Scheduling(max_in_flight=1, completion_target=1))
     pool = EnvPool(capacity=1)
+    await warm_up("w", (ENV,), pool)
+    assert pool.names() == [ENV]
     firsts: dict[str, Any] = {}
     for tenant, seed in (("dora", 0), ("ezra", 7)):
         c = await _tenant(nats_server, b, tenant)
@@ -195,7 +199,7 @@ async def test_a_workers_built_env_serves_the_next_workload_from_a_clean_reset(
         data = await tq.async_get_data(meta)
         firsts[tenant] = (data["obs_state"][0], int(data["episode_seed"][0]))
         await c.close()
-    assert (pool.misses, pool.hits, len(pool)) == (1, 1, 1)  # ezra got dora's env
+    assert (pool.misses, pool.hits, len(pool)) == (0, 2, 1)  # dora the warm one, ezra dora's
     # ezra's first observation: that of a fresh env reset with its episode's seed (to
     # MuJoCo's settling noise, 1e-4 here between two resets of one env).
     (got, seed), (dora, dora_seed) = firsts["ezra"], firsts["dora"]

@@ -11,7 +11,10 @@ The seed a build was made with is not part of the key for that reason.
 
 Bounded: at most ``capacity`` idle envs (``$JOYNEXUS_ENV_POOL``, default 2; 0
 turns pooling off), the least recently used closed first; an env whose workload
-ended with an error is closed, not kept.
+ended with an error is closed, not kept; a workload that finds no idle env of
+its build closes the idle ones of its env name (another build) before it builds
+its own. The worker's warm-up env is kept here too, built as a workload with the
+default settings builds it.
 """
 
 from __future__ import annotations
@@ -100,6 +103,14 @@ class EnvPool:
             closing.append(self._idle.popitem(last=False)[1])
         for e in closing:
             await close_env(e)
+
+    async def evict(self, name: str) -> int:
+        """Close the idle envs of env ``name`` (any build): a workload about to build
+        ``name`` another way would otherwise hold both. How many were closed."""
+        keys = [k for k in self._idle if k[0] == name]
+        for k in keys:
+            await close_env(self._idle.pop(k))
+        return len(keys)
 
     async def close(self) -> None:
         while self._idle:

@@ -146,6 +146,9 @@ class RLProducer:
                 log.info("%s: %s/%s: %s reused from this worker's idle envs", self.instance,
                          self.tenant, self.spec.name, self.spec.env)
         if env is None:
+            if self.pool is not None and await self.pool.evict(self.spec.env):
+                log.info("%s: %s/%s: closed this worker's idle %s of another build",
+                         self.instance, self.tenant, self.spec.name, self.spec.env)
             t0 = time.perf_counter()
             env = await self._make_env(schema)
             log.info("%s: %s/%s: %s built in %.1f s", self.instance, self.tenant,

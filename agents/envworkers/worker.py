@@ -20,7 +20,7 @@ from joynexus.agents.envworkers.assign import (
     assignment_key,
     warm_envs,
 )
-from joynexus.agents.envworkers.envpool import EnvPool
+from joynexus.agents.envworkers.envpool import EnvPool, build_key, close_env
 from joynexus.agents.envworkers.producer import RLProducer
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
@@ -43,19 +43,31 @@ def _die_hard_with_parent() -> None:
         os._exit(1)
 
 
-async def warm_up(instance: str, envs: tuple[str, ...]) -> dict[str, float]:
+async def warm_up(instance: str, envs: tuple[str, ...],
+                  pool: EnvPool | None = None) -> dict[str, float]:
     """Build and reset each of ``envs`` once (``$JOYNEXUS_ENV_WARM``): the first env of
     a kind starts its renderer and loads its assets (ManiSkill 15-30 s here, LIBERO
-    about 40 s), so no tenant's first rollout pays that. Seconds per env."""
-    from joynexus.agents.envs.registry import make_env
+    about 40 s), so no tenant's first rollout pays that. Seconds per env.
+
+    Each is built as a workload of that env with the default settings builds it (one
+    env, rgb, 64 px, the task's own cameras and state) and, with ``pool``, kept there
+    for it: closing a LIBERO env leaves most of its ~0.9 GB behind, so a worker that
+    warmed one env and then built the workload's would hold both."""
+    from joynexus.agents.envs.registry import make_env, task_spec
 
     took: dict[str, float] = {}
     for name in envs:
         t0 = time.perf_counter()
         log.info("%s: warming %s", instance, name)
-        env = await asyncio.to_thread(make_env, name, obs="rgb", num_envs=1, image_size=64)
+        spec = task_spec(name, obs="rgb", num_envs=1, image_size=64)
+        args = dict(obs="rgb", num_envs=1, image_size=64, cameras=tuple(spec.cameras),
+                    state_keys=tuple(spec.state_keys) or None)
+        env = await asyncio.to_thread(make_env, name, **args)
         await asyncio.to_thread(env.reset, 0)
-        await asyncio.to_thread(env.close)
+        if pool is not None:
+            await pool.give(build_key(name, **args), env)
+        else:
+            await close_env(env)
         took[name] = round(time.perf_counter() - t0, 2)
         log.info("%s: %s warm in %.1f s", instance, name, took[name])
     return took
@@ -128,7 +140,7 @@ class EnvWorker:
         health = await self.b.js.key_value(self.b.names.health_bucket)
         workloads = await self.b.js.key_value(self.b.names.workloads_bucket)
         await self._fail_own_orphans(health, workloads)
-        warmed = await warm_up(self.instance, envs)
+        warmed = await warm_up(self.instance, envs, self.pool)
         log.info("%s: ready in %.1f s", self.instance, time.perf_counter() - t0)
         await metrics.emit(
             self.b, "system", service=ENV_ROLE, ready=True, instance=self.instance,
