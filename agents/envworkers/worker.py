@@ -60,7 +60,7 @@ async def warm_up(instance: str, envs: tuple[str, ...],
         t0 = time.perf_counter()
         log.info("%s: warming %s", instance, name)
         spec = task_spec(name, obs="rgb", num_envs=1, image_size=64)
-        args = dict(obs="rgb", num_envs=1, image_size=64, cameras=tuple(spec.cameras),
+        args: dict[str, Any] = dict(obs="rgb", num_envs=1, image_size=64, cameras=tuple(spec.cameras),
                     state_keys=tuple(spec.state_keys) or None)
         env = await asyncio.to_thread(make_env, name, **args)
         await asyncio.to_thread(env.reset, 0)
