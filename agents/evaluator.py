@@ -31,9 +31,10 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from joynexus.agents.control.checks import periodic_to_forget, periodic_wait
 from joynexus.agents.envs.maniskill import run_episodes
-from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
+from joynexus.agents.featureschema import feature_schema_of
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
+from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
@@ -173,7 +174,7 @@ async def evaluate_record(
 
     control = control or EvalControl(rec.tenant_id)
     spec = rec.spec
-    src = await PolicyStore(b).get(rec.tenant_id, spec.init_from_workload, spec.init_from)
+    src = await PolicyRecords(b).get(rec.tenant_id, spec.init_from_workload, spec.init_from)
     schema = feature_schema_of(src)
     _, instruction = workload_schema(spec)
     infer = InferenceClient(b, base_model=src.base_model, timeout_s=15.0, retry_for_s=90.0)
@@ -317,7 +318,7 @@ class Evaluator:
         The first records the watch replays are each key's latest: for those, every
         retained multiple of K is looked at, so versions published while no evaluator
         ran are evaluated too (as far as the policy history still holds them)."""
-        store = PolicyStore(self.b)
+        store = PolicyRecords(self.b)
         while True:
             ready = asyncio.Event()
             try:
@@ -349,7 +350,7 @@ class Evaluator:
                 self._untrained.add(key)  # a spec never changes: no KV get per version
         return spec
 
-    async def _version_published(self, store: PolicyStore, prec: Any, *, catch_up: bool) -> None:
+    async def _version_published(self, store: PolicyRecords, prec: Any, *, catch_up: bool) -> None:
         spec = await self._training_spec(prec.tenant_id, prec.workload)
         if spec is None or spec.task_type not in ("sft", "rl") or not spec.eval_every:
             return
@@ -388,7 +389,7 @@ class Evaluator:
         quota has room (``periodic_wait``), drop those whose version is gone from the
         policy history (nothing to evaluate), forget its oldest ended periodic records
         beyond ``max_workloads`` (``periodic_to_forget``) and create the next."""
-        store = PolicyStore(self.b)
+        store = PolicyRecords(self.b)
         for tenant in list(self.due):
             line = self.due[tenant]
             q = self.quotas.get(tenant)

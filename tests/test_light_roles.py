@@ -29,8 +29,10 @@ from joynexus.ops.roleprobe import HEAVY_MODULES, heavy_loaded
 from joynexus.schemas.health import Heartbeat
 
 #: The roles that compute with none of HEAVY_MODULES (their children may: producer-rl's
-#: environment workers simulate).
-LIGHT_ROLES = ("scheduler", "control", "monitor", "producer-rl", "producer-sft", "advantage")
+#: environment workers simulate); the evaluator loads them with its first evaluation,
+#: not before (an idle one held 670 MB through the main job's windows).
+LIGHT_ROLES = ("scheduler", "control", "monitor", "producer-rl", "producer-sft", "advantage",
+               "evaluator")
 #: A light role's resident memory stays well below one with torch loaded (~840 MiB here).
 MAX_LIGHT_RSS_MB = 400
 
