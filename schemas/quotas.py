@@ -62,7 +62,7 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     max_requests_in_flight: int = 32
     #: Of those, how many do their work at once on a control plane (the rest wait
     #: their turn, in order): the tenant's share of the control plane's time.
-    max_requests_working: int = 4
+    max_requests_working: int = 2
     #: The directory under which this tenant's SFT datasets must live
     #: (empty: ``<datasets root>/<tenant>``, the service's default).
     dataset_root: str = ""

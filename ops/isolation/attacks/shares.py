@@ -5,7 +5,8 @@ requests in flight, control-plane requests in flight), so nothing is refused for
 being too large; what must hold is that the victim's latency and training rate
 stay near its baseline (judged by the runner: ``victim_p50_ratio``,
 ``victim_p99_ratio``, ``victim_train_rate_ratio``) and that the attacker was
-served or told ``rate_limited``, nothing else. These are the second review's
+served or told ``rate_limited``, nothing else. The floods come from a process of
+their own (:mod:`..flood`), as a real tenant's client would. These are the second review's
 high and medium findings (issue 24): an inference flood of 64-row requests
 made the victim's ``act`` 20-160x slower, 32 concurrent ``get_policy`` slices
 its control-plane calls 13-20x. See docs/ARCHITECTURE.md ("Tenants fenced by
@@ -16,20 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from pathlib import Path
 
 from joynexus.ops.isolation.deployment import Deployment
+from joynexus.ops.isolation.flood import run_flood
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
     _attacker_workload,
     _cancel,
-    _code,
-    api_raw,
-    infer_raw,
-    infer_request,
 )
-from joynexus.schemas.inference import InferError
+from joynexus.sdk import Client
 
 #: How long each flood lasts (the review's: 12 s and 8 s).
 FLOOD_S = 10.0
@@ -39,12 +37,24 @@ FLOOD_ROWS = 64
 LONG_INSTRUCTION = "pick " * 200
 
 
-async def _wait_policy(client: object, workload: str, within_s: float = 60.0) -> None:
+async def _wait_policy(client: Client, workload: str, within_s: float = 60.0) -> None:
     deadline = time.monotonic() + within_s
-    while await client.latest_version(workload) < 1:  # type: ignore[attr-defined]
+    while await client.latest_version(workload) < 1:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the attacker's {workload} has no policy after {within_s:.0f}s")
         await asyncio.sleep(0.2)
+
+
+def _creds_file(dep: Deployment, tenant: str) -> Path:
+    """The tenant's credentials in a file, for the flood's own process."""
+    return dep.creds[tenant].save(dep.data / "flood-creds" / f"{tenant}.json")
+
+
+def _judge(ck: Checks, outcomes: dict[str, int], note: str = "") -> None:
+    ck.add("the attacker was served within its quota", outcomes.get("ok", 0) > 0,
+           f"{outcomes}{note}")
+    other = {k: v for k, v in outcomes.items() if k not in ("ok", "rate_limited")}
+    ck.add("no other errors", not other, str(other))
 
 
 async def _inference_flood(dep: Deployment, attacker: str, concurrency: int) -> AttackResult:
@@ -53,34 +63,10 @@ async def _inference_flood(dep: Deployment, attacker: str, concurrency: int) -> 
     client, rec = await _attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
-        payload = infer_request(attacker, name, rec.schema_signature, FLOOD_ROWS,
-                                instruction=LONG_INSTRUCTION)
-        outcomes: Counter[str] = Counter()
-        rows_served = 0
-        stop = time.monotonic() + FLOOD_S
-
-        async def one_lane() -> None:
-            nonlocal rows_served
-            while time.monotonic() < stop:
-                try:
-                    reply = await infer_raw(client, payload, timeout_s=30.0)
-                except Exception as e:
-                    outcomes[f"raised {_code(e)}"] += 1
-                    await asyncio.sleep(0.05)
-                    continue
-                if not isinstance(reply, InferError):
-                    outcomes["ok"] += 1
-                    rows_served += FLOOD_ROWS
-                else:
-                    outcomes[reply.code] += 1
-                    if reply.code == "rate_limited":
-                        await asyncio.sleep(0.05)
-
-        await asyncio.gather(*(one_lane() for _ in range(concurrency)))
-        ck.add("the attacker was served within its quota", outcomes["ok"] > 0,
-               f"{dict(outcomes)}; {rows_served} rows in {FLOOD_S:.0f}s")
-        other = {k: v for k, v in outcomes.items() if k not in ("ok", "rate_limited")}
-        ck.add("no other errors", not other, str(other))
+        outcomes = await run_flood(_creds_file(dep, attacker), "act", name, lanes=concurrency,
+                                   seconds=FLOOD_S, rows=FLOOD_ROWS,
+                                   instruction=LONG_INSTRUCTION, signature=rec.schema_signature)
+        _judge(ck, outcomes, f"; {outcomes.get('ok', 0) * FLOOD_ROWS} rows in {FLOOD_S:.0f}s")
     finally:
         await _cancel(client, name)
     return ck.result()
@@ -99,29 +85,15 @@ async def attack_inference_in_flight(dep: Deployment, attacker: str, victim: str
 
 async def attack_control_reads(dep: Deployment, attacker: str, victim: str) -> AttackResult:
     """32 concurrent ``get_policy`` calls for a 1-byte slice of the weights, for 8 s:
-    each must cost the control plane a slice, not the whole weights object."""
+    each must cost the control plane a slice, not the whole weights object, and the
+    tenant only its share of the control plane's time."""
     ck = Checks()
     name = "flood-reads"
     client, _rec = await _attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
-        outcomes: Counter[str] = Counter()
-        stop = time.monotonic() + 8.0
-
-        async def one_lane() -> None:
-            while time.monotonic() < stop:
-                try:
-                    await api_raw(client, "get_policy", {"workload": name, "limit": 1},
-                                  timeout_s=30.0)
-                    outcomes["ok"] += 1
-                except Exception as e:
-                    outcomes[_code(e)] += 1
-                    await asyncio.sleep(0.05)
-
-        await asyncio.gather(*(one_lane() for _ in range(32)))
-        ck.add("the attacker was served", outcomes["ok"] > 0, str(dict(outcomes)))
-        other = {k: v for k, v in outcomes.items() if k not in ("ok", "rate_limited")}
-        ck.add("no other errors", not other, str(other))
+        _judge(ck, await run_flood(_creds_file(dep, attacker), "get_policy", name, lanes=32,
+                                   seconds=8.0))
     finally:
         await _cancel(client, name)
     return ck.result()

@@ -1,0 +1,94 @@
+"""A tenant's flood from a process of its own: ``python -m joynexus.ops.isolation.flood``.
+
+The isolation deployment runs the agents, the victim's probe and the attacks in
+one process and one event loop, so a flood sent from that process also spends
+that loop on the attacker's own side (encoding, replies, retries), which no
+real attacker's client takes from the service. The floods within quota
+(:mod:`.attacks.shares`) therefore run here, in a subprocess with the
+attacker's credentials, as a tenant's client on another machine would; the
+victim is measured as before. Prints one JSON line: each outcome's count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+async def flood(creds: str, kind: str, workload: str, *, lanes: int, seconds: float,
+                rows: int = 64, instruction: str = "", signature: str = "") -> dict[str, int]:
+    from joynexus.ops.isolation.kit import _code, api_raw, infer_raw, infer_request
+    from joynexus.schemas.inference import InferError
+    from joynexus.sdk import Client
+
+    client = await Client.connect(credentials=creds)
+    outcomes: Counter[str] = Counter()
+    payload = (infer_request(client.tenant, workload, signature, rows, instruction=instruction)
+               if kind == "act" else b"")
+    stop = time.monotonic() + seconds
+
+    async def one() -> str:
+        if kind == "act":
+            reply: Any = await infer_raw(client, payload, timeout_s=30.0)
+            return reply.code if isinstance(reply, InferError) else "ok"
+        await api_raw(client, "get_policy", {"workload": workload, "limit": 1}, timeout_s=30.0)
+        return "ok"
+
+    async def lane() -> None:
+        while time.monotonic() < stop:
+            try:
+                outcome = await one()
+            except Exception as e:
+                outcome = f"raised {_code(e)}"
+            outcomes[outcome] += 1
+            if outcome != "ok":
+                await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+    finally:
+        await client.close()
+    return dict(outcomes)
+
+
+async def run_flood(creds_file: Path, kind: str, workload: str, *, lanes: int, seconds: float,
+                    rows: int = 64, instruction: str = "", signature: str = "") -> dict[str, int]:
+    """Run :func:`flood` in a subprocess; its outcome counts."""
+    cmd = [sys.executable, "-m", "joynexus.ops.isolation.flood", "--creds", str(creds_file),
+           "--kind", kind, "--workload", workload, "--lanes", str(lanes),
+           "--seconds", str(seconds), "--rows", str(rows), "--instruction", instruction,
+           "--signature", signature]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), seconds + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the flood process exited {proc.returncode}: {err.decode()[-500:]}")
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m joynexus.ops.isolation.flood",
+                                 description="One tenant's flood within its quota (JSON counts).")
+    ap.add_argument("--creds", required=True, help="the tenant's credentials file")
+    ap.add_argument("--kind", choices=("act", "get_policy"), required=True)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rows", type=int, default=64, help="act: rows per request")
+    ap.add_argument("--instruction", default="", help="act: the instruction")
+    ap.add_argument("--signature", default="", help="act: the workload's schema signature")
+    a = ap.parse_args(argv)
+    counts = asyncio.run(flood(a.creds, a.kind, a.workload, lanes=a.lanes, seconds=a.seconds,
+                               rows=a.rows, instruction=a.instruction, signature=a.signature))
+    print(json.dumps(counts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
