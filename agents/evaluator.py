@@ -170,7 +170,8 @@ async def evaluate_record(
     """Run ``rec``'s evaluation: (result, finished)."""
     from joynexus.agents.envs.registry import make_env
     from joynexus.agents.inference import InferenceClient
-    from joynexus.agents.workloads import OBS_IMAGES, OBS_STATE, workload_schema
+    from joynexus.agents.producers import workload_schema
+    from joynexus.schemas.samples import OBS_IMAGES, OBS_STATE
 
     control = control or EvalControl(rec.tenant_id)
     spec = rec.spec
@@ -273,7 +274,7 @@ class Evaluator:
         self._admit = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        from joynexus.agents.workloads import watch_workloads
+        from joynexus.agents.producers import watch_workloads
 
         self._kv = await self.b.js.key_value(self.b.names.workloads_bucket)
         await self.quotas.start()

@@ -452,9 +452,10 @@ async def _real_sft_feed(rig: FaultRig) -> None:
     from joynexus.agents.models.features import FeatureSchema
     from joynexus.agents.models.heads import HeadConfig, TenantModule
     from joynexus.agents.models.policyio import PolicyStore
-    from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
+    from joynexus.agents.producers import feature_dim
     from joynexus.schemas.errors import JoyNexusError
     from joynexus.schemas.jobs import JobMetadata
+    from joynexus.schemas.samples import ACTIONS_FIELD, STATE_FIELD, image_field
 
     base = BackboneConfig(size="tiny").base_model  # what the actor role builds by default
     schema = FeatureSchema(("base_camera",), (56, 56), 5, 3, 2, base_model=base)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from joynexus.agents.control import ControlPlane
+from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
-from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.deploy import embedded

@@ -151,8 +151,8 @@ class _Service:
         from joynexus.agents.evaluator import Evaluator
         from joynexus.agents.inference import EnginePool
         from joynexus.agents.models.backbone import Backbone, BackboneConfig
+        from joynexus.agents.producers import PolicyInitializer, ProducerAgent
         from joynexus.agents.scheduler import SchedulerAgent
-        from joynexus.agents.workloads import PolicyInitializer, ProducerAgent
         from joynexus.broker.connection import Broker
         from joynexus.ops.deploy import embedded
 

@@ -25,12 +25,13 @@ from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.agents.models.policyio import PolicyStore
+from joynexus.agents.producers import feature_dim
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import ACTIONS_FIELD, STATE_FIELD, feature_dim, image_field
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.jobs import GlobalLimits, JobMetadata, JobState, TrainingJob, WorkloadPolicy
+from joynexus.schemas.samples import ACTIONS_FIELD, STATE_FIELD, image_field
 
 S = JobState
 ENVS, STEPS, SDIM, ADIM, H = 2, 8, 5, 3, 2

@@ -16,7 +16,7 @@ from joynexus.agents.datasets import (
     resolve_dataset,
     tenant_root,
 )
-from joynexus.agents.workloads import workload_schema
+from joynexus.agents.producers import workload_schema
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.workloads import WorkloadSpec
 

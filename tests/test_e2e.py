@@ -27,8 +27,8 @@ from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.heads import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, module_from_weights
+from joynexus.agents.producers import PolicyInitializer, ProducerAgent
 from joynexus.agents.scheduler import SchedulerAgent
-from joynexus.agents.workloads import PolicyInitializer, ProducerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.tq import TrainingQueue
@@ -456,7 +456,7 @@ async def test_rollout_as_a_service_and_tenant_submitted_batches(
     """A tenant runs its own environment, asks the Inference Queue for actions,
     and hands the rollout to training; another submits its own SFT batches."""
     from joynexus.agents.envs.maniskill import OBS_IMAGES, OBS_STATE, make_env, rollout
-    from joynexus.agents.workloads import chunk_targets
+    from joynexus.agents.producers import chunk_targets
 
     d = deployment
     dana = await client(nats_server, broker, "dana")

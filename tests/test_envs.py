@@ -307,7 +307,7 @@ def test_dataset_records_its_observation_and_stats(tmp_path: Path) -> None:
     # the service reads the same choice: an SFT workload's schema names the dataset's
     # state keys (so rollouts and evaluation of its policy get that state), and a spec
     # that names another state is refused
-    from joynexus.agents.workloads import normalization_stats, workload_schema
+    from joynexus.agents.producers import normalization_stats, workload_schema
     from joynexus.schemas.workloads import WorkloadSpec
 
     sft = WorkloadSpec(name="s", task_type="sft", dataset=str(info.root))
@@ -325,7 +325,7 @@ def test_dataset_records_its_observation_and_stats(tmp_path: Path) -> None:
 
 def test_decision_lengths_mark_where_the_policy_decided_and_how_long_its_chunk_ran() -> None:
     from joynexus.agents.actor_forward import chunk_mask
-    from joynexus.agents.workloads import decision_lengths
+    from joynexus.agents.producers import decision_lengths
 
     # two envs x 6 steps, rows shuffled: env 0 ran a 4-step chunk then 2 steps of the
     # next; env 1 ran a 1-step chunk (its episode ended), then a 4-step one, then 1 step.

@@ -19,9 +19,9 @@ import pytest
 
 from joynexus.agents.control import ControlPlane
 from joynexus.agents.envworkers import EnvSupervisor
+from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.ops.bench_faults import wait_until

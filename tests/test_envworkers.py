@@ -191,7 +191,7 @@ def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
 def test_the_rl_producers_decisions_around_a_reserve() -> None:
     """RLProducer.run's pure steps: the backoff after refusals, which refusal ends
     the run, and where a produced job goes next."""
-    from joynexus.agents.envworkers import (
+    from joynexus.agents.producers.rl import (
         RESERVE_BACKOFF_S,
         after_rollout,
         ends_run,
@@ -254,8 +254,8 @@ async def test_a_workers_idle_envs_are_bounded_and_keyed_by_their_build() -> Non
     its capacity idle (least recently used closed first), closes on replacement, and
     refuses a bad ``$JOYNEXUS_ENV_POOL``. A workload then takes the worker keeping its
     env built first."""
+    from joynexus.agents.envs.pool import POOL_ENV, EnvPool, build_key, pool_capacity
     from joynexus.agents.envworkers.assign import prefer_warmed
-    from joynexus.agents.envworkers.envpool import POOL_ENV, EnvPool, build_key, pool_capacity
 
     class Env:
         closed = 0

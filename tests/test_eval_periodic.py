@@ -22,8 +22,8 @@ from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
+from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
-from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.cli import build_parser

@@ -24,9 +24,9 @@ from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
+from joynexus.agents.producers import PolicyInitializer, workload_schema
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import PolicyInitializer, workload_schema
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.natsserver import EmbeddedNats
@@ -84,7 +84,7 @@ async def _tenant(nats_server: EmbeddedNats, b: Broker, tenant: str) -> Client:
 async def test_libero_rollout_goes_through_the_inference_queue_into_the_training_queue(
     service: Broker, nats_server: EmbeddedNats
 ) -> None:
-    from joynexus.agents.envworkers import RLProducer
+    from joynexus.agents.producers.rl import RLProducer
 
     b = service
     acme = await _tenant(nats_server, b, "acme")
@@ -176,9 +176,9 @@ async def test_a_workers_built_env_serves_the_next_workload_from_a_clean_reset(
     observation is the one a freshly built env shows for its own seed (nothing of the
     previous tenant's episode is left). The worker's warm-up env is built as such a
     workload builds it, so the first workload takes it too (no second ~0.9 GB env)."""
-    from joynexus.agents.envworkers import RLProducer
-    from joynexus.agents.envworkers.envpool import EnvPool
+    from joynexus.agents.envs.pool import EnvPool
     from joynexus.agents.envworkers.worker import warm_up
+    from joynexus.agents.producers.rl import RLProducer
 
     b = service
     spec = dict(name="rl", task_type="rl", env=ENV, num_envs=1, horizon=3, action_horizon=2,

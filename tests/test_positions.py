@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from joynexus.agents.control import ControlPlane
+from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
-from joynexus.agents.workloads import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import encode
 from joynexus.schemas.jobs import JobState, Reserved, TrainingJob

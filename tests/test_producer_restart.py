@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from joynexus.agents.workloads import ProducerAgent
+from joynexus.agents.producers import ProducerAgent
 from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import Unavailable
 

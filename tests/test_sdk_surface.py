@@ -93,8 +93,8 @@ async def test_sync_client_blocks_on_futures_and_raises_typed_errors(broker, tmp
     import asyncio
 
     from joynexus.agents.control import ControlPlane
+    from joynexus.agents.producers import PolicyInitializer
     from joynexus.agents.scheduler import SchedulerAgent
-    from joynexus.agents.workloads import PolicyInitializer
 
     sched = SchedulerAgent(broker)
     await sched.start()

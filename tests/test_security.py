@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from joynexus.agents.control import ControlPlane
-from joynexus.agents.workloads import PolicyInitializer
+from joynexus.agents.producers import PolicyInitializer
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import parse_refusal, render_authorization, tenant_permissions

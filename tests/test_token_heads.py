@@ -303,8 +303,8 @@ async def deployment(broker: Any, backbone: Backbone, tmp_path: Path, datasets_r
     from joynexus.agents.actor import Actor
     from joynexus.agents.control import ControlPlane
     from joynexus.agents.inference import EnginePool
+    from joynexus.agents.producers import PolicyInitializer, ProducerAgent
     from joynexus.agents.scheduler import SchedulerAgent
-    from joynexus.agents.workloads import PolicyInitializer, ProducerAgent
 
     stop = asyncio.Event()
     sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=5.0, expire_every_s=0.2)

@@ -43,7 +43,7 @@ class SubmissionsAPI(ControlBase):
         )
         instruction = spec.instruction
         if not instruction:
-            from joynexus.agents.workloads import workload_schema
+            from joynexus.agents.producers import workload_schema
 
             instruction = (await asyncio.to_thread(workload_schema, spec))[1]
         job = await self.sched.reserve(

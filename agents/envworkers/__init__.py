@@ -44,11 +44,12 @@ Knobs (environment): ``JOYNEXUS_ENV_SPARES`` (warm idle workers, default 1),
 ``JOYNEXUS_ENV_RELEASE_S`` (that grace, default 15 s).
 
 One module per job: :mod:`.assign` (the role name, the knobs, :class:`Assignment`,
-``worker_env``), :mod:`.producer` (:class:`RLProducer` and the pure ``next_backoff``,
-``ends_run``, ``after_rollout``), :mod:`.worker` (:class:`EnvWorker`,
-``warm_up``), :mod:`.supervisor` (:class:`EnvSupervisor`); every name is
-re-exported here, those of the producer and the worker on first use (they import
-torch; the supervisor does not). See docs/ARCHITECTURE.md ("Environment workers").
+``worker_env``), :mod:`.worker` (:class:`EnvWorker`, ``warm_up``),
+:mod:`.supervisor` (:class:`EnvSupervisor`); every name is re-exported here, the
+worker's on first use (it imports torch; the supervisor does not). The producer a
+worker runs is :class:`joynexus.agents.producers.rl.RLProducer` (with the SFT
+producer it feeds the service; this package holds only the processes) and the
+envs it keeps between workloads :class:`joynexus.agents.envs.pool.EnvPool`. See docs/ARCHITECTURE.md ("Environment workers").
 """
 
 from __future__ import annotations
@@ -64,34 +65,18 @@ from joynexus.agents.envworkers.assign import (
     SPARES_ENV,
     THREADS_ENV,
     Assignment,
-    _workers_wanted,
     assignment_key,
     worker_env,
+    workers_wanted,
 )
 from joynexus.agents.envworkers.supervisor import EnvSupervisor
 
 if TYPE_CHECKING:
-    from joynexus.agents.envworkers.producer import (
-        RESERVE_BACKOFF_S,
-        RLProducer,
-        _Stopped,
-        _unless_stopped,
-        after_rollout,
-        ends_run,
-        next_backoff,
-    )
-    from joynexus.agents.envworkers.worker import EnvWorker, _die_hard_with_parent, warm_up
+    from joynexus.agents.envworkers.worker import EnvWorker, warm_up
 
-#: Names of the worker's side, imported on first use: the supervisor (role
-#: producer-rl) stays light, without torch (docs/ARCHITECTURE.md, "Light roles").
-_LAZY = {
-    **dict.fromkeys(
-        ("RESERVE_BACKOFF_S", "RLProducer", "_Stopped", "_unless_stopped", "after_rollout",
-         "ends_run", "next_backoff"),
-        "producer",
-    ),
-    **dict.fromkeys(("EnvWorker", "_die_hard_with_parent", "warm_up"), "worker"),
-}
+#: The worker's names, imported on first use: the supervisor (role producer-rl)
+#: stays light, without torch (docs/ARCHITECTURE.md, "Light roles").
+_LAZY = {"EnvWorker": "worker", "warm_up": "worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -102,26 +87,19 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "ASSIGN_PREFIX",
     "ENV_ROLE",
     "MAX_WORKERS_ENV",
     "RELEASE_GRACE_ENV",
-    "RESERVE_BACKOFF_S",
     "SPARES_ENV",
     "THREADS_ENV",
     "Assignment",
     "EnvSupervisor",
     "EnvWorker",
-    "RLProducer",
-    "_Stopped",
-    "_die_hard_with_parent",
-    "_unless_stopped",
-    "_workers_wanted",
-    "after_rollout",
     "assignment_key",
-    "ends_run",
-    "next_backoff",
     "warm_up",
     "worker_env",
+    "workers_wanted",
 ]

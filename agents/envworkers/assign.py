@@ -95,5 +95,5 @@ class Assignment(msgspec.Struct, kw_only=True):
     at: float = 0.0
 
 
-def _workers_wanted(rec: WorkloadRecord) -> int:
+def workers_wanted(rec: WorkloadRecord) -> int:
     return max(1, int(rec.spec.scheduling.max_active_rollouts))

@@ -21,15 +21,15 @@ from joynexus.agents.envworkers.assign import (
     RELEASE_GRACE_ENV,
     SPARES_ENV,
     Assignment,
-    _workers_wanted,
     assignment_key,
     prefer_warmed,
     warm_envs,
     warm_for,
     worker_env,
+    workers_wanted,
 )
+from joynexus.agents.producers import watch_workloads
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import watch_workloads
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.schemas.errors import JoyNexusError
@@ -226,7 +226,7 @@ class EnvSupervisor:
     async def reconcile(self) -> None:
         """Workers to the workloads that want them, the rest to standby; spares kept."""
         active = dict(self.active)  # the watcher changes it while this awaits
-        wanted = {k: _workers_wanted(r) for k, r in active.items() if k not in self.done}
+        wanted = {k: workers_wanted(r) for k, r in active.items() if k not in self.done}
         for key in wanted:
             if key not in self._cleaned:  # first seen by this incarnation: before any worker
                 await self._fail_jobs_of(None, [key])

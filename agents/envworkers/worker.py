@@ -1,5 +1,5 @@
 """Role ``env-worker``: a worker process that warms up, then runs an
-:class:`~joynexus.agents.envworkers.producer.RLProducer` for whatever its
+:class:`~joynexus.agents.producers.rl.RLProducer` for whatever its
 assignment names."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from joynexus.agents.envs.pool import EnvPool, build_key, close_env
 from joynexus.agents.envworkers.assign import (
     ENV_ROLE,
     THREADS_ENV,
@@ -20,8 +21,7 @@ from joynexus.agents.envworkers.assign import (
     assignment_key,
     warm_envs,
 )
-from joynexus.agents.envworkers.envpool import EnvPool, build_key, close_env
-from joynexus.agents.envworkers.producer import RLProducer
+from joynexus.agents.producers.rl import RLProducer
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import decode

@@ -99,8 +99,8 @@ class ProducerAgent:
                 if rec.state == "active" and run not in self.running:
                     ev = asyncio.Event()
                     cls: Any = SFTProducer
-                    if self.task_type == "rl":
-                        from joynexus.agents.envworkers import RLProducer as cls
+                    if self.task_type == "rl":  # on first use: it imports torch
+                        from joynexus.agents.producers.rl import RLProducer as cls
 
                     def make(cls: Any = cls, rec: WorkloadRecord = rec, ev: asyncio.Event = ev) -> Any:
                         return cls(self.b, rec, instance=f"{self.instance}-{rec.tenant_id}").run(ev)

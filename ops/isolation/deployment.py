@@ -236,8 +236,8 @@ class Deployment:
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.inference import EnginePool
         from joynexus.agents.models.backbone import Backbone, BackboneConfig
+        from joynexus.agents.producers import PolicyInitializer
         from joynexus.agents.scheduler import SchedulerAgent
-        from joynexus.agents.workloads import PolicyInitializer
         from joynexus.ops.deploy import embedded
 
         st = self._stack

@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
-from joynexus.agents.envworkers.envpool import EnvPool, build_key, close_env
+from joynexus.agents.envs.pool import EnvPool, build_key, close_env
 from joynexus.agents.models.policyio import PolicyStore
-from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.agents.workloads import (
+from joynexus.agents.producers.schema import (
     EXPLORATION_STD,
     chunk_targets,
     decision_lengths,
     workload_schema,
 )
+from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
