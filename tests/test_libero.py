@@ -99,23 +99,7 @@ async def test_libero_rollout_goes_through_the_inference_queue_into_the_training
     assert schema.camera_slots == ("agentview",) and schema.image_hw == (64, 64)
     assert (schema.state_dim, schema.action_dim) == (8, 7)
     assert "black bowl" in instruction
-    producer = RLProducer(b, rec, instance="prod-acme")
-    stop = asyncio.Event()
-    task = asyncio.create_task(producer.run(stop))
-    sched = SchedulerClient(b, by="test")
-    try:
-        for _ in range(240):
-            done = await sched.list_jobs(
-                "acme", workload="rl", states=[JobState.NEEDS_ADVANTAGES]
-            )
-            if done or task.done():
-                break
-            await asyncio.sleep(0.25)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-    assert done, "no LIBERO rollout reached the Training Queue"
-    job = done[0]
+    job = await _first_rollout(b, RLProducer(b, rec, instance="prod-acme"), "acme")
     M = n * horizon  # env-major: rows 0..5 env 0, 6..11 env 1
     assert job.sample_count == M and job.behavior_policy_version == 1
     assert job.metadata.extra["instruction"] == instruction
