@@ -476,6 +476,7 @@ class Evaluator:
             await self._stopped(key, control, {"episodes": 0.0})
             return
         try:
+            why = ""
             try:
                 result, finished = await self.run_record(self.b, rec, control)
                 state = "done" if finished else "cancelled"
@@ -483,16 +484,18 @@ class Evaluator:
                 raise
             except JoyNexusError as e:
                 result, state, finished = {"error_code": 1.0}, "cancelled", True
+                why = metrics.clip(f"the evaluation failed: {e}", 300)
                 log.warning("eval %s failed: %s", key, e)
-            except Exception:
+            except Exception as e:
                 result, state, finished = {"error_code": 1.0}, "cancelled", True
+                why = f"the evaluator crashed ({type(e).__name__}); operators: see its log"
                 log.exception("eval %s crashed", key)
         finally:
             self.open.release()
         if not finished:
             await self._stopped(key, control, result)
             return
-        await self._finish(key, state, result, control.videos)
+        await self._finish(key, state, result, control.videos, reason=why)
         self.done += 1
         await metrics.emit(
             self.b,
@@ -512,7 +515,13 @@ class Evaluator:
         # else: the evaluator is stopping; the record stays active for the next one
 
     async def _finish(
-        self, key: str, state: str, result: dict[str, float], videos: list[str] | None = None
+        self,
+        key: str,
+        state: str,
+        result: dict[str, float],
+        videos: list[str] | None = None,
+        *,
+        reason: str = "",
     ) -> None:
         """Write the result into the record, never over a newer state (a cancel
         that came meanwhile stays a cancel)."""
@@ -529,7 +538,7 @@ class Evaluator:
                 result = {**result, "cancelled": 1.0}
             finished = msgspec.structs.replace(
                 cur, state=new_state, result=result, finished_at=time.time(),
-                videos=list(videos or cur.videos),
+                videos=list(videos or cur.videos), reason=reason or cur.reason,
             )
             try:
                 await self._kv.update(key, encode(finished), last=entry.revision)

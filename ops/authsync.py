@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from joynexus.broker import kvwatch, metrics
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.credentials import Credentials
@@ -305,9 +307,12 @@ class AuthSync:
         try:
             while not stop.is_set():
                 wake.clear()
-                for bucket in await self._identity_buckets():
+                listed = await self._identity_buckets()
+                for bucket in listed or []:
                     if bucket not in watchers or self._restart_due(bucket, watchers[bucket]):
                         watchers[bucket] = asyncio.ensure_future(self._watch(bucket))
+                if listed is not None:
+                    await self._forget_deleted(watchers, set(listed))
                 waits = [asyncio.ensure_future(e.wait()) for e in (stop, wake)]
                 await asyncio.wait(waits, timeout=self.discover_s,
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -343,18 +348,44 @@ class AuthSync:
         self._backoff[bucket] = (failures, now + delay)
         return delay == 0.0
 
-    async def _identity_buckets(self) -> list[str]:
+    async def _forget_deleted(self, watchers: dict[str, asyncio.Task[None]], listed: set[str]) -> None:
+        """A namespace whose identities bucket is gone (its layout deleted) has no
+        tenants any more: stop following it and take its users out of auth.conf, so
+        a deleted deployment's credentials stop working (and its watcher does not
+        ask the server for a stream that is not there every few seconds)."""
+        gone = [bucket for bucket in watchers if bucket not in listed]
+        for bucket in gone:
+            task = watchers.pop(bucket)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self._kvs.pop(bucket, None)
+            self._backoff.pop(bucket, None)
+            self._dirty.pop(bucket, None)
+            for key in [k for k in self.rejected if k[0] == bucket]:
+                del self.rejected[key]
+            if self._tenants.pop(bucket, None) is not None:
+                log.info("auth sync: bucket %s is gone; its tenants are removed", bucket)
+                self._changed.set()
+
+    async def _identity_buckets(self) -> list[str] | None:
+        """The identities buckets on the server; None if it could not be listed."""
+        names: list[str] = []
         try:
-            infos = await self.b.js.streams_info()
+            while True:  # the server answers a page at a time (1024 names)
+                msg = await self.b.nc.request(
+                    "$JS.API.STREAM.NAMES", orjson.dumps({"offset": len(names)}), timeout=5.0
+                )
+                page = orjson.loads(msg.data)
+                if "error" in page:
+                    raise RuntimeError(f"STREAM.NAMES: {page['error']}")
+                got = page.get("streams") or []
+                names += got
+                if not got or len(names) >= int(page.get("total", 0)):
+                    break
         except Exception as e:  # disconnected for a moment: try again later
             log.debug("listing streams failed: %s", e)
-            return []
-        suffix = "_IDENTITIES"
-        return [
-            i.config.name[3:]
-            for i in infos
-            if i.config.name and i.config.name.startswith("KV_") and i.config.name.endswith(suffix)
-        ]
+            return None
+        return [n[3:] for n in names if n.startswith("KV_") and n.endswith("_IDENTITIES")]
 
     async def _watch(self, bucket: str) -> None:
         """Follow one identities bucket into ``self._tenants[bucket]``. A record that

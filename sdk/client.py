@@ -514,7 +514,8 @@ class Client:
                 await asyncio.sleep(0.5)
                 wl = await self.get_workload(spec.name)
             if wl.record.state != "done":
-                raise JoyNexusError(f"evaluation {spec.name} failed; see the evaluator's log")
+                why = wl.record.reason or "no reason recorded; see the evaluator's log"
+                raise JoyNexusError(f"evaluation {spec.name} {wl.record.state}: {why}")
             return dict(wl.record.result)
 
         return self._future(go())

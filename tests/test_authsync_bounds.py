@@ -25,7 +25,7 @@ import pytest
 
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
-from joynexus.broker.layout import ensure_layout
+from joynexus.broker.layout import delete_layout, ensure_layout
 from joynexus.broker.permissions import hash_password, new_password
 from joynexus.ops.deploy import Endpoint, embedded
 from joynexus.schemas.base import decode, encode
@@ -303,3 +303,44 @@ async def test_a_login_refused_while_the_auth_sync_starts_is_reported(
             assert events[0]["action"] == "connect" and events[0]["source"] == "nats-server"
         finally:
             await b.close()
+
+
+# ---------------------------------------------------------------- (e) a namespace deleted
+async def test_a_deleted_namespace_takes_its_tenants_out_of_the_server(
+    endpoint: Endpoint, admin: Broker
+) -> None:
+    """A deployment whose layout is deleted (``delete_layout``: the main job does it
+    after each phase) leaves no user behind: its tenant's credentials stop working,
+    the sync stops watching the bucket, and the other namespace's tenants still log in."""
+    other = await Broker.connect(endpoint.url, name="admin-gone", namespace="gone",
+                                 credentials=endpoint.admin)
+    try:
+        await ensure_layout(other)
+        password = new_password()
+        kv = await other.js.key_value(other.names.identities_bucket)
+        rev = await kv.put("tia", encode(TenantIdentity(
+            tenant_id="tia", user="gone.tia", password_hash=hash_password(password),
+            created_at=time.time())))
+        await wait_applied(endpoint, other, rev)
+        nc = await connect(endpoint, "gone.tia", password)
+        await nc.close()
+        stay = new_password()
+        await wait_applied(endpoint, admin, await put_identity(admin, "stay", identity("stay", stay)))
+
+        await delete_layout(other)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                nc = await connect(endpoint, "gone.tia", password)
+            except Exception:
+                break  # refused: the user is gone
+            await nc.close()
+            assert time.monotonic() < deadline, "a deleted namespace's tenant still logs in"
+            await asyncio.sleep(0.2)
+        sync = getattr(endpoint.sync, "sync", None)
+        assert sync is not None
+        assert "GONE_IDENTITIES" not in sync._tenants  # type: ignore[attr-defined]
+        nc = await connect(endpoint, f"{NS}.stay", stay)  # the other namespace's tenant
+        await nc.close()
+    finally:
+        await other.close()

@@ -15,6 +15,7 @@ import pytest
 from joynexus.agents.evaluator import EvalControl, Evaluator, FairSlots, run_episodes
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import decode, encode
+from joynexus.schemas.errors import Unavailable
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -218,3 +219,26 @@ async def test_kv_check_catches_a_cancel_the_watch_missed(broker: Broker) -> Non
     await asyncio.wait_for(run, 5)
     rec = await h.wait_state(key, "cancelled", within=1)
     assert rec.result["cancelled"] == 1.0
+
+
+async def test_a_failed_evaluation_says_why_in_its_record(broker: Broker) -> None:
+    """What failed reaches the tenant (the record's ``reason``, which the SDK's
+    ``evaluate`` raises), not only the evaluator's log; a crash names no internals."""
+    h = Harness(broker)
+
+    async def failing(b: Broker, rec: WorkloadRecord, control: EvalControl) -> Any:
+        if rec.spec.name == "noengine":
+            raise Unavailable("no inference engine serves 'qwen2.5-vl-tiny'")
+        raise KeyError("internal detail")
+
+    ev = Evaluator(broker, instance="eval", run_record=failing)
+    ev._kv = await broker.js.key_value(broker.names.workloads_bucket)
+    for name in ("noengine", "crash"):
+        key = await h.create("acme", name, episodes=2)
+        control = EvalControl("acme", turns=ev.turns)
+        await ev._evaluate(key, await h.record(key), control)
+    rec = await h.wait_state(broker.names.workload_key("acme", "noengine"), "cancelled", within=2)
+    assert rec.result["error_code"] == 1.0
+    assert "no inference engine serves" in rec.reason
+    rec = await h.wait_state(broker.names.workload_key("acme", "crash"), "cancelled", within=2)
+    assert "crashed (KeyError)" in rec.reason and "internal detail" not in rec.reason
