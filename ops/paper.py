@@ -405,6 +405,19 @@ class Deployment:
                     f"role {role} exited with {p.returncode}; see {self.out / 'logs'}/{self.namespace}-{role}.log"
                 )
 
+    def stop_role(self, role: str, timeout_s: float = 30.0) -> None:
+        """Stop one role's process (and its children) for good, before the rest; it
+        is no longer checked, measured or stopped with them."""
+        p = self.procs.pop(role, None)
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
     def stop(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -663,13 +676,25 @@ async def _evaluate_curve(
     out = []
     for v in curve_versions(final, points):
         t0 = time.time()
-        rep = await c.evaluate(p.spec.name, episodes=episodes, version=v,
-                               num_envs=max(1, min(num_envs, episodes)), seed=1000)
+        failed: list[str] = []
+        while True:
+            try:
+                rep = await c.evaluate(p.spec.name, episodes=episodes, version=v,
+                                       num_envs=max(1, min(num_envs, episodes)), seed=1000)
+                break
+            except JoyNexusError as e:
+                # One failed evaluation (its reason is in the record) is run once more,
+                # and the report says so; a second failure ends the run.
+                if failed:
+                    raise
+                failed.append(str(e))
+                print(f"  evaluation of {p.tenant} v{v} failed ({e}); running it again",
+                      file=sys.stderr, flush=True)
         n = int(rep.get("episodes", episodes))
         k = round(float(rep["success_rate"]) * n)
         row = {"version": v, "episodes": n, "success_rate": rep["success_rate"],
                "success_ci95": list(wilson(k, n)), "mean_return": rep.get("mean_return"),
-               "eval_s": round(time.time() - t0, 1)}
+               "eval_s": round(time.time() - t0, 1), **({"failed_first": failed} if failed else {})}
         out.append(row)
         if progress:
             print(f"  evaluated {p.tenant} ({p.spec.env}) v{v}: {n} episodes, success "
@@ -791,6 +816,10 @@ async def run_phase(
         _write_event_log(out, name, metrics + jobs, rounds, windows, isolated=isolated)
         # The learning curves are evaluated once, after the first shared round's
         # windows (pinned versions: the isolated run trains the same work).
+        if not isolated:
+            # No rollout runs after the windows: the env workers and the envs they keep
+            # built (~5 GB) go before the evaluations, which run in the evaluator's own.
+            dep.stop_role("producer-rl")
         for r, tenants in enumerate(rounds):
             await _tenant_outcomes(b, dep, tenants, None if isolated or r else cfg, results[r],
                                    progress)
