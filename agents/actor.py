@@ -58,7 +58,7 @@ from joynexus.agents.actor_decisions import (
     is_ppo,
     load_failure,
     remember_applied,
-    settle,
+    step_outcomes,
     tenant_rows,
 )
 from joynexus.agents.actor_forward import (
@@ -240,7 +240,7 @@ class Actor:
             return
         losses, stats, busy = await self._step_group(todo)
         await self._report_busy(todo, busy)
-        for (job, st, _), outcome, stat in zip(todo, settle(losses), stats, strict=True):
+        for (job, st, _), outcome, stat in zip(todo, step_outcomes(losses), stats, strict=True):
             if outcome.error is not None:
                 # This tenant's item went wrong inside the step: its module did not step
                 # (nothing to save or publish); its job fails, the others complete.

@@ -90,7 +90,7 @@ def load_failure(e: Exception) -> JoyNexusError | None:
 
 
 @dataclass(frozen=True)
-class Settle:
+class StepOutcome:
     """What one tenant's item of a group step leads to."""
 
     action: Literal["commit", "fail"]
@@ -98,12 +98,12 @@ class Settle:
     error: JoyNexusError | None = None
 
 
-def settle(losses: Sequence[float | JoyNexusError]) -> list[Settle]:
+def step_outcomes(losses: Sequence[float | JoyNexusError]) -> list[StepOutcome]:
     """Each item on its own: a loss commits that tenant's step (checkpoint,
     publish, complete); an error means its module did not step, so there is
     nothing to save or publish and that job alone fails."""
     return [
-        Settle("fail", error=x) if isinstance(x, JoyNexusError) else Settle("commit", loss=float(x))
+        StepOutcome("fail", error=x) if isinstance(x, JoyNexusError) else StepOutcome("commit", loss=float(x))
         for x in losses
     ]
 

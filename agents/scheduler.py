@@ -35,7 +35,7 @@ from joynexus.agents.lifecycle import Refused, SchedulerCore
 from joynexus.broker import kvwatch, rpc
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
 from joynexus.broker.tq import TrainingQueue
@@ -183,7 +183,7 @@ class SchedulerAgent:
             await self._service.add_endpoint(
                 name=verb, subject=self.n.sched(verb), handler=self._handler(verb)
             )
-        await settle(self.b.nc)  # on the server before start() returns
+        await sync_server(self.b.nc)  # on the server before start() returns
         self._loops = [
             asyncio.create_task(self._expiry_loop(), name="sched-expiry"),
             asyncio.create_task(self._advisory_loop(), name="sched-advisories"),

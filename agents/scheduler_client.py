@@ -10,10 +10,14 @@ which the keep-alive (``agents.leases.keep_leases``) renews by.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
@@ -30,6 +34,7 @@ from joynexus.schemas.jobs import (
 )
 from joynexus.schemas.scheduler import (
     DEFAULT_LEASE_TTL_S,
+    FINAL_REFUSALS,
     CompleteRequest,
     EndRequest,
     GetJobRequest,
@@ -267,3 +272,65 @@ class SchedulerClient:
         r = await self._call("snapshot", WaitReadyRequest())
         assert r.snapshot is not None
         return r.snapshot
+
+
+# ---------------------------------------------------------------- waiting for admission
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: A wait for admission at least this long is logged (with the refusal that began it).
+LOGGED_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Waits between refused reservations: from ``first_s``, doubling to ``max_s``."""
+
+    first_s: float = 0.05
+    max_s: float = 1.0
+
+    def next(self, wait_s: float) -> float:
+        return min(wait_s * 2, self.max_s)
+
+
+def ends_run(code: str, until_done: bool = True) -> bool:
+    """Does a reservation refused with ``code`` end its producer's run? Only when the
+    workload's generation ended (its completion target met) or was replaced, and the
+    producer runs until done; every other refusal (limits on jobs at once, the last
+    jobs of the target still in flight, one of which may fail) is waited out."""
+    return until_done and code in FINAL_REFUSALS
+
+
+async def reserve_until_admitted(
+    sched: SchedulerClient,
+    attempt: Callable[[], Awaitable[T | None]],
+    stop: asyncio.Event,
+    *,
+    backoff: Backoff = Backoff(),
+    until_done: bool = True,
+    who: str = "",
+) -> T | None:
+    """``attempt()`` (one ``sched.reserve``, and whatever goes with it) until it
+    admits: a refusal is waited out, ``backoff`` apart, the wait cut short by
+    ``stop``. None when stopped, or when a refusal ends the run (:func:`ends_run`;
+    ``stop.is_set()`` tells the two apart). A wait of :data:`LOGGED_WAIT_S` or more
+    is logged once it is over, with the refusal that began it. The producers'
+    (SFT, RL, synthetic) one back-off loop."""
+    wait_s = backoff.first_s
+    since: float | None = None
+    first_refusal = ""
+    while not stop.is_set():
+        got = await attempt()
+        if got is not None:
+            if since is not None and (waited := time.perf_counter() - since) >= LOGGED_WAIT_S:
+                log.info("%s: admitted after waiting %.1f s (%s)", who, waited, first_refusal)
+            return got
+        if ends_run(sched.last_refusal_code, until_done):
+            log.info("%s: %s; its producer stops", who, sched.last_refusal)
+            return None
+        if since is None:
+            since, first_refusal = time.perf_counter(), sched.last_refusal
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait_s)
+        wait_s = backoff.next(wait_s)
+    return None

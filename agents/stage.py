@@ -133,11 +133,11 @@ class StageWorker:
                     job.job_id, f"{self.stage}: {d.fail_reason}", attempt=job.attempt
                 )
         match d.action:
-            case disposition.Action.ACK:
+            case disposition.MessageAction.ACK:
                 await msg.ack()
-            case disposition.Action.TERM:
+            case disposition.MessageAction.TERM:
                 await msg.term()
-            case disposition.Action.NAK:
+            case disposition.MessageAction.NAK:
                 await msg.nak(delay=d.delay_s)
 
     async def _work_with_heartbeat(self, msg: Msg, job: TrainingJob) -> int | None:

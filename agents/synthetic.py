@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from joynexus.agents.advantage import gae
-from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.scheduler_client import Backoff, SchedulerClient, reserve_until_admitted
 from joynexus.agents.stage import StageWorker
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
@@ -35,6 +35,8 @@ from joynexus.schemas.samples import (
 #: Stage names (the advantage stage's, the actor's read), not fields.
 ADVANTAGES_TASK = "advantages"
 ACTOR_TASK = "actor"
+#: Waits between refused reservations: short, to keep the scheduler under load.
+BACKOFF = Backoff(first_s=0.005, max_s=0.2)
 
 
 @dataclass
@@ -82,18 +84,19 @@ class SyntheticPipeline:
     ) -> None:
         c = self.client(f"producer-{tenant}")
         made = 0
-        backoff = 0.005
-        while not stop.is_set() and (max_jobs is None or made < max_jobs):
-            version = self.versions[tenant]
-            job = await c.reserve(
-                tenant, task_type, sample_count=self.samples, behavior_policy_version=version
-            )
+
+        async def attempt() -> TrainingJob | None:
+            job = await c.reserve(tenant, task_type, sample_count=self.samples,
+                                  behavior_policy_version=self.versions[tenant])
             if job is None:
-                self.stats.refused[tenant] += 1
-                await asyncio.sleep(backoff)  # admission said no: limits reached, try later
-                backoff = min(backoff * 2, 0.2)
-                continue
-            backoff = 0.005
+                self.stats.refused[tenant] += 1  # limits reached: waited out
+            return job
+
+        while not stop.is_set() and (max_jobs is None or made < max_jobs):
+            job = await reserve_until_admitted(c, attempt, stop, backoff=BACKOFF,
+                                               who=f"synthetic {tenant}")
+            if job is None:  # stopped, or its workload ended
+                return
             self.stats.reserved[tenant] += 1
             made += 1
             if self.with_data:

@@ -24,7 +24,7 @@ from joynexus.schemas.errors import (
 )
 
 
-class Action(Enum):
+class MessageAction(Enum):
     ACK = "ack"  # done, or nothing left to do
     NAK = "nak"  # retry after ``delay_s``
     TERM = "term"  # never redeliver
@@ -32,7 +32,7 @@ class Action(Enum):
 
 @dataclass(frozen=True)
 class Disposition:
-    action: Action
+    action: MessageAction
     delay_s: float = 0.0
     #: Fail the job with this reason ("" = leave the job alone).
     fail_reason: str = ""
@@ -45,20 +45,20 @@ def backoff_s(num_delivered: int, *, base: float = 0.5, cap: float = 15.0) -> fl
 def decide(error: BaseException | None, *, num_delivered: int, max_deliver: int) -> Disposition:
     """Disposition of a job-event message after handling raised ``error`` (None: success)."""
     if error is None:
-        return Disposition(Action.ACK)
+        return Disposition(MessageAction.ACK)
     if isinstance(error, InvalidMessage):
-        return Disposition(Action.TERM)  # garbage does not improve with retries
+        return Disposition(MessageAction.TERM)  # garbage does not improve with retries
     if isinstance(error, (IllegalTransition, UnknownJob, StaleLease)):
-        return Disposition(Action.TERM)  # the job moved on (done, dropped, re-leased)
+        return Disposition(MessageAction.TERM)  # the job moved on (done, dropped, re-leased)
     if isinstance(error, Conflict):
         # Another worker holds the stage lease; look again once it may have expired.
-        return Disposition(Action.NAK, delay_s=backoff_s(num_delivered, base=1.0))
+        return Disposition(MessageAction.NAK, delay_s=backoff_s(num_delivered, base=1.0))
     reason = f"{type(error).__name__}: {error}"
     if isinstance(error, JoyNexusError) and error.permanent:
-        return Disposition(Action.TERM, fail_reason=reason)
+        return Disposition(MessageAction.TERM, fail_reason=reason)
     if num_delivered >= max_deliver:
         return Disposition(
-            Action.TERM,
+            MessageAction.TERM,
             fail_reason=f"gave up after {num_delivered} deliveries; last error {reason}",
         )
-    return Disposition(Action.NAK, delay_s=backoff_s(num_delivered))
+    return Disposition(MessageAction.NAK, delay_s=backoff_s(num_delivered))

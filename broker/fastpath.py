@@ -44,7 +44,7 @@ __all__ = [
     "FastPath",
     "FastResponder",
     "enabled_by_env",
-    "settle",
+    "sync_server",
     "unsupported_reason",
 ]
 
@@ -97,7 +97,7 @@ def unsupported_reason(nc: Any, version: str | None = None) -> str | None:
     return None
 
 
-async def settle(nc: Any, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - as nc.flush's
+async def sync_server(nc: Any, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - as nc.flush's
     """Until the server has processed every command ``nc`` was given before this call.
 
     ``nc.flush()`` alone does not promise that on nats-py 2.16: its PING is written

@@ -84,9 +84,9 @@ async def bench_engines(
     t_start, load_before = time.perf_counter(), benchstats.load()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
     base_model = BackboneConfig(size="tiny").base_model
-    schema = bi._schema(base_model)
+    schema = bi.sample_schema(base_model)
     tenants = [f"t{i}" for i in range(TENANTS)]
-    mods = [bi._module(t, i, feature_dim) for i, t in enumerate(tenants)]
+    mods = [bi.sample_module(t, i, feature_dim) for i, t in enumerate(tenants)]
     suffix = os.urandom(3).hex()
     arms: dict[str, tuple[Any, asyncio.subprocess.Process, Any, Any]] = {}
     try:
@@ -104,7 +104,7 @@ async def bench_engines(
             )
             arms[name] = (br, proc, InferenceClient(br, base_model=base_model), log)
             try:
-                await bi._wait_engine(br, proc)
+                await bi.wait_engine(br, proc)
             except RuntimeError as e:
                 text = (await asyncio.to_thread(Path(log.name).read_text, errors="replace"))[-2000:]
                 raise RuntimeError(f"build {name} ({root}): {e}; its log ends:\n{text}") from None
@@ -120,7 +120,7 @@ async def bench_engines(
                     )
     finally:
         for br, proc, _, log in arms.values():
-            await bi._stop_engine(proc, log)
+            await bi.stop_engine(proc, log)
             with contextlib.suppress(Exception):
                 await delete_layout(br)
             await br.close()

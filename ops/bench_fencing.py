@@ -30,6 +30,7 @@ from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
+from joynexus.ops.benchstats import percentile
 from joynexus.ops.deploy import embedded
 from joynexus.ops.tenants import add_tenant
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -50,11 +51,6 @@ def _rollout(rows: int, seed: int) -> dict[str, np.ndarray]:
         "rewards": rng.standard_normal(rows).astype(np.float32),
         "dones": np.zeros(rows, bool),
     }
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
 
 
 async def _run(url: str, admin: Broker, service: Broker, repeats: int) -> dict[str, Any]:
@@ -119,8 +115,8 @@ async def _run(url: str, admin: Broker, service: Broker, repeats: int) -> dict[s
             "put": sizes,
             "event_latency_ms": {
                 "events": len(latencies),
-                "p50": _pct(latencies, 0.5),
-                "p99": _pct(latencies, 0.99),
+                "p50": percentile(latencies, 50, digits=2),
+                "p99": percentile(latencies, 99, digits=2),
             },
         }
     finally:

@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.ops import benchstats
+from joynexus.ops.benchstats import percentile
 
 __all__ = ["bench_inference", "main"]
 
@@ -73,11 +74,7 @@ INSTR = ("pick up the red cube", "open the drawer", "push the block left", "stac
 HEAD_HIDDEN = 256  # heads of a realistic size, so their bytes show next to RSS noise
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
-
-
-def _obs(i: int) -> dict[str, Any]:
+def sample_obs(i: int) -> dict[str, Any]:
     g = np.random.default_rng(i)
     return dict(
         images={s: g.integers(0, 256, (1, 3, *HW), dtype=np.uint8) for s in SLOTS},
@@ -86,13 +83,13 @@ def _obs(i: int) -> dict[str, Any]:
     )
 
 
-def _schema(base_model: str) -> Any:
+def sample_schema(base_model: str) -> Any:
     from joynexus.agents.models.features import FeatureSchema
 
     return FeatureSchema(SLOTS, HW, 8, 7, 8, base_model=base_model)
 
 
-def _module(tenant: str, i: int, feature_dim: int) -> Any:
+def sample_module(tenant: str, i: int, feature_dim: int) -> Any:
     from joynexus.agents.models.heads import HeadConfig, TenantModule
 
     head = ("oft_mlp", "flow_matching")[i % 2]
@@ -102,7 +99,7 @@ def _module(tenant: str, i: int, feature_dim: int) -> Any:
 # ---------------------------------------------------------------- the engine process
 
 
-def _serve(url: str, namespace: str, size: str, max_batch: int, max_wait_ms: float, threads: int) -> None:
+def serve_engine(url: str, namespace: str, size: str, max_batch: int, max_wait_ms: float, threads: int) -> None:
     """Body of the engine child process: ``run_inference_agent`` until SIGTERM."""
     from joynexus.agents.inference import run_inference_agent
     from joynexus.broker.connection import Broker
@@ -121,7 +118,7 @@ def _serve(url: str, namespace: str, size: str, max_batch: int, max_wait_ms: flo
     asyncio.run(run())
 
 
-async def _wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: float = 120.0) -> None:
+async def wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: float = 120.0) -> None:
     """Until the engine answers $SRV.PING for the inference service (it joins after loading)."""
     from nats.micro.service import ServiceVerb, control_subject
 
@@ -139,7 +136,7 @@ async def _wait_engine(b: Any, proc: asyncio.subprocess.Process, timeout_s: floa
             await asyncio.sleep(0.1)
 
 
-async def _stop_engine(proc: asyncio.subprocess.Process, log: Any = None, grace_s: float = 30.0) -> None:
+async def stop_engine(proc: asyncio.subprocess.Process, log: Any = None, grace_s: float = 30.0) -> None:
     """SIGTERM a bench's child (an engine drains), SIGKILL after ``grace_s``; its log
     file (if any) removed."""
     if proc.returncode is None:
@@ -170,7 +167,7 @@ async def _closed_loop(client: Any, schema: Any, tenants: Sequence[str], concurr
     lat: list[float] = []
     sizes: list[int] = []
     counter = iter(range(total))
-    obs = [_obs(i) for i in range(16)]
+    obs = [sample_obs(i) for i in range(16)]
 
     async def worker(w: int) -> None:
         for j in counter:
@@ -186,8 +183,8 @@ async def _closed_loop(client: Any, schema: Any, tenants: Sequence[str], concurr
     return {
         "concurrency": concurrency,
         "requests": total,
-        "p50_ms": round(_pct(lat, 50), 2),
-        "p99_ms": round(_pct(lat, 99), 2),
+        "p50_ms": percentile(lat, 50, digits=2),
+        "p99_ms": percentile(lat, 99, digits=2),
         "throughput_rps": round(total / elapsed, 1),
         "mean_batch_size": round(statistics.fmean(sizes), 2),
     }
@@ -210,8 +207,8 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     from joynexus.broker.connection import Broker
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
-    schema = _schema(bb.config.base_model)
-    mod = _module("solo", 0, bb.feature_dim)
+    schema = sample_schema(bb.config.base_model)
+    mod = sample_module("solo", 0, bb.feature_dim)
     await PolicyStore(b).publish("solo", "default", mod, schema)
     engine = InferenceEngine(b, bb, max_batch=1, max_wait_ms=0, instance="bench-overhead")
     await engine.start()
@@ -222,17 +219,17 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     fast_respond = engine.rpc.respond  # the product's: a FastResponder (None: nats-py's)
     # The broker's floor: the same request bytes, on the same two connections and in
     # the same rounds, answered at once with a reply of the engine's size (no engine).
-    from joynexus.ops.bench_rr import _real_request_payload
+    from joynexus.ops.bench_rr import real_request_payload
 
     echo_subject = f"{b.names.namespace}.bench.echo"
-    echo_payload = _real_request_payload()
+    echo_payload = real_request_payload()
     echo_reply = b"r" * 400
     b_fast, own_fast = b.fastpath(), own.fastpath()
 
     async def _answer(msg: Any) -> None:
         await b_fast.respond(msg, echo_reply)
 
-    obs = _obs(0)
+    obs = sample_obs(0)
 
     def inproc() -> None:
         fb = canonicalize_request(schema, {k: torch.from_numpy(v) for k, v in obs["images"].items()},
@@ -250,7 +247,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
 
     echo_sub = await b.nc.subscribe(echo_subject, cb=_answer)
     work_sub = await b.nc.subscribe(echo_subject + "_work", cb=_answer_after_work)
-    await fastpath.settle(b.nc)
+    await fastpath.sync_server(b.nc)
 
     async def local() -> None:
         inproc()
@@ -322,20 +319,20 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
             parts[f"{arm}_{key}_p50_ci95"] = [round(p_lo, 3), round(p_hi, 3)]
     st = engine.stats
     return {
-        "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
-        "rr_p50_ms": round(_pct(ts["rr"], 50), 3),
+        "inproc_p50_ms": percentile(ts["inproc"], 50, digits=3),
+        "rr_p50_ms": percentile(ts["rr"], 50, digits=3),
         "rr_overhead_p50_ms": round(diff, 3),
         "rr_overhead_p50_ci95": [round(lo, 3), round(hi, 3)],
         "same_connection_overhead_p50_ms": round(sdiff, 3),
         "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
-        "echo_p50_ms": round(_pct(ts["echo"], 50), 3),
+        "echo_p50_ms": percentile(ts["echo"], 50, digits=3),
         "echo_p50_ci95": [round(x, 3) for x in benchstats.median_ci(ts["echo"])[1:]],
         "overhead_over_echo_p50_ms": round(adds, 3),
         "overhead_over_echo_p50_ci95": [round(alo, 3), round(ahi, 3)],
-        "echo_work_p50_ms": round(_pct(ts["echo_work"], 50), 3),
+        "echo_work_p50_ms": percentile(ts["echo_work"], 50, digits=3),
         "overhead_over_echo_work_p50_ms": round(code, 3),
         "overhead_over_echo_work_p50_ci95": [round(clo, 3), round(chi, 3)],
-        "natspy_rr_p50_ms": round(_pct(ts["rr_natspy"], 50), 3),
+        "natspy_rr_p50_ms": percentile(ts["rr_natspy"], 50, digits=3),
         "natspy_overhead_p50_ms": round(fdiff, 3),
         "natspy_overhead_p50_ci95": [round(flo, 3), round(fhi, 3)],
         "fastpath_minus_natspy_p50_ms": round(gain, 3),
@@ -361,7 +358,7 @@ async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequen
     from joynexus.agents.models.features import canonicalize_request
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
-    obs = [_obs(i) for i in range(16)]
+    obs = [sample_obs(i) for i in range(16)]
     n_rr, n_local = itertools.count(), itertools.count()
 
     async def remote() -> None:
@@ -379,8 +376,8 @@ async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequen
     ts = await benchstats.interleaved_async({"inproc": local, "rr": remote}, repeats=repeats, warmup=8)
     gap, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
     return {
-        "inproc_p50_ms": round(_pct(ts["inproc"], 50), 3),
-        "rr_p50_ms": round(_pct(ts["rr"], 50), 3),
+        "inproc_p50_ms": percentile(ts["inproc"], 50, digits=3),
+        "rr_p50_ms": percentile(ts["rr"], 50, digits=3),
         "gap_p50_ms": round(gap, 3),
         "gap_p50_ci95": [round(lo, 3), round(hi, 3)],
         "repeats": repeats,
@@ -398,7 +395,7 @@ def _warmup(threads: int) -> None:
 
     torch.set_num_threads(threads)
     bb = Backbone.build(BackboneConfig(size="tiny"))
-    schema = _schema(bb.config.base_model)
+    schema = sample_schema(bb.config.base_model)
     for b in (1, 8, 32):
         fb = canonicalize_request(schema, {s: torch.zeros(b, 3, *HW, dtype=torch.uint8) for s in SLOTS},
                                   "warm up", torch.zeros(b, 8))
@@ -444,10 +441,10 @@ async def bench_inference(
     # The engine process builds the same (seeded) backbone; its facts are known from config.
     feature_dim = int(SIZES[rr_size]["text"]["hidden_size"])
     base_model = BackboneConfig(size=rr_size).base_model  # type: ignore[arg-type]
-    schema = _schema(base_model)
+    schema = sample_schema(base_model)
     store = PolicyStore(b)
     tenants = [f"t{i}" for i in range(TENANTS)]
-    mods = [_module(t, i, feature_dim) for i, t in enumerate(tenants)]
+    mods = [sample_module(t, i, feature_dim) for i, t in enumerate(tenants)]
     await store.publish(tenants[0], "default", mods[0], schema)
 
     max_batch, max_wait_ms = 16, 5.0
@@ -460,7 +457,7 @@ async def bench_inference(
     )
     out: dict[str, Any] = {}
     try:
-        await _wait_engine(b, proc)
+        await wait_engine(b, proc)
         client = InferenceClient(b, base_model=base_model)
         warm_n = 64 if quick else 256
         # 2. RSS with one tenant, at the load shape used with eight (same batch sizes and rows)
@@ -528,7 +525,7 @@ async def bench_inference(
         sys.stderr.write("engine process log (tail):\n" + text[-4000:])
         raise
     finally:
-        await _stop_engine(proc, log)
+        await stop_engine(proc, log)
         for br in (b, solo):
             with contextlib.suppress(Exception):
                 await delete_layout(br)
@@ -560,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:
-        _serve(a.serve, a.namespace, a.size, a.max_batch, a.max_wait_ms, a.threads)
+        serve_engine(a.serve, a.namespace, a.size, a.max_batch, a.max_wait_ms, a.threads)
         return
     print(json.dumps(asyncio.run(_with_server(a.nats, a.quick))))
 

@@ -27,7 +27,7 @@ from joynexus.ops.isolation import (
     P99_RATIO_BOUND,
     P99_TARGET,
     TRAIN_RATE_TARGET,
-    Deployment,
+    SecuredDeployment,
     prepare,
     run_attack,
 )
@@ -53,7 +53,7 @@ async def bench_isolation(
         service_creds = beside if beside.exists() else None
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
-    async with Deployment(
+    async with SecuredDeployment(
         namespace=namespace, url=url, admin_creds=creds, service_creds=service_creds,
         datasets_root=datasets_root,
     ) as dep:

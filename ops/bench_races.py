@@ -9,7 +9,7 @@ one server, and counts the rounds the race struck:
   Struck: the marker came before every key was seen.
 - ``join``: a micro service is added, then asked at once from another
   connection. One ``nc.flush()`` lets its PING overtake the SUBs still in
-  nats-py's buffer; ``fastpath.settle`` does not. Struck: no responders.
+  nats-py's buffer; ``fastpath.sync_server`` does not. Struck: no responders.
 
 The counts are small (a few in a thousand on a 2-core VM), so the JSON gives
 each with the rounds it came from; compare arms of one run only.
@@ -28,7 +28,7 @@ from nats.micro import add_service
 
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.ops.benchstats import load, round_order
 
 
@@ -105,10 +105,10 @@ async def _join(url: str, rounds: int) -> dict[str, Any]:
         return await ask_at_once(r, one_flush)
 
     async def settled(r: int) -> bool:
-        return await ask_at_once(r, settle)
+        return await ask_at_once(r, sync_server)
 
     try:
-        return await _count({"one_flush": flush, "settle": settled}, rounds)
+        return await _count({"one_flush": flush, "sync_server": settled}, rounds)
     finally:
         await serve.close()
         await ask.close()

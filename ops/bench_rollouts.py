@@ -54,11 +54,11 @@ async def bench_rollouts(
     max_tenants: int = 3,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from joynexus.ops.paper import Deployment, wait_ready
+    from joynexus.ops.paper import RoleProcesses, wait_ready
 
     with tempfile.TemporaryDirectory(prefix="jnx-rollouts-") as tmp:
         ns = f"roll{uuid.uuid4().hex[:6]}"
-        dep = Deployment(url, ns, Path(tmp), env_workers=max_tenants)
+        dep = RoleProcesses(url, ns, Path(tmp), env_workers=max_tenants)
         dep.roles = ROLES
         b = await Broker.connect(url, name=f"bench-{ns}", namespace=ns)
         events: list[dict[str, Any]] = []

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.ops import benchstats
-from joynexus.ops.bench_inference import _stop_engine
+from joynexus.ops.bench_inference import stop_engine
 
 __all__ = ["bench_rr", "main", "parse_arms"]
 
@@ -66,17 +66,17 @@ ENGINE_ARMS: dict[str, tuple[int, dict[str, str], bool]] = {
 DEFAULT_ARMS = ("threads2", "fastpath", "threads1")
 
 
-def _real_request_payload() -> bytes:
+def real_request_payload() -> bytes:
     """The bytes of one Inference Queue request as the bench's tenants send it."""
-    from joynexus.ops.bench_inference import _obs, _schema
+    from joynexus.ops.bench_inference import sample_obs, sample_schema
     from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
 
-    o = _obs(0)
+    o = sample_obs(0)
     req = InferRequest(
         tenant_id="t0",
         workload="default",
         session_id="",
-        schema_signature=_schema("qwen2.5-vl-tiny").signature(),
+        schema_signature=sample_schema("qwen2.5-vl-tiny").signature(),
         policy_version=None,
         observation=Observation(
             images={s: TensorBytes.from_array(x) for s, x in o["images"].items()},
@@ -160,7 +160,7 @@ def _echo_server(url: str) -> None:
                 w.write(data[:16])
 
         tcp_server = await asyncio.start_server(tcp, "127.0.0.1", 0)
-        await settle(nc)
+        await sync_server(nc)
         print(f"ready {tcp_server.sockets[0].getsockname()[1]}", flush=True)
         await stop.wait()
         tcp_server.close()
@@ -186,7 +186,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
         if not line.startswith(b"ready "):
             raise RuntimeError(f"echo server: {line!r}")
         tcp_r, tcp_w = await asyncio.open_connection("127.0.0.1", int(line.split()[1]))
-        payloads = {"small": b"x" * 16, "real": _real_request_payload()}
+        payloads = {"small": b"x" * 16, "real": real_request_payload()}
         out: dict[str, Any] = {"payload_bytes": {k: len(v) for k, v in payloads.items()}}
         for label, data in payloads.items():
 
@@ -228,7 +228,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
         return out
     finally:
         await client.close()
-        await _stop_engine(proc, grace_s=10)
+        await stop_engine(proc, grace_s=10)
 
 
 # ---------------------------------------------------------------- engine
@@ -237,9 +237,9 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
 def _serve_engine(url: str, namespace: str, threads: int) -> None:
     """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); it
     answers through the fast path unless ``JOYNEXUS_FASTPATH=0`` (set per arm)."""
-    from joynexus.ops.bench_inference import _serve
+    from joynexus.ops.bench_inference import serve_engine
 
-    _serve(url, namespace, "tiny", 1, 0.0, threads)
+    serve_engine(url, namespace, "tiny", 1, 0.0, threads)
 
 
 async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> dict[str, Any]:
@@ -249,13 +249,13 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench_inference import _module, _obs, _schema, _wait_engine
+    from joynexus.ops.bench_inference import sample_module, sample_obs, sample_schema, wait_engine
 
     suffix = os.urandom(3).hex()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
-    schema = _schema("qwen2.5-vl-tiny")
-    mod = _module("t0", 0, feature_dim)
-    obs = _obs(0)
+    schema = sample_schema("qwen2.5-vl-tiny")
+    mod = sample_module("t0", 0, feature_dim)
+    obs = sample_obs(0)
     brokers: dict[str, Any] = {}
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs: dict[str, Any] = {}
@@ -277,7 +277,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
                 stdout=logs[arm], stderr=subprocess.STDOUT, env=env,
             )
         for arm in arms:
-            await _wait_engine(brokers[arm], procs[arm])
+            await wait_engine(brokers[arm], procs[arm])
         clients = {
             arm: InferenceClient(brokers[arm], base_model="qwen2.5-vl-tiny", fast=ENGINE_ARMS[arm][2])
             for arm in arms
@@ -309,7 +309,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
         raise
     finally:
         # every engine signalled at once (each call sends SIGTERM before it waits)
-        await asyncio.gather(*(_stop_engine(p, logs.pop(arm, None)) for arm, p in procs.items()))
+        await asyncio.gather(*(stop_engine(p, logs.pop(arm, None)) for arm, p in procs.items()))
         for f in logs.values():  # an arm whose process never started
             f.close()
             with contextlib.suppress(OSError):

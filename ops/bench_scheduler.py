@@ -20,20 +20,15 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
 from joynexus.ops import benchstats
+from joynexus.ops.benchstats import percentile
 from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, WorkloadPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return round(float(np.percentile(np.asarray(xs) * 1000.0, q)), 3) if xs else float("nan")
 
 
 @contextlib.contextmanager
@@ -174,15 +169,15 @@ async def bench_scheduler(
                 "windows": len(windows),
             },
             "load": {"before": load_before, "after": benchstats.load()},
-            "transition_p50_ms": _pct(all_transitions, 50),
-            "transition_p99_ms": _pct(all_transitions, 99),
+            "transition_p50_ms": percentile(all_transitions, 50, scale=1000.0, digits=3),
+            "transition_p99_ms": percentile(all_transitions, 99, scale=1000.0, digits=3),
             "by_verb_ms": {
-                v: {"p50": _pct(lat[v], 50), "p99": _pct(lat[v], 99), "n": len(lat[v])}
+                v: {"p50": percentile(lat[v], 50, scale=1000.0, digits=3), "p99": percentile(lat[v], 99, scale=1000.0, digits=3), "n": len(lat[v])}
                 for v in (*TIMED_VERBS, "lease_next")
                 if lat.get(v)
             },
-            "unloaded_transition_p50_ms": _pct(unloaded, 50),
-            "unloaded_transition_p99_ms": _pct(unloaded, 99),
+            "unloaded_transition_p50_ms": percentile(unloaded, 50, scale=1000.0, digits=3),
+            "unloaded_transition_p99_ms": percentile(unloaded, 99, scale=1000.0, digits=3),
             "seconds": round(elapsed, 2),
             "lifecycles": done,
             "config": {

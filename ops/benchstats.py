@@ -27,6 +27,7 @@ __all__ = [
     "interleaved_async",
     "load",
     "median_ci",
+    "percentile",
     "ratio_ci",
     "round_order",
     "summarize",
@@ -46,6 +47,19 @@ def load() -> dict[str, float]:
         "load15": round(fifteen, 2),
         "cpus": float(os.cpu_count() or 1),
     }
+
+
+def percentile(
+    xs: Sequence[float], q: float, *, scale: float = 1.0, digits: int | None = None
+) -> float | None:
+    """The ``q``-th percentile (0-100, linear between ranks, as ``numpy.percentile``)
+    of ``xs`` times ``scale`` (1000: seconds to milliseconds), rounded to ``digits``;
+    None when there is nothing to take it of (JSON null, not NaN). The benchmarks' one
+    percentile."""
+    if len(xs) == 0:
+        return None
+    v = float(np.percentile(np.asarray(xs, dtype=np.float64), q)) * scale
+    return v if digits is None else round(v, digits)
 
 
 def round_order(arms: Sequence[str], round_i: int) -> Sequence[str]:

@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
             "races",
             "how often two nats-py races strike, with and without the guard: a KV watch's "
             "early end-of-values marker (kvwatch) and a service asked before its SUBs land "
-            "(settle)",
+            "(sync_server)",
         ),
         (
             "isolation",

@@ -279,7 +279,7 @@ def plans(cfg: PaperConfig, dataset: str, r: int = 0) -> list[TenantPlan]:
     return out
 
 
-class Deployment:
+class RoleProcesses:
     """One process per role on ``namespace``; RSS of the two services polled."""
 
     def __init__(
@@ -433,7 +433,7 @@ class Deployment:
             log.close()
 
 
-async def wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> None:
+async def wait_ready(b: Broker, dep: RoleProcesses, timeout_s: float = 300.0) -> None:
     """Until the scheduler, the control plane and an inference engine answer and
     both producers are warm (they announce it with a ``ready`` system metric)."""
     ready: set[str] = set()
@@ -483,7 +483,7 @@ async def wait_ready(b: Broker, dep: Deployment, timeout_s: float = 300.0) -> No
 
 async def run_tenants(
     b: Broker,
-    dep: Deployment,
+    dep: RoleProcesses,
     tenants: list[TenantPlan],
     label: str,
     timeout_s: float,
@@ -704,7 +704,7 @@ async def _evaluate_curve(
 
 
 async def _tenant_outcomes(
-    b: Broker, dep: Deployment, tenants: list[TenantPlan], cfg: PaperConfig | None,
+    b: Broker, dep: RoleProcesses, tenants: list[TenantPlan], cfg: PaperConfig | None,
     result: PhaseResult, progress: bool = False,
 ) -> None:
     """Each tenant's updates and states; with ``cfg``, each RL tenant's learning
@@ -777,7 +777,7 @@ async def run_phase(
     # The same warm pool in both phases (isolated: one tenant's workers busy at a
     # time, the same workers per tenant as when shared), so that the next tenant's
     # window never waits for the previous one's workers to come back.
-    dep = Deployment(
+    dep = RoleProcesses(
         url, ns, out, env_workers=cfg.workers * n_rl, libero_max_steps=cfg.libero_max_steps
     )
     b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)

@@ -144,7 +144,7 @@ async def _train(url: str, out: Path, todo: list[HeadRecipe], cfg: Any, progress
         gen_s[r.task] = await asyncio.to_thread(
             _generate, r, root / _tenant(r) / f"demos-{r.task}", progress)
     ns = f"head{uuid.uuid4().hex[:6]}"
-    dep = paper.Deployment(url, ns, out, env_workers=0)
+    dep = paper.RoleProcesses(url, ns, out, env_workers=0)
     b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)
     try:
         await ensure_layout(b)

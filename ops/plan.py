@@ -27,7 +27,8 @@ from typing import Any
 
 import orjson
 
-from joynexus.ops.plan_sim import Costs, Deployment, Result, TenantSpec, isolated, simulate
+from joynexus.ops.benchstats import percentile
+from joynexus.ops.plan_sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
 from joynexus.schemas.errors import InvalidSpec
 
 #: Seconds of a poll of the demo's progress loop (its windows end at one).
@@ -210,15 +211,6 @@ def measured_phase(header: dict[str, Any], events: list[dict[str, Any]]) -> dict
     return _figures(wall, busy, waits, dict(updates), dict(drops), per_window)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 4)
-
-
 def _figures(wall: float, busy: dict[str, float], waits: list[float], updates: dict[str, int],
              drops: dict[str, int], windows: dict[str, float],
              devices: dict[str, int] | None = None) -> dict[str, Any]:
@@ -232,13 +224,13 @@ def _figures(wall: float, busy: dict[str, float], waits: list[float], updates: d
                         for k, v in busy.items() if k != "env"},
         "update_rates_per_s": {t: round(n / windows.get(t, wall), 4) if wall else 0.0
                                for t, n in sorted(updates.items())},
-        "job_wait_p50_s": _pct(waits, 50),
-        "job_wait_p99_s": _pct(waits, 99),
+        "job_wait_p50_s": percentile(waits, 50, digits=4),
+        "job_wait_p99_s": percentile(waits, 99, digits=4),
         "stale_drops": dict(sorted(drops.items())),
     }
 
 
-def predicted_phase(results: list[Result], dep: Deployment | None = None) -> dict[str, Any]:
+def predicted_phase(results: list[Result], dep: DeploymentPlan | None = None) -> dict[str, Any]:
     wall = sum(r.wall_s for r in results)
     busy = {k: sum(r.busy[k] for r in results) for k in ("train", "infer", "env")}
     waits = [w for r in results for w in r.waits]
@@ -291,7 +283,7 @@ def plan_from_run(run: Path, *, plots: Path | None = None,
     c_sh, st_sh = fit_costs(*load_phase(src / "events" / "shared.jsonl"))
     c_iso, st_iso = fit_costs(*load_phase(src / "events" / "isolated.jsonl"))
     n_rl = sum(1 for t in tenants_of(sh_h, st_sh) if t.task == "rl")
-    dep_sh = Deployment(tenants=tenants_of(sh_h, st_sh), max_batch=16, max_wait_s=0.005,
+    dep_sh = DeploymentPlan(tenants=tenants_of(sh_h, st_sh), max_batch=16, max_wait_s=0.005,
                         global_max_active_rollouts=max(3, n_rl), poll_s=POLL_S)
     dep_iso = replace(dep_sh, tenants=tenants_of(iso_h, st_iso))
     shared_r = simulate(dep_sh, c_sh)
@@ -329,7 +321,7 @@ def _plot_timelines(path: Path, shared_r: Result, iso_r: list[Result]) -> list[s
 # ---------------------------------------------------------------- a described deployment
 
 
-def load_config(path: Path) -> tuple[Deployment, Costs]:
+def load_config(path: Path) -> tuple[DeploymentPlan, Costs]:
     if not path.is_file():
         raise InvalidSpec(f"--config {path}: no such file")
     text = path.read_text()
@@ -339,7 +331,7 @@ def load_config(path: Path) -> tuple[Deployment, Costs]:
         raise InvalidSpec(f"--config {path}: {e}") from e
     dep_d, costs_d = d.get("deployment", d), d.get("costs", {})
     try:
-        dep = Deployment.from_dict(dep_d)
+        dep = DeploymentPlan.from_dict(dep_d)
         costs = Costs.from_dict(costs_d)
     except (TypeError, ValueError) as e:
         raise InvalidSpec(f"--config {path}: {e}") from e
@@ -347,7 +339,7 @@ def load_config(path: Path) -> tuple[Deployment, Costs]:
     return dep, costs
 
 
-def check_deployment(dep: Deployment) -> None:
+def check_deployment(dep: DeploymentPlan) -> None:
     if not dep.tenants or len(dep.tenants) > 4096:
         raise InvalidSpec("a deployment needs 1-4096 tenants")
     names = [t.name for t in dep.tenants]
@@ -360,7 +352,7 @@ def check_deployment(dep: Deployment) -> None:
         raise InvalidSpec("trainers and engines must be 1-4096, max_batch >= 1")
 
 
-def plan_config(dep: Deployment, costs: Costs) -> dict[str, Any]:
+def plan_config(dep: DeploymentPlan, costs: Costs) -> dict[str, Any]:
     sh = simulate(dep, costs)
     iso = isolated(dep, costs)
     p_sh, p_iso = predicted_phase([sh], dep), predicted_phase(iso, dep)

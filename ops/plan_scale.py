@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.plan_sim import Costs, Deployment, Result, TenantSpec, isolated, simulate
+from joynexus.ops.plan_sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
 
 #: Seconds per operation, of the order the paper's setting implies (assumed).
 PAPER_COSTS = Costs(
@@ -58,10 +58,10 @@ def tenants(n: int, *, staleness: int = 128, updates: int = 10**6) -> list[Tenan
     return out
 
 
-def layout(accelerators: int, n_tenants: int, **kw: Any) -> Deployment:
+def layout(accelerators: int, n_tenants: int, **kw: Any) -> DeploymentPlan:
     q = max(1, accelerators // 4)
     env = max(1, accelerators // 2)
-    return Deployment(
+    return DeploymentPlan(
         tenants=tenants(n_tenants, **kw), trainers=q, engines=q, max_batch=128,
         max_wait_s=0.01, microbatch=256, max_group=4,
         global_max_active_rollouts=max(1, round(3 * env / 4)), poll_s=0.0, horizon_s=SIM_S,
@@ -74,7 +74,7 @@ def jain(xs: list[float]) -> float | None:
     return round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4)
 
 
-def point(dep: Deployment, costs: Costs, r: Result) -> dict[str, Any]:
+def point(dep: DeploymentPlan, costs: Costs, r: Result) -> dict[str, Any]:
     wall = r.done_s or 1.0
     rl = [t.name for t in dep.tenants if t.task == "rl"]
     sft = [t.name for t in dep.tenants if t.task == "sft"]

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from joynexus.agents.lifecycle import Refused, SchedulerCore
+from joynexus.agents.scheduler_client import Backoff
 from joynexus.schemas.jobs import (
     Dropped,
     GlobalLimits,
@@ -38,6 +39,9 @@ from joynexus.schemas.jobs import (
 from joynexus.schemas.scheduler import ReserveRequest
 
 S = JobState
+
+#: The RL producers' wait between refused reserves (``agents.producers.rl.BACKOFF``).
+RL_BACKOFF = Backoff()
 
 
 @dataclass
@@ -95,7 +99,7 @@ class TenantSpec:
 
 
 @dataclass
-class Deployment:
+class DeploymentPlan:
     tenants: list[TenantSpec]
     trainers: int = 1
     max_group: int = 4
@@ -111,7 +115,7 @@ class Deployment:
     seed: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Deployment:
+    def from_dict(cls, d: dict[str, Any]) -> DeploymentPlan:
         tenants = [TenantSpec(**t) for t in d.get("tenants", [])]
         kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "tenants"}
         return cls(tenants=tenants, **kw)
@@ -287,7 +291,7 @@ class _Request:
 class Inference:
     """Engines with adaptive batching (cap ``max_batch`` rows, ``max_wait_s``)."""
 
-    def __init__(self, sim: Sim, dep: Deployment, costs: Costs, jit: Callable[[float], float]):
+    def __init__(self, sim: Sim, dep: DeploymentPlan, costs: Costs, jit: Callable[[float], float]):
         self.sim, self.dep, self.costs, self.jit = sim, dep, costs, jit
         self.queue: list[_Request] = []
         self.idle = dep.engines
@@ -390,7 +394,7 @@ class Result:
     usage: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def simulate(dep: Deployment, costs: Costs) -> Result:
+def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
     sim = Sim(dep.seed)
 
     def jit(x: float) -> float:
@@ -428,7 +432,7 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
 
     def producer(t: TenantSpec) -> Proc:
         yield t.startup_s
-        backoff = 0.05
+        backoff = RL_BACKOFF.first_s
         while completed[t.name] + sched.core.in_flight[f"{t.name}.{t.task}"] < t.updates or \
                 completed[t.name] < t.updates:
             yield sched.delay()
@@ -437,9 +441,9 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
                 if completed[t.name] >= t.updates:
                     return
                 yield backoff
-                backoff = min(backoff * 2, 1.0)
+                backoff = RL_BACKOFF.next(backoff)
                 continue
-            backoff = 0.05
+            backoff = RL_BACKOFF.first_s
             if t.task == "sft":
                 yield jit(costs.sft_produce_s)
                 yield sched.delay()
@@ -557,10 +561,10 @@ def simulate(dep: Deployment, costs: Costs) -> Result:
     )
 
 
-def isolated(dep: Deployment, costs: Costs) -> list[Result]:
+def isolated(dep: DeploymentPlan, costs: Costs) -> list[Result]:
     """Each tenant alone on the same deployment, one after another."""
     out = []
     for t in dep.tenants:
-        one = Deployment(**{**dep.__dict__, "tenants": [t]})
+        one = DeploymentPlan(**{**dep.__dict__, "tenants": [t]})
         out.append(simulate(one, costs))
     return out

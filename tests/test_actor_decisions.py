@@ -18,7 +18,7 @@ from joynexus.agents.actor_decisions import (
     is_ppo,
     load_failure,
     remember_applied,
-    settle,
+    step_outcomes,
     tenant_rows,
 )
 from joynexus.agents.actor_forward import OLD_LOGP_FIELD
@@ -148,8 +148,8 @@ BAD = ShapeMismatch("tenant b's rows")
         ([0.0, 1e9], ["commit", "commit"]),
     ],
 )
-def test_settle_each_tenant_on_its_own(losses: list[float | JoyNexusError], actions: list[str]) -> None:
-    out = settle(losses)
+def test_step_outcomes_each_tenant_on_its_own(losses: list[float | JoyNexusError], actions: list[str]) -> None:
+    out = step_outcomes(losses)
     assert [s.action for s in out] == actions
     for s, x in zip(out, losses, strict=True):
         if s.action == "fail":

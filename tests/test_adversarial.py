@@ -1,6 +1,6 @@
 """No tenant can harm another: the attack catalogue against a live secured deployment.
 
-One deployment for the module (``joynexus.ops.isolation.Deployment``: an
+One deployment for the module (``joynexus.ops.isolation.SecuredDeployment``: an
 embedded nats-server with authorization on, the agents in this process as the
 service identity). Tenant ``acme`` attacks with its own credentials through
 the SDK and raw nats-py; tenant ``bolt`` trains and calls the service all the
@@ -19,20 +19,27 @@ from dataclasses import dataclass
 
 import pytest
 
-from joynexus.ops.isolation import BY_NAME, CATALOGUE, Deployment, Victim, prepare, run_attack
+from joynexus.ops.isolation import (
+    BY_NAME,
+    CATALOGUE,
+    SecuredDeployment,
+    Victim,
+    prepare,
+    run_attack,
+)
 
 pytestmark = [pytest.mark.adversarial, pytest.mark.timeout(240)]
 
 
 @dataclass
 class Live:
-    dep: Deployment
+    dep: SecuredDeployment
     victim: Victim
 
 
 @pytest.fixture(scope="module")
 async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Live]:
-    async with Deployment(tmp_path_factory.mktemp("adversarial")) as dep:
+    async with SecuredDeployment(tmp_path_factory.mktemp("adversarial")) as dep:
         victim = await prepare(dep)
         try:
             yield Live(dep, victim)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from joynexus.broker.disposition import Action, Disposition, backoff_s, decide
+from joynexus.broker.disposition import Disposition, MessageAction, backoff_s, decide
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
@@ -23,7 +23,7 @@ from joynexus.schemas.errors import (
     UnknownPartition,
 )
 
-ACK, NAK, TERM = Action.ACK, Action.NAK, Action.TERM
+ACK, NAK, TERM = MessageAction.ACK, MessageAction.NAK, MessageAction.TERM
 
 
 @pytest.mark.parametrize(

@@ -191,23 +191,19 @@ def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
 def test_the_rl_producers_decisions_around_a_reserve() -> None:
     """RLProducer.run's pure steps: the backoff after refusals, which refusal ends
     the run, and where a produced job goes next."""
-    from joynexus.agents.producers.rl import (
-        RESERVE_BACKOFF_S,
-        after_rollout,
-        ends_run,
-        next_backoff,
-    )
+    from joynexus.agents.producers.rl import BACKOFF, after_rollout
+    from joynexus.agents.scheduler_client import ends_run
     from joynexus.schemas.jobs import JobMetadata, JobState, TrainingJob
 
-    waits = [RESERVE_BACKOFF_S[0]]
+    waits = [BACKOFF.first_s]
     for _ in range(6):
-        waits.append(next_backoff(waits[-1]))
+        waits.append(BACKOFF.next(waits[-1]))
     assert waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     # Decided by the scheduler's refusal code, never its words.
-    assert ends_run(True, "ended") and ends_run(True, "superseded")
-    assert not ends_run(False, "ended")
+    assert ends_run("ended", True) and ends_run("superseded", True)
+    assert not ends_run("ended", False)
     for waited in ("in_flight", "rollouts", "global_rollouts", "completion_target", ""):
-        assert not ends_run(True, waited)
+        assert not ends_run(waited, True)
 
     def job(extra: dict[str, str]) -> TrainingJob:
         return TrainingJob(

@@ -23,7 +23,7 @@ from joynexus.broker.fastpath import (
     SUPPORTED_NATS,
     FastPath,
     FastResponder,
-    settle,
+    sync_server,
     unsupported_reason,
 )
 from joynexus.ops.natsserver import EmbeddedNats
@@ -37,7 +37,7 @@ def _subj(what: str) -> str:
 
 async def _settled(c: Any) -> None:
     """Until the server has ``c``'s subscriptions (one flush() does not promise it)."""
-    await settle(c)
+    await sync_server(c)
 
 
 @pytest.fixture
@@ -296,14 +296,14 @@ async def test_reconnect_falls_back_then_takes_the_fast_path_again(
         await proxy.cut()
 
 
-async def test_settle_waits_for_a_subscription_just_made(nc: Any, responder: Any) -> None:
+async def test_sync_server_waits_for_a_subscription_just_made(nc: Any, responder: Any) -> None:
     async def answer(msg: Any) -> None:
         await responder.publish(msg.reply, b"ok")
 
-    for _ in range(150):  # subscribe, settle, ask at once from another connection
+    for _ in range(150):  # subscribe, sync_server, ask at once from another connection
         subject = _subj("settle")
         sub = await responder.subscribe(subject, cb=answer)
-        await settle(responder)
+        await sync_server(responder)
         assert (await nc.request(subject, b"", timeout=5)).data == b"ok"
         await sub.unsubscribe()
 
@@ -340,7 +340,7 @@ async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
     nc = await server.connection()
     svc = await add_service(nc, name=f"{broker.names.namespace}-fpecho", version="0.1.0")
     await svc.add_endpoint(name="e", subject=subject, handler=on_request)
-    await settle(nc)
+    await sync_server(nc)
 
     def decode_answer(data: bytes) -> str:
         a = decode(data, _Answer, what="answer")
@@ -365,7 +365,7 @@ async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
 
         silent = broker.names.api("acme", "silent")
         sub = await broker.nc.subscribe(silent, cb=ignore)
-        await settle(broker.nc)
+        await sync_server(broker.nc)
         with pytest.raises(rpc.NoReply):
             await rpc.call(broker, silent, b"", decode_answer, timeout_s=0.3, request=fp.request)
         await sub.unsubscribe()

@@ -26,10 +26,10 @@ from joynexus.agents.inference import (
     EnginePool,
     InferenceClient,
     InferenceEngine,
-    _canonical,
     run_inference_agent,
     serving_threads,
 )
+from joynexus.agents.inference.admission import canonical
 from joynexus.agents.inference.pool import THREADS_ENV
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import (
@@ -548,7 +548,7 @@ def test_images_are_read_from_the_wire_without_copies() -> None:
                        instruction="x", state=TensorBytes.from_array(obs["state"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "not writable" warning either
-        fb = _canonical(SCHEMA, wire)
+        fb = canonical(SCHEMA, wire)
     for slot in CAMS:
         assert fb.images[slot].data_ptr() == np.frombuffer(wire.images[slot].data, np.uint8).ctypes.data
         np.testing.assert_array_equal(fb.images[slot].numpy(), obs["images"][slot])

@@ -125,5 +125,5 @@ async def test_bench_races_counts_each_arm_and_the_guarded_ones_never_strike(nat
     assert kv["keys"] == 20 and {k: v["rounds"] for k, v in kv.items() if k != "keys"} == {
         "nats_py_watch": 30, "kvwatch": 30}
     assert kv["kvwatch"]["struck"] == 0 and 0 <= kv["nats_py_watch"]["struck"] <= 30
-    assert join["settle"] == {"struck": 0, "rounds": 30} and join["one_flush"]["rounds"] == 30
+    assert join["sync_server"] == {"struck": 0, "rounds": 30} and join["one_flush"]["rounds"] == 30
     assert out["load"]["after"]["cpus"] >= 1

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops.cli import main
-from joynexus.ops.plan_sim import Costs, Deployment, TenantSpec, isolated, simulate
+from joynexus.ops.plan_sim import Costs, DeploymentPlan, TenantSpec, isolated, simulate
 
 COSTS = Costs(train_step_s=0.2, actor_overhead_s=0.05, infer_batch_s=0.01,
               sim_per_call_s=0.05, advantages_s=0.01, sft_produce_s=0.02)
 
 
-def tiny(**kw: object) -> Deployment:
+def tiny(**kw: object) -> DeploymentPlan:
     tenants = [
         TenantSpec(name="acme", task="rl", updates=12, max_in_flight=3, max_active_rollouts=2,
                    workers=2, max_policy_staleness=128),
@@ -25,7 +25,7 @@ def tiny(**kw: object) -> Deployment:
                    workers=2, max_policy_staleness=128),
         TenantSpec(name="dana", task="sft", updates=20, max_in_flight=16),
     ]
-    return replace(Deployment(tenants=tenants, global_max_active_rollouts=4, poll_s=0.0), **kw)
+    return replace(DeploymentPlan(tenants=tenants, global_max_active_rollouts=4, poll_s=0.0), **kw)
 
 
 def test_deterministic_and_complete() -> None:

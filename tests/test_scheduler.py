@@ -447,3 +447,51 @@ async def test_a_restarted_scheduler_has_every_tenants_policy_and_version_counte
         assert agent2.core.versions == {"acme.pick": 7}
     finally:
         await agent2.stop()
+
+
+async def test_the_producers_admission_wait_against_the_scheduler(
+    broker: Broker, sched: SchedulerAgent
+) -> None:
+    """``reserve_until_admitted`` (the one back-off loop of the SFT, RL and synthetic
+    producers) on the scheduler's real refusals: an in-flight refusal is waited out
+    until a job completes, a met completion target ends the run, a stop ends the wait."""
+    from joynexus.agents.scheduler_client import Backoff, reserve_until_admitted
+
+    c = SchedulerClient(broker, by="t")
+    await c.set_policy(WorkloadPolicy(tenant_id="acme", task_type="sft", workload="w",
+                                      max_in_flight=1, completion_target=2))
+    fast = Backoff(first_s=0.01, max_s=0.05)
+    stop = asyncio.Event()
+    tries: list[str] = []
+
+    async def attempt():  # type: ignore[no-untyped-def]
+        job = await c.reserve("acme", "sft", workload="w")
+        tries.append(c.last_refusal_code)
+        return job
+
+    async def finish(job_id: str) -> None:
+        await c.mark(job_id, S.READY)
+        leased = await c.lease_next(wait_s=1.0)
+        assert leased is not None and leased.job_id == job_id
+        await c.complete(leased, result_version=1)
+
+    first = await reserve_until_admitted(c, attempt, stop, backoff=fast)
+    assert first is not None and tries == [""]
+    # In flight: refused with "in_flight" and waited out until the first job ends.
+    waiting = asyncio.create_task(reserve_until_admitted(c, attempt, stop, backoff=fast))
+    await asyncio.sleep(0.3)
+    assert not waiting.done() and "in_flight" in tries
+    await finish(first.job_id)
+    second = await asyncio.wait_for(waiting, 10)
+    assert second is not None and second.job_id != first.job_id
+    # The target (2) is met once the second completes: the run ends, without waiting.
+    await finish(second.job_id)
+    assert await asyncio.wait_for(reserve_until_admitted(c, attempt, stop, backoff=fast), 5) is None
+    assert c.last_refusal_code == "ended" and not stop.is_set()
+    # A refusal the run waits out (until_done=False) ends only when stopped.
+    waiting = asyncio.create_task(
+        reserve_until_admitted(c, attempt, stop, backoff=fast, until_done=False))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    stop.set()
+    assert await asyncio.wait_for(waiting, 2) is None

@@ -27,7 +27,7 @@ from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import parse_refusal, render_authorization, tenant_permissions
 from joynexus.broker.subjects import Names
 from joynexus.ops.deploy import embedded
-from joynexus.ops.isolation import Deployment
+from joynexus.ops.isolation import SecuredDeployment
 from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant
 from joynexus.schemas.errors import (
     InvalidSpec,
@@ -79,9 +79,9 @@ def test_server_refusal_lines_parse() -> None:
 
 
 # ---------------------------------------------------------------- a secured deployment
-#: The deployment of these tests: joynexus.ops.isolation.Deployment (also the
+#: The deployment of these tests: joynexus.ops.isolation.SecuredDeployment (also the
 #: adversarial suite's and `joynexus bench isolation`'s).
-Secure = Deployment
+Secure = SecuredDeployment
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ async def secure(
 ) -> AsyncIterator[Secure]:
     """Scheduler, control plane (as the control identity), inference engine and actor
     in this process as the service identity, on a fresh secured embedded server."""
-    async with Deployment(tmp_path_factory.mktemp("secure"), namespace=NS,
+    async with SecuredDeployment(tmp_path_factory.mktemp("secure"), namespace=NS,
                           datasets_root=datasets_root, prefetch_dataset=False) as dep:
         yield dep
 

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.agents.producers.sft import (
-    FIRST_BACKOFF_S,
-    MAX_BACKOFF_S,
-    batch_indices,
-    job_extra,
-    next_backoff,
-    refusal_ends_run,
-    sft_columns,
-)
+from joynexus.agents.producers.sft import BACKOFF, batch_indices, job_extra, sft_columns
+from joynexus.agents.scheduler_client import ends_run
 from joynexus.schemas.samples import (
     ACTION,
     ACTIONS_FIELD,
@@ -46,11 +39,11 @@ def test_batch_indices(order: list[int], cursor: int, size: int, rows: list[int]
 
 
 def test_backoff_doubles_to_its_cap() -> None:
-    seen = [FIRST_BACKOFF_S]
+    seen = [BACKOFF.first_s]
     for _ in range(6):
-        seen.append(next_backoff(seen[-1]))
+        seen.append(BACKOFF.next(seen[-1]))
     assert seen[:5] == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5])
-    assert max(seen) == MAX_BACKOFF_S and seen[-1] == MAX_BACKOFF_S
+    assert max(seen) == BACKOFF.max_s and seen[-1] == BACKOFF.max_s
 
 
 @pytest.mark.parametrize("code", [*typing.get_args(Refusal), ""])
@@ -58,7 +51,7 @@ def test_which_refusal_ends_the_run(code: str) -> None:
     """Every code the scheduler can refuse with (and none): only an ended or replaced
     generation ends the run; the last jobs of the target in flight (one may fail) and
     the limits on jobs at once are waited out."""
-    assert refusal_ends_run(code) is (code in ("ended", "superseded"))
+    assert ends_run(code) is (code in ("ended", "superseded"))
 
 
 def test_job_extra_carries_what_the_actor_reads() -> None:

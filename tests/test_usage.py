@@ -239,7 +239,7 @@ async def test_real_training_steps_split_by_rows(tmp_path: Path) -> None:
     """Real grouped training steps (the actor, a tiny backbone) of two tenants: the
     control plane's meter gives each its rows' share, and the shares add up to the
     training service's busy intervals on the metrics stream."""
-    from joynexus.ops.isolation import Deployment
+    from joynexus.ops.isolation import SecuredDeployment
     from joynexus.schemas.workloads import WorkloadSpec
 
     def rows(n: int, seed: int) -> dict[str, np.ndarray]:
@@ -250,7 +250,7 @@ async def test_real_training_steps_split_by_rows(tmp_path: Path) -> None:
             "actions": rng.uniform(-1, 1, (n, 2, 4)).astype(np.float32),
         }
 
-    async with Deployment(tmp_path / "dep", namespace="jnxmeter") as dep:
+    async with SecuredDeployment(tmp_path / "dep", namespace="jnxmeter") as dep:
         clients = {}
         for t in ("acme", "bolt"):
             await dep.issue(t)

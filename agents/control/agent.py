@@ -35,7 +35,7 @@ from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords, WeightsCache
 from joynexus.broker.quotas import QuotaBook
@@ -140,9 +140,9 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
             name="admin", subject=self.n.all_admin, handler=self._handle_admin
         )
         # Subscribed on the server before start() returns (one flush() does not promise it).
-        await settle(self.b.nc)
+        await sync_server(self.b.nc)
         if nc is not self.b.nc:
-            await settle(nc)
+            await sync_server(nc)
         self.rpc.spawn(self._apply_logged_ends())
         self.rpc.spawn(self._adopt_open_jobs())
         self.rpc.spawn(self._expire_open_jobs())

@@ -22,14 +22,10 @@ docs/ARCHITECTURE.md ("The Inference Queue").
 
 from __future__ import annotations
 
-from joynexus.agents.inference import admission
 from joynexus.agents.inference.engine import INLINE_FORWARD_MS, EngineStats, InferenceEngine
 from joynexus.agents.inference.policies import LoadedPolicy
 from joynexus.agents.inference.pool import EnginePool, run_inference_agent, serving_threads
 from joynexus.broker.inference_client import InferenceClient
-
-#: A request's tensors read from the wire (tests/test_inference.py reads it by this name).
-_canonical = admission.canonical
 
 __all__ = [
     "INLINE_FORWARD_MS",

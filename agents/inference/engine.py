@@ -44,7 +44,7 @@ from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.broker.fastpath import FastResponder, enabled_by_env, settle
+from joynexus.broker.fastpath import FastResponder, enabled_by_env, sync_server
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import model_token
@@ -254,7 +254,7 @@ class InferenceEngine:
             handler=self.intake.on_request,
             metadata={"base_model": self.base_model},
         )
-        await settle(nc)  # on the server before join() returns (one flush() does not promise it)
+        await sync_server(nc)  # on the server before join() returns (one flush() does not promise it)
         self.state = "serving"
 
     async def start(self) -> None:

@@ -159,7 +159,7 @@ def build_head(type_name: str, cfg: HeadConfig) -> ActionHead:
         return cls(cfg)
 
 
-def _weighted_mean(loss_B: torch.Tensor, weight_B: torch.Tensor | None) -> torch.Tensor:
+def weighted_mean(loss_B: torch.Tensor, weight_B: torch.Tensor | None) -> torch.Tensor:
     if weight_B is None:
         return loss_B.mean()
     if weight_B.shape != loss_B.shape:
@@ -168,7 +168,7 @@ def _weighted_mean(loss_B: torch.Tensor, weight_B: torch.Tensor | None) -> torch
     return (loss_B * w_B).sum() / w_B.sum().clamp_min(1e-8)
 
 
-def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
+def mlp_layers(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out))
 
 
@@ -310,7 +310,7 @@ class GaussianPolicy(ActionHead):
         super().__init__(cfg)
         self.log_std = nn.Parameter(torch.full((cfg.action_dim,), math.log(cfg.init_std)))
         self.critic_norm = nn.LayerNorm(cfg.feature_dim)
-        self.critic = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
+        self.critic = mlp_layers(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
 
     @abc.abstractmethod
     def _predict(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
@@ -339,7 +339,7 @@ class GaussianPolicy(ActionHead):
         self._check_target(target, tuple(pred_B_H_A.shape))
         target = self.norm_action(target)
         err = (pred_B_H_A - target).abs() if self.cfg.loss == "l1" else (pred_B_H_A - target) ** 2
-        return _weighted_mean(err.flatten(1).mean(1), weight_B)
+        return weighted_mean(err.flatten(1).mean(1), weight_B)
 
     def critic_parameters(self) -> list[nn.Parameter]:
         """The critic's weights (modules named ``critic*``): an optimizer group of their own."""
@@ -420,7 +420,7 @@ class OFTMLPHead(GaussianPolicy):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
         self.norm = nn.LayerNorm(cfg.feature_dim)
-        self.net = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, cfg.action_horizon * cfg.action_dim)
+        self.net = mlp_layers(cfg.feature_dim + cfg.state_dim, cfg.hidden, cfg.action_horizon * cfg.action_dim)
 
     def _predict(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
         """The chunk in normalised action units."""
@@ -429,7 +429,7 @@ class OFTMLPHead(GaussianPolicy):
         return self.net(x).view(-1, self.cfg.action_horizon, self.cfg.action_dim)
 
 
-def _time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
+def time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
     freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=torch.float32, device=t_B.device) / half)
     ang_B_F = t_B[:, None] * freqs[None, :] * 1000.0
@@ -447,13 +447,13 @@ class FlowMatchingHead(ActionHead):
         self.norm = nn.LayerNorm(cfg.feature_dim)
         self.cond = nn.Linear(cfg.feature_dim + cfg.state_dim, cfg.hidden)
         n_act = cfg.action_horizon * cfg.action_dim
-        self.net = _mlp(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
+        self.net = mlp_layers(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
 
     def _cond(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
         return self.cond(torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1))
 
     def velocity(self, x_B_N: torch.Tensor, t_B: torch.Tensor, cond_B_C: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([x_B_N, cond_B_C, _time_embedding(t_B, self.t_dim)], dim=-1))
+        return self.net(torch.cat([x_B_N, cond_B_C, time_embedding(t_B, self.t_dim)], dim=-1))
 
     def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -467,7 +467,7 @@ class FlowMatchingHead(ActionHead):
         t_B = torch.rand((b,), generator=self.generator).to(x1_B_N)
         xt_B_N = (1.0 - t_B[:, None]) * noise_B_N + t_B[:, None] * x1_B_N
         v_B_N = self.velocity(xt_B_N, t_B, self._cond(feats_B_D, state_B_S))
-        return _weighted_mean(((v_B_N - (x1_B_N - noise_B_N)) ** 2).mean(1), weight_B)
+        return weighted_mean(((v_B_N - (x1_B_N - noise_B_N)) ** 2).mean(1), weight_B)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
             steps: int | None = None, **kw: Any) -> torch.Tensor:
@@ -491,7 +491,7 @@ class FlowMatchingHead(ActionHead):
         n_act = x_B_N.shape[1]
         w_x, w_c, w_t = first.weight.split([n_act, cond_B_C.shape[1], self.t_dim], dim=1)
         t_K = torch.arange(n, dtype=x_B_N.dtype, device=x_B_N.device) * dt
-        t_part_K_H = torch.nn.functional.linear(_time_embedding(t_K, self.t_dim), w_t)
+        t_part_K_H = torch.nn.functional.linear(time_embedding(t_K, self.t_dim), w_t)
         c_part_B_H = torch.nn.functional.linear(cond_B_C, w_c, first.bias)
         for k in range(n):
             h_B_H = torch.nn.functional.linear(x_B_N, w_x) + c_part_B_H + t_part_K_H[k]
@@ -506,7 +506,7 @@ class ValueHead(ActionHead):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
         self.norm = nn.LayerNorm(cfg.feature_dim)
-        self.net = _mlp(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
+        self.net = mlp_layers(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._check(feats_B_D, state_B_S)
@@ -516,7 +516,7 @@ class ValueHead(ActionHead):
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
         v_B = self.act(feats_B_D, state_B_S)
         self._check_target(target, tuple(v_B.shape))
-        return _weighted_mean((v_B - target) ** 2, weight_B)
+        return weighted_mean((v_B - target) ** 2, weight_B)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

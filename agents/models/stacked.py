@@ -29,7 +29,7 @@ from joynexus.agents.models.heads import (
     ActionHead,
     FlowMatchingHead,
     OFTMLPHead,
-    _time_embedding,
+    time_embedding,
 )
 from joynexus.schemas.errors import ShapeMismatch
 
@@ -123,7 +123,7 @@ def _apply(layer: tuple[torch.Tensor, torch.Tensor | None], x_T_R_I: torch.Tenso
 
 
 def _mlp_of(nets: Sequence[nn.Sequential], start: int = 0) -> list[Layer]:
-    """``heads._mlp`` (Linear, GELU, Linear, GELU, Linear) from layer ``start`` on,
+    """``heads.mlp_layers`` (Linear, GELU, Linear, GELU, Linear) from layer ``start`` on,
     stacked once per call (a flow head runs it once per step)."""
     out: list[Layer] = []
     for i, layer in enumerate(nets[0]):
@@ -164,7 +164,7 @@ def _flow(heads: Sequence[FlowMatchingHead], f: torch.Tensor, s: torch.Tensor,
     w = _stack([lin.weight for lin in first])  # [T, H, N + C + t_dim]
     w_x, w_c, w_t = w.split([n_act, cond.shape[-1], heads[0].t_dim], dim=2)
     t_K = torch.arange(n, dtype=f.dtype) * dt
-    temb_T_K_E = _time_embedding(t_K, heads[0].t_dim).expand(t, -1, -1)
+    temb_T_K_E = time_embedding(t_K, heads[0].t_dim).expand(t, -1, -1)
     t_part = torch.bmm(temb_T_K_E, w_t.transpose(1, 2))  # [T, K, H]
     c_part = torch.baddbmm(_stack([lin.bias for lin in first])[:, None], cond, w_c.transpose(1, 2))
     rest = _mlp_of([h.net for h in heads], start=1)

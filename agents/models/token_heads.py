@@ -24,10 +24,10 @@ from joynexus.agents.models.heads import (
     ActionHead,
     GaussianPolicy,
     HeadConfig,
-    _mlp,
-    _time_embedding,
-    _weighted_mean,
+    mlp_layers,
     register,
+    time_embedding,
+    weighted_mean,
 )
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
@@ -130,7 +130,7 @@ class OFTAttnHead(GaussianPolicy):
         self.critic_query = nn.Parameter(torch.randn(1, d) * 0.02)
         self.critic_attn = TokenAttention(d)
         self.critic_norm = nn.LayerNorm(d)
-        self.critic = _mlp(d + cfg.state_dim, cfg.hidden, 1)
+        self.critic = mlp_layers(d + cfg.state_dim, cfg.hidden, 1)
 
     def _check(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> None:
         _check_tokens(self, feats_B_D, state_B_S)
@@ -193,7 +193,7 @@ class GR00TFlowHead(ActionHead):
                  ctx: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """v(x_t, t | tokens, state) [B, H, A] in normalised action units."""
         kv, real_B_L, state_B_d = ctx
-        a_B_H_d = self.action_in(x_B_H_A) + self.step_pos[None] + self.time_in(_time_embedding(t_B, self.t_dim))[:, None]
+        a_B_H_d = self.action_in(x_B_H_A) + self.step_pos[None] + self.time_in(time_embedding(t_B, self.t_dim))[:, None]
         seq = torch.cat([state_B_d[:, None], a_B_H_d], dim=1)  # [B, 1 + H, d]: the state token first
         z = self.self_norm(seq)
         seq = seq + self.self_attn(z, z)
@@ -213,7 +213,7 @@ class GR00TFlowHead(ActionHead):
         t_B = torch.rand((b,), generator=self.generator).to(x1)
         xt = (1.0 - t_B[:, None, None]) * noise + t_B[:, None, None] * x1
         v = self.velocity(xt, t_B, ctx)
-        return _weighted_mean(((v - (x1 - noise)) ** 2).flatten(1).mean(1), weight_B)
+        return weighted_mean(((v - (x1 - noise)) ** 2).flatten(1).mean(1), weight_B)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
             steps: int | None = None, **kw: Any) -> torch.Tensor:

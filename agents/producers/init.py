@@ -34,7 +34,7 @@ from joynexus.agents.featureschema import (
 from joynexus.agents.producers.schema import normalization_stats, workload_schema
 from joynexus.broker import rpc
 from joynexus.broker.connection import Broker
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.base import Wire, decode, encode
 from joynexus.schemas.errors import InvalidSpec, Unavailable
@@ -403,7 +403,7 @@ class PolicyInitService:
         await self._service.add_endpoint(
             name="init_policy", subject=n.policy_init, handler=self._on_request
         )
-        await settle(self.b.nc)  # on the server before start() returns
+        await sync_server(self.b.nc)  # on the server before start() returns
 
     async def _on_request(self, request: Any) -> None:
         self.rpc.serve(request, lambda: self._handle(request.data), span="policy.init")

@@ -4,7 +4,6 @@ loop runs around (``next_backoff``, ``ends_run``, ``after_rollout``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from joynexus.agents.producers.schema import (
     decision_lengths,
     workload_schema,
 )
-from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.scheduler_client import Backoff, SchedulerClient, reserve_until_admitted
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
@@ -42,7 +41,6 @@ from joynexus.schemas.samples import (
     STEP_FIELD,
     SUCCESS_FIELD,
 )
-from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
@@ -52,23 +50,9 @@ class _Stopped(Exception):
     """Raised at the policy call of a rollout whose producer was told to stop."""
 
 
-#: Wait between refused reserves: from the first, doubling to the last (seconds).
-RESERVE_BACKOFF_S = (0.05, 1.0)
-
-
-#: A wait for admission at least this long is logged (with the refusal that began it).
-LOGGED_WAIT_S = 1.0
-
-
-def next_backoff(wait_s: float) -> float:
-    """The wait after another refused reserve."""
-    return min(wait_s * 2, RESERVE_BACKOFF_S[1])
-
-
-def ends_run(until_done: bool, refusal: str) -> bool:
-    """Does a refused reserve end this producer's run: the workload's generation ended
-    (its completion target met) or was replaced, and the caller runs until done?"""
-    return until_done and refusal in FINAL_REFUSALS
+#: Waits between refused reserves: the default, 50 ms doubling to 1 s (the planner's
+#: simulation, ``ops/plan_sim.py``, waits the same).
+BACKOFF = Backoff()
 
 
 def after_rollout(job: TrainingJob) -> JobState:
@@ -169,32 +153,25 @@ class RLProducer:
     async def _loop(
         self, env: Any, schema: Any, instruction: str, stop: asyncio.Event, until_done: bool
     ) -> bool:
-        backoff = RESERVE_BACKOFF_S[0]
-        waiting_since: float | None = None
-        waited_for = ""
-        while not stop.is_set():
+        async def attempt() -> tuple[Any, TrainingJob, int] | None:
             version = (await self.policies.latest(self.tenant, self.spec.name)).version
             span, job = await self._reserve(schema, instruction, version)
             if job is None:
                 span.end()
-                if ends_run(until_done, self.sched.last_refusal_code):
-                    log.info("%s: %s/%s: %s", self.instance, self.tenant, self.spec.name,
-                             self.sched.last_refusal)
-                    self.done = True
-                    return True
-                if waiting_since is None:  # said once the wait is over (if it was long)
-                    waiting_since, waited_for = time.perf_counter(), self.sched.last_refusal
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = next_backoff(backoff)
-                continue
-            if waiting_since is not None:
-                waited = time.perf_counter() - waiting_since
-                if waited >= LOGGED_WAIT_S:
-                    log.info("%s: %s/%s: admitted after waiting %.1f s (%s)", self.instance,
-                             self.tenant, self.spec.name, waited, waited_for)
-                waiting_since = None
-            backoff = RESERVE_BACKOFF_S[0]
+                return None
+            return span, job, version
+
+        while True:
+            admitted = await reserve_until_admitted(
+                self.sched, attempt, stop, backoff=BACKOFF, until_done=until_done,
+                who=f"{self.instance}: {self.tenant}/{self.spec.name}",
+            )
+            if admitted is None:
+                if stop.is_set():
+                    return False
+                self.done = True  # the workload's generation ended: nothing more to make
+                return True
+            span, job, version = admitted
             with trace.use_span(span, end_on_exit=True):
                 span.set_attribute("job_id", job.job_id)
                 if not await self._produce(job, env, schema, instruction, version, stop):

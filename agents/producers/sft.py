@@ -14,7 +14,6 @@ See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from opentelemetry import trace
 
 from joynexus.agents.featureschema import FeatureSchema
 from joynexus.agents.producers.schema import unusable_dataset, workload_schema
-from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.agents.scheduler_client import Backoff, SchedulerClient, reserve_until_admitted
 from joynexus.broker import tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import Names
@@ -42,7 +41,6 @@ from joynexus.schemas.samples import (
     STATE_FIELD,
     image_field,
 )
-from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
@@ -75,20 +73,23 @@ class SFTProducer:
         kv = await self._cursor_kv()
         cursor = await self._load_cursor(kv)
         order = np.random.default_rng(self.spec.seed).permutation(len(ds))
-        backoff = FIRST_BACKOFF_S
-        while not stop.is_set():
+
+        async def attempt() -> tuple[TrainingJob, Any] | None:
             job, span = await self._reserve(schema, instruction, cursor)
             if job is None:
-                if refusal_ends_run(self.sched.last_refusal_code):
-                    log.info("sft %s/%s: %s; its producer stops", self.tenant, self.spec.name,
-                             self.sched.last_refusal)
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = next_backoff(backoff)
-                continue
+                span.end()
+                return None
+            return job, span
+
+        while True:
+            admitted = await reserve_until_admitted(
+                self.sched, attempt, stop, backoff=BACKOFF,
+                who=f"sft {self.tenant}/{self.spec.name}",
+            )
+            if admitted is None:  # stopped, or the workload's generation ended
+                return
+            job, span = admitted
             span.set_attribute("job_id", job.job_id)
-            backoff = FIRST_BACKOFF_S
             idx = batch_indices(order, cursor, self.spec.batch_size)
             cursor += self.spec.batch_size
             await kv.put(self._cursor_key(), str(cursor).encode())
@@ -165,20 +166,8 @@ class SFTProducer:
 
 
 # ---------------------------------------------------------------- pure decisions
-#: Waits between refused reservations: doubling from the first to the last.
-FIRST_BACKOFF_S = 0.05
-MAX_BACKOFF_S = 0.5
-
-
-def next_backoff(backoff: float) -> float:
-    return min(backoff * 2, MAX_BACKOFF_S)
-
-
-def refusal_ends_run(code: str) -> bool:
-    """A reservation refused because the workload's generation ended (its completion
-    target met) or was replaced ends the run; any other refusal (in-flight limits, the
-    last jobs of the target still in flight, one of which may fail) is waited out."""
-    return code in FINAL_REFUSALS
+#: Waits between refused reservations (an SFT batch is cheap to make: a short cap).
+BACKOFF = Backoff(first_s=0.05, max_s=0.5)
 
 
 def batch_indices(order: np.ndarray, cursor: int, batch_size: int) -> list[int]:

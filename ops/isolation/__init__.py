@@ -5,7 +5,7 @@ One catalogue, two users: the adversarial suite (``pytest -m adversarial``,
 ``tests/test_adversarial.py``) asserts every attack, and ``joynexus bench
 isolation --json`` (``ops/bench_isolation.py``) reports them.
 
-- :mod:`.deployment`: :class:`Deployment` (the server, the agents, the tenants'
+- :mod:`.deployment`: :class:`SecuredDeployment` (the server, the agents, the tenants'
   credentials, clients and dataset spaces, what an attack observes) and the
   tenants' batches;
 - :mod:`.victim`: :class:`Victim`, tenant ``bolt`` training and probing;
@@ -46,9 +46,9 @@ from joynexus.ops.isolation.deployment import (
     NS,
     VICTIM,
     VICTIM_WORKLOAD,
-    Deployment,
     MiB,
     RawConn,
+    SecuredDeployment,
     sft_batch,
     sft_spec,
 )
@@ -94,10 +94,10 @@ __all__ = [
     "Attack",
     "AttackResult",
     "Checks",
-    "Deployment",
     "MiB",
     "Outcome",
     "RawConn",
+    "SecuredDeployment",
     "Stats",
     "Victim",
     "api_raw",

@@ -1,6 +1,6 @@
 """The live secured deployment the attacks run against, and the tenants' batches.
 
-:class:`Deployment` is a fresh embedded nats-server with authorization on (or
+:class:`SecuredDeployment` is a fresh embedded nats-server with authorization on (or
 an external one: ``url`` and admin credentials) with the agents in this process
 under the service identity (scheduler, control plane as the control identity,
 an inference engine on the tiny backbone, the actor under a supervisor that
@@ -102,7 +102,7 @@ class _LogBytes(logging.Handler):
             self.bytes += len(record.getMessage())
 
 
-class Deployment:
+class SecuredDeployment:
     """A live secured deployment for attacks (async context manager).
 
     Without ``url``: a fresh embedded nats-server (authorization on, its auth
@@ -156,7 +156,7 @@ class Deployment:
         self._template: asyncio.Task[Path] | None = None
 
     # -------------------------------------------------------------- lifecycle
-    async def __aenter__(self) -> Deployment:
+    async def __aenter__(self) -> SecuredDeployment:
         try:
             await self._start()
         except BaseException:

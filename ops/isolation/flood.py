@@ -24,7 +24,7 @@ from typing import Any
 
 async def flood(creds: str, kind: str, workload: str, *, lanes: int, seconds: float,
                 rows: int = 64, instruction: str = "", signature: str = "") -> dict[str, int]:
-    from joynexus.ops.isolation.kit import _code, api_raw, infer_raw, infer_request
+    from joynexus.ops.isolation.kit import api_raw, error_code, infer_raw, infer_request
     from joynexus.schemas.inference import InferError
     from joynexus.sdk import Client
 
@@ -46,7 +46,7 @@ async def flood(creds: str, kind: str, workload: str, *, lanes: int, seconds: fl
             try:
                 outcome = await one()
             except Exception as e:
-                outcome = f"raised {_code(e)}"
+                outcome = f"raised {error_code(e)}"
             outcomes[outcome] += 1
             if outcome != "ok":
                 await asyncio.sleep(0.05)

@@ -21,7 +21,7 @@ import numpy as np
 
 from joynexus.ops.isolation.deployment import (
     MODEL,
-    Deployment,
+    SecuredDeployment,
     sft_spec,
 )
 from joynexus.schemas.base import decode
@@ -72,17 +72,17 @@ async def infer_raw(client: Client, payload: bytes, *, timeout_s: float = 15.0) 
     return decode_msgpack(msg.data, InferReply, what="inference reply")
 
 
-async def _cancel(client: Client, name: str) -> None:
+async def cancel_quietly(client: Client, name: str) -> None:
     with contextlib.suppress(Exception):
         await client.cancel_workload(name)
 
 
-def _code(e: BaseException) -> str:
+def error_code(e: BaseException) -> str:
     return getattr(e, "code", type(e).__name__)
 
 
-def _short(e: BaseException | str, n: int = 160) -> str:
-    s = e if isinstance(e, str) else f"{_code(e)}: {e}"
+def short_error(e: BaseException | str, n: int = 160) -> str:
+    s = e if isinstance(e, str) else f"{error_code(e)}: {e}"
     return s if len(s) <= n else s[:n] + "..."
 
 
@@ -96,7 +96,7 @@ class AttackResult:
 @dataclass
 class Attack:
     name: str
-    run: Callable[[Deployment, str, str], Awaitable[AttackResult]]
+    run: Callable[[SecuredDeployment, str, str], Awaitable[AttackResult]]
     #: The issue's class ("What was observed" item) it belongs to, or "found".
     klass: str = ""
     timeout_s: float = 90.0
@@ -136,15 +136,15 @@ async def refused(
     except JoyNexusError as e:
         took = time.perf_counter() - t0
         ok = e.code in codes and (e.code != "invalid_spec" or not mention or mention in str(e))
-        return ok and took <= within_s, f"{_short(e, 120)} in {took:.2f}s"
+        return ok and took <= within_s, f"{short_error(e, 120)} in {took:.2f}s"
     except TimeoutError:
         return False, f"no answer within {within_s + 5:.0f}s"
     except Exception as e:
-        return False, f"unexpected {_short(e, 120)}"
+        return False, f"unexpected {short_error(e, 120)}"
     return False, "accepted"
 
 
-async def _attacker_workload(dep: Deployment, attacker: str, name: str) -> tuple[Client, Any]:
+async def attacker_workload(dep: SecuredDeployment, attacker: str, name: str) -> tuple[Client, Any]:
     client = await dep.client(attacker)
     ds = await dep.dataset(attacker)
     wl = await client.create_workload(sft_spec(name, ds))

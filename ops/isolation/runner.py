@@ -17,7 +17,7 @@ from typing import Any
 from joynexus.ops.isolation.deployment import (
     ATTACKER,
     ATTACKER_TQ_BYTES,
-    Deployment,
+    SecuredDeployment,
 )
 from joynexus.ops.isolation.kit import (
     Attack,
@@ -107,7 +107,7 @@ class Outcome:
 
 
 async def run_attack(
-    dep: Deployment, victim: Victim, attack: Attack, *, attacker: str = ATTACKER,
+    dep: SecuredDeployment, victim: Victim, attack: Attack, *, attacker: str = ATTACKER,
     baseline_s: float = 2.0,
 ) -> Outcome:
     """A baseline window of the victim, then the attack with the victim probed."""
@@ -130,7 +130,7 @@ async def run_attack(
                    progressed, took, victim_events)
 
 
-async def prepare(dep: Deployment) -> Victim:
+async def prepare(dep: SecuredDeployment) -> Victim:
     """The tenants (the attacker with an operator-set Training Queue quota) and the
     victim's workload trained once."""
     await dep.issue(ATTACKER, tq_bytes=ATTACKER_TQ_BYTES)

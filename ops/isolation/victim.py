@@ -23,12 +23,12 @@ import numpy as np
 from joynexus.ops.isolation.deployment import (
     VICTIM,
     VICTIM_WORKLOAD,
-    Deployment,
+    SecuredDeployment,
     sft_batch,
     sft_spec,
 )
 from joynexus.ops.isolation.kit import (
-    _short,
+    short_error,
 )
 from joynexus.sdk import Client
 
@@ -73,7 +73,7 @@ def rate(v0: int, v1: int, seconds: float) -> float | None:
 class Victim:
     """Tenant ``bolt``: a small SFT workload it feeds itself, and a probe of cheap calls."""
 
-    def __init__(self, dep: Deployment, tenant: str = VICTIM, workload: str = VICTIM_WORKLOAD):
+    def __init__(self, dep: SecuredDeployment, tenant: str = VICTIM, workload: str = VICTIM_WORKLOAD):
         self.dep, self.tenant, self.workload = dep, tenant, workload
         self.client: Client = None  # type: ignore[assignment]
         self.feed_errors: list[str] = []
@@ -111,7 +111,7 @@ class Victim:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.feed_errors.append(_short(e))
+                self.feed_errors.append(short_error(e))
                 await asyncio.sleep(0.5)
             seed += 1
 
@@ -137,7 +137,7 @@ class Victim:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                errors.append(f"{what}: {_short(e)}")
+                errors.append(f"{what}: {short_error(e)}")
             xs.append(time.perf_counter() - t0)
             await asyncio.sleep(0.02)
 

@@ -15,18 +15,18 @@ import numpy as np
 
 from joynexus.ops.isolation.deployment import (
     DATASET,
-    Deployment,
+    SecuredDeployment,
     sft_batch,
     sft_spec,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _attacker_workload,
-    _cancel,
-    _short,
     api_raw,
+    attacker_workload,
+    cancel_quietly,
     refused,
+    short_error,
 )
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import JobState
@@ -48,13 +48,13 @@ def _nan_batches() -> dict[str, dict[str, np.ndarray]]:
     return {"nan actions": nan_actions, "inf state": inf_state, "3e38 actions": huge}
 
 
-async def attack_nan_batch(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_nan_batch(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """SFT batches with NaN / inf / overflowing values, through the SDK and by hand."""
     from joynexus.schemas.inference import TensorBytes
 
     ck = Checks()
     restarts0 = dep.actor_restarts
-    client, _ = await _attacker_workload(dep, attacker, "nan-sft")
+    client, _ = await attacker_workload(dep, attacker, "nan-sft")
     try:
         batches = _nan_batches()
         ok, note = await refused(client.submit_sft_batch("nan-sft", batches["nan actions"]),
@@ -88,11 +88,11 @@ async def attack_nan_batch(dep: Deployment, attacker: str, victim: str) -> Attac
             ck.add("actor not restarted", dep.actor_restarts == restarts0,
                    f"restarts {restarts0} -> {dep.actor_restarts}: {dep.actor_errors[-1:]}")
     finally:
-        await _cancel(client, "nan-sft")
+        await cancel_quietly(client, "nan-sft")
     return ck.result()
 
 
-async def attack_nan_in_step(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_nan_in_step(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Rows that passed the door and still break a grouped step (written into the
     Training Queue by the service itself, as a producer bug would): only the
     attacker's job fails, with the reason; the actor goes on."""
@@ -103,7 +103,7 @@ async def attack_nan_in_step(dep: Deployment, attacker: str, victim: str) -> Att
     ck = Checks()
     assert dep.service is not None
     restarts0 = dep.actor_restarts
-    client, rec = await _attacker_workload(dep, attacker, "nan-step")
+    client, rec = await attacker_workload(dep, attacker, "nan-step")
     sched = SchedulerClient(dep.service, by="iso-producer")
     try:
         job = await sched.reserve(
@@ -133,12 +133,12 @@ async def attack_nan_in_step(dep: Deployment, attacker: str, victim: str) -> Att
         v = await client.latest_version("nan-step")
         ck.add("no NaN version published", v == 1, f"latest v{v}")
     finally:
-        await _cancel(client, "nan-step")
+        await cancel_quietly(client, "nan-step")
     return ck.result()
 
 
 # -- 5. another tenant's dataset --------------------------------------------------
-async def attack_foreign_dataset(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_foreign_dataset(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """SFT workloads naming the victim's dataset (relative, absolute, via symlinks),
     system files and missing paths: one refusal, revealing nothing."""
     ck = Checks()
@@ -157,8 +157,8 @@ async def attack_foreign_dataset(dep: Deployment, attacker: str, victim: str) ->
         await client.create_workload(sft_spec("ds-own", own))
         ck.add("own dataset accepted", True)
     except Exception as e:
-        ck.add("own dataset accepted", False, _short(e))
-    await _cancel(client, "ds-own")
+        ck.add("own dataset accepted", False, short_error(e))
+    await cancel_quietly(client, "ds-own")
     names = [f"../{victim}/{DATASET}", str(vpath), f"../{victim}/nothere", "/etc/passwd",
              "/nonexistent-jnx/x", "link", "meta-link", f"{DATASET}/../../{victim}/{DATASET}"]
     messages: dict[str, str] = {}
@@ -168,11 +168,11 @@ async def attack_foreign_dataset(dep: Deployment, attacker: str, victim: str) ->
         try:
             await asyncio.wait_for(api_raw(client, "create_workload", body), 20)
             messages[name] = "ACCEPTED"
-            await _cancel(client, f"ds-{i}")
+            await cancel_quietly(client, f"ds-{i}")
         except JoyNexusError as e:
             messages[name] = f"{e.code}: {e}".replace(name, "<NAME>")
         except Exception as e:
-            messages[name] = f"unexpected {_short(e)}"
+            messages[name] = f"unexpected {short_error(e)}"
     distinct = set(messages.values())
     ck.add("all refused", all(m.startswith("invalid_spec") for m in messages.values()),
            "; ".join(f"{k}: {v[:60]}" for k, v in messages.items()

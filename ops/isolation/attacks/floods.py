@@ -15,16 +15,16 @@ import msgspec
 
 from joynexus.ops.isolation.deployment import (
     MODEL,
-    Deployment,
     MiB,
+    SecuredDeployment,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _attacker_workload,
-    _cancel,
-    _short,
+    attacker_workload,
+    cancel_quietly,
     infer_request,
+    short_error,
 )
 from joynexus.ops.isolation.victim import CALL_TIMEOUT_S
 from joynexus.schemas.base import decode
@@ -34,7 +34,7 @@ from joynexus.schemas.workloads import (
 
 
 # -- 3. per-call server resources ----------------------------------------------
-async def attack_request_flood(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_request_flood(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """2,000 fire-and-forget list_workloads / failing create_workload requests."""
     n, ck = dep.names, Checks()
     await dep.client(attacker)
@@ -98,17 +98,17 @@ async def attack_request_flood(dep: Deployment, attacker: str, victim: str) -> A
         await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
         ck.add("bolt's calls work after", True)
     except Exception as e:
-        ck.add("bolt's calls work after", False, _short(e))
+        ck.add("bolt's calls work after", False, short_error(e))
     return ck.result()
 
 
 # -- 7. bounded strings ---------------------------------------------------------
-async def attack_long_strings(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_long_strings(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """200 requests carrying 1 MB strings where names go (a claimed tenant, a
     workload name, a job id, a subject token): the metrics stream, the security
     events and the log grow by little."""
     n, ck = dep.names, Checks()
-    client, rec = await _attacker_workload(dep, attacker, "long-probe")
+    client, rec = await attacker_workload(dep, attacker, "long-probe")
     big = "x" * MiB
     bytes0, seq0, logs0 = await dep.metrics_bytes(), await dep.metrics_seq(), dep.log_bytes.bytes
     log0 = dep.server_log()
@@ -158,5 +158,5 @@ async def attack_long_strings(dep: Deployment, attacker: str, victim: str) -> At
         cut = dep.cut_connections(log0)
         ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
     finally:
-        await _cancel(client, "long-probe")
+        await cancel_quietly(client, "long-probe")
     return ck.result()

@@ -12,19 +12,19 @@ import secrets
 import time
 
 from joynexus.ops.isolation.deployment import (
-    Deployment,
+    SecuredDeployment,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _short,
+    short_error,
 )
 from joynexus.schemas.errors import PermissionDenied
 from joynexus.sdk import Client
 
 
 # -- 2. revocation after a bad record -----------------------------------------
-async def attack_bad_identity_record(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_bad_identity_record(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Garbage and a record whose key does not match its user in the identities
     bucket; then a tenant added and removed must still be applied."""
     from joynexus.broker.permissions import hash_password
@@ -78,7 +78,7 @@ async def attack_bad_identity_record(dep: Deployment, attacker: str, victim: str
         except Exception:
             ck.add("mismatched record gives no login as bolt", True)
     except Exception as e:
-        ck.add("add/rm with bad records present", False, _short(e))
+        ck.add("add/rm with bad records present", False, short_error(e))
     finally:
         for k in bad_keys:
             with contextlib.suppress(Exception):
@@ -87,7 +87,7 @@ async def attack_bad_identity_record(dep: Deployment, attacker: str, victim: str
 
 
 # -- 7. failed logins ------------------------------------------------------------
-async def attack_failed_logins(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_failed_logins(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """50 wrong-password logins as the victim's user: not filed as the victim's misdeeds."""
     ck = Checks()
     seq0 = await dep.metrics_seq()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 
 from joynexus.ops.isolation.deployment import (
-    Deployment,
+    SecuredDeployment,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _short,
     api_raw,
+    short_error,
 )
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import JoyNexusError
@@ -27,7 +27,7 @@ from joynexus.schemas.workloads import (
 
 
 # -- found: non-finite waits, hostile bodies -------------------------------------
-async def attack_non_finite_wait(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_non_finite_wait(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """read_events with wait_s NaN (msgpack carries it): answered, not parked forever."""
     ck = Checks()
     client = await dep.client(attacker)
@@ -40,9 +40,9 @@ async def attack_non_finite_wait(dep: Deployment, attacker: str, victim: str) ->
             ck.add(f"wait_s={what} answered", True, f"{time.perf_counter() - t0:.1f}s")
         except JoyNexusError as e:
             ck.add(f"wait_s={what} answered", e.code != "error",
-                   f"{_short(e, 80)} in {time.perf_counter() - t0:.1f}s")
+                   f"{short_error(e, 80)} in {time.perf_counter() - t0:.1f}s")
         except Exception as e:
-            ck.add(f"wait_s={what} answered", False, _short(e, 80))
+            ck.add(f"wait_s={what} answered", False, short_error(e, 80))
     return ck.result()
 
 
@@ -58,7 +58,7 @@ HOSTILE_BODIES: tuple[tuple[str, bytes, bool], ...] = (
 )
 
 
-async def attack_hostile_bodies(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_hostile_bodies(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Malformed bodies on every API verb: each a clear error, never an internal one."""
     from joynexus.agents.control import VERBS
 
@@ -81,7 +81,7 @@ async def attack_hostile_bodies(dep: Deployment, attacker: str, victim: str) -> 
                         or "Traceback" in r.error.message:
                     bad.append(f"{verb}/{what}: {r.error.message[:80]}")
             except Exception as e:
-                bad.append(f"{verb}/{what}: {_short(e, 60)}")
+                bad.append(f"{verb}/{what}: {short_error(e, 60)}")
     ck.add("every hostile body refused clearly", not bad,
            f"{len(bad)}/{count}: " + "; ".join(bad[:4]))
     return ck.result()

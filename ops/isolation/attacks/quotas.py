@@ -13,19 +13,19 @@ from typing import Any
 
 from joynexus.ops.isolation.deployment import (
     VICTIM_WORKLOAD,
-    Deployment,
     MiB,
+    SecuredDeployment,
     sft_batch,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _cancel,
-    _short,
     api_raw,
+    cancel_quietly,
     infer_raw,
     infer_request,
     refused,
+    short_error,
 )
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.workloads import (
@@ -36,7 +36,7 @@ from joynexus.schemas.workloads import (
 
 
 # -- 6. quotas and operator bounds ---------------------------------------------------
-async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Training Queue bytes, priority, max_in_flight, episodes, action_horizon,
     inference rows and instruction size: past every bound, refused quickly."""
     from joynexus.schemas.inference import InferError, TensorBytes
@@ -61,8 +61,8 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
         ck.add("priority 10**18 not honoured", bool(pol) and pol[0].priority == want,
                f"effective {pol[0].priority if pol else '?'} (class value {want})")
     except JoyNexusError as e:
-        ck.add("priority 10**18 not honoured", e.code in quota_codes, _short(e, 100))
-    await _cancel(client, "q-prio")
+        ck.add("priority 10**18 not honoured", e.code in quota_codes, short_error(e, 100))
+    await cancel_quietly(client, "q-prio")
     for what, name, over, mention in (
         ("max_in_flight=10**9", "q-inflight", {"scheduling": {"max_in_flight": 10**9}},
          "max_in_flight"),
@@ -71,16 +71,16 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
         ok, note = await refused(create(name, **over), quota_codes, mention=mention,
                                  within_s=5.0)
         ck.add(f"{what} refused", ok, note)
-        await _cancel(client, name)
+        await cancel_quietly(client, name)
     # evaluation episodes (of a policy acme owns)
     await create("q-base")
-    await _cancel(client, "q-base")
+    await cancel_quietly(client, "q-base")
     ok, note = await refused(api_raw(client, "create_workload", {"spec": {
         "name": "q-eval", "task_type": "eval", "env": "PickCube-v1",
         "init_from_workload": "q-base", "init_from": 1, "episodes": 10**9}}),
         quota_codes, mention="episodes", within_s=20.0)
     ck.add("episodes=10**9 refused", ok, note)
-    await _cancel(client, "q-eval")
+    await cancel_quietly(client, "q-eval")
     # inference: rows and instruction bytes per request
     rec = (await create("q-infer")).workload
     row_bytes = 3 * 64 * 64 + 12 * 4
@@ -104,8 +104,8 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
                    f"{[g.code if isinstance(g, InferError) else 'served' for g in got]}"
                    f" in {took:.2f}s")
         except Exception as e:
-            ck.add(f"{what} refused", False, _short(e))
-    await _cancel(client, "q-infer")
+            ck.add(f"{what} refused", False, short_error(e))
+    await cancel_quietly(client, "q-infer")
     # Training Queue bytes: open jobs (as many as admission lets in flight) and fill
     # them until the quota says no.
     await create("q-tq", scheduling={"max_in_flight": 16})
@@ -120,7 +120,7 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
             try:
                 r = await client._api("open_job", OpenJob(workload="q-tq", sample_count=480))
             except JoyNexusError as e:
-                stop_reason = f"open_job: {_short(e, 100)}"
+                stop_reason = f"open_job: {short_error(e, 100)}"
                 break
             if r.job is None:
                 stop_reason = f"open_job refused by admission: {r.refused[:80]}"
@@ -131,7 +131,7 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
                                   binary=True)
                 pushed += chunk_bytes
             except JoyNexusError as e:
-                stop_reason = f"put_data: {_short(e, 100)}"
+                stop_reason = f"put_data: {short_error(e, 100)}"
                 break
         ck.add("TQ bytes past the quota refused", "quota_exceeded" in stop_reason,
                f"pushed {pushed / MiB:.0f} MiB (quota {quota / MiB:.0f} MiB); "
@@ -142,16 +142,16 @@ async def attack_quotas(dep: Deployment, attacker: str, victim: str) -> AttackRe
                                    30)
             ck.add("bolt's submit succeeds meanwhile", True)
         except Exception as e:
-            ck.add("bolt's submit succeeds meanwhile", False, _short(e))
+            ck.add("bolt's submit succeeds meanwhile", False, short_error(e))
     finally:
         for job_id in opened:
             with contextlib.suppress(Exception):
                 await client._api("abort_job", CloseJob(job_id=job_id, reason="quota attack"))
-        await _cancel(client, "q-tq")
+        await cancel_quietly(client, "q-tq")
     return ck.result()
 
 
-async def _sched_snapshot(dep: Deployment) -> Any:
+async def _sched_snapshot(dep: SecuredDeployment) -> Any:
     from joynexus.agents.scheduler_client import SchedulerClient
 
     b = dep.service or dep.admin

@@ -19,13 +19,13 @@ import asyncio
 import time
 from pathlib import Path
 
-from joynexus.ops.isolation.deployment import Deployment
+from joynexus.ops.isolation.deployment import SecuredDeployment
 from joynexus.ops.isolation.flood import run_flood
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _attacker_workload,
-    _cancel,
+    attacker_workload,
+    cancel_quietly,
 )
 from joynexus.sdk import Client
 
@@ -45,7 +45,7 @@ async def _wait_policy(client: Client, workload: str, within_s: float = 60.0) ->
         await asyncio.sleep(0.2)
 
 
-def _creds_file(dep: Deployment, tenant: str) -> Path:
+def _creds_file(dep: SecuredDeployment, tenant: str) -> Path:
     """The tenant's credentials in a file, for the flood's own process."""
     return dep.creds[tenant].save(dep.data / "flood-creds" / f"{tenant}.json")
 
@@ -57,10 +57,10 @@ def _judge(ck: Checks, outcomes: dict[str, int], note: str = "") -> None:
     ck.add("no other errors", not other, str(other))
 
 
-async def _inference_flood(dep: Deployment, attacker: str, concurrency: int) -> AttackResult:
+async def _inference_flood(dep: SecuredDeployment, attacker: str, concurrency: int) -> AttackResult:
     ck = Checks()
     name = f"flood-act-{concurrency}"
-    client, rec = await _attacker_workload(dep, attacker, name)
+    client, rec = await attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
         outcomes = await run_flood(_creds_file(dep, attacker), "act", name, lanes=concurrency,
@@ -68,34 +68,34 @@ async def _inference_flood(dep: Deployment, attacker: str, concurrency: int) -> 
                                    instruction=LONG_INSTRUCTION, signature=rec.schema_signature)
         _judge(ck, outcomes, f"; {outcomes.get('ok', 0) * FLOOD_ROWS} rows in {FLOOD_S:.0f}s")
     finally:
-        await _cancel(client, name)
+        await cancel_quietly(client, name)
     return ck.result()
 
 
-async def attack_inference_rows(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_inference_rows(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """4 concurrent ``act`` calls of 64 rows each (the rows quota) with 1,000-byte
     instructions for 10 s: the victim's 1-row ``act`` waits at most about one batch."""
     return await _inference_flood(dep, attacker, 4)
 
 
-async def attack_inference_in_flight(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_inference_in_flight(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """32 concurrent 64-row ``act`` calls (the in-flight quota) for 10 s."""
     return await _inference_flood(dep, attacker, 32)
 
 
-async def attack_control_reads(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_control_reads(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """32 concurrent ``get_policy`` calls for a 1-byte slice of the weights, for 8 s:
     each must cost the control plane a slice, not the whole weights object, and the
     tenant only its share of the control plane's time."""
     ck = Checks()
     name = "flood-reads"
-    client, _rec = await _attacker_workload(dep, attacker, name)
+    client, _rec = await attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
         _judge(ck, await run_flood(_creds_file(dep, attacker), "get_policy", name, lanes=32,
                                    seconds=8.0))
     finally:
-        await _cancel(client, name)
+        await cancel_quietly(client, name)
     return ck.result()
 
 

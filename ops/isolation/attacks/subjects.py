@@ -13,21 +13,21 @@ import contextlib
 from typing import Any
 
 from joynexus.broker import kvwatch
-from joynexus.broker.fastpath import settle
+from joynexus.broker.fastpath import sync_server
 from joynexus.broker.subjects import kv_subject, stream_api
 from joynexus.ops.isolation.deployment import (
     MODEL,
     VICTIM_WORKLOAD,
-    Deployment,
+    SecuredDeployment,
 )
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
-    _attacker_workload,
-    _cancel,
-    _short,
+    attacker_workload,
+    cancel_quietly,
     infer_raw,
     infer_request,
+    short_error,
 )
 from joynexus.schemas.base import decode
 from joynexus.schemas.workloads import (
@@ -36,12 +36,12 @@ from joynexus.schemas.workloads import (
 
 
 # -- 1. reply subjects ---------------------------------------------------------
-async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> AttackResult:
+async def attack_reply_subject(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Ordinary requests on the attacker's own subjects, with reply subjects that
     name the JetStream API, another tenant's records, a forged security event,
     the identities bucket and another tenant's inbox."""
     n, js, ck = dep.names, dep.admin.js, Checks()
-    client, rec = await _attacker_workload(dep, attacker, "reply-probe")
+    client, rec = await attacker_workload(dep, attacker, "reply-probe")
     vclient = await dep.client(victim)
     vkey = n.workload_key(victim, VICTIM_WORKLOAD)
     wkv = await js.key_value(n.workloads_bucket)
@@ -60,7 +60,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         inbox_msgs.append(msg)
 
     await vraw.nc.subscribe(victim_inbox, cb=on_inbox)  # exactly the target, not bolt's own
-    await settle(vraw.nc)  # listening on the server before acme aims at it
+    await sync_server(vraw.nc)  # listening on the server before acme aims at it
     targets = [
         stream_api("PURGE", n.jobs_stream),
         stream_api("DELETE", n.tq_stream),
@@ -105,19 +105,19 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
                and jobs1.messages >= jobs0.messages,
                f"messages {jobs0.messages} -> {jobs1.messages}")
     except Exception as e:
-        ck.add("job log not purged", False, _short(e))
+        ck.add("job log not purged", False, short_error(e))
     try:
         tq1 = await js.stream_info(n.tq_stream)
         ck.add("TQ stream not deleted", tq1.created == tq0.created)
     except Exception as e:
-        ck.add("TQ stream not deleted", False, _short(e))
+        ck.add("TQ stream not deleted", False, short_error(e))
     try:
         entry = await wkv.get(vkey)
         decode(entry.value or b"", WorkloadRecord)
         ck.add("bolt's workload record intact", entry.revision == wrev0,
                f"revision {wrev0} -> {entry.revision}")
     except Exception as e:
-        ck.add("bolt's workload record intact", False, _short(e))
+        ck.add("bolt's workload record intact", False, short_error(e))
     try:
         from joynexus.schemas.inference import PolicyRecord
 
@@ -129,7 +129,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         await vclient.get_workload(VICTIM_WORKLOAD)
         ck.add("bolt's policy records decode", True, f"{len(hist)} revisions")
     except Exception as e:
-        ck.add("bolt's policy records decode", False, _short(e))
+        ck.add("bolt's policy records decode", False, short_error(e))
     forged = await dep.security_events(victim, seq0)
     ck.add("no event filed under bolt", not forged, f"{len(forged)} events")
     try:
@@ -139,7 +139,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
         ck.add("no identity 'evil' written", True)
     await vraw.close()
     ck.add("nothing reached bolt's inbox", not inbox_msgs, f"{len(inbox_msgs)} messages")
-    await _cancel(client, "reply-probe")
+    await cancel_quietly(client, "reply-probe")
     if not all(ok for _, ok, _ in ck.items):  # repair what a failed attack broke
         from joynexus.broker.layout import ensure_layout
 
@@ -150,7 +150,7 @@ async def attack_reply_subject(dep: Deployment, attacker: str, victim: str) -> A
 
 # -- 7. the operator's inbox -------------------------------------------------------
 async def attack_service_reads_admin_inbox(
-    dep: Deployment, attacker: str, victim: str
+    dep: SecuredDeployment, attacker: str, victim: str
 ) -> AttackResult:
     """The service identity subscribes to the operator API's reply inbox."""
     from joynexus.ops.tenants import list_tenants
