@@ -1124,3 +1124,45 @@ async def test_an_engine_that_joined_answers_the_first_request_from_another_conn
     finally:
         await pool.close()
         await other.close()
+
+
+async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
+    broker: Broker, make_engine: Callable[..., Any], backbone: Any
+) -> None:
+    """A request of more rows than the engine's ``max_rows`` runs as parts of at most
+    that many (no forward is larger), answered once with every row's actions, equal to
+    what it gets served whole; another tenant's 1-row request queued behind it rides
+    in the batch after the first part, not after all of them (issue 24)."""
+    store = PolicyStore(broker)
+    await store.publish("a", "default", make_module("a", "flow_matching"), SCHEMA)
+    await store.publish("b", "default", make_module("b", seed=3), SCHEMA)
+    gated = GatedBackbone(backbone)
+    engine = await make_engine(backbone=gated, max_batch=8, max_rows=4, max_wait_ms=5)
+    client = InferenceClient(broker)
+    big = make_obs(7, b=10)
+    noise = np.random.default_rng(5).standard_normal((10, 8, 7)).astype(np.float32)
+    hold = await hold_busy(gated, client, "b")
+    whole_task = asyncio.ensure_future(client.request("a", schema=SCHEMA, noise=noise, **big))
+    await queued(engine, 3)  # 10 rows: parts of 4, 4 and 2
+    victim_task = asyncio.ensure_future(client.request("b", schema=SCHEMA, **make_obs(99)))
+    await queued(engine, 4)
+    gated.gate.set()
+    whole, victim = await whole_task, await victim_task
+    await hold
+    got = whole.actions.to_array()
+    assert got.shape == (10, 8, 7)
+    np.testing.assert_allclose(got, expected(backbone, engine.cache.lookup("a", "default", None)
+                                             .module, big, noise), atol=ATOL, rtol=0)
+    assert max(engine.stats.batch_sizes) <= 2 and engine.stats.rows <= 10 + 2
+    # b's request went in the first batch after the gate (with a's first part): it did
+    # not wait for a's three parts; a's answer came with its last part's batch.
+    b_batch = int(victim.batch.batch_id.rsplit("-", 1)[-1])
+    a_last = int(whole.batch.batch_id.rsplit("-", 1)[-1])
+    assert b_batch < a_last, (b_batch, a_last)
+    assert whole.batch.rows <= 4
+    # Served whole (an engine whose batches hold all 10 rows): the same actions.
+    await engine.close()
+    wide = await make_engine(max_rows=64)
+    alone = await client.request("a", schema=SCHEMA, noise=noise, **big)
+    assert alone.batch.rows == 10 and wide.stats.batches >= 1
+    np.testing.assert_allclose(alone.actions.to_array(), got, atol=ATOL, rtol=0)

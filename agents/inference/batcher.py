@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -56,8 +56,28 @@ class Arrival:
 
 
 @dataclass
+class Whole:
+    """A request split into parts (:func:`split`): what its parts' forwards gave so
+    far. It is answered once, when its last part is decoded (the parts' actions in
+    order) or at its first part's error (the parts still queued are then dropped)."""
+
+    parts: int
+    outcomes: list[Any]
+    done: int = 0
+    failed: bool = False
+    #: when its first part's batch began (perf_counter), and its parts' forward ms
+    started: float | None = None
+    forward_ms: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.parts
+
+
+@dataclass
 class Pending:
-    """A validated request waiting for (or in) a batch."""
+    """A validated request waiting for (or in) a batch; or one part of a request
+    larger than the engine's batch rows (``part``: its whole and its index)."""
 
     request: Request
     req: InferRequest
@@ -71,6 +91,7 @@ class Pending:
     answered: bool = False
     #: arrived while a batch was running (only such a request may wait for company)
     busy: bool = False
+    part: tuple[Whole, int] | None = None
 
     @property
     def tenant(self) -> str:
@@ -79,6 +100,34 @@ class Pending:
     @property
     def rows(self) -> int:
         return self.batch.batch_size
+
+
+def split(p: Pending, rows: int) -> list[Pending]:
+    """``p`` as parts of at most ``rows`` rows each, in order (``p`` itself if it has no
+    more): a large request then shares the engine in forwards no larger than a batch,
+    in turn with other tenants' requests, instead of running as one long forward that
+    every other tenant's request waits behind."""
+    n = p.rows
+    if n <= rows:
+        return [p]
+    bounds = [(a, min(a + rows, n)) for a in range(0, n, rows)]
+    whole = Whole(parts=len(bounds), outcomes=[None] * len(bounds))
+    b = p.batch
+    return [
+        replace(
+            p,
+            batch=replace(
+                b,
+                images={slot: x[lo:hi] for slot, x in b.images.items()},
+                instructions=b.instructions[lo:hi],
+                state_B_S=b.state_B_S[lo:hi],
+                history_B_H_S=None if b.history_B_H_S is None else b.history_B_H_S[lo:hi],
+            ),
+            noise=None if p.noise is None else p.noise[lo:hi],
+            part=(whole, i),
+        )
+        for i, (lo, hi) in enumerate(bounds)
+    ]
 
 
 @dataclass(frozen=True)

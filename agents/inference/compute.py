@@ -186,14 +186,36 @@ def result_of(
     )
 
 
+def joined(
+    p: Pending, out: Outcome, started: float, forward_ms: float
+) -> tuple[Outcome | None, float, float]:
+    """Note one decoded part of a split request; once every part is in, the whole
+    request's outcome (the parts' actions in order), when its first part's batch
+    began and its parts' forward ms; before that (None, ...)."""
+    assert p.part is not None
+    whole, i = p.part
+    whole.outcomes[i] = out
+    whole.done += 1
+    whole.forward_ms += forward_ms
+    whole.started = started if whole.started is None else min(whole.started, started)
+    if not whole.complete:
+        return None, started, forward_ms
+    parts: list[Outcome] = whole.outcomes
+    actions = torch.cat([o.actions for o in parts if o.actions is not None], dim=0)
+    decode_ms = sum(o.decode_ms for o in parts)
+    return Outcome(actions=actions, decode_ms=decode_ms), whole.started, whole.forward_ms
+
+
 def tally(items: Sequence[Pending]) -> tuple[dict[str, int], dict[str, int]]:
-    """Rows and requests per tenant in a batch (usage metering splits its time by rows)."""
+    """Rows and requests per tenant in a batch (usage metering splits its time by rows;
+    a split request counts as a request in the batch of its first part)."""
     tenant_rows: dict[str, int] = {}
     tenant_requests: dict[str, int] = {}
     for p in items:
         t = p.req.tenant_id
         tenant_rows[t] = tenant_rows.get(t, 0) + p.batch.batch_size
-        tenant_requests[t] = tenant_requests.get(t, 0) + 1
+        if p.part is None or p.part[1] == 0:
+            tenant_requests[t] = tenant_requests.get(t, 0) + 1
     return tenant_rows, tenant_requests
 
 

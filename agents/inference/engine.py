@@ -35,6 +35,7 @@ from joynexus.agents.inference.compute import (
     Outcome,
     forward_each,
     forward_grouped,
+    joined,
     result_of,
     tally,
 )
@@ -75,9 +76,12 @@ BUSY_DELAY_S = 0.002
 #: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
 #: batches of many rows stay on the thread. A size not measured yet runs on the thread.
 INLINE_FORWARD_MS = 15.0
-#: Rows a batch holds at most by default: a tenant's largest request (the quota's
-#: ``max_infer_rows``, 64 by default) fills a batch of its own.
-DEFAULT_MAX_ROWS = 64
+#: Rows a batch holds at most by default; a request with more is split into parts of
+#: at most this many (``batcher.split``), each taking its turn with other tenants'
+#: requests. It bounds how long any request waits behind another tenant's work: one
+#: forward of this many rows (the tiny base here: about 45 ms at 16 rows, 150-190 ms
+#: at 64, the quota's ``max_infer_rows``). A request of 64 rows costs 4 forwards of 16.
+DEFAULT_MAX_ROWS = 16
 
 #: Before an idle engine chooses its batch, the loop turns while turns bring requests
 #: already received (``InferenceEngine._take_in_received``), at most this long, and
@@ -121,7 +125,7 @@ class InferenceEngine:
         self.base_model = base_model or backbone.config.base_model
         model_token(self.base_model)  # fails early on a name that cannot be a subject token
         self.max_batch = max_batch
-        #: rows (observations) a batch may hold; its first request runs whatever its size
+        #: rows (observations) a batch may hold; a larger request runs in parts of this many
         self.max_rows = max_rows
         self.max_wait_s = max_wait_ms / 1e3
         self.instance = instance
@@ -166,7 +170,7 @@ class InferenceEngine:
         )
         self.intake = Intake(
             broker, self.rpc, self.cache, self.quotas, self.stats,
-            instance=instance, max_queue=max_queue,
+            instance=instance, max_queue=max_queue, part_rows=max_rows,
         )
         # Batch number in which each tenant was last served (turn-taking).
         self._last_served: dict[str, int] = {}
@@ -323,8 +327,7 @@ class InferenceEngine:
                 log.exception("engine %s: batch failed", self.instance)
                 for p in items:
                     if not p.answered:
-                        p.answered = True
-                        await intake.reply_error(p.request, e, p.span)
+                        await self._fail(p, e)
             finally:
                 intake.running = False
                 self._freed_at = time.perf_counter()
@@ -431,7 +434,25 @@ class InferenceEngine:
                 )
                 return outcomes, forward_ms, inline, True
 
+    async def _fail(self, p: Pending, e: BaseException) -> None:
+        """Answer ``p``'s request with ``e`` (a split request: once, at its first failed
+        part; its other parts are then dropped unrun)."""
+        p.answered = True
+        if p.part is not None:
+            whole = p.part[0]
+            if whole.failed:
+                return
+            whole.failed = True
+        await self.intake.reply_error(p.request, e, p.span)
+
     async def _run_batch(self, items: list[Pending]) -> None:
+        # The parts of a request that failed already have nothing left to answer.
+        for p in items:
+            if p.part is not None and p.part[0].failed:
+                p.answered = True
+        items = [p for p in items if not p.answered]
+        if not items:
+            return
         batch_id = f"{self.instance}-{next(self._batch_ids)}"
         rows = sum(p.batch.batch_size for p in items)
         started = time.perf_counter()
@@ -488,12 +509,19 @@ class InferenceEngine:
         intake = self.intake
         for p, out in zip(items, outcomes, strict=True):
             p.span.set_attribute("joynexus.batch_id", info.batch_id)
-            p.answered = True
             if out.error is not None or out.actions is None:
-                await intake.reply_error(p.request, out.error or RuntimeError("no actions"), p.span)
+                await self._fail(p, out.error or RuntimeError("no actions"))
                 continue
+            p.answered = True
+            if p.part is not None:  # one part of a split request: answered with its last
+                whole_out, whole_started, whole_ms = joined(p, out, started, forward_ms)
+                if whole_out is None:
+                    continue
+                out = whole_out
+            else:
+                whole_started, whole_ms = started, forward_ms
             result = result_of(
-                p, out, info, started=started, forward_ms=forward_ms, now=time.perf_counter()
+                p, out, info, started=whole_started, forward_ms=whole_ms, now=time.perf_counter()
             )
             try:
                 await intake.respond(p.request, result, p.span)

@@ -22,7 +22,7 @@ from nats.micro.request import Request
 from opentelemetry import trace
 
 from joynexus.agents.inference import admission
-from joynexus.agents.inference.batcher import Pending
+from joynexus.agents.inference.batcher import Pending, split
 from joynexus.agents.inference.policies import LoadedPolicy, PolicyCache
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
@@ -67,6 +67,7 @@ class Intake:
         *,
         instance: str,
         max_queue: int,
+        part_rows: int | None = None,
     ) -> None:
         self.b = broker
         self.rpc = rpc
@@ -75,6 +76,8 @@ class Intake:
         self.stats = stats
         self.instance = instance
         self.max_queue = max_queue
+        #: a request with more rows is queued as parts of at most this many (None: whole)
+        self.part_rows = part_rows
         self.queue: deque[Pending] = deque()
         self.wake = asyncio.Event()
         #: a batch is in its forward (a request queued meanwhile is marked busy)
@@ -169,7 +172,7 @@ class Intake:
         p = Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
         p.enqueued = time.perf_counter()
         p.busy = self.running
-        self.queue.append(p)
+        self.queue.extend(split(p, self.part_rows) if self.part_rows else [p])
         self.wake.set()
 
     async def reply_error(self, request: Request, e: BaseException, span: Any) -> None:
