@@ -58,13 +58,65 @@ async def flood(creds: str, kind: str, workload: str, *, lanes: int, seconds: fl
     return dict(outcomes)
 
 
-async def run_flood(creds_file: Path, kind: str, workload: str, *, lanes: int, seconds: float,
-                    rows: int = 64, instruction: str = "", signature: str = "") -> dict[str, int]:
+def creds_file(dep: Any, tenant: str) -> Path:
+    """The tenant's credentials (of a ``SecuredDeployment``) in a file, for a flood's
+    own process."""
+    path: Path = dep.creds[tenant].save(dep.data / "flood-creds" / f"{tenant}.json")
+    return path
+
+
+async def fill_queue(creds: str, workload: str, *, limit_bytes: int, seconds: float) -> dict[str, int]:
+    """Open jobs on ``workload`` and put a 480-row batch into each until the tenant's
+    Training Queue quota refuses (or ``limit_bytes`` went in, or ``seconds`` passed);
+    then abort every job opened. Counts: ``ok`` puts, the refusal's code, and
+    ``pushed_mib``."""
+    import contextlib
+
+    from joynexus.ops.isolation.deployment import MiB, sft_batch
+    from joynexus.ops.isolation.kit import error_code
+    from joynexus.schemas.errors import JoyNexusError
+    from joynexus.schemas.inference import TensorBytes
+    from joynexus.schemas.workloads import CloseJob, OpenJob, PutData
+    from joynexus.sdk import Client
+
+    client = await Client.connect(credentials=creds)
+    outcomes: Counter[str] = Counter()
+    chunk = sft_batch(480, 3)
+    fields = {k: TensorBytes.from_array(v) for k, v in chunk.items()}
+    chunk_bytes = sum(v.nbytes for v in chunk.values())
+    pushed, opened = 0, []
+    stop = time.monotonic() + seconds
+    try:
+        while pushed <= limit_bytes and time.monotonic() < stop:
+            try:
+                r = await client._api("open_job", OpenJob(workload=workload, sample_count=480))
+                if r.job is None:
+                    outcomes["admission_refused"] += 1
+                    break
+                opened.append(r.job.job_id)
+                await client._api("put_data", PutData(job_id=r.job.job_id, fields=fields),
+                                  binary=True)
+            except JoyNexusError as e:
+                outcomes[error_code(e)] += 1
+                break
+            pushed += chunk_bytes
+            outcomes["ok"] += 1
+    finally:
+        for job_id in opened:
+            with contextlib.suppress(Exception):
+                await client._api("abort_job", CloseJob(job_id=job_id, reason="quota attack"))
+        await client.close()
+    return {**outcomes, "pushed_mib": pushed // MiB}
+
+
+async def run_flood(creds_file: Path, kind: str, workload: str, *, lanes: int = 1,
+                    seconds: float, rows: int = 64, instruction: str = "", signature: str = "",
+                    limit_mib: int = 512) -> dict[str, int]:
     """Run :func:`flood` in a subprocess; its outcome counts."""
     cmd = [sys.executable, "-m", "joynexus.ops.isolation.flood", "--creds", str(creds_file),
            "--kind", kind, "--workload", workload, "--lanes", str(lanes),
            "--seconds", str(seconds), "--rows", str(rows), "--instruction", instruction,
-           "--signature", signature]
+           "--signature", signature, "--limit-mib", str(limit_mib)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), seconds + 120)
@@ -77,16 +129,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m joynexus.ops.isolation.flood",
                                  description="One tenant's flood within its quota (JSON counts).")
     ap.add_argument("--creds", required=True, help="the tenant's credentials file")
-    ap.add_argument("--kind", choices=("act", "get_policy"), required=True)
+    ap.add_argument("--kind", choices=("act", "get_policy", "tq"), required=True,
+                    help="act: inference requests; get_policy: control-plane reads; tq: fill "
+                    "the Training Queue up to --limit-mib (or the quota)")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--rows", type=int, default=64, help="act: rows per request")
     ap.add_argument("--instruction", default="", help="act: the instruction")
     ap.add_argument("--signature", default="", help="act: the workload's schema signature")
+    ap.add_argument("--limit-mib", type=int, default=512, help="tq: stop after this many MiB")
     a = ap.parse_args(argv)
-    counts = asyncio.run(flood(a.creds, a.kind, a.workload, lanes=a.lanes, seconds=a.seconds,
-                               rows=a.rows, instruction=a.instruction, signature=a.signature))
+    if a.kind == "tq":
+        counts = asyncio.run(fill_queue(a.creds, a.workload, limit_bytes=a.limit_mib << 20,
+                                        seconds=a.seconds))
+    else:
+        counts = asyncio.run(flood(a.creds, a.kind, a.workload, lanes=a.lanes,
+                                   seconds=a.seconds, rows=a.rows,
+                                   instruction=a.instruction, signature=a.signature))
     print(json.dumps(counts), flush=True)
 
 

@@ -7,7 +7,6 @@ comes quickly; the victim's own work goes on meanwhile. See docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ from joynexus.ops.isolation.deployment import (
     SecuredDeployment,
     sft_batch,
 )
+from joynexus.ops.isolation.flood import creds_file, run_flood
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
@@ -28,18 +28,13 @@ from joynexus.ops.isolation.kit import (
     short_error,
 )
 from joynexus.schemas.errors import JoyNexusError
-from joynexus.schemas.workloads import (
-    CloseJob,
-    OpenJob,
-    PutData,
-)
 
 
 # -- 6. quotas and operator bounds ---------------------------------------------------
 async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Training Queue bytes, priority, max_in_flight, episodes, action_horizon,
     inference rows and instruction size: past every bound, refused quickly."""
-    from joynexus.schemas.inference import InferError, TensorBytes
+    from joynexus.schemas.inference import InferError
     from joynexus.schemas.quotas import PRIORITY_CLASSES
 
     ck = Checks()
@@ -107,35 +102,16 @@ async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> A
             ck.add(f"{what} refused", False, short_error(e))
     await cancel_quietly(client, "q-infer")
     # Training Queue bytes: open jobs (as many as admission lets in flight) and fill
-    # them until the quota says no.
+    # them until the quota says no, from a process of the attacker's own (the encoding
+    # of 256 MiB is the attacker's cost, not this process's: see ..flood).
     await create("q-tq", scheduling={"max_in_flight": 16})
     quota = int(dep.quotas.get(attacker, {}).get("tq_bytes", 256 * MiB))
-    pushed, opened, stop_reason = 0, [], ""
-    chunk = sft_batch(480, 3)
-    fields = {k: TensorBytes.from_array(v) for k, v in chunk.items()}
-    chunk_bytes = sum(v.nbytes for v in chunk.values())
-    t0 = time.perf_counter()
     try:
-        while pushed <= quota + 4 * chunk_bytes and time.perf_counter() - t0 < 90:
-            try:
-                r = await client._api("open_job", OpenJob(workload="q-tq", sample_count=480))
-            except JoyNexusError as e:
-                stop_reason = f"open_job: {short_error(e, 100)}"
-                break
-            if r.job is None:
-                stop_reason = f"open_job refused by admission: {r.refused[:80]}"
-                break
-            opened.append(r.job.job_id)
-            try:
-                await client._api("put_data", PutData(job_id=r.job.job_id, fields=fields),
-                                  binary=True)
-                pushed += chunk_bytes
-            except JoyNexusError as e:
-                stop_reason = f"put_data: {short_error(e, 100)}"
-                break
-        ck.add("TQ bytes past the quota refused", "quota_exceeded" in stop_reason,
-               f"pushed {pushed / MiB:.0f} MiB (quota {quota / MiB:.0f} MiB); "
-               f"{stop_reason or 'never refused'}")
+        counts = await run_flood(creds_file(dep, attacker), "tq", "q-tq", seconds=90,
+                                 limit_mib=quota // MiB + 32)  # a few batches past it
+        ck.add("TQ bytes past the quota refused", counts.get("quota_exceeded", 0) == 1,
+               f"pushed {counts.get('pushed_mib', 0)} MiB (quota {quota / MiB:.0f} MiB); "
+               f"{ {k: v for k, v in counts.items() if k != 'pushed_mib'} }")
         vclient = await dep.client(victim)
         try:
             await asyncio.wait_for(vclient.submit_sft_batch(VICTIM_WORKLOAD, sft_batch(4, 77)),
@@ -144,9 +120,6 @@ async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> A
         except Exception as e:
             ck.add("bolt's submit succeeds meanwhile", False, short_error(e))
     finally:
-        for job_id in opened:
-            with contextlib.suppress(Exception):
-                await client._api("abort_job", CloseJob(job_id=job_id, reason="quota attack"))
         await cancel_quietly(client, "q-tq")
     return ck.result()
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 from joynexus.ops.isolation.deployment import SecuredDeployment
-from joynexus.ops.isolation.flood import run_flood
+from joynexus.ops.isolation.flood import creds_file, run_flood
 from joynexus.ops.isolation.kit import (
     AttackResult,
     Checks,
@@ -45,11 +44,6 @@ async def _wait_policy(client: Client, workload: str, within_s: float = 60.0) ->
         await asyncio.sleep(0.2)
 
 
-def _creds_file(dep: SecuredDeployment, tenant: str) -> Path:
-    """The tenant's credentials in a file, for the flood's own process."""
-    return dep.creds[tenant].save(dep.data / "flood-creds" / f"{tenant}.json")
-
-
 def _judge(ck: Checks, outcomes: dict[str, int], note: str = "") -> None:
     ck.add("the attacker was served within its quota", outcomes.get("ok", 0) > 0,
            f"{outcomes}{note}")
@@ -63,7 +57,7 @@ async def _inference_flood(dep: SecuredDeployment, attacker: str, concurrency: i
     client, rec = await attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
-        outcomes = await run_flood(_creds_file(dep, attacker), "act", name, lanes=concurrency,
+        outcomes = await run_flood(creds_file(dep, attacker), "act", name, lanes=concurrency,
                                    seconds=FLOOD_S, rows=FLOOD_ROWS,
                                    instruction=LONG_INSTRUCTION, signature=rec.schema_signature)
         _judge(ck, outcomes, f"; {outcomes.get('ok', 0) * FLOOD_ROWS} rows in {FLOOD_S:.0f}s")
@@ -92,7 +86,7 @@ async def attack_control_reads(dep: SecuredDeployment, attacker: str, victim: st
     client, _rec = await attacker_workload(dep, attacker, name)
     try:
         await _wait_policy(client, name)
-        _judge(ck, await run_flood(_creds_file(dep, attacker), "get_policy", name, lanes=32,
+        _judge(ck, await run_flood(creds_file(dep, attacker), "get_policy", name, lanes=32,
                                    seconds=8.0))
     finally:
         await cancel_quietly(client, name)
