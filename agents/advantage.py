@@ -7,7 +7,7 @@ else 0) or GRPO are pure functions of one job's rows, tested without a server;
 the job ready.
 
 See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version"
-and "RL: PPO, the actor_forward stage, exploration".
+and "Policies that learn".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the policy's decisions, its numbers (gamma, the exploration floor...) within bou
 
 The advantage stage (numpy only) and the actor read them alike; they were in
 :mod:`joynexus.agents.actor_forward`, which re-exports them. See docs/ARCHITECTURE.md
-("RL: PPO, the actor_forward stage, exploration", "Light roles").
+("Policies that learn", "Light roles").
 """
 
 from __future__ import annotations

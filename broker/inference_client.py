@@ -68,7 +68,7 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self.retry = rpc.inference_policy(retry_for_s)
-        # The connection's fast path (docs/ARCHITECTURE.md, "Inference Queue").
+        # The connection's fast path (docs/ARCHITECTURE.md, "The Inference Queue").
         self._request = broker.fastpath().request if fast else None
 
     async def request(

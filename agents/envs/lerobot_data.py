@@ -13,8 +13,7 @@ lerobot's own ``LeRobotDataset`` API (PNG images, nothing pushed);
     "episode_index", "frame_index"  int64 []
 
 HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set before lerobot is imported,
-unless the caller set them. See docs/ARCHITECTURE.md, "Policies that learn:
-observations, normalisation, SFT targets".
+unless the caller set them. See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

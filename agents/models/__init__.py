@@ -1,7 +1,7 @@
 """Models: the resident vision-language backbone, tenant action modules, grouped execution.
 
 Importing the package registers every head (it imports ``token_heads``). See
-docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation, SFT targets".
+docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 # Register the token-reading heads (oft_attn, gr00t_flow) wherever any model module is

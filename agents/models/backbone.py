@@ -11,8 +11,7 @@ padding never changes a real token's features; positions are the 3-D M-RoPE
 ids from ``get_rope_index``, passed explicitly (never the 1-D fallback);
 ``feats_B_D`` is the mean of the last hidden states over real tokens.
 
-See docs/ARCHITECTURE.md, "A base that sees (issue 12 point 3) and a real
-tokenizer (issue 15 point 3)" and "Heads that read token features".
+See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ horizon reach only the heads. Right padding under causal attention keeps a
 sample's features independent of who shares its forward. Everything here is
 pure: no model, no I/O (``wire_view`` never copies, nothing writes an input).
 
-See docs/ARCHITECTURE.md, "Heads that read token features" (``TokenFeatures``,
+See docs/ARCHITECTURE.md, "Policies that learn" (``TokenFeatures``,
 packed tokens) and "The Inference Queue" (where preparation is paid).
 """
 

@@ -10,7 +10,7 @@ whatever goes wrong with one tenant's item into that item's error
 (``InvalidSpec`` unless it is one of ours already), its module untouched,
 while the others still step.
 
-See docs/ARCHITECTURE.md, "Heads that read token features" (``features_for``).
+See docs/ARCHITECTURE.md, "Policies that learn" (``features_for``).
 """
 
 from __future__ import annotations

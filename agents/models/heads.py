@@ -8,8 +8,7 @@ name from the one registry (``@register``, ``build_head``, ``HEADS``):
 state)``, normalises with its data's statistics held as buffers (so they
 travel with the weights), and ``TenantModule`` bundles head, AdamW and version.
 
-See docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation,
-SFT targets" and "RL: PPO, the actor_forward stage, exploration".
+See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ not depend on the padding of the group it was batched with. Tokens are
 projected to ``cfg.hidden`` first, keeping a head well under 1% of the bench
 base. Importing ``joynexus.agents.models`` registers both.
 
-See docs/ARCHITECTURE.md, "Heads that read token features (issue 12 point 2)".
+See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

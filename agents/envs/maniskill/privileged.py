@@ -3,7 +3,7 @@
 Read off the simulator rather than ManiSkill's observation, so they exist in
 the rgb obs mode too, where ManiSkill hides object poses; which actor is the
 object and which the goal differs per task. See docs/ARCHITECTURE.md,
-"Policies that learn: observations, normalisation, SFT targets (issue 12)".
+"Policies that learn".
 """
 
 from __future__ import annotations

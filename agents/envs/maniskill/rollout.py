@@ -3,8 +3,7 @@
 The RL producer's env workers put what this returns straight on the
 Training Queue (flat numeric arrays, env-major, named as its fields), so the
 shapes and the open-loop chunk stepping are decided here once. See
-docs/ARCHITECTURE.md, "RL: PPO, the actor_forward stage, exploration (issue 12
-point 4)" for how decisions and open-loop steps are trained.
+docs/ARCHITECTURE.md, "Policies that learn" for how decisions and open-loop steps are trained.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ Plain data and pure functions (no simulator is imported): the schema
 derivation, the CLI's listings and the backbone read these tables without
 building an env. Only tasks whose assets ship inside the ``mani_skill`` wheel
 are here (nothing may be downloaded); state keys and presets are described in
-docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation, SFT
-targets (issue 12)".
+docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations
