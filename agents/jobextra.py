@@ -3,7 +3,7 @@ its producer routed it through the ``actor_forward`` stage, whether its rows mar
 the policy's decisions, its numbers (gamma, the exploration floor...) within bounds.
 
 The advantage stage (numpy only) and the actor read them alike; they were in
-:mod:`joynexus.agents.actor_forward`, which re-exports them. See docs/ARCHITECTURE.md
+:mod:`joynexus.agents.actor.forward`, which re-exports them. See docs/ARCHITECTURE.md
 ("Policies that learn", "Light roles").
 """
 

@@ -498,7 +498,7 @@ async def trainer_continuity(b: Broker, tenants: tuple[tuple[str, str], ...]) ->
     """Per tenant from the job log and the trainer checkpoint in JetStream: the
     versions the completed jobs produced (each once: none stepped twice), and
     whether the optimizer's step count matches the updates (no reset)."""
-    from joynexus.agents.actor import TenantState
+    from joynexus.agents.actor.agent import TenantState
     from joynexus.broker.trainerstate import TrainerStateStore
 
     out: dict[str, Any] = {}

@@ -146,7 +146,7 @@ class _Service:
     async def _start(self) -> None:
         import torch
 
-        from joynexus.agents.actor import Actor
+        from joynexus.agents.actor.agent import Actor
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.evaluator import Evaluator
         from joynexus.agents.inference import EnginePool
@@ -194,7 +194,7 @@ class _Service:
             service, "sft", instance="prod-sft").run(self.stop))
         self._supervise("evaluator", lambda: Evaluator(service, instance="eval").run(self.stop))
         if self.rl:
-            from joynexus.agents.actor_forward import ActorForwardAgent
+            from joynexus.agents.actor.forward import ActorForwardAgent
             from joynexus.agents.advantage import AdvantageAgent
 
             # The stage consumers exist before the first rollout: its job is routed

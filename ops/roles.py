@@ -246,7 +246,7 @@ async def _advantage(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 
 async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
-    from joynexus.agents.actor_forward import ActorForwardAgent
+    from joynexus.agents.actor.forward import ActorForwardAgent
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
 
     # The resident frozen base (the same one the actor and the engine load).
@@ -259,7 +259,7 @@ async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None
 
 
 async def _actor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
-    from joynexus.agents.actor import Actor
+    from joynexus.agents.actor.agent import Actor
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
 
     backbone = await asyncio.to_thread(
@@ -366,13 +366,13 @@ REGISTRY: dict[str, Role] = {
         Role(
             "actor-forward",
             _actor_forward,
-            (_A + "actor_forward", _A + "models.backbone"),
+            (_A + "actor.forward", _A + "models.backbone"),
             up_order=4,
         ),
         Role(
             "actor",
             _actor,
-            (_A + "actor", _A + "models.backbone"),
+            (_A + "actor.agent", _A + "models.backbone"),
             up_order=5,
             writes_checkpoints=True,
         ),

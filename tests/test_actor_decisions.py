@@ -1,5 +1,5 @@
-"""The actor's pure decisions (``agents/actor_decisions.py``) in tables, and the
-tensors of one tenant's step (``agents/actor_batch.py``) on a real head: no server."""
+"""The actor's pure decisions (``agents/actor/decisions.py``) in tables, and the
+tensors of one tenant's step (``agents/actor/batch.py``) on a real head: no server."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.agents.actor_batch import StepKnobs, train_item
-from joynexus.agents.actor_decisions import (
+from joynexus.agents.actor.batch import StepKnobs, train_item
+from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
     infrastructure,
@@ -21,7 +21,7 @@ from joynexus.agents.actor_decisions import (
     step_outcomes,
     tenant_rows,
 )
-from joynexus.agents.actor_forward import OLD_LOGP_FIELD
+from joynexus.agents.actor.forward import OLD_LOGP_FIELD
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.agents.producers.schema import feature_dim

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from joynexus.agents.actor import Actor
-from joynexus.agents.actor_forward import (
+from joynexus.agents.actor.agent import Actor
+from joynexus.agents.actor.forward import (
     OLD_LOGP_FIELD,
     VALUES_FIELD,
     ActorForwardAgent,

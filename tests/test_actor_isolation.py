@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.agents.actor import Actor
+from joynexus.agents.actor.agent import Actor
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.agents.actor import Actor
+from joynexus.agents.actor.agent import Actor
 from joynexus.agents.advantage import AdvantageAgent
 from joynexus.agents.control import ControlPlane
 from joynexus.agents.evaluator import Evaluator

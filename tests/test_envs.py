@@ -324,7 +324,7 @@ def test_dataset_records_its_observation_and_stats(tmp_path: Path) -> None:
 
 
 def test_decision_lengths_mark_where_the_policy_decided_and_how_long_its_chunk_ran() -> None:
-    from joynexus.agents.actor_forward import chunk_mask
+    from joynexus.agents.actor.forward import chunk_mask
     from joynexus.agents.producers import decision_lengths
 
     # two envs x 6 steps, rows shuffled: env 0 ran a 4-step chunk then 2 steps of the

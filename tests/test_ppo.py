@@ -287,7 +287,7 @@ def test_the_ppo_knobs_a_tenant_sets_are_bounded(field: str, bad: object) -> Non
 
 def test_job_metadata_numbers_out_of_bounds_fall_back_to_defaults() -> None:
     """A tenant-submitted job's metadata may hold anything: the stages never take it raw."""
-    from joynexus.agents.actor_forward import extra_number
+    from joynexus.agents.actor.forward import extra_number
     from joynexus.schemas.jobs import JobMetadata, TrainingJob
 
     def job(**extra: str) -> TrainingJob:

@@ -300,7 +300,7 @@ def datasets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def deployment(broker: Any, backbone: Backbone, tmp_path: Path, datasets_root: Path) -> AsyncIterator[Any]:
-    from joynexus.agents.actor import Actor
+    from joynexus.agents.actor.agent import Actor
     from joynexus.agents.control import ControlPlane
     from joynexus.agents.inference import EnginePool
     from joynexus.agents.producers import PolicyInitializer, ProducerAgent

@@ -107,7 +107,7 @@ class RLProducer:
         #: back when the workload ends cleanly (None: built here, closed at the end).
         self.pool = pool
         self.done = False
-        from joynexus.agents.actor_forward import gaussian_head
+        from joynexus.agents.actor.forward import gaussian_head
 
         # A Gaussian head samples from its own std (floored at exploration_std); with
         # GAE its jobs go through actor_forward (behaviour log-probs, critic values).

@@ -280,7 +280,7 @@ class SecuredDeployment:
     async def _supervise_actor(self, backbone: Any) -> None:
         """The actor, started again whenever it dies (what the health manager does),
         counting the restarts: a tenant's data must never cause one."""
-        from joynexus.agents.actor import Actor
+        from joynexus.agents.actor.agent import Actor
 
         assert self.service is not None
         while not self._stop.is_set():

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from joynexus.agents.actor_decisions import ADVANTAGES_FIELD, RETURNS_FIELD
-from joynexus.agents.actor_forward import (
+from joynexus.agents.actor.decisions import ADVANTAGES_FIELD, RETURNS_FIELD
+from joynexus.agents.actor.forward import (
     OLD_LOGP_FIELD,
     chunk_mask,
     exploration_floor,

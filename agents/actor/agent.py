@@ -29,9 +29,9 @@ chunks: weights exp(A/beta) from the advantages the advantage stage wrote.
 
 The loop here is named steps (lease, load a group, the grouped step, the busy
 metric, each tenant's commit) around the pure decisions of
-:mod:`.actor_decisions` (which jobs form a group, which fields a step reads,
+:mod:`.decisions` (which jobs form a group, which fields a step reads,
 what a failure does: all-or-nothing per tenant); the tensors of a tenant's step
-are built in :mod:`.actor_batch`. See docs/ARCHITECTURE.md ("Workloads, from
+are built in :mod:`.batch`. See docs/ARCHITECTURE.md ("Workloads, from
 the SDK to a new policy version").
 """
 
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from joynexus.agents.actor_batch import StepKnobs, train_item
-from joynexus.agents.actor_decisions import (
+from joynexus.agents.actor.batch import StepKnobs, train_item
+from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
     is_ppo,
@@ -61,7 +61,7 @@ from joynexus.agents.actor_decisions import (
     step_outcomes,
     tenant_rows,
 )
-from joynexus.agents.actor_forward import (
+from joynexus.agents.actor.forward import (
     OLD_LOGP_FIELD,
     extra_number,
     uses_actor_forward,
@@ -368,7 +368,7 @@ class Actor:
         )
 
     async def _item(self, job: TrainingJob, st: TenantState) -> TrainItem:
-        """Fetch and decode one job's partition into its tenant's item (``actor_batch``)."""
+        """Fetch and decode one job's partition into its tenant's item (``actor.batch``)."""
         lr = extra_number(job, "learning_rate", 1e-9, 1.0, 0.0)
         if lr and st.revision is None and not st.applied and st.module.lr != lr:
             # A module the actor has never stepped (built from a published version, whose
