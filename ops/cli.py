@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="rounds per part, each arm once a round (default 500, ~10 s)",
             )
         if name == "rr":
-            from joynexus.ops.bench_rr import DEFAULT_ARMS, ENGINE_ARMS
+            from joynexus.ops.bench.rr import DEFAULT_ARMS, ENGINE_ARMS
 
             bp.add_argument("--part", choices=("echo", "engine", "all"), default="all",
                             help="echo (~10 s), engine (~40 s) or both (default)")
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="engine arms, comma-separated, the first the base, of "
                             f"{', '.join(ENGINE_ARMS)} (default {','.join(DEFAULT_ARMS)})")
         if name == "engines":
-            from joynexus.ops.bench_engines import add_arguments
+            from joynexus.ops.bench.engines import add_arguments
 
             add_arguments(bp)
         if name == "isolation":
@@ -772,7 +772,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return dispatch(args)
     if args.command == "bench" and args.bench == "isolation":
         from joynexus.broker.credentials import CREDS_ENV
-        from joynexus.ops.bench_isolation import bench_isolation
+        from joynexus.ops.bench.isolation import bench_isolation
 
         result = asyncio.run(bench_isolation(
             args.nats, creds=os.environ.get(CREDS_ENV) if args.nats else None,
@@ -785,29 +785,29 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         with nats_url(args.nats, quiet=True, **_embedded_opts(args)) as url:
             if args.bench == "scheduler":
-                from joynexus.ops.bench_scheduler import bench_scheduler
+                from joynexus.ops.bench.scheduler import bench_scheduler
 
                 result = asyncio.run(bench_scheduler(url, args.seconds, progress=not args.json))
             elif args.bench == "faults":
-                from joynexus.ops.bench_faults import bench_faults
+                from joynexus.ops.bench.faults import bench_faults
 
                 result = asyncio.run(bench_faults(args.nats))
             elif args.bench == "fencing":
-                from joynexus.ops.bench_fencing import bench_fencing
+                from joynexus.ops.bench.fencing import bench_fencing
 
                 result = asyncio.run(bench_fencing())
             elif args.bench == "rollouts":
-                from joynexus.ops.bench_rollouts import bench_rollouts
+                from joynexus.ops.bench.rollouts import bench_rollouts
 
                 result = asyncio.run(
                     bench_rollouts(url, seconds=max(args.seconds, 20.0), progress=not args.json)
                 )
             elif args.bench == "inference":
-                from joynexus.ops.bench_inference import bench_inference
+                from joynexus.ops.bench.inference import bench_inference
 
                 result = asyncio.run(bench_inference(url, quick=args.quick))
             elif args.bench == "engines":
-                from joynexus.ops.bench_engines import bench_engines, check_build, parse_levels
+                from joynexus.ops.bench.engines import bench_engines, check_build, parse_levels
 
                 try:
                     levels = parse_levels(args.concurrency)
@@ -820,16 +820,16 @@ def _dispatch(args: argparse.Namespace) -> int:
                                   threads=args.threads)
                 )
             elif args.bench == "races":
-                from joynexus.ops.bench_races import bench_races
+                from joynexus.ops.bench.races import bench_races
 
                 result = asyncio.run(bench_races(url, rounds=args.rounds))
             elif args.bench == "rr":
-                from joynexus.ops.bench_rr import bench_rr, parse_arms
+                from joynexus.ops.bench.rr import bench_rr, parse_arms
 
                 result = asyncio.run(bench_rr(url, part=args.part, repeats=args.repeats,
                                               gap_ms=args.gap_ms, arms=parse_arms(args.arms)))
             else:
-                from joynexus.ops.bench_tq import bench_tq
+                from joynexus.ops.bench.tq import bench_tq
 
                 result = asyncio.run(bench_tq(url, args.seconds))
         print(json.dumps(result, indent=None if args.json else 2))

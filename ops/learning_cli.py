@@ -220,7 +220,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_learning(args: argparse.Namespace) -> int:
-    from joynexus.ops.bench_learning import plans_for, run_learning
+    from joynexus.ops.bench.learning import plans_for, run_learning
 
     _quiet_datasets()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] or None

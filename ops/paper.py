@@ -53,7 +53,7 @@ from joynexus.broker.layout import (
     ensure_layout,
 )
 from joynexus.broker.subjects import HEARTBEAT_KEYS, service_api
-from joynexus.ops.benchstats import wilson
+from joynexus.ops.bench.stats import wilson
 from joynexus.ops.deploy import role_env
 from joynexus.ops.launcher import role_command
 from joynexus.ops.paper_heads import RECIPES, init_path, prepare_heads
@@ -1065,7 +1065,7 @@ async def run_paper(
             file=sys.stderr,
             flush=True,
         )
-    from joynexus.ops.bench_group import bench_group
+    from joynexus.ops.bench.group import bench_group
 
     grid = await asyncio.to_thread(bench_group, quick=True, rss=False)
     results["group_speedup"] = grid["group_speedup"]

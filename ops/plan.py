@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from joynexus.ops.benchstats import percentile
+from joynexus.ops.bench.stats import percentile
 from joynexus.ops.plan_sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
 from joynexus.schemas.errors import InvalidSpec
 

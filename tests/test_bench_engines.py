@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from joynexus.ops.bench_engines import HERE, bench_engines, check_build, parse_levels
+from joynexus.ops.bench.engines import HERE, bench_engines, check_build, parse_levels
 from joynexus.ops.natsserver import EmbeddedNats
 
 

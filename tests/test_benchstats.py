@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from joynexus.ops import benchstats
+from joynexus.ops.bench import stats
 
 
 def test_interleaved_flips_the_order_each_round_and_drops_the_warmup() -> None:
     calls: list[str] = []
-    out = benchstats.interleaved(
+    out = stats.interleaved(
         {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
     )
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
@@ -26,7 +26,7 @@ def test_interleaved_async_times_each_arm() -> None:
     async def fast() -> None:
         await asyncio.sleep(0)
 
-    out = asyncio.run(benchstats.interleaved_async({"slow": slow, "fast": fast}, repeats=4))
+    out = asyncio.run(stats.interleaved_async({"slow": slow, "fast": fast}, repeats=4))
     assert min(out["slow"]) >= 19.0 and max(out["fast"]) < min(out["slow"])
 
 
@@ -34,7 +34,7 @@ def test_ratio_interval_covers_the_true_ratio_and_excludes_a_wrong_one() -> None
     g = np.random.default_rng(0)
     den = g.lognormal(np.log(10.0), 0.2, 60)
     num = den * 2.0 * g.lognormal(0.0, 0.05, 60)  # paired: the same noise hits both
-    ratio, lo, hi = benchstats.ratio_ci(num.tolist(), den.tolist())
+    ratio, lo, hi = stats.ratio_ci(num.tolist(), den.tolist())
     assert lo <= 2.0 <= hi and lo <= ratio <= hi
     assert not lo <= 1.3 <= hi
     assert hi - lo < 0.3
@@ -44,19 +44,19 @@ def test_difference_and_median_intervals() -> None:
     g = np.random.default_rng(1)
     a = (10.0 + g.normal(0, 0.5, 80)).tolist()
     b = (9.0 + g.normal(0, 0.5, 80)).tolist()
-    d, lo, hi = benchstats.difference_ci(a, b)
+    d, lo, hi = stats.difference_ci(a, b)
     assert lo < 1.0 < hi and lo < d < hi
-    m, mlo, mhi = benchstats.median_ci(a)
+    m, mlo, mhi = stats.median_ci(a)
     assert mlo <= m <= mhi and mlo < 10.0 < mhi
-    s = benchstats.summarize(a)
+    s = stats.summarize(a)
     assert s["n"] == 80 and s["p50_ci95"][0] <= s["p50_ms"] <= s["p50_ci95"][1]
 
 
 def test_unpaired_samples_are_refused() -> None:
     with pytest.raises(ValueError, match="paired"):
-        benchstats.ratio_ci([1.0, 2.0], [1.0])
+        stats.ratio_ci([1.0, 2.0], [1.0])
 
 
 def test_load_records_the_machine() -> None:
-    got = benchstats.load()
+    got = stats.load()
     assert set(got) == {"load1", "load5", "load15", "cpus"} and got["cpus"] >= 1

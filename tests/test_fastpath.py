@@ -403,7 +403,7 @@ async def test_a_burst_in_one_turn_goes_out_once_and_in_order(nc: Any, responder
 async def test_bench_rr_echo_measures_both_paths(nats_server: EmbeddedNats) -> None:
     """The benchmark's echo part runs (a responder process, both paths, bare TCP) and
     really took the fast path; the figures themselves belong to `joynexus bench rr`."""
-    from joynexus.ops.bench_rr import bench_rr
+    from joynexus.ops.bench.rr import bench_rr
 
     out = await bench_rr(nats_server.url, part="echo", repeats=4, gap_ms=0)
     echo = out["echo"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from joynexus.ops.bench_faults import host_lost_fault
+from joynexus.ops.bench.faults import host_lost_fault
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 

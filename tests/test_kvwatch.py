@@ -118,7 +118,7 @@ async def test_keys_and_history_are_whole_when_nats_py_stops_short(
 async def test_bench_races_counts_each_arm_and_the_guarded_ones_never_strike(nats_server) -> None:  # type: ignore[no-untyped-def]
     """`joynexus bench races` runs both parts on a real server; the figures (how often
     nats-py's arms strike) belong to the benchmark, the guarded arms' zero to the code."""
-    from joynexus.ops.bench_races import bench_races
+    from joynexus.ops.bench.races import bench_races
 
     out = await bench_races(nats_server.url, rounds=30, keys=20)
     kv, join = out["kv_marker"], out["join"]

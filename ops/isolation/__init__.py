@@ -3,7 +3,7 @@ catalogue; one module per job.
 
 One catalogue, two users: the adversarial suite (``pytest -m adversarial``,
 ``tests/test_adversarial.py``) asserts every attack, and ``joynexus bench
-isolation --json`` (``ops/bench_isolation.py``) reports them.
+isolation --json`` (``ops/bench/isolation.py``) reports them.
 
 - :mod:`.deployment`: :class:`SecuredDeployment` (the server, the agents, the tenants'
   credentials, clients and dataset spaces, what an attack observes) and the

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.benchstats import wilson
+from joynexus.ops.bench.stats import wilson
 
 TENANT = "acme"
 

@@ -17,7 +17,7 @@ tar -x -C DIR``); its engine child runs with ``PYTHONPATH=DIR``. The clients and
 the published policies are this checkout's, so both builds must read today's
 request and policy formats.
 
-    .venv/bin/python -m joynexus.ops.bench_engines --a DIR [--b DIR] [--concurrency 32,1] [--rounds 10]
+    .venv/bin/python -m joynexus.ops.bench.engines --a DIR [--b DIR] [--concurrency 32,1] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -36,22 +36,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops import benchstats
+from joynexus.ops.bench import stats
+from joynexus.ops.bench.server import on_server
 
 __all__ = ["bench_engines", "check_build", "main"]
 
 TENANTS = 8
 MAX_BATCH, MAX_WAIT_MS = 16, 5.0
 #: this checkout (the default build B)
-HERE = str(Path(__file__).resolve().parents[1])
+HERE = str(Path(__file__).resolve().parents[2])
+
+
+#: The module serving a build's engine child, by the file that holds it: builds
+#: before ``ops/bench/`` had it as ``ops/bench_inference.py`` (same ``--serve`` flags).
+ENGINE_MODULES = {
+    "joynexus/ops/bench/inference.py": "joynexus.ops.bench.inference",
+    "joynexus/ops/bench_inference.py": "joynexus.ops.bench_inference",
+}
+
+
+def engine_module(root: str) -> str | None:
+    """The module that serves the engine of the build at ``root`` (None: not a build)."""
+    for path, module in ENGINE_MODULES.items():
+        if (Path(root) / path).exists():
+            return module
+    return None
 
 
 def check_build(path: str) -> str:
     """The build directory, absolute; raises ``ValueError`` saying what is missing."""
     root = Path(path).resolve()
-    if not (root / "joynexus" / "ops" / "bench_inference.py").exists():
+    if engine_module(str(root)) is None:
         raise ValueError(
-            f"{root} holds no build: expected joynexus/ops/bench_inference.py under it "
+            f"{root} holds no build: expected joynexus/ops/bench/inference.py under it "
             "(make one with `git worktree add DIR COMMIT` or `git archive COMMIT | tar -x -C DIR`)"
         )
     return str(root)
@@ -75,13 +92,13 @@ async def bench_engines(
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops import bench_inference as bi
+    from joynexus.ops.bench import inference as bi
 
     if rounds < 2 or not concurrency or min(concurrency) < 1:
         raise ValueError("need rounds >= 2 and concurrency levels >= 1")
     builds = {"a": check_build(a), "b": check_build(b or HERE)}
     threads = serving_threads(threads)
-    t_start, load_before = time.perf_counter(), benchstats.load()
+    t_start, load_before = time.perf_counter(), stats.load()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
     base_model = BackboneConfig(size="tiny").base_model
     schema = bi.sample_schema(base_model)
@@ -97,7 +114,7 @@ async def bench_engines(
                 await PolicyStore(br).publish(t, "default", m, schema)
             log = tempfile.NamedTemporaryFile(prefix=f"bench-engines-{name}-", suffix=".log", delete=False)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "joynexus.ops.bench_inference", "--serve", url,
+                sys.executable, "-m", str(engine_module(root)), "--serve", url,
                 "--namespace", br.names.namespace, "--size", "tiny", "--max-batch", str(MAX_BATCH),
                 "--max-wait-ms", str(MAX_WAIT_MS), "--threads", str(threads),
                 env=dict(os.environ, PYTHONPATH=root), cwd=root, stdout=log, stderr=subprocess.STDOUT,
@@ -128,7 +145,7 @@ async def bench_engines(
     for c in concurrency:
         xa, xb = seen[("a", c)], seen[("b", c)]
         ratios = [y / x for x, y in zip(xa, xb, strict=True)]
-        med, lo, hi = benchstats.median_ci(ratios)
+        med, lo, hi = stats.median_ci(ratios)
         levels[str(c)] = {
             "metric": "throughput_rps" if c > 1 else "p50_ms",
             "a_median": round(statistics.median(xa), 2),
@@ -145,7 +162,7 @@ async def bench_engines(
                    "max_wait_ms": MAX_WAIT_MS, "backbone": "tiny", "threads": threads,
                    "cpus": os.cpu_count()},
         "seconds": round(time.perf_counter() - t_start, 1),
-        "load": {"before": load_before, "after": benchstats.load()},
+        "load": {"before": load_before, "after": stats.load()},
     }
 
 
@@ -158,15 +175,6 @@ def parse_levels(text: str) -> tuple[int, ...]:
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency {text!r}: each level must be >= 1")
     return levels
-
-
-async def _with_server(url: str | None, **kw: Any) -> dict[str, Any]:
-    if url:
-        return await bench_engines(url, **kw)
-    from joynexus.ops.natsserver import EmbeddedNats
-
-    with tempfile.TemporaryDirectory() as d, EmbeddedNats(d) as server:
-        return await bench_engines(server.url, **kw)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -189,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_build(a.a)
     except ValueError as e:
         ap.error(str(e))
-    print(json.dumps(asyncio.run(_with_server(a.nats, a=a.a, b=a.b, concurrency=levels, rounds=a.rounds,
+    print(json.dumps(asyncio.run(on_server(a.nats, bench_engines, a=a.a, b=a.b, concurrency=levels, rounds=a.rounds,
                                                  threads=a.threads))))
 
 

@@ -24,8 +24,8 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
-from joynexus.ops import benchstats
-from joynexus.ops.benchstats import percentile
+from joynexus.ops.bench import stats
+from joynexus.ops.bench.stats import percentile
 from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, WorkloadPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")
@@ -129,7 +129,7 @@ async def bench_scheduler(
                 v.clear()
             t0 = time.perf_counter()
             done0 = len(pipe.stats.completed_at)
-            load_before = benchstats.load()
+            load_before = stats.load()
             while (elapsed := time.perf_counter() - t0) < seconds:
                 await asyncio.sleep(min(1.0, seconds - elapsed))
                 if progress:
@@ -158,7 +158,7 @@ async def bench_scheduler(
             sum(1 for at in pipe.stats.completed_at if t0 + i <= at < t0 + i + 1)
             for i in range(int(elapsed))
         ]
-        rate, rate_lo, rate_hi = benchstats.median_ci([float(w) for w in windows])
+        rate, rate_lo, rate_hi = stats.median_ci([float(w) for w in windows])
         all_transitions = [x for v in TIMED_VERBS for x in lat.get(v, [])]
         return {
             "lifecycles_per_s": round(done / elapsed, 1),
@@ -168,7 +168,7 @@ async def bench_scheduler(
                 "ci95": [rate_lo, rate_hi],
                 "windows": len(windows),
             },
-            "load": {"before": load_before, "after": benchstats.load()},
+            "load": {"before": load_before, "after": stats.load()},
             "transition_p50_ms": percentile(all_transitions, 50, scale=1000.0, digits=3),
             "transition_p99_ms": percentile(all_transitions, 99, scale=1000.0, digits=3),
             "by_verb_ms": {

@@ -3,7 +3,7 @@
 Each round writes, per size, one partition holding one float32 field of that
 size, reads it back whole as one task would, checks it, and clears it
 (clearing is not timed); sizes alternate within the round.
-``python -m joynexus.ops.bench_tq [URL]`` prints the JSON; without a URL it
+``python -m joynexus.ops.bench.tq [URL]`` prints the JSON; without a URL it
 runs against an embedded nats-server in a temporary directory.
 See docs/ARCHITECTURE.md, "Measured".
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -23,7 +22,8 @@ import numpy as np
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops import benchstats
+from joynexus.ops.bench import stats
+from joynexus.ops.bench.server import on_server
 
 MB = 1024 * 1024
 TENANT = "bench"
@@ -48,8 +48,8 @@ async def _round(tq: TrainingQueue, x: np.ndarray, pid: str) -> tuple[float, flo
 def _figures(mb: float, put_s: list[float], get_s: list[float]) -> dict[str, Any]:
     put = [mb / t for t in put_s]
     get = [mb / t for t in get_s]
-    p, p_lo, p_hi = benchstats.median_ci(put)
-    g, g_lo, g_hi = benchstats.median_ci(get)
+    p, p_lo, p_hi = stats.median_ci(put)
+    g, g_lo, g_hi = stats.median_ci(get)
     return {"put_mb_s": round(p, 1), "put_mb_s_ci95": [round(p_lo, 1), round(p_hi, 1)],
             "get_mb_s": round(g, 1), "get_mb_s_ci95": [round(g_lo, 1), round(g_hi, 1)],
             "puts": len(put), "gets": len(get)}
@@ -60,14 +60,14 @@ async def bench_tq(url: str, seconds: float, sizes_mb: list[int] | None = None) 
     (its streams are deleted afterwards).
 
     Sizes are interleaved: every round writes and reads one partition of each size,
-    the order flipped each round (``ops.benchstats``), the first round dropped, so
+    the order flipped each round (``ops.bench.stats``), the first round dropped, so
     load from elsewhere lands on every size alike. Figures are medians over rounds
     of MB/s with bootstrap 95% intervals.
     """
     sizes = list(sizes_mb or [1, 2, 4, 8])
     ns = f"bench{uuid.uuid4().hex[:8]}"
     b = await Broker.connect(url, name="bench-tq", namespace=ns)
-    load_before = benchstats.load()
+    load_before = stats.load()
     try:
         await ensure_layout(b, LayoutOptions(tq_ttl_s=600))
         tq = TrainingQueue(b, ttl_s=600)
@@ -95,19 +95,14 @@ async def bench_tq(url: str, seconds: float, sizes_mb: list[int] | None = None) 
     top = by_size[max(sizes)]
     return {"put_mb_s": top["put_mb_s"], "get_mb_s": top["get_mb_s"], "sizes_mb": sizes,
             "by_size": by_size, "rounds": r - 1,
-            "load": {"before": load_before, "after": benchstats.load()}}
+            "load": {"before": load_before, "after": stats.load()}}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     seconds = 8.0
-    if args and args[0] not in ("", "-"):
-        print(json.dumps(asyncio.run(bench_tq(args[0], seconds)), indent=2))
-        return
-    from joynexus.ops.natsserver import EmbeddedNats
-
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(tmp) as server:
-        print(json.dumps(asyncio.run(bench_tq(server.url, seconds)), indent=2))
+    url = args[0] if args and args[0] not in ("", "-") else None
+    print(json.dumps(asyncio.run(on_server(url, bench_tq, seconds=seconds)), indent=2))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ For each T x B (T tenants, B samples each): serial = T backbone forwards of
 B rows, grouped = one forward of T*B rows, each plus T head decodes. Inputs
 are prepared beforehand in both (as the engine does on arrival; reported
 apart as ``prepare_ms_per_request``). Torch threads = 2; the arms alternate
-in one loop (``ops.benchstats``) and each speedup is a ratio of medians with
+in one loop (``ops.bench.stats``) and each speedup is a ratio of medians with
 a paired bootstrap 95% interval (``group_speedup_ci95``). ``measure_rss``
 gives the process RSS with the base plus 1 vs 8 tenant modules.
 
-    .venv/bin/python -m joynexus.ops.bench_group [--quick]
+    .venv/bin/python -m joynexus.ops.bench.group [--quick]
 
 See docs/ARCHITECTURE.md, "The Inference Queue" (the grid's figures).
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from joynexus.ops import benchstats
+from joynexus.ops.bench import stats
 
 __all__ = ["bench_group", "main", "measure_rss"]
 
@@ -98,19 +98,19 @@ def bench_group(
     grouped_ms: dict[str, float] = {}
     speedup: dict[str, float] = {}
     speedup_ci: dict[str, list[float]] = {}
-    load_before = benchstats.load()
+    load_before = stats.load()
     with torch.inference_mode():
         for t in tenants:
             for b in batches:
                 # Serial and grouped alternate in one loop (ABBA), the first round
                 # (which also fills the position cache for this length) thrown away.
-                ts = benchstats.interleaved(
+                ts = stats.interleaved(
                     {"serial": partial(serial, t, b), "grouped": partial(grouped, t, b)},
                     repeats=repeats,
                     warmup=1,
                 )
                 key = f"{t}x{b}"
-                ratio, lo, hi = benchstats.ratio_ci(ts["serial"], ts["grouped"])
+                ratio, lo, hi = stats.ratio_ci(ts["serial"], ts["grouped"])
                 serial_ms[key] = round(statistics.median(ts["serial"]), 2)
                 grouped_ms[key] = round(statistics.median(ts["grouped"]), 2)
                 speedup[key] = round(ratio, 2)
@@ -135,7 +135,7 @@ def bench_group(
         "prepare_ms_per_request": round(statistics.median(prep_ts) * 1e3, 2),
         "threads": threads,
         "repeats": repeats,
-        "load": {"before": load_before, "after": benchstats.load()},
+        "load": {"before": load_before, "after": stats.load()},
     }
     if rss:
         out["rss"] = rss_info

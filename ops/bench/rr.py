@@ -24,7 +24,7 @@ and the machine's load before and after:
   between requests keeps one engine's spinning threads out of the next one's
   round.
 
-    .venv/bin/python -m joynexus.ops.bench_rr [--part echo|engine|all] [--repeats N] [--nats URL]
+    .venv/bin/python -m joynexus.ops.bench.rr [--part echo|engine|all] [--repeats N] [--nats URL]
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.broker.fastpath import sync_server
-from joynexus.ops import benchstats
-from joynexus.ops.bench_inference import stop_engine
+from joynexus.ops.bench import stats
+from joynexus.ops.bench.inference import stop_engine
+from joynexus.ops.bench.server import on_server
 
 __all__ = ["bench_rr", "main", "parse_arms"]
 
@@ -68,7 +69,7 @@ DEFAULT_ARMS = ("threads2", "fastpath", "threads1")
 
 def real_request_payload() -> bytes:
     """The bytes of one Inference Queue request as the bench's tenants send it."""
-    from joynexus.ops.bench_inference import sample_obs, sample_schema
+    from joynexus.ops.bench.inference import sample_obs, sample_schema
     from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
 
     o = sample_obs(0)
@@ -90,11 +91,11 @@ def real_request_payload() -> bytes:
 
 
 def _stats_of(ts: Mapping[str, Sequence[float]], base: str) -> dict[str, Any]:
-    out: dict[str, Any] = {name: benchstats.summarize(list(xs)) for name, xs in ts.items()}
+    out: dict[str, Any] = {name: stats.summarize(list(xs)) for name, xs in ts.items()}
     for name, xs in ts.items():
         if name == base:
             continue
-        d, lo, hi = benchstats.difference_ci(list(xs), list(ts[base]))
+        d, lo, hi = stats.difference_ci(list(xs), list(ts[base]))
         out[f"{name}_minus_{base}_p50_ms"] = [round(d, 3), round(lo, 3), round(hi, 3)]
     return out
 
@@ -102,7 +103,7 @@ def _stats_of(ts: Mapping[str, Sequence[float]], base: str) -> dict[str, Any]:
 async def _interleave(
     arms: Mapping[str, Callable[[], Awaitable[Any]]], repeats: int, warmup: int, gap_s: float
 ) -> dict[str, list[float]]:
-    """``benchstats.interleaved_async`` with a pause after every call (outside the timing)."""
+    """``stats.interleaved_async`` with a pause after every call (outside the timing)."""
     names = tuple(arms)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + repeats):
@@ -174,7 +175,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
     from joynexus.broker.fastpath import FastPath
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "joynexus.ops.bench_rr", "--echo-server", url,
+        sys.executable, "-m", "joynexus.ops.bench.rr", "--echo-server", url,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     client = await Broker.connect(url, name="bench-rr-client")
@@ -237,7 +238,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
 def _serve_engine(url: str, namespace: str, threads: int) -> None:
     """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); it
     answers through the fast path unless ``JOYNEXUS_FASTPATH=0`` (set per arm)."""
-    from joynexus.ops.bench_inference import serve_engine
+    from joynexus.ops.bench.inference import serve_engine
 
     serve_engine(url, namespace, "tiny", 1, 0.0, threads)
 
@@ -249,7 +250,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench_inference import sample_module, sample_obs, sample_schema, wait_engine
+    from joynexus.ops.bench.inference import sample_module, sample_obs, sample_schema, wait_engine
 
     suffix = os.urandom(3).hex()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
@@ -272,7 +273,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
             env.update(extra)
             env[FASTPATH_ENV] = "1" if fast else "0"
             procs[arm] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "joynexus.ops.bench_rr", "--serve", url, "--namespace", ns,
+                sys.executable, "-m", "joynexus.ops.bench.rr", "--serve", url, "--namespace", ns,
                 "--threads", str(threads),
                 stdout=logs[arm], stderr=subprocess.STDOUT, env=env,
             )
@@ -329,12 +330,12 @@ async def bench_rr(
 ) -> dict[str, Any]:
     """Run the chosen parts against the NATS server at ``url``; returns the figures (JSON-ready)."""
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"load": {"before": benchstats.load()}}
+    out: dict[str, Any] = {"load": {"before": stats.load()}}
     if part in ("echo", "all"):
         out["echo"] = await _echo(url, repeats, gap_ms / 1e3)
     if part in ("engine", "all"):
         out["engine"] = await _engine(url, repeats, gap_ms / 1e3, arms)
-    out["load"]["after"] = benchstats.load()
+    out["load"]["after"] = stats.load()
     out["config"] = {"repeats": repeats, "gap_ms": gap_ms, "cpus": os.cpu_count()}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -347,15 +348,6 @@ def parse_arms(text: str) -> tuple[str, ...]:
     if bad or not arms or len(set(arms)) != len(arms):
         raise ValueError(f"--arms: {bad or 'none or repeated'}; choose from {', '.join(ENGINE_ARMS)}")
     return arms
-
-
-async def _with_server(url: str | None, **kw: Any) -> dict[str, Any]:
-    if url:
-        return await bench_rr(url, **kw)
-    from joynexus.ops.natsserver import EmbeddedNats
-
-    with tempfile.TemporaryDirectory() as d, EmbeddedNats(d) as server:
-        return await bench_rr(server.url, **kw)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -381,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         arms = parse_arms(a.arms)
     except ValueError as e:
         ap.error(str(e))
-    print(json.dumps(asyncio.run(_with_server(a.nats, part=a.part, repeats=a.repeats, gap_ms=a.gap_ms,
+    print(json.dumps(asyncio.run(on_server(a.nats, bench_rr, part=a.part, repeats=a.repeats, gap_ms=a.gap_ms,
                                               arms=arms))))
 
 

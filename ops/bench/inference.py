@@ -2,7 +2,7 @@
 
 - ``group_speedup`` / ``group_speedup_ci95``: grouped vs serial shared-forward
   speedup per ``"TxB"`` with its 95% interval
-  (T tenants x B samples each), from ``ops.bench_group.bench_group`` ("bench"
+  (T tenants x B samples each), from ``ops.bench.group.bench_group`` ("bench"
   backbone; "tiny" and a 2x2 grid with ``--quick``).
 - Request-reply through NATS: an engine in its own process (the ``joynexus
   agent inference`` code path: B=16, T=5 ms) serves 8 tenants; closed-loop
@@ -37,7 +37,7 @@
 - ``rss_mb``: the engine process's RSS serving 1 tenant, then 8 tenants
   (same load shape), next to the 7 extra heads' weight bytes.
 
-    .venv/bin/python -m joynexus.ops.bench_inference [--quick] [--nats URL]
+    .venv/bin/python -m joynexus.ops.bench.inference [--quick] [--nats URL]
 
 prints one JSON object.
 """
@@ -62,8 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.ops import benchstats
-from joynexus.ops.benchstats import percentile
+from joynexus.ops.bench import stats
+from joynexus.ops.bench.server import on_server
+from joynexus.ops.bench.stats import percentile
 
 __all__ = ["bench_inference", "main"]
 
@@ -219,7 +220,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     fast_respond = engine.rpc.respond  # the product's: a FastResponder (None: nats-py's)
     # The broker's floor: the same request bytes, on the same two connections and in
     # the same rounds, answered at once with a reply of the engine's size (no engine).
-    from joynexus.ops.bench_rr import real_request_payload
+    from joynexus.ops.bench.rr import real_request_payload
 
     echo_subject = f"{b.names.namespace}.bench.echo"
     echo_payload = real_request_payload()
@@ -279,7 +280,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
 
     try:
         # In-process and request-reply alternate (ABCD DCBA ...), three warm-up rounds dropped.
-        ts = await benchstats.interleaved_async(
+        ts = await stats.interleaved_async(
             {
                 "inproc": local,
                 "rr": remote,
@@ -296,15 +297,15 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         await work_sub.unsubscribe()
         await engine.stop()
         await own.close()
-    diff, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
-    sdiff, slo, shi = benchstats.difference_ci(ts["rr_same_connection"], ts["inproc"])
-    fdiff, flo, fhi = benchstats.difference_ci(ts["rr_natspy"], ts["inproc"])
-    gain, glo, ghi = benchstats.difference_ci(ts["rr"], ts["rr_natspy"])
+    diff, lo, hi = stats.difference_ci(ts["rr"], ts["inproc"])
+    sdiff, slo, shi = stats.difference_ci(ts["rr_same_connection"], ts["inproc"])
+    fdiff, flo, fhi = stats.difference_ci(ts["rr_natspy"], ts["inproc"])
+    gain, glo, ghi = stats.difference_ci(ts["rr"], ts["rr_natspy"])
     # What the service adds beyond the broker's own round trip (same rounds, paired).
     floor = [i + e for i, e in zip(ts["inproc"], ts["echo"], strict=True)]
-    adds, alo, ahi = benchstats.difference_ci(ts["rr"], floor)
+    adds, alo, ahi = stats.difference_ci(ts["rr"], floor)
     # ... and beyond the broker's round trip around the same work (the service's code alone).
-    code, clo, chi = benchstats.difference_ci(ts["rr"], ts["echo_work"])
+    code, clo, chi = stats.difference_ci(ts["rr"], ts["echo_work"])
     # Low-noise parts of the overhead (the forward's own variance cancels): the round
     # trip outside the engine (both NATS legs, the client's codec, the handler before
     # receipt) and the engine's plumbing around the forward (receipt to reply - forward - head).
@@ -314,7 +315,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         outside = [rt - tot for rt, (tot, _) in zip(ts[arm], counted, strict=True)]
         plumbing = [tot - fwd for tot, fwd in counted]
         for key, xs in (("outside_engine", outside), ("engine_plumbing", plumbing)):
-            med, p_lo, p_hi = benchstats.median_ci(xs)
+            med, p_lo, p_hi = stats.median_ci(xs)
             parts[f"{arm}_{key}_p50_ms"] = round(med, 3)
             parts[f"{arm}_{key}_p50_ci95"] = [round(p_lo, 3), round(p_hi, 3)]
     st = engine.stats
@@ -326,7 +327,7 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
         "same_connection_overhead_p50_ms": round(sdiff, 3),
         "same_connection_overhead_p50_ci95": [round(slo, 3), round(shi, 3)],
         "echo_p50_ms": percentile(ts["echo"], 50, digits=3),
-        "echo_p50_ci95": [round(x, 3) for x in benchstats.median_ci(ts["echo"])[1:]],
+        "echo_p50_ci95": [round(x, 3) for x in stats.median_ci(ts["echo"])[1:]],
         "overhead_over_echo_p50_ms": round(adds, 3),
         "overhead_over_echo_p50_ci95": [round(alo, 3), round(ahi, 3)],
         "echo_work_p50_ms": percentile(ts["echo_work"], 50, digits=3),
@@ -373,8 +374,8 @@ async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequen
         with torch.inference_mode():
             mods[i % len(mods)].act(bb.encode(fb), fb.state_B_S)
 
-    ts = await benchstats.interleaved_async({"inproc": local, "rr": remote}, repeats=repeats, warmup=8)
-    gap, lo, hi = benchstats.difference_ci(ts["rr"], ts["inproc"])
+    ts = await stats.interleaved_async({"inproc": local, "rr": remote}, repeats=repeats, warmup=8)
+    gap, lo, hi = stats.difference_ci(ts["rr"], ts["inproc"])
     return {
         "inproc_p50_ms": percentile(ts["inproc"], 50, digits=3),
         "rr_p50_ms": percentile(ts["rr"], 50, digits=3),
@@ -419,10 +420,10 @@ async def bench_inference(
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench_group import bench_group
+    from joynexus.ops.bench.group import bench_group
 
     t_start = time.perf_counter()
-    load_before = benchstats.load()
+    load_before = stats.load()
     grid_size = "tiny" if quick else "bench"
     rr_size = "tiny" if quick else "bench"
     # 1. grouped vs serial shared forward, in this process (before anything else loads the CPUs);
@@ -450,7 +451,7 @@ async def bench_inference(
     max_batch, max_wait_ms = 16, 5.0
     log = tempfile.NamedTemporaryFile(prefix="bench-infer-engine-", suffix=".log", delete=False)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "joynexus.ops.bench_inference", "--serve", url, "--namespace", ns_engine,
+        sys.executable, "-m", "joynexus.ops.bench.inference", "--serve", url, "--namespace", ns_engine,
         "--size", rr_size, "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms),
         "--threads", str(serve_threads),
         stdout=log, stderr=subprocess.STDOUT,
@@ -531,17 +532,8 @@ async def bench_inference(
                 await delete_layout(br)
             await br.close()
     out["seconds"] = round(time.perf_counter() - t_start, 1)
-    out["load"] = {"before": load_before, "after": benchstats.load()}
+    out["load"] = {"before": load_before, "after": stats.load()}
     return out
-
-
-async def _with_server(url: str | None, quick: bool) -> dict[str, Any]:
-    if url:
-        return await bench_inference(url, quick=quick)
-    from joynexus.ops.natsserver import EmbeddedNats
-
-    with tempfile.TemporaryDirectory() as d, EmbeddedNats(d) as server:
-        return await bench_inference(server.url, quick=quick)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -559,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.serve:
         serve_engine(a.serve, a.namespace, a.size, a.max_batch, a.max_wait_ms, a.threads)
         return
-    print(json.dumps(asyncio.run(_with_server(a.nats, a.quick))))
+    print(json.dumps(asyncio.run(on_server(a.nats, bench_inference, quick=a.quick))))
 
 
 if __name__ == "__main__":
