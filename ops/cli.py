@@ -379,8 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     from joynexus.ops.learning_cli import add_parsers
 
     add_parsers(sub, bsub)  # `dataset generate` and `bench learning`
-    from joynexus.ops import plan as plan_cli
     from joynexus.ops import usage as usage_cli
+    from joynexus.ops.plan import planner as plan_cli
 
     usage_cli.add_parser(sub, _common)  # `usage`: metered usage per tenant
     plan_cli.add_parser(sub)  # `plan`: the capacity planner
@@ -763,7 +763,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return usage_dispatch(args)
     if args.command == "plan":
-        from joynexus.ops.plan import dispatch as plan_dispatch
+        from joynexus.ops.plan.planner import dispatch as plan_dispatch
 
         return plan_dispatch(args)
     if args.command in ("dataset", "evals") or (args.command == "bench" and args.bench == "learning"):

@@ -1090,7 +1090,7 @@ def planner_prediction(out: Path) -> dict[str, Any]:
     windows from its own event log: the ratio, and the shared window with the
     isolated run's costs (no contention for the cores: what overlapping alone gives)."""
     try:
-        from joynexus.ops.plan import plan_from_run
+        from joynexus.ops.plan.planner import plan_from_run
 
         p = plan_from_run(out)
     except Exception as e:  # the report goes on without it

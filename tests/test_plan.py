@@ -1,4 +1,4 @@
-"""The capacity planner (ops.plan_sim / ops.plan): the real scheduler core on a
+"""The capacity planner (ops.plan.sim / ops.plan.planner): the real scheduler core on a
 simulated clock, on tiny deployments."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops.cli import main
-from joynexus.ops.plan_sim import Costs, DeploymentPlan, TenantSpec, isolated, simulate
+from joynexus.ops.plan.sim import Costs, DeploymentPlan, TenantSpec, isolated, simulate
 
 COSTS = Costs(train_step_s=0.2, actor_overhead_s=0.05, infer_batch_s=0.01,
               sim_per_call_s=0.05, advantages_s=0.01, sft_produce_s=0.02)

@@ -51,7 +51,7 @@ class _Stopped(Exception):
 
 
 #: Waits between refused reserves: the default, 50 ms doubling to 1 s (the planner's
-#: simulation, ``ops/plan_sim.py``, waits the same).
+#: simulation, ``ops/plan/sim.py``, waits the same).
 BACKOFF = Backoff()
 
 

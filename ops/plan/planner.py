@@ -1,4 +1,4 @@
-"""``joynexus plan``: a capacity planner on the real scheduler core (``ops.plan_sim``).
+"""``joynexus plan``: a capacity planner on the real scheduler core (``ops.plan.sim``).
 
 ``--from-run DIR`` replays a main job's ``events/*.jsonl`` (costs fitted per
 phase from its own log, :func:`fit_costs`) and prints the prediction beside
@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from joynexus.ops.bench.stats import percentile
-from joynexus.ops.plan_sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
+from joynexus.ops.plan.sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
 from joynexus.schemas.errors import InvalidSpec
 
 #: Seconds of a poll of the demo's progress loop (its windows end at one).
@@ -435,7 +435,7 @@ def dispatch(args: argparse.Namespace) -> int:
         dep, costs = load_config(Path(args.config))
         r = plan_config(dep, costs)
     else:
-        from joynexus.ops.plan_scale import scale_study
+        from joynexus.ops.plan.scale import scale_study
 
         r = scale_study(Path(args.out or "runs/plan"), sched_dps=args.sched_decisions_per_s)
         print(json.dumps(r, indent=None if args.json else 2))
