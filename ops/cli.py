@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.deploy import nats_url
-from joynexus.ops.roles import DEPLOYMENT_ROLES, ROLES, RoleOptions, run_role
+from joynexus.ops.runtime.deploy import nats_url
+from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES, ROLES, RoleOptions, run_role
 
 
 def _common(p: argparse.ArgumentParser, *, embedded: bool) -> None:
@@ -379,12 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     from joynexus.ops.learning_cli import add_parsers
 
     add_parsers(sub, bsub)  # `dataset generate` and `bench learning`
-    from joynexus.ops import usage as usage_cli
+    from joynexus.ops.admin import usage as usage_cli
     from joynexus.ops.plan import planner as plan_cli
 
     usage_cli.add_parser(sub, _common)  # `usage`: metered usage per tenant
     plan_cli.add_parser(sub)  # `plan`: the capacity planner
-    from joynexus.ops.pretrain_base import add_parser as add_base_parser
+    from joynexus.ops.admin.pretrain_base import add_parser as add_base_parser
 
     add_base_parser(sub)  # `base pretrain`
     return parser
@@ -428,7 +428,7 @@ async def run_agent(
     role: str, url: str, namespace: str, opts: RoleOptions, stop: asyncio.Event
 ) -> None:
     from joynexus.broker.connection import Broker
-    from joynexus.ops.telemetry import setup_tracing
+    from joynexus.ops.runtime.telemetry import setup_tracing
 
     setup_tracing(f"joynexus-{role}", out_dir=opts.data_dir / "traces")
 
@@ -592,7 +592,7 @@ async def _tenant_command(args: argparse.Namespace) -> int:
 
     from joynexus.broker.connection import Broker
     from joynexus.broker.credentials import from_env_or_file
-    from joynexus.ops.tenants import (
+    from joynexus.ops.admin.tenants import (
         add_tenant,
         check_applied,
         get_tenant,
@@ -698,7 +698,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return 0
     if args.command == "server":
-        from joynexus.ops.deploy import embedded
+        from joynexus.ops.runtime.deploy import embedded
 
         tls = _tls(args)
         cluster = _cluster(args, tls)
@@ -720,7 +720,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             _wait_for_signal()
         return 0
     if args.command == "up":
-        from joynexus.ops.launcher import launch
+        from joynexus.ops.runtime.launcher import launch
 
         roles = [r.strip() for r in args.roles.split(",") if r.strip()]
         with nats_url(args.nats, args.data_dir, **_embedded_opts(args)) as url:
@@ -732,7 +732,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 host_id=args.host_id,
             )
     if args.command == "status":
-        from joynexus.ops.status import status
+        from joynexus.ops.admin.status import status
 
         return asyncio.run(status(args.nats, args.namespace, as_json=args.json))
     if args.command == "demo" and args.synthetic:
@@ -755,11 +755,11 @@ def _dispatch(args: argparse.Namespace) -> int:
                 )
             )
     if args.command == "base":
-        from joynexus.ops.pretrain_base import dispatch as base_dispatch
+        from joynexus.ops.admin.pretrain_base import dispatch as base_dispatch
 
         return base_dispatch(args)
     if args.command == "usage":
-        from joynexus.ops.usage import dispatch as usage_dispatch
+        from joynexus.ops.admin.usage import dispatch as usage_dispatch
 
         return usage_dispatch(args)
     if args.command == "plan":

@@ -53,13 +53,13 @@ from joynexus.broker.layout import (
     ensure_layout,
 )
 from joynexus.broker.subjects import HEARTBEAT_KEYS, service_api
+from joynexus.ops.admin.tenants import add_tenant
 from joynexus.ops.bench.stats import wilson
-from joynexus.ops.deploy import role_env
-from joynexus.ops.launcher import role_command
 from joynexus.ops.paper_heads import RECIPES, init_path, prepare_heads
-from joynexus.ops.roles import DEPLOYMENT_ROLES
-from joynexus.ops.tenants import add_tenant
-from joynexus.ops.threads import role_thread_env
+from joynexus.ops.runtime.deploy import role_env
+from joynexus.ops.runtime.launcher import role_command
+from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES
+from joynexus.ops.runtime.threads import role_thread_env
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
@@ -860,7 +860,7 @@ def cores_bound(shared: PhaseResult, isolated: PhaseResult, cores: int | None = 
     busy each run kept the cores says how CPU-bound it was (1.0: every core busy the
     whole window); a ratio past the bound needs the same work in fewer CPU seconds
     (less contention between simulators, idle roles that spend less)."""
-    from joynexus.ops.threads import deployment_cores
+    from joynexus.ops.runtime.threads import deployment_cores
 
     cores = cores or deployment_cores()
     floor_s = shared.cpu_s / cores if shared.cpu_s else 0.0

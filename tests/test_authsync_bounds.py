@@ -1,6 +1,6 @@
 """The auth sync and the security events under abuse, on a real secured nats-server.
 
-One embedded server with authorization on and its auth sync (``ops.deploy.embedded``)
+One embedded server with authorization on and its auth sync (``ops.runtime.deploy.embedded``)
 per module; identity records are written straight into the identities bucket as
 the admin identity (no control plane needed), refusals are provoked with bare
 nats-py connections.
@@ -27,7 +27,7 @@ from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
 from joynexus.broker.permissions import hash_password, new_password
-from joynexus.ops.deploy import Endpoint, embedded
+from joynexus.ops.runtime.deploy import Endpoint, embedded
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import AuthApplied, TenantIdentity, applied_key
 from joynexus.schemas.quotas import Quota

@@ -294,7 +294,7 @@ async def _env_worker_killed_mid_rollout(rig: FaultRig) -> None:
     import msgspec
 
     from joynexus.agents.health import SupervisorState
-    from joynexus.ops.status import collect
+    from joynexus.ops.admin.status import collect
 
     kv = await rig.b.js.key_value(rig.b.names.health_bucket)
 

@@ -438,7 +438,7 @@ async def test_invalid_workloads_get_clear_errors(
     assert reply.error is not None and reply.error.code == "invalid_message", reply
     assert "internal" not in reply.error.message
     # `joynexus status` sees the tenant, its policy and the inference engine.
-    from joynexus.ops.status import collect, render
+    from joynexus.ops.admin.status import collect, render
 
     state = await collect(broker)
     assert state["scheduler"]["policies"][0]["tenant_id"] == "acme"

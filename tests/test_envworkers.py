@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from joynexus.agents.envworkers import EnvSupervisor
-from joynexus.ops.status import env_workers, render
+from joynexus.ops.admin.status import env_workers, render
 from joynexus.schemas.workloads import Scheduling, WorkloadRecord, WorkloadSpec
 
 

@@ -2,7 +2,7 @@
 simulator (ManiSkill, LIBERO) or LeRobot only if it computes with them.
 
 Each light role runs in a process of its own against the test nats-server
-(``python -m joynexus.ops.roleprobe``, the role as ``joynexus agent`` runs it),
+(``python -m joynexus.ops.runtime.roleprobe``, the role as ``joynexus agent`` runs it),
 becomes ready, beats (RSS, ready_s), and says which heavy libraries it loaded:
 none. The control plane also creates workloads meanwhile (fresh weights at an
 init endpoint served here, a copy and an evaluation's check done in its own
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from joynexus.broker.connection import Broker
-from joynexus.ops.roleprobe import HEAVY_MODULES, heavy_loaded
+from joynexus.ops.runtime.roleprobe import HEAVY_MODULES, heavy_loaded
 from joynexus.schemas.health import Heartbeat
 
 #: The roles that compute with none of HEAVY_MODULES (their children may: producer-rl's
@@ -38,7 +38,7 @@ MAX_LIGHT_RSS_MB = 400
 
 
 class Probe:
-    """One role in a subprocess (``joynexus.ops.roleprobe --until-stdin``)."""
+    """One role in a subprocess (``joynexus.ops.runtime.roleprobe --until-stdin``)."""
 
     def __init__(self, proc: asyncio.subprocess.Process, role: str) -> None:
         self.proc = proc
@@ -47,7 +47,7 @@ class Probe:
     @classmethod
     async def start(cls, url: str, namespace: str, role: str, env: dict[str, str]) -> Probe:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "joynexus.ops.roleprobe", role, "--nats", url,
+            sys.executable, "-m", "joynexus.ops.runtime.roleprobe", role, "--nats", url,
             "--namespace", namespace, "--until-stdin", "--timeout", "90",
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, **env},
@@ -220,7 +220,7 @@ async def test_the_control_role_creates_workloads_without_torch(nats_server, bro
 
 def test_the_sdk_imports_no_heavy_library() -> None:
     code = (
-        "import joynexus.sdk, joynexus.sdk.sync; from joynexus.ops.roleprobe import heavy_loaded; "
+        "import joynexus.sdk, joynexus.sdk.sync; from joynexus.ops.runtime.roleprobe import heavy_loaded; "
         "print(heavy_loaded())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -26,7 +26,8 @@ from joynexus.agents.monitor import (
 )
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.ops import report, telemetry
+from joynexus.ops import report
+from joynexus.ops.runtime import telemetry
 from joynexus.schemas.errors import InvalidMessage
 
 

@@ -183,7 +183,7 @@ FIELD_EXCEPTIONS: dict[tuple[str, str], int] = {
     ("agents/stage.py", "advantages"): 1,
     ("agents/synthetic.py", "advantages"): 1,
     ("schemas/jobs.py", "advantages"): 1,
-    ("ops/roles.py", "advantages"): 1,
+    ("ops/runtime/roles.py", "advantages"): 1,
     ("ops/plan/sim.py", "advantages"): 1,
     ("ops/bench/scheduler.py", "advantages"): 1,
     # other sessions' files when this was written (issue 16): they should import these

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.ops.pretrain_base import REPORT_FILE, make_base
+from joynexus.ops.admin.pretrain_base import REPORT_FILE, make_base
 from joynexus.schemas.errors import InvalidSpec
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from joynexus.broker.connection import Broker
-from joynexus.ops.tenants import admin_request
+from joynexus.ops.admin.tenants import admin_request
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import Unavailable
 from joynexus.schemas.identities import AdminReply, TenantRequest

@@ -1,4 +1,4 @@
-"""The role registry (ops/roles.py) is the one list of roles: what `joynexus agent`
+"""The role registry (ops/runtime/roles.py) is the one list of roles: what `joynexus agent`
 accepts, what `joynexus up` starts and in which order, what each loads first."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops.cli import build_parser
-from joynexus.ops.launcher import role_command
-from joynexus.ops.roles import DEPLOYMENT_ROLES, REGISTRY, ROLES, by_name
+from joynexus.ops.runtime.launcher import role_command
+from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES, REGISTRY, ROLES, by_name
 
 
 def test_every_role_names_importable_modules_and_a_coroutine_runner() -> None:

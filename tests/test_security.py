@@ -26,9 +26,9 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.permissions import parse_refusal, render_authorization, tenant_permissions
 from joynexus.broker.subjects import Names
-from joynexus.ops.deploy import embedded
+from joynexus.ops.admin.tenants import add_tenant, list_tenants, remove_tenant
 from joynexus.ops.isolation import SecuredDeployment
-from joynexus.ops.tenants import add_tenant, list_tenants, remove_tenant
+from joynexus.ops.runtime.deploy import embedded
 from joynexus.schemas.errors import (
     InvalidSpec,
     PermissionDenied,
@@ -368,7 +368,7 @@ async def test_rotation_and_the_operator_api(secure: Secure) -> None:
 
 
 async def test_status_shows_refused_attempts(secure: Secure) -> None:
-    from joynexus.ops.status import collect, render
+    from joynexus.ops.admin.status import collect, render
 
     await secure.issue("erin")
     nc, errors = await raw_tenant(secure, "erin")
@@ -474,8 +474,8 @@ async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> 
     import shutil
     import socket
 
-    from joynexus.ops.authsync import CREDS_DIR, bootstrap
     from joynexus.ops.natsserver import ClusterOptions
+    from joynexus.ops.runtime.authsync import CREDS_DIR, bootstrap
     from joynexus.schemas.identities import APPLIED_KEY
 
     socks = [socket.socket() for _ in range(3)]
@@ -584,8 +584,8 @@ async def test_operator_quota_and_priority_class(secure: Secure) -> None:
     """An operator sets a tenant's quota and class (`tenant set`); the tenant's own
     priority number is ignored, its bounds hold, status shows usage against quota,
     and only the control identity may write identities."""
-    from joynexus.ops.status import collect, render
-    from joynexus.ops.tenants import NotApplied, check_applied, set_tenant
+    from joynexus.ops.admin.status import collect, render
+    from joynexus.ops.admin.tenants import NotApplied, check_applied, set_tenant
     from joynexus.schemas.errors import QuotaExceeded
     from joynexus.schemas.identities import AdminReply
     from joynexus.schemas.quotas import PRIORITY_CLASSES, Quota, parse_quota_args

@@ -1,4 +1,4 @@
-"""The compute threads of each role process (``ops/threads.py``): a table, no server."""
+"""The compute threads of each role process (``ops/runtime/threads.py``): a table, no server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from joynexus.ops.roles import DEPLOYMENT_ROLES
-from joynexus.ops.threads import (
+from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES
+from joynexus.ops.runtime.threads import (
     CORES_ENV,
     INFER_THREADS_ENV,
     deployment_cores,

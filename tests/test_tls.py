@@ -480,8 +480,8 @@ async def test_secured_deployment_over_tls(tmp_path: Path, pki: Pki) -> None:
     cannot connect."""
     from joynexus.agents.control import ControlPlane
     from joynexus.broker.credentials import Credentials
-    from joynexus.ops.deploy import embedded
-    from joynexus.ops.tenants import add_tenant, list_tenants
+    from joynexus.ops.admin.tenants import add_tenant, list_tenants
+    from joynexus.ops.runtime.deploy import embedded
     from joynexus.schemas.errors import Unavailable
     from joynexus.sdk import Client
 

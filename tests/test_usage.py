@@ -23,8 +23,8 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, usage
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops.deploy import embedded
-from joynexus.ops.tenants import add_tenant
+from joynexus.ops.admin.tenants import add_tenant
+from joynexus.ops.runtime.deploy import embedded
 from joynexus.schemas.errors import PermissionDenied
 from joynexus.schemas.jobs import JobState, WorkloadPolicy
 from joynexus.sdk import Client
@@ -166,7 +166,7 @@ async def test_restart_counts_each_event_once(broker: Broker, nats_server: Any,
     assert usage.report(op)["tenants"]["acme"]["train_s"] == pytest.approx(
         usage.report(reference)["tenants"]["acme"]["train_s"])
     # ... and what `joynexus usage` prints.
-    from joynexus.ops.usage import usage as usage_command
+    from joynexus.ops.admin.usage import usage as usage_command
 
     capsys.readouterr()
     assert await usage_command(nats_server.url, broker.names.namespace, tenant="bolt",

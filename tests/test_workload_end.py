@@ -22,8 +22,8 @@ from test_e2e import Deployment, client, wait_for
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
+from joynexus.ops.admin.status import collect, render
 from joynexus.ops.natsserver import EmbeddedNats
-from joynexus.ops.status import collect, render
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import JobState
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec

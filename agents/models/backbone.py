@@ -580,7 +580,7 @@ class Backbone:
         Runs the model's own modules: embeddings, vision tower (batched over
         images), image-token scatter, then the language model with explicit
         3-D M-RoPE positions. Gradients flow when the caller is outside
-        ``inference_mode`` and the weights require grad (``ops/pretrain_base``
+        ``inference_mode`` and the weights require grad (``ops/admin/pretrain_base``
         trains the base through this same path); ``forward`` wraps it frozen.
         """
         dev = self.device

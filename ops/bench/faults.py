@@ -43,7 +43,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops.launcher import role_slots
+from joynexus.ops.runtime.launcher import role_slots
 from joynexus.schemas.jobs import GlobalLimits, JobState, TrainingJob, WorkloadPolicy
 
 TERMINAL = {"completed", "dropped", "failed"}

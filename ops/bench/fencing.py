@@ -30,9 +30,9 @@ from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
+from joynexus.ops.admin.tenants import add_tenant
 from joynexus.ops.bench.stats import percentile
-from joynexus.ops.deploy import embedded
-from joynexus.ops.tenants import add_tenant
+from joynexus.ops.runtime.deploy import embedded
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 

@@ -9,7 +9,7 @@ the same seeds. The deployment is the real one in one process, secured, each
 role restarted if it crashes (``restarts``), the tenant under its own
 credentials. ``train_s`` is wall time from creation to the last update (the
 whole service path), ``sft_ci95`` a Wilson 95% interval; a
-``base="pretrained"`` plan first makes its base with ``ops/pretrain_base.py``.
+``base="pretrained"`` plan first makes its base with ``ops/admin/pretrain_base.py``.
 
 See docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation,
 SFT targets" and "RL: PPO, the actor_forward stage, exploration" (the figures).
@@ -154,7 +154,7 @@ class _Service:
         from joynexus.agents.producers import PolicyInitializer, ProducerAgent
         from joynexus.agents.scheduler import SchedulerAgent
         from joynexus.broker.connection import Broker
-        from joynexus.ops.deploy import embedded
+        from joynexus.ops.runtime.deploy import embedded
 
         st = self.stack
         self.datasets.mkdir(parents=True, exist_ok=True)
@@ -235,7 +235,7 @@ class _Service:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def tenant(self) -> Any:
-        from joynexus.ops.tenants import add_tenant
+        from joynexus.ops.admin.tenants import add_tenant
         from joynexus.sdk import Client
 
         creds, _ = await add_tenant(self.admin, TENANT, url=self.url)
@@ -531,7 +531,7 @@ async def _base_for(plans: Sequence[Plan], data: Path, base_dir: str | Path | No
         return None
     if base_dir is not None:
         return str(base_dir)
-    from joynexus.ops.pretrain_base import make_base
+    from joynexus.ops.admin.pretrain_base import make_base
 
     out = data / "base"
     if not (out / "config.json").is_file():  # a kept --data-dir reuses its base
@@ -553,7 +553,7 @@ def _base_row(plan: Plan, backbone_path: str | None) -> dict[str, Any]:
         return {"base": "random"}
     import json
 
-    from joynexus.ops.pretrain_base import REPORT_FILE
+    from joynexus.ops.admin.pretrain_base import REPORT_FILE
 
     row: dict[str, Any] = {"base": "pretrained", "base_dir": backbone_path}
     f = Path(backbone_path) / REPORT_FILE

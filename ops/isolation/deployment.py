@@ -238,7 +238,7 @@ class SecuredDeployment:
         from joynexus.agents.models.backbone import Backbone, BackboneConfig
         from joynexus.agents.producers import PolicyInitializer
         from joynexus.agents.scheduler import SchedulerAgent
-        from joynexus.ops.deploy import embedded
+        from joynexus.ops.runtime.deploy import embedded
 
         st = self._stack
         ep = st.enter_context(embedded(self.data / "nats", namespace=self.namespace,
@@ -314,7 +314,7 @@ class SecuredDeployment:
     # -------------------------------------------------------------- tenants
     async def issue(self, tenant: str, **quota: Any) -> Credentials:
         """Issue ``tenant`` its credentials (``quota``: Quota fields an operator sets)."""
-        from joynexus.ops.tenants import add_tenant
+        from joynexus.ops.admin.tenants import add_tenant
 
         kw: dict[str, Any] = {}
         if quota:

@@ -28,7 +28,7 @@ async def attack_bad_identity_record(dep: SecuredDeployment, attacker: str, vict
     """Garbage and a record whose key does not match its user in the identities
     bucket; then a tenant added and removed must still be applied."""
     from joynexus.broker.permissions import hash_password
-    from joynexus.ops.tenants import add_tenant, remove_tenant
+    from joynexus.ops.admin.tenants import add_tenant, remove_tenant
     from joynexus.schemas.base import encode
     from joynexus.schemas.identities import TenantIdentity
 

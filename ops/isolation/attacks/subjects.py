@@ -153,7 +153,7 @@ async def attack_service_reads_admin_inbox(
     dep: SecuredDeployment, attacker: str, victim: str
 ) -> AttackResult:
     """The service identity subscribes to the operator API's reply inbox."""
-    from joynexus.ops.tenants import list_tenants
+    from joynexus.ops.admin.tenants import list_tenants
 
     ck = Checks()
     svc = dep.service_creds

@@ -1,9 +1,9 @@
 """One role in this process, measured: how long it took to serve, how much memory it
 holds and which heavy libraries it loaded.
 
-    python -m joynexus.ops.roleprobe ROLE --nats URL [--namespace NS] [--hold S | --until-stdin]
+    python -m joynexus.ops.runtime.roleprobe ROLE --nats URL [--namespace NS] [--hold S | --until-stdin]
 
-runs role ``ROLE`` (:func:`joynexus.ops.roles.run_role`, as ``joynexus agent`` does)
+runs role ``ROLE`` (:func:`joynexus.ops.runtime.roles.run_role`, as ``joynexus agent`` does)
 until it serves, prints one JSON line ``{"event": "ready", ...}``, keeps it running
 ``--hold`` seconds (or, with ``--until-stdin``, until a line or the end of stdin:
 the caller drives the role meanwhile), prints ``{"event": "report", ...}`` and stops
@@ -76,7 +76,7 @@ async def probe(
 ) -> int:
     from joynexus.agents.health.heartbeat import process_age_s
     from joynexus.broker.connection import Broker
-    from joynexus.ops.roles import RoleOptions, run_role
+    from joynexus.ops.runtime.roles import RoleOptions, run_role
 
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="jnx-probe-"))
     ready = asyncio.Event()
@@ -122,7 +122,7 @@ async def probe(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m joynexus.ops.roleprobe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m joynexus.ops.runtime.roleprobe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role")
     p.add_argument("--nats", required=True)

@@ -3,7 +3,7 @@
 Each role is ``python -m joynexus.ops.cli agent <role> --instance <role>-0``,
 exactly what an operator would run on separate machines; which roles, in
 what order and with which arguments comes from the registry in
-:mod:`joynexus.ops.roles`. The launcher process is the health manager in
+:mod:`joynexus.ops.runtime.roles`. The launcher process is the health manager in
 supervise mode: it restarts a failed role in place within its restart budget,
 and prints "deployment up" only once every role beats and the request servers
 answer. Ctrl-C stops the roles (SIGTERM: they drain and stop; SIGKILL after a
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from joynexus.broker.subjects import service_api
-from joynexus.ops.roles import REGISTRY, ROLES, by_name
+from joynexus.ops.runtime.roles import REGISTRY, ROLES, by_name
 
 
 def role_command(
@@ -70,8 +70,8 @@ def role_slots(
     deployment) ``<role>-<host_id>``, and the roles get ``JOYNEXUS_HOST_ID``
     (the scheduler's lease names its holder by it)."""
     from joynexus.agents.health import RoleSlot
-    from joynexus.ops.deploy import role_env
-    from joynexus.ops.threads import role_thread_env
+    from joynexus.ops.runtime.deploy import role_env
+    from joynexus.ops.runtime.threads import role_thread_env
 
     extra = extra or {}
     suffix = host_id or "0"
@@ -106,7 +106,7 @@ async def supervise(
     b = await Broker.connect(url, name=manager_name, namespace=namespace)
     try:
         await ensure_layout(b)
-        from joynexus.ops.deploy import role_env
+        from joynexus.ops.runtime.deploy import role_env
 
         env = role_env()
         slots = [

@@ -22,7 +22,7 @@ passes them unchanged to the processes it restarts): ``JOYNEXUS_HEARTBEAT_S``
 ready, comma-separated, one per worker in turn: PickCube-v1), ``JOYNEXUS_SFT_WARM``
 (role ``producer-sft``: "1" loads LeRobot's dataset reader before it is ready) and
 ``JOYNEXUS_CORES`` (the cores the launcher plans every role's threads from,
-``ops/threads.py``).
+``ops/runtime/threads.py``).
 
 See docs/ARCHITECTURE.md, "Processes" and "Light roles".
 """
@@ -304,7 +304,7 @@ async def _synthetic(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 async def _health(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     # Watch mode (heartbeats only, it owns no processes); `joynexus up` runs the
-    # manager in supervise mode instead (ops/launcher.py).
+    # manager in supervise mode instead (ops/runtime/launcher.py).
     from joynexus.agents.health import HealthCore, HealthManager
 
     _say(f"{o.instance}: watching heartbeats in {b.names.health_bucket}")

@@ -118,7 +118,7 @@ async def _workloads(b: Broker, versions: dict[str, int]) -> list[dict[str, Any]
 
 async def _tenants(b: Broker) -> list[dict[str, Any]] | dict[str, str]:
     """Each tenant's usage against its quota (the operator API: admin identity only)."""
-    from joynexus.ops.tenants import list_tenants
+    from joynexus.ops.admin.tenants import list_tenants
     from joynexus.schemas.quotas import DEFAULT_QUOTA
 
     try:

@@ -60,19 +60,19 @@ class Endpoint:
 
     @property
     def admin_path(self) -> Path | None:
-        from joynexus.ops.authsync import credentials_path
+        from joynexus.ops.runtime.authsync import credentials_path
 
         return credentials_path(self.data_dir, "admin") if self.admin and self.data_dir else None
 
     @property
     def service_path(self) -> Path | None:
-        from joynexus.ops.authsync import credentials_path
+        from joynexus.ops.runtime.authsync import credentials_path
 
         return credentials_path(self.data_dir, "service") if self.service and self.data_dir else None
 
     @property
     def control_path(self) -> Path | None:
-        from joynexus.ops.authsync import credentials_path
+        from joynexus.ops.runtime.authsync import credentials_path
 
         return credentials_path(self.data_dir, "control") if self.service and self.data_dir else None
 
@@ -110,7 +110,7 @@ class AuthSyncThread:
     async def _main(self) -> None:
         from joynexus.broker.connection import Broker
         from joynexus.broker.layout import ensure_layout
-        from joynexus.ops.authsync import AuthSync
+        from joynexus.ops.runtime.authsync import AuthSync
 
         self._stop = asyncio.Event()
         b = await Broker.connect(
@@ -167,7 +167,7 @@ def embedded(
             )
             yield Endpoint(server.url, data, server=server)
             return
-        from joynexus.ops.authsync import secured_server
+        from joynexus.ops.runtime.authsync import secured_server
 
         names = Names(namespace)
         server, admin, service = secured_server(
@@ -179,13 +179,13 @@ def embedded(
         sync.start()
         stack.callback(sync.stop)
         if act_as_admin:
-            from joynexus.ops.authsync import credentials_path
+            from joynexus.ops.runtime.authsync import credentials_path
 
             for var, kind in ((CREDS_ENV, "admin"), (SERVICE_CREDS_ENV, "service"),
                               (CONTROL_CREDS_ENV, "control")):
                 stack.callback(_restore_env, var, os.environ.get(var))
                 os.environ[var] = str(credentials_path(data, kind))
-        from joynexus.ops.authsync import credentials_path
+        from joynexus.ops.runtime.authsync import credentials_path
 
         control = Credentials.load(credentials_path(data, "control")).with_url(server.url)
         yield Endpoint(server.url, data, admin, service, server, sync=sync, control=control)
