@@ -736,14 +736,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return asyncio.run(status(args.nats, args.namespace, as_json=args.json))
     if args.command == "demo" and args.synthetic:
-        from joynexus.ops.demo import run_demo
+        from joynexus.ops.mainjob.synthetic import run_demo
 
         with nats_url(args.nats, args.data_dir, quiet=args.json, **_embedded_opts(args)) as url:
             return asyncio.run(
                 run_demo(url, args.namespace, seconds=args.seconds, as_json=args.json)
             )
     if args.command == "demo":
-        from joynexus.ops.paper import main_job, use_demo_stream_caps
+        from joynexus.ops.mainjob.config import use_demo_stream_caps
+        from joynexus.ops.mainjob.run import main_job
 
         if not args.nats:  # an operator's server keeps the caps its deployment uses
             use_demo_stream_caps()

@@ -158,7 +158,7 @@ async def _evals(args: argparse.Namespace) -> int:
                     await c.fetch_video(row["evaluation"], i, path)
                     fetched.setdefault(row["evaluation"], []).append(str(path))
     if args.plot:
-        from joynexus.ops.report import plot_eval_curves
+        from joynexus.ops.mainjob.plots import plot_eval_curves
 
         plot_eval_curves({args.workload: history}, Path(args.plot))
     if args.json:

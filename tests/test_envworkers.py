@@ -150,7 +150,8 @@ def test_status_counts_env_workers_per_workload() -> None:
 
 
 def test_main_job_accounts_worker_lanes_and_tenants_per_batch() -> None:
-    from joynexus.ops.paper import PaperConfig, PhaseResult, _account, base_tenant, plans
+    from joynexus.ops.mainjob.accounting import account as _account
+    from joynexus.ops.mainjob.config import PaperConfig, PhaseResult, base_tenant, plans
 
     assert base_tenant("acme2") == "acme" and [p.tenant for p in plans(PaperConfig(), "d", 1)] == [
         "acme1", "bolt1", "cora1", "dana1"]
@@ -173,7 +174,8 @@ def test_main_job_accounts_worker_lanes_and_tenants_per_batch() -> None:
 def test_the_main_job_draws_learning_curves_in_runs_of_a_few_minutes() -> None:
     """Curves are evaluated after the windows (no periodic evaluation inside one);
     the ManiSkill tenants start from their task's SFT head, critic first."""
-    from joynexus.ops.paper import PaperConfig, curve_versions, plans
+    from joynexus.ops.mainjob.config import PaperConfig, plans
+    from joynexus.ops.mainjob.phases import curve_versions
 
     cfg = PaperConfig.for_minutes(4)
     assert cfg.eval_points == 3 and cfg.eval_episodes == 10 and PaperConfig.for_minutes(0.4).eval_points == 2

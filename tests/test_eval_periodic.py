@@ -28,8 +28,8 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.cli import build_parser
 from joynexus.ops.learning_cli import _evals
+from joynexus.ops.mainjob.report import write_paper_report
 from joynexus.ops.natsserver import EmbeddedNats
-from joynexus.ops.report import write_paper_report
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import QuotaExceeded, UnknownTenant
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec, periodic_eval_name

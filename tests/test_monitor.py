@@ -26,7 +26,8 @@ from joynexus.agents.monitor import (
 )
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.ops import report
+from joynexus.ops.mainjob import plots as report_plots
+from joynexus.ops.mainjob import report
 from joynexus.ops.runtime import telemetry
 from joynexus.schemas.errors import InvalidMessage
 
@@ -341,13 +342,13 @@ def synthetic_results() -> dict[str, Any]:
 def test_report_plots_and_markdown(tmp_path: Path) -> None:
     res = synthetic_results()
     plots = {
-        "utilization": report.plot_utilization_timeline(res["timelines"], tmp_path / "util.png"),
-        "loss_curves": report.plot_loss_curves(res["loss_curves"], tmp_path / "loss.png"),
-        "group_speedup": report.plot_speedup_grid(res["group_speedup"], tmp_path / "speedup.png"),
+        "utilization": report_plots.plot_utilization_timeline(res["timelines"], tmp_path / "util.png"),
+        "loss_curves": report_plots.plot_loss_curves(res["loss_curves"], tmp_path / "loss.png"),
+        "group_speedup": report_plots.plot_speedup_grid(res["group_speedup"], tmp_path / "speedup.png"),
     }
     for name, path in plots.items():
         assert path.stat().st_size > 5000, name
-        assert png_size(path) == report.figure_pixels(name), name
+        assert png_size(path) == report_plots.figure_pixels(name), name
 
     md_path = report.write_report(tmp_path, res, plots)
     md = md_path.read_text()
@@ -366,11 +367,11 @@ def test_report_plots_and_markdown(tmp_path: Path) -> None:
         assert must in md, must
     assert json.loads((tmp_path / "report.json").read_text()) == res
     # The utilization fraction the timeline shows is the merged busy time over the span.
-    assert report.busy_fraction([(0, 1), (0.5, 2), (3, 4)], 0, 4) == pytest.approx(0.75)
+    assert report_plots.busy_fraction([(0, 1), (0.5, 2), (3, 4)], 0, 4) == pytest.approx(0.75)
 
 
 def test_paper_results_shape(tmp_path: Path) -> None:
-    """The shape ops/paper.py writes: phases at the top level, train/infer keys."""
+    """The shape ops/mainjob/run.py writes: phases at the top level, train/infer keys."""
     syn = synthetic_results()
 
     def phase(wall: float, tu: float, iu: float, rss: float) -> dict[str, Any]:
@@ -413,7 +414,7 @@ def test_paper_results_shape(tmp_path: Path) -> None:
     ):
         assert must in md, must
     assert "![utilization](plots/utilization.png)" in md and "group_speedup" not in md
-    assert png_size(tmp_path / "plots" / "loss_curves.png") == report.figure_pixels("loss_curves")
+    assert png_size(tmp_path / "plots" / "loss_curves.png") == report_plots.figure_pixels("loss_curves")
     assert json.loads((tmp_path / "report.json").read_text()) == res
 
 

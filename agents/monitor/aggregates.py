@@ -235,7 +235,7 @@ class MetricAggregates:
 
     def timelines(self) -> dict[str, list[tuple[float, float]]]:
         """Busy intervals per service, every tenant merged: what
-        ``report.plot_utilization_timeline`` draws for one run."""
+        ``plots.plot_utilization_timeline`` draws for one run."""
         out: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for t in self.tenants.values():
             for service, iv in t.busy.items():

@@ -54,7 +54,7 @@ async def bench_rollouts(
     max_tenants: int = 3,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from joynexus.ops.paper import RoleProcesses, wait_ready
+    from joynexus.ops.mainjob.deployment import RoleProcesses, wait_ready
 
     with tempfile.TemporaryDirectory(prefix="jnx-rollouts-") as tmp:
         ns = f"roll{uuid.uuid4().hex[:6]}"

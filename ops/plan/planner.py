@@ -305,7 +305,7 @@ def plan_from_run(run: Path, *, plots: Path | None = None,
 
 
 def _plot_timelines(path: Path, shared_r: Result, iso_r: list[Result]) -> list[str]:
-    from joynexus.ops.report import plot_utilization_timeline
+    from joynexus.ops.mainjob.plots import plot_utilization_timeline
 
     iso_iv: dict[str, list[tuple[float, float]]] = defaultdict(list)
     offset = 0.0

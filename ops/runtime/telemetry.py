@@ -307,7 +307,7 @@ def busy_intervals(
     spans: Sequence[dict[str, Any]], *, name_prefix: str = "", service: str | None = None
 ) -> list[tuple[float, float]]:
     """(start, end) of the spans whose name starts with ``name_prefix`` (and of ``service``):
-    the busy intervals that ``report.plot_utilization_timeline`` draws."""
+    the busy intervals that ``plots.plot_utilization_timeline`` draws."""
     return [
         (float(s["start"]), float(s["end"]))
         for s in spans

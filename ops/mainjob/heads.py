@@ -31,11 +31,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from joynexus.ops.mainjob.config import HEADS_DIR, RECIPES, TenantPlan, datasets_root
+from joynexus.ops.mainjob.deployment import RoleProcesses, wait_ready
+from joynexus.ops.mainjob.phases import run_tenants
+
 CACHE_ENV = "JOYNEXUS_CACHE"
 #: Bumped when what a cached head means changes (the recipe's fields cover the rest).
 CACHE_FORMAT = 1
-#: Where a round's RL tenant finds its head, inside its dataset space.
-HEADS_DIR = "heads"
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,6 @@ class HeadRecipe:
                 versions[dist] = ""
         blob = json.dumps({"format": CACHE_FORMAT, **asdict(self), **versions}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-#: Per task: demonstrations and updates. PushCube: 60 demos and 200 updates succeed
-#: 10 of 10 here; PickCube: 150 demos and 300 updates only 3 of 10, so 1000 (bench
-#: learning: 200 demos, 1500 updates, 0.92). An update takes ~0.14 s here, the
-#: demonstrations ~1.1 s each: the first run makes both heads in about 6 minutes.
-RECIPES: dict[str, tuple[int, int]] = {"PickCube-v1": (150, 1000), "PushCube-v1": (60, 200)}
 
 
 def recipes(action_horizon: int, scale: float = 1.0) -> list[HeadRecipe]:
@@ -135,25 +130,24 @@ async def _train(url: str, out: Path, todo: list[HeadRecipe], cfg: Any, progress
     into the cache when its updates are done."""
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops import paper
     from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 
-    root = paper.datasets_root(out)
+    root = datasets_root(out)
     gen_s = {}
     for r in todo:
         gen_s[r.task] = await asyncio.to_thread(
             _generate, r, root / _tenant(r) / f"demos-{r.task}", progress)
     ns = f"head{uuid.uuid4().hex[:6]}"
-    dep = paper.RoleProcesses(url, ns, out, env_workers=0)
+    dep = RoleProcesses(url, ns, out, env_workers=0)
     b = await Broker.connect(url, name=f"paper-{ns}", namespace=ns)
     try:
         await ensure_layout(b)
-        ready = asyncio.ensure_future(paper.wait_ready(b, dep))
+        ready = asyncio.ensure_future(wait_ready(b, dep))
         await asyncio.sleep(0.2)
         dep.start()
         await ready
         plans = [
-            paper.TenantPlan(
+            TenantPlan(
                 _tenant(r),
                 WorkloadSpec(
                     name="sft", task_type="sft", dataset=f"demos-{r.task}",
@@ -167,7 +161,7 @@ async def _train(url: str, out: Path, todo: list[HeadRecipe], cfg: Any, progress
             )
             for r in todo
         ]
-        t0, t1 = await paper.run_tenants(
+        t0, t1 = await run_tenants(
             b, dep, plans, "sft heads", cfg.phase_timeout_s, progress)
         for r, p in zip(todo, plans, strict=True):
             dest = cached(r)
@@ -199,7 +193,6 @@ async def prepare_heads(
     """Each task's starting head, made if not cached, then copied into each RL
     tenant's dataset space (``tenants``: tenant -> task; tasks without a recipe are
     left out). Returns per task what the report says about it."""
-    from joynexus.ops import paper
 
     todo = {r.task: r for r in recipes(cfg.action_horizon, cfg.head_scale)}
     missing = [r for r in todo.values() if not is_cached(r)]
@@ -207,7 +200,7 @@ async def prepare_heads(
         _say(progress, "making the RL tenants' starting heads (SFT on scripted demonstrations; "
                        f"cached in {cache_root()} for the next runs) ...")
         await _train(url, out, missing, cfg, progress)
-    root = paper.datasets_root(out)
+    root = datasets_root(out)
     for tenant, task in tenants.items():
         if task not in todo:
             continue
@@ -224,10 +217,4 @@ async def prepare_heads(
     return report
 
 
-def init_path(task: str) -> str:
-    """``init_from_export`` of an RL tenant on ``task`` (inside its dataset space)."""
-    return f"{HEADS_DIR}/{task}"
-
-
-__all__ = ["CACHE_ENV", "RECIPES", "HeadRecipe", "cache_root", "init_path", "prepare_heads",
-           "recipes"]
+__all__ = ["CACHE_ENV", "HeadRecipe", "cache_root", "prepare_heads", "recipes"]

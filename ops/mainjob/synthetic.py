@@ -5,7 +5,7 @@ under the paper's admission (2 jobs in flight per RL tenant, 1 active rollout
 per tenant and 3 globally, SFT prefetch 16, ready RL before SFT, staleness
 bound 1) in seconds and without models. It then prints jobs per tenant and
 state, one job's event trail, and the Training Queue's bytes (zero once every
-job is terminal). The main job itself is ``ops/paper.py``.
+job is terminal). The main job itself is ``ops/mainjob/run.py``.
 
 See docs/ARCHITECTURE.md, "The main job".
 """
