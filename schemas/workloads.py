@@ -60,6 +60,47 @@ def describe_envs() -> str:
     return ", ".join((*RL_ENVS, *(f"LIBERO-{s}-{{0..{n - 1}}}" for s, n in LIBERO_SUITES.items())))
 
 
+#: The side of the square image every hosted base reads
+#: (``agents.models.backbone.BackboneConfig.image_size``; a test checks they agree): its
+#: Qwen2-VL image processor resizes each camera image to it, by ``smart_resize``.
+BASE_IMAGE_SIDE = 56
+#: The camera image sizes a workload may ask for (pixels a side).
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 16, 256
+
+
+def resized_side(size: int, side: int = BASE_IMAGE_SIDE, factor: int = 28) -> int:
+    """The side Qwen2-VL's ``smart_resize`` (pinned to ``side`` x ``side`` pixels, as the
+    base's image processor is) gives a ``size`` x ``size`` image: ``side`` for most
+    sizes, but its float rounding sends some (72, 96, 192...) to 28 and others (19, 38)
+    to 84, and the base then refuses every forward (its image token count is fixed).
+    transformers' arithmetic, step for step (a test checks it against theirs)."""
+    bar = round(size / factor) * factor
+    px = side * side
+    if bar * bar > px:
+        beta = math.sqrt((size * size) / px)
+        bar = max(factor, math.floor(size / beta / factor) * factor)
+    elif bar * bar < px:
+        beta = math.sqrt(px / (size * size))
+        bar = math.ceil(size * beta / factor) * factor
+    return bar
+
+
+def _image_size_hint(size: int) -> str:
+    """The nearest sizes on either side of ``size`` that the base reads."""
+    ok = [s for s in range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE + 1) if resized_side(s) == BASE_IMAGE_SIDE]
+    below = [s for s in ok if s < size][-1:]
+    above = [s for s in ok if s > size][:1]
+    return " or ".join(str(s) for s in below + above)
+
+
+#: The smallest learning rate the actor applies (``agents.actor.agent``: a job's rate
+#: outside [MIN_LEARNING_RATE, 1] is ignored, and the actor's own is used instead).
+MIN_LEARNING_RATE = 1e-9
+#: The smallest discount the advantage stage applies (``agents.advantage``: below it
+#: the stage's default, 0.99, is used instead).
+MIN_GAMMA = 1e-3
+
+
 #: The largest seed a workload may give: the episode and batch seeds derived from it
 #: (seed + episode index, seed * 1000 + ...) stay within numpy's and ManiSkill's 32 bits.
 MAX_SEED = 2**20
@@ -181,6 +222,8 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                     f"{describe_envs()} (got {self.env!r:.80}; other ManiSkill tasks need "
                     "asset downloads)"
                 )
+        if self.init_from_workload:
+            check_name("init_from_workload", self.init_from_workload)
         if self.task_type == "eval" and not self.init_from_workload:
             raise InvalidSpec(
                 f"eval workload {self.name!r} needs init_from_workload: the workload whose policy "
@@ -205,13 +248,26 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                     )
         if not 8 <= self.head_hidden <= 512:
             raise InvalidSpec(f"head_hidden must be 8..512, got {self.head_hidden}")
-        if not 16 <= self.image_size <= 256:
-            raise InvalidSpec(f"image_size must be 16..256 pixels, got {self.image_size}")
+        if not MIN_IMAGE_SIZE <= self.image_size <= MAX_IMAGE_SIZE:
+            raise InvalidSpec(
+                f"image_size must be {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} pixels, got {self.image_size}"
+            )
+        if resized_side(self.image_size) != BASE_IMAGE_SIDE:
+            raise InvalidSpec(
+                f"image_size {self.image_size} is resized by the base model's image processor to "
+                f"{resized_side(self.image_size)} pixels a side, not the {BASE_IMAGE_SIDE} it reads "
+                f"(its rounding), so no forward would run; choose {_image_size_hint(self.image_size)} "
+                "(any multiple of 28 works)"
+            )
         for field in ("num_envs", "horizon", "batch_size", "action_horizon"):
             if getattr(self, field) < 1:
                 raise InvalidSpec(f"{field} must be >= 1, got {getattr(self, field)}")
-        if not 0 < self.learning_rate < 1:
-            raise InvalidSpec(f"learning_rate must be in (0, 1), got {self.learning_rate}")
+        lr = self.learning_rate
+        if isinstance(lr, bool) or not MIN_LEARNING_RATE <= lr < 1:  # NaN compares False
+            raise InvalidSpec(
+                f"learning_rate must be in [{MIN_LEARNING_RATE:g}, 1) (the actor applies no smaller "
+                f"rate), got {lr!r}"
+            )
         if isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise InvalidSpec(
                 f"seed must be an integer in 0..{MAX_SEED} (numpy's and the simulators' "
@@ -244,10 +300,19 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             isinstance(self.critic_warmup, bool) or not 0 <= self.critic_warmup <= 100_000
         ):
             raise InvalidSpec(f"critic_warmup must be an integer in 0..100000 (updates), got {self.critic_warmup!r}")
-        for field in ("gamma", "gae_lambda"):
+        for field, lo in (("gamma", MIN_GAMMA), ("gae_lambda", 0.0)):
             v = getattr(self, field)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):
-                raise InvalidSpec(f"{field} must be a number in (0, 1], got {v!r}")
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and lo <= v <= 1.0):
+                raise InvalidSpec(f"{field} must be a number in [{lo:g}, 1], got {v!r}")
+        if (
+            self.advantage == "grpo" and self.task_type == "rl" and self.source == "service"
+            and self.num_envs < 2
+        ):
+            raise InvalidSpec(
+                f"advantage 'grpo' weighs each env's return against the others of its rollout: "
+                f"with num_envs = {self.num_envs} every advantage is 0 and nothing is learnt; "
+                "give num_envs >= 2, or advantage 'gae'"
+            )
         if isinstance(self.target_kl, bool) or not (
             isinstance(self.target_kl, (int, float)) and math.isfinite(self.target_kl) and 0.0 <= self.target_kl <= 1.0
         ):
