@@ -724,10 +724,6 @@ def test_the_schema_s_image_rounding_is_the_base_s() -> None:
     assert set(ACTION_MODULES) == set(HEADS) - {"value"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bound_spec (agents/control/checks.py) does not bound num_envs by the quota's "
-    "max_infer_rows: every inference request of such a rollout or evaluation is refused"
-))
 def test_num_envs_over_the_inference_rows_quota_is_refused_at_the_door() -> None:
     spec = _spec(num_envs=Q.max_infer_rows + 1, horizon=1)
     with pytest.raises(QuotaExceeded, match="num_envs"):

@@ -116,6 +116,10 @@ def bound_spec(tenant: str, spec: WorkloadSpec, q: Quota) -> WorkloadSpec:
     bound("num_envs x horizon", spec.num_envs * spec.horizon, q.max_rollout_steps)
     bound("batch_size", spec.batch_size, q.max_batch_size)
     bound("instruction bytes", len(spec.instruction.encode()), q.max_instruction_bytes)
+    if spec.task_type in ("rl", "eval") and spec.source == "service":
+        # Each step asks the Inference Queue for all its envs at once: one request of
+        # num_envs rows, which the engine refuses past the tenant's rows per request.
+        bound("num_envs (rows of each inference request)", spec.num_envs, q.max_infer_rows)
     if spec.task_type == "eval":
         bound("episodes", spec.episodes, q.max_eval_episodes)
     if spec.eval_every:
