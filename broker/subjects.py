@@ -73,6 +73,8 @@ ALL_INBOXES = "_INBOX.>"
 ALL_ADMIN_INBOXES = "_INBOX.*._admin.>"
 #: JetStream's advisory when a stream (e.g. ``KV_<NS>_IDENTITIES``) is created.
 STREAM_CREATED_ADVISORIES = "$JS.EVENT.ADVISORY.STREAM.CREATED.*"
+#: JetStream's API verb that lists stream names, a page (1024) at a time.
+JS_STREAM_NAMES = "$JS.API.STREAM.NAMES"
 
 
 def kv_subject(bucket: str, key: str) -> str:

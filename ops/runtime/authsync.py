@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from nats.js.errors import NotFoundError
 
 from joynexus.broker import kvwatch, metrics
 from joynexus.broker.connection import Broker, raise_if_cancelled
@@ -38,7 +39,12 @@ from joynexus.broker.permissions import (
     service_permissions,
     tenant_permissions,
 )
-from joynexus.broker.subjects import STREAM_CREATED_ADVISORIES, Names, kv_subject
+from joynexus.broker.subjects import (
+    JS_STREAM_NAMES,
+    STREAM_CREATED_ADVISORIES,
+    Names,
+    kv_subject,
+)
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import (
@@ -353,8 +359,17 @@ class AuthSync:
         tenants any more: stop following it and take its users out of auth.conf, so
         a deleted deployment's credentials stop working (and its watcher does not
         ask the server for a stream that is not there every few seconds)."""
-        gone = [bucket for bucket in watchers if bucket not in listed]
-        for bucket in gone:
+        for bucket in [b for b in watchers if b not in listed]:
+            # Missing from a listing is not proof (a cluster electing its meta leader
+            # may list nothing): only the server's "stream not found" for it is.
+            try:
+                await self.b.js.stream_info(f"KV_{bucket}")
+                continue
+            except NotFoundError:
+                pass
+            except Exception as e:
+                log.debug("auth sync: bucket %s not listed, and not confirmed gone: %s", bucket, e)
+                continue
             task = watchers.pop(bucket)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -373,7 +388,7 @@ class AuthSync:
         try:
             while True:  # the server answers a page at a time (1024 names)
                 msg = await self.b.nc.request(
-                    "$JS.API.STREAM.NAMES", orjson.dumps({"offset": len(names)}), timeout=5.0
+                    JS_STREAM_NAMES, orjson.dumps({"offset": len(names)}), timeout=5.0
                 )
                 page = orjson.loads(msg.data)
                 if "error" in page:
