@@ -27,7 +27,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.cli import build_parser
-from joynexus.ops.learning_cli import _evals
+from joynexus.ops.cli.learning import evals as _evals
 from joynexus.ops.mainjob.report import write_paper_report
 from joynexus.ops.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
@@ -303,7 +303,7 @@ def test_the_main_job_report_plots_success_against_version(tmp_path: Path) -> No
 def test_dataset_generate_progress_bar_shows_from_the_start() -> None:
     import io
 
-    from joynexus.ops.learning_cli import Progress
+    from joynexus.ops.cli.learning import Progress
 
     out = io.StringIO()
     bar = Progress(4, "PushCube-v1", out)

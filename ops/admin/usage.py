@@ -7,8 +7,6 @@ See docs/ARCHITECTURE.md, "Usage metering".
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import sys
 from datetime import UTC, datetime
@@ -28,25 +26,6 @@ COLUMNS = (
     ("jobs_completed", "jobs done"),
     ("jobs_dropped", "dropped"),
 )
-
-
-def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser(
-        "usage",
-        help="usage per tenant: training, inference and simulator seconds, queue byte-seconds",
-        description="Metered usage per tenant (the control plane's meter, exact across "
-        "restarts): training-service seconds (a grouped step split among its tenants by "
-        "rows), inference-service seconds (a batch split by rows), simulator seconds of "
-        "the tenant's environment workers, Training Queue byte-seconds, inference "
-        "requests and jobs.",
-    )
-    common(p, embedded=False)
-    p.add_argument("--tenant", default=None, help="only this tenant")
-    p.add_argument("--since", default=None, metavar="ISO",
-                   help="from this time on (ISO 8601, UTC if no zone; counted from its hour)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--data-dir", default=".jnx",
-                   help="deployment directory whose credentials/admin.json to use (default .jnx)")
 
 
 def render(r: dict[str, Any]) -> str:
@@ -87,8 +66,3 @@ async def usage(url: str, namespace: str, *, tenant: str | None, since: str | No
         r["tenants"] = {k: v for k, v in r["tenants"].items() if k == tenant}
     print(json.dumps(r, indent=2) if as_json else render(r), file=sys.stdout)
     return 0
-
-
-def dispatch(args: argparse.Namespace) -> int:
-    return asyncio.run(usage(args.nats, args.namespace, tenant=args.tenant, since=args.since,
-                             as_json=args.json))

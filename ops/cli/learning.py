@@ -1,5 +1,6 @@
 """``joynexus dataset generate``, ``joynexus evals`` and ``joynexus bench learning``
-(registered by ops/cli.py). See README.md and docs/ARCHITECTURE.md, "Policies that learn"."""
+(added to bench's subcommands by :mod:`.bench`). See README.md and
+docs/ARCHITECTURE.md, "Policies that learn"."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def add_parsers(sub: Any, bsub: Any) -> None:
-    """Add ``dataset generate`` and ``evals`` to the top-level subcommands and
-    ``learning`` to bench's."""
+def register(sub: Any) -> None:
+    """Add ``dataset generate`` and ``evals`` to the top-level subcommands."""
     from joynexus.agents.envs.maniskill import STATE_PRESETS, TASKS
 
     p = sub.add_parser(
@@ -50,6 +50,7 @@ def add_parsers(sub: Any, bsub: Any) -> None:
     g.add_argument("--seed", type=int, default=0, help="reset seeds derive from it (default 0)")
     g.add_argument("--json", action="store_true", help="print only a JSON summary")
     g.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    g.set_defaults(run=_generate)
 
     e = sub.add_parser(
         "evals",
@@ -73,7 +74,11 @@ def add_parsers(sub: Any, bsub: Any) -> None:
     e.add_argument("--videos", default=None, metavar="DIR",
                    help="fetch every evaluation's videos into DIR/<evaluation>/")
     e.add_argument("--json", action="store_true", help="print the history as JSON")
+    e.set_defaults(run=_run_evals)
 
+
+def register_bench(bsub: Any) -> None:
+    """Add ``learning`` to bench's subcommands."""
     text = (
         "SFT through the SDK on a fresh deployment, per task: demonstrations, updates, "
         "train seconds, success over 50 evaluation episodes with its Wilson 95%% interval"
@@ -87,6 +92,7 @@ def add_parsers(sub: Any, bsub: Any) -> None:
     bp.add_argument("--data-dir", default=None, metavar="DIR",
                     help="keep the deployment's files here (default: a temporary directory)")
     bp.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    bp.set_defaults(run=_bench_learning)
 
 
 class Progress:
@@ -134,15 +140,11 @@ def _quiet_datasets() -> None:
         pass
 
 
-def dispatch(args: argparse.Namespace) -> int:
-    if args.command == "dataset":
-        return _generate(args)
-    if args.command == "evals":
-        return asyncio.run(_evals(args))
-    return _bench_learning(args)
+def _run_evals(args: argparse.Namespace) -> int:
+    return asyncio.run(evals(args))
 
 
-async def _evals(args: argparse.Namespace) -> int:
+async def evals(args: argparse.Namespace) -> int:
     from joynexus.sdk import Client
 
     async with await Client.connect(
@@ -234,4 +236,4 @@ def _bench_learning(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Progress", "add_parsers", "dispatch"]
+__all__ = ["Progress", "evals", "register", "register_bench"]

@@ -1,0 +1,156 @@
+"""``joynexus agent ROLE``: one agent role as this process (``ops/runtime/roles.py``),
+until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from joynexus.ops.cli.common import common
+from joynexus.ops.runtime.roles import ROLES, RoleOptions, run_role
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run one agent role against a NATS server",
+        description="Run one agent role as this process (roles can be spread over "
+        "machines; each resumes from its durable consumer on restart).",
+    )
+    p.add_argument("role", choices=ROLES, help="the role to run")
+    common(p, embedded=False)
+    p.add_argument("--instance", default=None, help="instance name (default: <role>-<pid>)")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(os.environ.get("JOYNEXUS_JOB_LEASE_TTL_S", "30")),
+        help="scheduler: job lease TTL in seconds (default $JOYNEXUS_JOB_LEASE_TTL_S or 30)",
+    )
+    p.add_argument("--out", default=".jnx/actor", help="actor: per-tenant checkpoint directory")
+    p.add_argument(
+        "--data-dir",
+        default=".jnx",
+        help="local output: traces (traces/traces.jsonl unless OTEL_EXPORTER_OTLP_ENDPOINT "
+        "is set), monitor data and ClearML offline sessions (default .jnx)",
+    )
+    p.add_argument(
+        "--backbone",
+        default="tiny",
+        choices=("tiny", "bench"),
+        help="actor/inference: backbone size built from its config (default tiny)",
+    )
+    p.add_argument(
+        "--backbone-path",
+        default=None,
+        help="actor/inference: load the backbone from this local directory instead",
+    )
+    p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
+    p.add_argument(
+        "--max-rows", type=int, default=64,
+        help="inference: rows (observations) a batch holds at most; a larger request runs "
+        "alone (default 64: one tenant's largest request fills a batch of its own)",
+    )
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inference: torch intra-op threads (default $JOYNEXUS_INFER_THREADS, else the CPU "
+        "cores less one, at least 1: the engine's event loop keeps a core)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=None,
+        help="seconds between heartbeats (default $JOYNEXUS_HEARTBEAT_S or 1)",
+    )
+    p.add_argument(
+        "--ack-wait",
+        type=float,
+        default=None,
+        help="stage workers: JetStream ack_wait in seconds (default $JOYNEXUS_ACK_WAIT_S or 30)",
+    )
+    p.add_argument(
+        "--datasets",
+        metavar="DIR",
+        default=None,
+        help="control: root of the tenants' dataset spaces, DIR/<tenant>/<dataset> "
+        "(default $JOYNEXUS_DATASETS or .jnx/datasets)",
+    )
+    p.set_defaults(run=run)
+
+
+#: After SIGTERM or SIGINT a role stops gracefully within this long, or exits hard:
+#: a role whose server went away (its deployment killed) hung in its shutdown and
+#: outlived the deployment (an actor and a producer-rl seen orphaned).
+STOP_GRACE_S = 30.0
+
+
+def _stop_soon(stop: asyncio.Event) -> None:
+    """The first signal stops the role gracefully, with a hard exit ``STOP_GRACE_S``
+    later if that hangs; a second signal exits at once."""
+    if stop.is_set():
+        os._exit(130)
+    stop.set()
+    timer = threading.Timer(STOP_GRACE_S, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
+async def _until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, _stop_soon, stop)
+    return await main(stop)
+
+
+async def run_agent(
+    role: str, url: str, namespace: str, opts: RoleOptions, stop: asyncio.Event
+) -> None:
+    from joynexus.broker.connection import Broker
+    from joynexus.ops.runtime.telemetry import setup_tracing
+
+    setup_tracing(f"joynexus-{role}", out_dir=opts.data_dir / "traces")
+
+    opts.nats_url = opts.nats_url or url
+    b = await Broker.connect(url, name=opts.instance, namespace=namespace)
+    try:
+        await run_role(role, b, stop, opts)
+    finally:
+        await b.close()
+
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = RoleOptions(
+        instance=args.instance or f"{args.role}-{os.getpid()}",
+        lease_ttl_s=args.lease_ttl,
+        out_dir=Path(args.out),
+        backbone_size=args.backbone,
+        backbone_path=args.backbone_path,
+        max_batch=args.max_batch,
+        max_rows=args.max_rows,
+        max_wait_ms=args.max_wait_ms,
+        torch_threads=args.torch_threads,
+        data_dir=Path(args.data_dir),
+    )
+    if args.heartbeat is not None:
+        opts.heartbeat_s = args.heartbeat
+    if args.ack_wait is not None:
+        opts.ack_wait_s = args.ack_wait
+    if args.datasets is not None:
+        opts.datasets_root = Path(args.datasets)
+    asyncio.run(
+        _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))
+    )
+    return 0

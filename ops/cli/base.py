@@ -1,0 +1,59 @@
+"""``joynexus base pretrain``: the frozen base model the service serves to every
+tenant (``ops/admin/pretrain_base.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from joynexus.ops.admin.pretrain_base import LABELS, make_base
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "base",
+        help="make the frozen base model the service serves to every tenant",
+        description="Make a frozen base model offline (nothing is downloaded).",
+    )
+    bsub = p.add_subparsers(dest="base", required=True, metavar="ACTION")
+    g = bsub.add_parser(
+        "pretrain",
+        help="pre-train the tiny backbone on simulator renders so its features see where things are",
+        description=(
+            "Render ManiSkill scenes on the CPU (scripted expert plus action noise), pre-train "
+            "the tiny Qwen2.5-VL backbone to predict the object, goal and gripper positions "
+            "from the image through the mean-pooled features the heads read, and save it with "
+            "save_pretrained (weights, BPE tokenizer, image processor) into DIR. Prints the "
+            "held-out linear-probe error of the random and the pre-trained base. Serve it with "
+            "--backbone-path DIR (inference and actor roles)."
+        ),
+    )
+    g.add_argument("--out", required=True, metavar="DIR", help="where to save the base (new or empty)")
+    g.add_argument("--task", action="append", default=None, metavar="TASK", choices=sorted(LABELS),
+                   help=f"task to render, repeatable (default PushCube-v1); one of {sorted(LABELS)}")
+    g.add_argument("--renders", type=int, default=3000, metavar="N",
+                   help="frames rendered per task (default 3000; ~25/s on a 2-core CPU)")
+    g.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    g.add_argument("--batch-size", type=int, default=32, help="frames per step (default 32)")
+    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    g.add_argument("--image-size", type=int, default=56,
+                   help="image side the base sees, a multiple of 28 (default 56); render datasets at it")
+    g.add_argument("--seed", type=int, default=0, help="render and init seed (default 0)")
+    g.add_argument("--json", action="store_true", help="print only the JSON report")
+    g.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        if not args.json:
+            print(msg, file=sys.stderr, flush=True)
+
+    report = make_base(
+        args.out, tasks=tuple(args.task or ("PushCube-v1",)), renders=args.renders, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, image_size=args.image_size, seed=args.seed,
+        log=log, progress=not args.json,
+    )
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0

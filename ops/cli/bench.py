@@ -1,0 +1,218 @@
+"""``joynexus bench NAME``: benchmarks that print figures (JSON), each against an
+embedded nats-server unless ``--nats`` (``ops/bench/``; ``bench learning`` is
+registered by :mod:`.learning`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from joynexus.ops.bench.engines import add_arguments
+from joynexus.ops.bench.rr import DEFAULT_ARMS, ENGINE_ARMS
+from joynexus.ops.cli import learning
+from joynexus.ops.cli.common import common, embedded_opts
+from joynexus.ops.runtime.deploy import nats_url
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks that print figures (JSON)",
+        description="Run a benchmark against an embedded nats-server (or --nats).",
+    )
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, text in (
+        ("scheduler", "full job lifecycles/s and transition latency p50/p99"),
+        ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
+        ("inference", "group-batching speedup grid, request-reply latency/throughput, RSS"),
+        (
+            "rr",
+            "where a request/reply round trip goes: nats-py vs the fast path (echo, bare TCP), "
+            "and real engines differing in torch threads, OMP_WAIT_POLICY or the fast path",
+        ),
+        (
+            "engines",
+            "two builds of the inference engine served at once, clients alternating between "
+            "them round by round: throughput (and c1 p50) of each and their ratio's interval",
+        ),
+        (
+            "faults",
+            "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
+        ),
+        (
+            "fencing",
+            "tenant fencing's cost on its own secured server: tenant add, connect, data relayed "
+            "through the control plane vs direct, event latency",
+        ),
+        (
+            "rollouts",
+            "aggregate environment steps/s with 1, 2 and 3 RL tenants at once, each with its "
+            "own environment worker process (steps_per_s, ratio_3_vs_1)",
+        ),
+        (
+            "races",
+            "how often two nats-py races strike, with and without the guard: a KV watch's "
+            "early end-of-values marker (kvwatch) and a service asked before its SUBs land "
+            "(sync_server)",
+        ),
+        (
+            "isolation",
+            "the attack catalogue (the adversarial suite's) against a fresh secured deployment: "
+            "per attack held or not and the victim tenant's p50/p99 ratio to its baseline",
+        ),
+    ):
+        bp = bsub.add_parser(name, help=text, description=text)
+        common(bp, embedded=True)
+        bp.add_argument("--seconds", type=float, default=10.0, help="measuring time (default 10)")
+        bp.add_argument("--json", action="store_true", help="print only the JSON object")
+        if name == "inference":
+            bp.add_argument(
+                "--quick", action="store_true", help="small grid, tiny backbone (~1 min)"
+            )
+        if name == "races":
+            bp.add_argument(
+                "--rounds", type=int, default=500,
+                help="rounds per part, each arm once a round (default 500, ~10 s)",
+            )
+        if name == "rr":
+            bp.add_argument("--part", choices=("echo", "engine", "all"), default="all",
+                            help="echo (~10 s), engine (~40 s) or both (default)")
+            bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
+            bp.add_argument("--gap-ms", type=float, default=20.0,
+                            help="idle pause after every request (default 20)")
+            bp.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                            help="engine arms, comma-separated, the first the base, of "
+                            f"{', '.join(ENGINE_ARMS)} (default {','.join(DEFAULT_ARMS)})")
+        if name == "engines":
+            add_arguments(bp)
+        if name == "isolation":
+            bp.add_argument(
+                "--datasets-root", metavar="DIR", default=None,
+                help="with --nats: the service's datasets root on this machine (the tenants' "
+                "dataset spaces are written under it)",
+            )
+            bp.add_argument(
+                "--service-creds", metavar="FILE", default=None,
+                help="with --nats: the service identity's file (for the attack that tries it)",
+            )
+            bp.add_argument(
+                "--only", metavar="NAMES", default="", help="comma-separated attack names"
+            )
+        bp.set_defaults(run=RUNNERS[name])
+    learning.register_bench(bsub)  # `bench learning`
+
+
+def _on_url(args: argparse.Namespace, bench: Callable[[str], dict[str, Any] | int]) -> int:
+    """``bench(url)`` with ``--nats`` or a fresh embedded server's URL, its result
+    printed as JSON (an int: the exit status, nothing printed)."""
+    with nats_url(args.nats, quiet=True, **embedded_opts(args)) as url:
+        result = bench(url)
+    if isinstance(result, int):
+        return result
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _scheduler(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.scheduler import bench_scheduler
+
+    return _on_url(args, lambda url: asyncio.run(
+        bench_scheduler(url, args.seconds, progress=not args.json)))
+
+
+def _faults(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.faults import bench_faults
+
+    return _on_url(args, lambda url: asyncio.run(bench_faults(args.nats)))
+
+
+def _fencing(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.fencing import bench_fencing
+
+    return _on_url(args, lambda url: asyncio.run(bench_fencing()))
+
+
+def _rollouts(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.rollouts import bench_rollouts
+
+    return _on_url(args, lambda url: asyncio.run(
+        bench_rollouts(url, seconds=max(args.seconds, 20.0), progress=not args.json)))
+
+
+def _inference(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.inference import bench_inference
+
+    return _on_url(args, lambda url: asyncio.run(bench_inference(url, quick=args.quick)))
+
+
+def _engines(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.engines import bench_engines, check_build, parse_levels
+
+    def bench(url: str) -> dict[str, Any] | int:
+        try:
+            levels = parse_levels(args.concurrency)
+            check_build(args.a)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return asyncio.run(
+            bench_engines(url, args.a, args.b, concurrency=levels, rounds=args.rounds,
+                          threads=args.threads)
+        )
+
+    return _on_url(args, bench)
+
+
+def _races(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.races import bench_races
+
+    return _on_url(args, lambda url: asyncio.run(bench_races(url, rounds=args.rounds)))
+
+
+def _rr(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.rr import bench_rr, parse_arms
+
+    return _on_url(args, lambda url: asyncio.run(
+        bench_rr(url, part=args.part, repeats=args.repeats, gap_ms=args.gap_ms,
+                 arms=parse_arms(args.arms))))
+
+
+def _tq(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.tq import bench_tq
+
+    return _on_url(args, lambda url: asyncio.run(bench_tq(url, args.seconds)))
+
+
+def _isolation(args: argparse.Namespace) -> int:
+    """Its own fresh secured deployment (or ``--nats``): no embedded server here."""
+    from joynexus.broker.credentials import CREDS_ENV
+    from joynexus.ops.bench.isolation import bench_isolation
+
+    result = asyncio.run(bench_isolation(
+        args.nats, creds=os.environ.get(CREDS_ENV) if args.nats else None,
+        service_creds=args.service_creds, datasets_root=args.datasets_root,
+        namespace=args.namespace, progress=not args.json,
+        only=[n for n in args.only.split(",") if n] or None,
+    ))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+#: Each benchmark's runner, by name.
+RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "scheduler": _scheduler,
+    "tq": _tq,
+    "inference": _inference,
+    "rr": _rr,
+    "engines": _engines,
+    "faults": _faults,
+    "fencing": _fencing,
+    "rollouts": _rollouts,
+    "races": _races,
+    "isolation": _isolation,
+}

@@ -1,0 +1,142 @@
+"""``joynexus up`` (a deployment until Ctrl-C: the embedded nats-server and one
+process per role) and ``joynexus server`` (only the embedded nats-server), with
+the ``--config FILE`` both take."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from joynexus.ops.cli.common import (
+    cluster,
+    cluster_flags,
+    common,
+    embedded_opts,
+    server_name,
+    server_security,
+    tls,
+    wait_for_signal,
+)
+from joynexus.ops.runtime.deploy import nats_url
+from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES
+
+#: The commands whose defaults ``--config FILE`` sets.
+LAUNCHERS = ("up", "server")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run a deployment until Ctrl-C (embedded nats-server + agents)",
+        description="Start the embedded nats-server (unless --nats) and one process per "
+        "agent role, and keep them running until interrupted.",
+    )
+    common(p, embedded=True)
+    p.add_argument("--data-dir", default=".jnx", help="embedded server's store (default: .jnx)")
+    p.add_argument(
+        "--port", type=int, default=-1, help="embedded server's client port (default: random)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    cluster_flags(p)
+    p.add_argument(
+        "--roles",
+        default=",".join(DEPLOYMENT_ROLES),
+        help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)}); "
+        "with several hosts, each host's list is its placement rule",
+    )
+    p.add_argument(
+        "--host-id",
+        default=None,
+        help="this host's name when several hosts share one deployment (each runs `up "
+        "--nats <cluster> --host-id H --roles ...`): instances become <role>-H; a scheduler "
+        "listed on several hosts is held by one lease, the others stand by",
+    )
+    p.set_defaults(run=run_up)
+
+    p = sub.add_parser(
+        "server",
+        help="run only the embedded nats-server",
+        description="Run a nats-server with JetStream and a file store; prints its URL.",
+    )
+    p.add_argument("--data-dir", default=".jnx", help="store directory (default: .jnx)")
+    p.add_argument("--port", type=int, default=4222, help="client port (-1: random; default 4222)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--namespace", default="jnx", help="deployment namespace of the bootstrap identities"
+    )
+    server_security(p)
+    cluster_flags(p)
+    p.set_defaults(run=run_server)
+
+
+def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``up``/``server --config FILE``: the file's [server] table becomes that
+    command's defaults (so flags on the command line still win)."""
+    if not argv or argv[0] not in LAUNCHERS:
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv[1:])
+    if not known.config:
+        return
+    import tomllib
+
+    from joynexus.schemas.errors import InvalidSpec
+
+    try:
+        with open(known.config, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise InvalidSpec(f"--config {known.config}: {e}") from e
+    table = raw.get("server", raw)
+    sub = parser.get_default("_commands")[argv[0]]
+    dests = {a.dest for a in sub._actions} - {"help", "config"}
+    cfg = {str(k).replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(cfg) - dests)
+    if unknown:
+        raise InvalidSpec(
+            f"--config {known.config}: unknown options {unknown} for `{argv[0]}`; "
+            f"known: {sorted(dests)}"
+        )
+    if isinstance(cfg.get("routes"), list):
+        cfg["routes"] = ",".join(cfg["routes"])
+    sub.set_defaults(**cfg)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from joynexus.ops.runtime.deploy import embedded
+
+    files = tls(args)
+    with embedded(
+        args.data_dir, namespace=args.namespace, auth=not args.no_auth, port=args.port,
+        host=args.host, tls=files, cluster=cluster(args, files), name=server_name(args),
+        act_as_admin=False,
+    ) as ep:
+        print(f"nats-server ready at {ep.url} (store: {Path(args.data_dir).resolve()})")
+        if ep.admin_path:
+            print(
+                f"authorization on. agents: --creds {ep.service_path}; operators: --creds "
+                f"{ep.admin_path} (the nats CLI: --user {ep.admin.user if ep.admin else ''} "
+                "--password <password in that file>); tenants: `joynexus tenant add NAME "
+                f"--nats {ep.url}`"
+            )
+        else:
+            print("authorization OFF (--no-auth): anyone who reaches the port is trusted")
+        print("Ctrl-C stops it", flush=True)
+        wait_for_signal()
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from joynexus.ops.runtime.launcher import launch
+
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    with nats_url(args.nats, args.data_dir, **embedded_opts(args)) as url:
+        return launch(
+            url,
+            args.namespace,
+            roles,
+            out_dir=Path(args.data_dir) / "actor",
+            host_id=args.host_id,
+        )
