@@ -32,6 +32,7 @@ from joynexus.schemas.errors import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_ROWS",
     "DTYPES",
     "BatchInfo",
     "FeatureSchemaSpec",
@@ -69,6 +70,14 @@ DTYPES: dict[str, np.dtype[Any]] = {
         "float16", "float32", "float64",
     )
 }
+
+
+#: Rows an inference engine's batch holds at most by default; a request with more
+#: runs in parts of at most this many, each taking its turn with other tenants'
+#: requests (``agents/inference/batcher.py``, ``split``). It bounds how long any
+#: request waits behind another tenant's work: one forward of this many rows (the tiny
+#: base here: about 45 ms at 16 rows, 150-190 ms at 64, the quota's ``max_infer_rows``).
+DEFAULT_MAX_ROWS = 16
 
 
 class TensorBytes(Wire, kw_only=True, array_like=True):

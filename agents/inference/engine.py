@@ -50,7 +50,7 @@ from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.rpc import Server
 from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import InvalidSpec, Unavailable
-from joynexus.schemas.inference import BatchInfo, InferError, encode_msgpack
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS, BatchInfo, InferError, encode_msgpack
 
 __all__ = ["DEFAULT_MAX_ROWS", "INLINE_FORWARD_MS", "EngineStats", "InferenceEngine"]
 
@@ -76,12 +76,6 @@ BUSY_DELAY_S = 0.002
 #: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
 #: batches of many rows stay on the thread. A size not measured yet runs on the thread.
 INLINE_FORWARD_MS = 15.0
-#: Rows a batch holds at most by default; a request with more is split into parts of
-#: at most this many (``batcher.split``), each taking its turn with other tenants'
-#: requests. It bounds how long any request waits behind another tenant's work: one
-#: forward of this many rows (the tiny base here: about 45 ms at 16 rows, 150-190 ms
-#: at 64, the quota's ``max_infer_rows``). A request of 64 rows costs 4 forwards of 16.
-DEFAULT_MAX_ROWS = 16
 
 #: Before an idle engine chooses its batch, the loop turns while turns bring requests
 #: already received (``InferenceEngine._take_in_received``), at most this long, and

@@ -15,6 +15,7 @@ from typing import Any
 
 from joynexus.ops.cli.common import common
 from joynexus.ops.runtime.roles import ROLES, RoleOptions, run_role
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 
 def register(sub: Any) -> None:
@@ -53,9 +54,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument(
-        "--max-rows", type=int, default=64,
+        "--max-rows", type=int, default=DEFAULT_MAX_ROWS,
         help="inference: rows (observations) a batch holds at most; a larger request runs "
-        "alone (default 64: one tenant's largest request fills a batch of its own)",
+        f"in parts of this many, in turn with other tenants' (default {DEFAULT_MAX_ROWS})",
     )
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="inference: batching timeout T")
     p.add_argument(

@@ -46,6 +46,7 @@ from joynexus.agents.datasets import default_root
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 from joynexus.broker.subjects import service_api
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class RoleOptions:
     backbone_size: str = "tiny"
     backbone_path: str | None = None
     max_batch: int = 16
-    max_rows: int = 64
+    max_rows: int = DEFAULT_MAX_ROWS
     max_wait_ms: float = 5.0
     #: Inference: torch intra-op threads (None: ``serving_threads``'s default).
     torch_threads: int | None = None
