@@ -1,6 +1,6 @@
 """Child processes of agents and operator tools: they die with their parent.
 
-The health manager and the embedded nats-server (ops/natsserver.py) both
+The health manager and the embedded nats-server (ops/runtime/natsserver.py) both
 start children; this is their one helper, kept in the agents layer so that
 agents never import ops.
 

@@ -1,8 +1,7 @@
 """The operator layer: the ``joynexus`` command, embedded nats-server, deployments, benchmarks.
 
-By job: ``cli`` (the command, one module per command), ``runtime`` (roles, the
-launcher, deployments, auth sync, threads, telemetry), ``natsserver`` (the
-embedded nats-server), ``admin`` (tenants, status, usage, the base model),
+By job: ``cli`` (the command, one module per command), ``runtime`` (the embedded
+nats-server, roles, the launcher, deployments, auth sync, threads, telemetry), ``admin`` (tenants, status, usage, the base model),
 ``mainjob`` (``joynexus demo``), ``plan`` (the capacity planner), ``bench``
 (benchmarks) and ``isolation`` (the attack catalogue).
 

@@ -3,7 +3,7 @@ manager's view that ``joynexus status`` reads.
 
 Structs only, in the bottom layer: the agents write them
 (``joynexus.agents.health``, which re-exports them), and whatever decodes them
-(``ops/bench_faults.py``, the tests) needs only this module. Where they live (KV
+(``ops/bench/faults.py``, the tests) needs only this module. Where they live (KV
 ``<NS>_HEALTH``: ``hb.<role>.<instance>``, ``mgr.<instance>``; ``health`` metric
 events) is in docs/ARCHITECTURE.md ("Health: heartbeats and in-place restarts").
 """

@@ -21,7 +21,7 @@ import pytest
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.subjects import Names
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 
 _ns_counter = itertools.count()
 

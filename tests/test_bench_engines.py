@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops.bench.engines import HERE, bench_engines, check_build, parse_levels
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 
 
 def test_levels_and_builds_are_checked(tmp_path: Path) -> None:

@@ -31,8 +31,8 @@ from joynexus.ops.bench.faults import (
     synthetic_faults,
     wait_until,
 )
-from joynexus.ops.natsserver import EmbeddedNats
-from joynexus.ops.natsserver import local_cluster as nats_cluster
+from joynexus.ops.runtime.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import local_cluster as nats_cluster
 from joynexus.schemas.jobs import JobState
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]

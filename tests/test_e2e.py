@@ -32,7 +32,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec, UnknownTenant
 from joynexus.schemas.jobs import JobState

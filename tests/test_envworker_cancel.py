@@ -25,7 +25,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.ops.bench.faults import wait_until
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.jobs import TERMINAL_STATES, JobState, TrainingJob
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client

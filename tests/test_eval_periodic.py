@@ -29,7 +29,7 @@ from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.cli import build_parser
 from joynexus.ops.cli.learning import evals as _evals
 from joynexus.ops.mainjob.report import write_paper_report
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import QuotaExceeded, UnknownTenant
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec, periodic_eval_name

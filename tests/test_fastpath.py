@@ -26,7 +26,7 @@ from joynexus.broker.fastpath import (
     sync_server,
     unsupported_reason,
 )
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import Wire, encode
 from joynexus.schemas.errors import QuotaExceeded
 

@@ -42,7 +42,7 @@ from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.agents.models.policyio import PolicyStore, weights_bytes
 from joynexus.broker.connection import Broker
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import (
     InvalidMessage,

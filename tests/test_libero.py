@@ -29,7 +29,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import JobState

@@ -23,7 +23,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.ops.admin.status import collect, render
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.jobs import JobState
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec

@@ -5,7 +5,7 @@ AWR weights. Torch only, no connection: the actor's loop fetches, this builds.
 
 Why apart: the shapes are the contract between producer, advantage stage,
 ``actor_forward`` and actor (``schemas/samples.py``). See docs/ARCHITECTURE.md
-("RL: PPO, the actor_forward stage, exploration").
+("Policies that learn").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The stage is leased and retried exactly like the advantage stage (durable
 consumer ``stage-actor-forward``); every work call claims all rows under a
 task of its own, so a retry rewrites both fields whole.
 
-See docs/ARCHITECTURE.md, "RL: PPO, the actor_forward stage, exploration".
+See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

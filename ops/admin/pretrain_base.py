@@ -10,8 +10,7 @@ saved with ``save_pretrained`` (with its BPE tokenizer). A ridge probe on
 held-out episodes, random base vs pre-trained, decides; it is written to
 ``DIR/pretrain_report.json``.
 
-See docs/ARCHITECTURE.md, "A base that sees (issue 12 point 3) and a real
-tokenizer (issue 15 point 3)".
+See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations

@@ -535,7 +535,7 @@ async def host_lost_fault(work: Path, *, real_trainer: bool = False) -> dict[str
     the audit (jobs lost, doubled, partitions leaked). With ``real_trainer`` each
     host runs a real actor (tiny base) for two SFT tenants instead of the synthetic
     roles, and the trainer checkpoint's continuity is checked as well."""
-    from joynexus.ops.natsserver import local_cluster
+    from joynexus.ops.runtime.natsserver import local_cluster
 
     roles = ["scheduler", "actor"] if real_trainer else ["scheduler", "synthetic"]
     with local_cluster(work / "cluster") as nodes:
@@ -635,7 +635,7 @@ async def bench_faults(url: str | None = None) -> dict[str, Any]:
     """Inject each fault once; per fault: detect_s, restart_s, jobs_lost, jobs_doubled,
     partitions_leaked, releases (work redone). Starts an embedded nats-server
     without ``url`` (and then also measures a nats-server kill -9 and restart)."""
-    from joynexus.ops.natsserver import EmbeddedNats
+    from joynexus.ops.runtime.natsserver import EmbeddedNats
 
     with tempfile.TemporaryDirectory(prefix="jnx-faults-") as tmp:
         work = Path(tmp)

@@ -11,8 +11,7 @@ credentials. ``train_s`` is wall time from creation to the last update (the
 whole service path), ``sft_ci95`` a Wilson 95% interval; a
 ``base="pretrained"`` plan first makes its base with ``ops/admin/pretrain_base.py``.
 
-See docs/ARCHITECTURE.md, "Policies that learn: observations, normalisation,
-SFT targets" and "RL: PPO, the actor_forward stage, exploration" (the figures).
+See docs/ARCHITECTURE.md, "Policies that learn" (the figures).
 """
 
 from __future__ import annotations

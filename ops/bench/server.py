@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 
 __all__ = ["on_server"]
 

@@ -3,4 +3,4 @@
 (an embedded or given nats-server, with authorization and its ``authsync``),
 ``threads`` (each role's compute threads), ``telemetry`` (trace export) and
 ``roleprobe`` (one role in a probe process, for the light-roles check). The
-embedded nats-server itself is ``ops/natsserver.py``."""
+embedded nats-server itself is ``ops/runtime/natsserver.py``."""

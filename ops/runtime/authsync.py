@@ -45,7 +45,7 @@ from joynexus.broker.subjects import (
     Names,
     kv_subject,
 )
-from joynexus.ops.natsserver import EmbeddedNats
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import (
     AuthApplied,

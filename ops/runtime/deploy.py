@@ -24,7 +24,7 @@ from pathlib import Path
 
 from joynexus.broker.credentials import CREDS_ENV, Credentials
 from joynexus.broker.subjects import Names
-from joynexus.ops.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
+from joynexus.ops.runtime.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
 from joynexus.schemas.errors import JoyNexusError
 
 log = logging.getLogger(__name__)
