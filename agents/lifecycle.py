@@ -2,7 +2,7 @@
 
 No I/O and no clock reads: every function takes ``now`` (monotonic seconds,
 used only for lease deadlines) from its caller, so every (state, event) pair
-is tabled in tests/test_lifecycle.py. The agent is a thin loop around
+is tabled in tests/unit/test_lifecycle.py. The agent is a thin loop around
 :class:`SchedulerCore` (decide, apply optimistically, append, then commit the
 stream sequence or revert), and replaying each job's latest event through
 :meth:`SchedulerCore.load` rebuilds the same state after a restart.

@@ -1,6 +1,6 @@
 """Every NATS / JetStream header name the code base writes or reads (as nats.py
 keeps them in ``nats.js.api.Header``). Nothing else writes a ``Nats-`` string;
-tests/test_names.py checks it. See docs/ARCHITECTURE.md, "Layout and import root"."""
+tests/unit/test_names.py checks it. See docs/ARCHITECTURE.md, "Layout and import root"."""
 
 from __future__ import annotations
 

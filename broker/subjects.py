@@ -1,6 +1,6 @@
 """Every name on the wire: subjects, KV keys, streams, consumers, buckets, services.
 
-Nothing else writes a subject string or a KV key (tests/test_names.py checks
+Nothing else writes a subject string or a KV key (tests/unit/test_names.py checks
 it). All names hang off a :class:`Names` whose ``namespace`` (default ``jnx``)
 prefixes them, so several deployments (or tests) share one server without
 seeing each other. With the default namespace an operator sees::

@@ -5,7 +5,7 @@ advantage stage and the control plane share. Training Queue fields become
 subject tokens, so they carry no dots: an observation key maps onto one with
 :func:`tq_field`. :data:`FIELDS` is the table of every field with its dtype and
 shape; a name means one shape only (a rollout's executed action is ``action``
-[M, A], the chunk learned from it ``actions`` [M, H, A]). tests/test_names.py
+[M, A], the chunk learned from it ``actions`` [M, H, A]). tests/unit/test_names.py
 fails on a field name written as a literal elsewhere.
 
 See docs/ARCHITECTURE.md, "Layout and import root".

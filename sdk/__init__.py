@@ -1,5 +1,5 @@
 """The JoyNexus tenant SDK: the whole public surface is listed in ``__all__`` (pinned by
-tests/test_sdk_surface.py).
+tests/agents/test_sdk_surface.py).
 
 A tenant reaches the service only through the control plane and the Inference
 Queue, under its own credentials; calls return futures to await, and

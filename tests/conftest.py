@@ -3,6 +3,12 @@
 The server runs on a random port with a temporary file store; readiness comes
 from its log. Tests that share it get their own namespace, hence their own
 streams and subjects.
+
+The tests live by layer: ``unit/`` (pure functions and models, no server),
+``broker/`` (the NATS layer on a real server), ``agents/`` (one role or a few on a
+real server) and ``system/`` (whole deployments, simulators, subprocesses, faults:
+minutes). Every test under ``system/`` is marked ``slow``, so
+``pytest -q -m "not slow"`` is the fast lane.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from joynexus.broker.subjects import Names
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 
 _ns_counter = itertools.count()
+_SYSTEM = Path(__file__).resolve().parent / "system"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under tests/system/ ``slow`` (the fast lane leaves them out)."""
+    for item in items:
+        if _SYSTEM in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ group, which Training Queue fields a job's step reads, what a job whose data
 does not load becomes, and what each tenant's outcome of a shared step does.
 
 The loop in :mod:`joynexus.agents.actor.agent` runs these between its named steps;
-``tests/test_actor_decisions.py`` tables them alone. A group's step is
+``tests/unit/test_actor_decisions.py`` tables them alone. A group's step is
 all-or-nothing per tenant: one tenant's failed item fails that tenant's job
 only, and every other tenant of the group commits, publishes and completes.
 See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").

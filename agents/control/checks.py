@@ -3,7 +3,7 @@ its own records, names, sizes, pages and slices.
 
 Each function takes data and returns a decision or raises the tenant's error
 (``InvalidSpec``, ``QuotaExceeded``, ...); none touches the server, so
-``tests/test_control_checks.py`` tables them alone. The limits of the API are
+``tests/unit/test_control_checks.py`` tables them alone. The limits of the API are
 here too (its verbs are in ``schemas/api.py``).
 See docs/ARCHITECTURE.md
 ("Workloads, from the SDK to a new policy version").

@@ -5,7 +5,7 @@ connection state into :class:`~joynexus.schemas.health.HealthDecision` s (restar
 a slot, restart every slot, give up; or, for a slot it does not own, ``lost`` /
 ``recovered``), spending a :class:`RestartBudget`; the manager's loop
 (:mod:`.manager`) carries them out. Kept apart so its tables run without a
-server or a process (``tests/test_health_core.py``); see docs/ARCHITECTURE.md
+server or a process (``tests/unit/test_health_core.py``); see docs/ARCHITECTURE.md
 ("Health: heartbeats and in-place restarts").
 """
 

@@ -6,7 +6,7 @@ one module per job:
 - :mod:`.admission`: the pure checks a request passes before it joins a batch
   (the subject's tenant, quotas, schema, shapes);
 - :mod:`.batcher`: the pending queue's entries and :func:`.batcher.choose`, the
-  pure "which prefix now", tested alone in tests/test_batcher.py;
+  pure "which prefix now", tested alone in tests/unit/test_batcher.py;
 - :mod:`.intake`: the door: a request decoded, checked and queued as a
   ``Pending``, or answered with its error; the replies;
 - :mod:`.compute`: the shared backbone forward, each tenant's head, the

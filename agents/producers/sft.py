@@ -6,7 +6,7 @@ its place in the shuffled dataset across restarts.
 ``SFTProducer.run`` is named steps (open the dataset, end orphans, reserve in a
 trace of its own, fill) around the pure decisions at the bottom (which rows a
 batch takes, which refusal ends the run, the backoff, the columns), tabled in
-tests/test_sft_decisions.py.
+tests/unit/test_sft_decisions.py.
 
 See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version").
 """

@@ -12,7 +12,7 @@ victim holds work (the scheduler's view), and measured as:
 * ``releases``: actor and stage leases granted more than once (work redone),
   ``progress``: jobs each tenant completed after the fault.
 
-:func:`audit` and :class:`FaultRig` are shared with ``tests/test_chaos.py``.
+:func:`audit` and :class:`FaultRig` are shared with ``tests/system/test_chaos.py``.
 See docs/ARCHITECTURE.md, "Health: heartbeats and in-place restarts".
 """
 

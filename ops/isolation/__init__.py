@@ -2,7 +2,7 @@
 catalogue; one module per job.
 
 One catalogue, two users: the adversarial suite (``pytest -m adversarial``,
-``tests/test_adversarial.py``) asserts every attack, and ``joynexus bench
+``tests/system/test_adversarial.py``) asserts every attack, and ``joynexus bench
 isolation --json`` (``ops/bench/isolation.py``) reports them.
 
 - :mod:`.deployment`: :class:`SecuredDeployment` (the server, the agents, the tenants'

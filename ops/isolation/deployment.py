@@ -7,7 +7,7 @@ an inference engine on the tiny backbone, the actor under a supervisor that
 counts its restarts), the tenants' dataset spaces, and what an attack needs to
 act and to look: a tenant's credentials, SDK client or bare nats-py connection,
 the security events, the server's log. It is also the fixture of
-``tests/test_security.py``. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
+``tests/system/test_security.py``. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ it. Each line holds ``role``, ``ready_s`` (seconds from this process's start to 
 role serving: interpreter start, imports, connection, layout and the role's own
 start), ``rss_mb`` and ``peak_rss_mb`` (MiB) and ``heavy`` (the libraries of
 :data:`HEAVY_MODULES` in ``sys.modules``). Exit status 1 if the role did not serve
-within ``--timeout`` or stopped before. ``tests/test_light_roles.py`` runs it; see
+within ``--timeout`` or stopped before. ``tests/agents/test_light_roles.py`` runs it; see
 docs/ARCHITECTURE.md ("Light roles").
 """
 

@@ -6,7 +6,7 @@ would spin a dozen parallel regions for the same two cores (each waits for
 whichever of its threads another process took the core from). The plan gives
 each compute role a share and everything else one thread, so the threads that
 compute add up to about the cores: :func:`thread_plan` is pure (tabled in
-tests/test_threads.py); :func:`role_thread_env` is what a launcher puts in a
+tests/unit/test_threads.py); :func:`role_thread_env` is what a launcher puts in a
 role's environment (``OMP_NUM_THREADS``, which torch also takes for its
 intra-op threads, ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, and the
 inference engine's ``$JOYNEXUS_INFER_THREADS``). ``$JOYNEXUS_CORES`` says how many cores the

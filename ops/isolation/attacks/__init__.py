@@ -4,7 +4,7 @@ Each attack runs as tenant ``acme`` against ``bolt`` and checks its own effect
 precisely where it would show (the job stream was not purged, bolt's record
 still decodes, the consumer count stayed bounded...); :data:`CATALOGUE` names
 each by the class of the issue it belongs to. The adversarial suite
-(``tests/test_adversarial.py``) and ``joynexus bench isolation`` both run this
+(``tests/system/test_adversarial.py``) and ``joynexus bench isolation`` both run this
 list. See docs/ARCHITECTURE.md ("Tenants fenced by the broker").
 """
 

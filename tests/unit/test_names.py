@@ -16,7 +16,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("agents", "broker", "schemas", "sdk", "ops")
 
 #: The subject tokens after a namespace (broker/subjects.py).

@@ -6,7 +6,7 @@ import os
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_package_under_the_import_root_is_in_the_wheel_list() -> None:
