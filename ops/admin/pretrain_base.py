@@ -274,7 +274,7 @@ def make_base(
 ) -> dict[str, Any]:
     """Render, pre-train, measure, save. Returns the report (also ``DIR/pretrain_report.json``)."""
     from joynexus.agents.models.backbone import Backbone, BackboneConfig
-    from joynexus.ops.cli.learning import Progress
+    from joynexus.ops.admin.progress import Progress
     from joynexus.schemas.errors import InvalidSpec
 
     say = log or (lambda m: None)

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.bench import stats
 from joynexus.ops.bench.server import on_server
+from joynexus.ops.measure import stats
 
 __all__ = ["bench_engines", "check_build", "main"]
 

@@ -31,7 +31,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.admin.tenants import add_tenant
-from joynexus.ops.bench.stats import percentile
+from joynexus.ops.measure.stats import percentile
 from joynexus.ops.runtime.deploy import embedded
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client

@@ -2,7 +2,7 @@
 
 - ``group_speedup`` / ``group_speedup_ci95``: grouped vs serial shared-forward
   speedup per ``"TxB"`` with its 95% interval
-  (T tenants x B samples each), from ``ops.bench.group.bench_group`` ("bench"
+  (T tenants x B samples each), from ``ops.mainjob.group.bench_group`` ("bench"
   backbone; "tiny" and a 2x2 grid with ``--quick``).
 - Request-reply through NATS: an engine in its own process (the ``joynexus
   agent inference`` code path: B=16, T=5 ms) serves 8 tenants; closed-loop
@@ -62,9 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.ops.bench import stats
 from joynexus.ops.bench.server import on_server
-from joynexus.ops.bench.stats import percentile
+from joynexus.ops.measure import stats
+from joynexus.ops.measure.stats import percentile
 
 __all__ = ["bench_inference", "main"]
 
@@ -420,7 +420,7 @@ async def bench_inference(
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench.group import bench_group
+    from joynexus.ops.mainjob.group import bench_group
 
     t_start = time.perf_counter()
     load_before = stats.load()

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.bench.stats import wilson
+from joynexus.ops.measure.stats import wilson
 
 TENANT = "acme"
 

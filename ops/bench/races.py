@@ -29,7 +29,7 @@ from nats.micro import add_service
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.fastpath import sync_server
-from joynexus.ops.bench.stats import load, round_order
+from joynexus.ops.measure.stats import load, round_order
 
 
 async def _count(

@@ -45,9 +45,9 @@ from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.broker.fastpath import sync_server
-from joynexus.ops.bench import stats
 from joynexus.ops.bench.inference import stop_engine
 from joynexus.ops.bench.server import on_server
+from joynexus.ops.measure import stats
 
 __all__ = ["bench_rr", "main", "parse_arms"]
 

@@ -24,8 +24,8 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import delete_layout, ensure_layout
-from joynexus.ops.bench import stats
-from joynexus.ops.bench.stats import percentile
+from joynexus.ops.measure import stats
+from joynexus.ops.measure.stats import percentile
 from joynexus.schemas.jobs import GlobalLimits, JobState, TaskType, WorkloadPolicy
 
 TIMED_VERBS = ("reserve", "mark", "lease_stage", "complete")

@@ -22,8 +22,8 @@ import numpy as np
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.tq import TrainingQueue
-from joynexus.ops.bench import stats
 from joynexus.ops.bench.server import on_server
+from joynexus.ops.measure import stats
 
 MB = 1024 * 1024
 TENANT = "bench"
@@ -60,7 +60,7 @@ async def bench_tq(url: str, seconds: float, sizes_mb: list[int] | None = None) 
     (its streams are deleted afterwards).
 
     Sizes are interleaved: every round writes and reads one partition of each size,
-    the order flipped each round (``ops.bench.stats``), the first round dropped, so
+    the order flipped each round (``ops.measure.stats``), the first round dropped, so
     load from elsewhere lands on every size alike. Figures are medians over rounds
     of MB/s with bootstrap 95% intervals.
     """

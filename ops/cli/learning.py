@@ -10,7 +10,9 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from joynexus.ops.admin.progress import Progress
 
 
 def register(sub: Any) -> None:
@@ -95,41 +97,6 @@ def register_bench(bsub: Any) -> None:
     bp.set_defaults(run=_bench_learning)
 
 
-class Progress:
-    """A one-line progress bar on a terminal (plain lines otherwise)."""
-
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
-        self.total = max(1, total)
-        self.label = label
-        self.stream = stream
-        self.t0 = time.perf_counter()
-        self.tty = stream.isatty()
-        self._last = -1
-
-    def __call__(self, kept: int, attempts: int) -> None:
-        frac = min(1.0, kept / self.total)
-        el = time.perf_counter() - self.t0
-        eta = el / frac - el if frac > 0 else 0.0
-        width = 30
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-        line = (f"{self.label} [{bar}] {kept}/{self.total} episodes ({attempts} tried) "
-                f"{el:.0f}s elapsed, ~{eta:.0f}s left")
-        if kept == attempts == 0:  # shown at once: the first episode waits for the renderer
-            line = f"{self.label} [{bar}] 0/{self.total} episodes, starting the simulator"
-        if self.tty:
-            self.stream.write("\r" + line)
-            self.stream.flush()
-        elif kept != self._last and (kept % max(1, self.total // 10) == 0 or kept == self.total):
-            self.stream.write(line + "\n")
-            self.stream.flush()
-        self._last = kept
-
-    def done(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _quiet_datasets() -> None:
     """lerobot saves each episode through `datasets`, which draws a bar of its own per episode."""
     try:
@@ -160,7 +127,7 @@ async def evals(args: argparse.Namespace) -> int:
                     await c.fetch_video(row["evaluation"], i, path)
                     fetched.setdefault(row["evaluation"], []).append(str(path))
     if args.plot:
-        from joynexus.ops.mainjob.plots import plot_eval_curves
+        from joynexus.ops.measure.plots import plot_eval_curves
 
         plot_eval_curves({args.workload: history}, Path(args.plot))
     if args.json:
@@ -236,4 +203,4 @@ def _bench_learning(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Progress", "evals", "register", "register_bench"]
+__all__ = ["evals", "register", "register_bench"]

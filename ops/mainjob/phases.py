@@ -24,7 +24,6 @@ from joynexus.broker.layout import (
     delete_layout,
     ensure_layout,
 )
-from joynexus.ops.bench.stats import wilson
 from joynexus.ops.mainjob.accounting import account, read_metrics, write_event_log
 from joynexus.ops.mainjob.config import (
     PaperConfig,
@@ -34,6 +33,7 @@ from joynexus.ops.mainjob.config import (
     env_kind_of,
 )
 from joynexus.ops.mainjob.deployment import RoleProcesses, wait_ready
+from joynexus.ops.measure.stats import wilson
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.jobs import GlobalLimits
 from joynexus.sdk import Client

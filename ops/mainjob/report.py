@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.mainjob.plots import (
+from joynexus.ops.measure.plots import (
     eval_points,
     parse_grid,
     plot_eval_curves,

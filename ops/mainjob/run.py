@@ -144,7 +144,7 @@ async def run_paper(
             file=sys.stderr,
             flush=True,
         )
-    from joynexus.ops.bench.group import bench_group
+    from joynexus.ops.mainjob.group import bench_group
 
     grid = await asyncio.to_thread(bench_group, quick=True, rss=False)
     results["group_speedup"] = grid["group_speedup"]

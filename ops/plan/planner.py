@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from joynexus.ops.bench.stats import percentile
+from joynexus.ops.measure.stats import percentile
 from joynexus.ops.plan.sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
 from joynexus.schemas.errors import InvalidSpec
 
@@ -303,7 +303,7 @@ def plan_from_run(run: Path, *, plots: Path | None = None,
 
 
 def _plot_timelines(path: Path, shared_r: Result, iso_r: list[Result]) -> list[str]:
-    from joynexus.ops.mainjob.plots import plot_utilization_timeline
+    from joynexus.ops.measure.plots import plot_utilization_timeline
 
     iso_iv: dict[str, list[tuple[float, float]]] = defaultdict(list)
     offset = 0.0

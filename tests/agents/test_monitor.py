@@ -26,8 +26,8 @@ from joynexus.agents.monitor import (
 )
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
-from joynexus.ops.mainjob import plots as report_plots
 from joynexus.ops.mainjob import report
+from joynexus.ops.measure import plots as report_plots
 from joynexus.ops.runtime import telemetry
 from joynexus.schemas.errors import InvalidMessage
 

@@ -303,7 +303,7 @@ def test_the_main_job_report_plots_success_against_version(tmp_path: Path) -> No
 def test_dataset_generate_progress_bar_shows_from_the_start() -> None:
     import io
 
-    from joynexus.ops.cli.learning import Progress
+    from joynexus.ops.admin.progress import Progress
 
     out = io.StringIO()
     bar = Progress(4, "PushCube-v1", out)

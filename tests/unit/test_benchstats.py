@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from joynexus.ops.bench import stats
+from joynexus.ops.measure import stats
 
 
 def test_interleaved_flips_the_order_each_round_and_drops_the_warmup() -> None:

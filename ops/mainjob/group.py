@@ -4,11 +4,11 @@ For each T x B (T tenants, B samples each): serial = T backbone forwards of
 B rows, grouped = one forward of T*B rows, each plus T head decodes. Inputs
 are prepared beforehand in both (as the engine does on arrival; reported
 apart as ``prepare_ms_per_request``). Torch threads = 2; the arms alternate
-in one loop (``ops.bench.stats``) and each speedup is a ratio of medians with
+in one loop (``ops.measure.stats``) and each speedup is a ratio of medians with
 a paired bootstrap 95% interval (``group_speedup_ci95``). ``measure_rss``
 gives the process RSS with the base plus 1 vs 8 tenant modules.
 
-    .venv/bin/python -m joynexus.ops.bench.group [--quick]
+    .venv/bin/python -m joynexus.ops.mainjob.group [--quick]
 
 See docs/ARCHITECTURE.md, "The Inference Queue" (the grid's figures).
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from joynexus.ops.bench import stats
+from joynexus.ops.measure import stats
 
 __all__ = ["bench_group", "main", "measure_rss"]
 
