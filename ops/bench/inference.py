@@ -90,6 +90,28 @@ def sample_schema(base_model: str) -> Any:
     return FeatureSchema(SLOTS, HW, 8, 7, 8, base_model=base_model)
 
 
+def real_request_payload() -> bytes:
+    """The bytes of one Inference Queue request as the bench's tenants send it."""
+    from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
+
+    o = sample_obs(0)
+    req = InferRequest(
+        tenant_id="t0",
+        workload="default",
+        session_id="",
+        schema_signature=sample_schema("qwen2.5-vl-tiny").signature(),
+        policy_version=None,
+        observation=Observation(
+            images={s: TensorBytes.from_array(x) for s, x in o["images"].items()},
+            instruction=o["instruction"],
+            state=TensorBytes.from_array(o["state"]),
+            history=None,
+        ),
+        noise=None,
+    )
+    return encode_msgpack(req)
+
+
 def sample_module(tenant: str, i: int, feature_dim: int) -> Any:
     from joynexus.agents.models.heads import HeadConfig, TenantModule
 
@@ -220,8 +242,6 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     fast_respond = engine.rpc.respond  # the product's: a FastResponder (None: nats-py's)
     # The broker's floor: the same request bytes, on the same two connections and in
     # the same rounds, answered at once with a reply of the engine's size (no engine).
-    from joynexus.ops.bench.rr import real_request_payload
-
     echo_subject = f"{b.names.namespace}.bench.echo"
     echo_payload = real_request_payload()
     echo_reply = b"r" * 400

@@ -45,7 +45,7 @@ from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.broker.fastpath import sync_server
-from joynexus.ops.bench.inference import stop_engine
+from joynexus.ops.bench.inference import real_request_payload, stop_engine
 from joynexus.ops.bench.server import on_server
 from joynexus.ops.measure import stats
 
@@ -65,29 +65,6 @@ ENGINE_ARMS: dict[str, tuple[int, dict[str, str], bool]] = {
 #: stream limits JetStream reserves on disk (~9 GiB each): four of them beside a
 #: deployment's own overran the embedded server's store here.
 DEFAULT_ARMS = ("threads2", "fastpath", "threads1")
-
-
-def real_request_payload() -> bytes:
-    """The bytes of one Inference Queue request as the bench's tenants send it."""
-    from joynexus.ops.bench.inference import sample_obs, sample_schema
-    from joynexus.schemas.inference import InferRequest, Observation, TensorBytes, encode_msgpack
-
-    o = sample_obs(0)
-    req = InferRequest(
-        tenant_id="t0",
-        workload="default",
-        session_id="",
-        schema_signature=sample_schema("qwen2.5-vl-tiny").signature(),
-        policy_version=None,
-        observation=Observation(
-            images={s: TensorBytes.from_array(x) for s, x in o["images"].items()},
-            instruction=o["instruction"],
-            state=TensorBytes.from_array(o["state"]),
-            history=None,
-        ),
-        noise=None,
-    )
-    return encode_msgpack(req)
 
 
 def _stats_of(ts: Mapping[str, Sequence[float]], base: str) -> dict[str, Any]:
