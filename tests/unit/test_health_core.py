@@ -7,6 +7,7 @@ test_chaos.py.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from joynexus.agents.health import HealthCore, Heartbeat, RestartBudget
@@ -85,3 +86,45 @@ def test_core_exit_burst_reconnect_and_watch_mode() -> None:
     assert d.action == "lost" and w.check(4.0) == []
     [d] = w.on_beat(_hb("x", 5, beats=2), 5.0)
     assert d.action == "recovered"
+
+
+# (what, beat's loop lag, seconds since the last beat or start, runnable, restart?)
+TIMING_ROWS = [
+    # start_grace_s (20): a started process that never beats
+    ("start", None, 19.9, False, False),
+    ("start", None, 20.1, False, True),
+    # busy_miss_s (8): late beats of a runnable process are a busy one, until 8 s
+    ("late", None, 2.6, True, False),
+    ("late", None, 7.9, True, False),
+    ("late", None, 8.1, True, True),
+    ("late", None, 2.6, False, True),  # not runnable: missing at miss_after x heartbeat_s
+    # hang_after_s (5): beats that say the event loop has not run for that long
+    ("lag", 4.9, 0.0, True, False),
+    ("lag", 5.1, 0.0, True, True),
+]
+
+
+@pytest.mark.parametrize(("what", "lag", "after", "runnable", "restart"), TIMING_ROWS)
+def test_the_timing_bounds(
+    what: str, lag: float | None, after: float, runnable: bool, restart: bool
+) -> None:
+    """``start_grace_s``, ``busy_miss_s`` and ``hang_after_s`` each at both sides of
+    their bound; the reason names the bound that was passed."""
+    core = HealthCore(heartbeat_s=1.0, miss_after=2.5, start_grace_s=20.0, busy_miss_s=8.0,
+                      hang_after_s=5.0)
+    core.own("actor", "actor-0")
+    core.on_started("actor-0", 0.0, 10)
+    if what == "start":
+        out = core.check(after)
+        want = "no heartbeat within 20s of start"
+    elif what == "late":
+        assert core.on_beat(_hb("actor-0", 10), 0.0) == []
+        out = core.check(after, {"actor-0": runnable})
+        want = "(> 8s while runnable)" if runnable else "(> 2.5 x 1s)"
+    else:
+        hb = msgspec.structs.replace(_hb("actor-0", 10), loop_lag_s=lag)
+        out = core.on_beat(hb, 0.0)
+        want = "event loop frozen for"
+    assert [d.action for d in out] == (["restart"] if restart else [])
+    if restart:
+        assert want in out[0].reason, out[0].reason
