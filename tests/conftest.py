@@ -88,6 +88,21 @@ def tmp_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _clearml_env_stays_in_its_test() -> Iterator[None]:
+    """ClearML's Task.init, run in-process by a monitor test, sets CLEARML_PROC_MASTER_ID,
+    CLEARML_OFFLINE_MODE (and their TRAINS_ twins) in os.environ; every process a later
+    test starts inherits them, and its monitor's ClearML task then fails to start (it
+    takes itself for a subprocess of the first). Each test gets the environment's
+    ClearML variables as they were before it."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(("CLEARML_", "TRAINS_"))}
+    yield
+    for k in [k for k in os.environ if k.startswith(("CLEARML_", "TRAINS_"))]:
+        if k not in before:
+            del os.environ[k]
+    os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 async def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> AsyncIterator[None]:
     """If a test is about to hit its time limit, print where every asyncio task waits."""
     import asyncio
