@@ -25,7 +25,7 @@ import pytest
 
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
-from joynexus.broker.layout import delete_layout, ensure_layout
+from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
 from joynexus.broker.permissions import hash_password, new_password
 from joynexus.ops.runtime.deploy import Endpoint, embedded
 from joynexus.schemas.base import decode, encode
@@ -315,7 +315,9 @@ async def test_a_deleted_namespace_takes_its_tenants_out_of_the_server(
     other = await Broker.connect(endpoint.url, name="admin-gone", namespace="gone",
                                  credentials=endpoint.admin)
     try:
-        await ensure_layout(other)
+        # A small namespace: the store reserves what its streams may hold.
+        await ensure_layout(other, LayoutOptions(tq_max_bytes=64 << 20,
+                                                 metrics_max_bytes=64 << 20))
         password = new_password()
         kv = await other.js.key_value(other.names.identities_bucket)
         rev = await kv.put("tia", encode(TenantIdentity(
