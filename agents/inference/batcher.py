@@ -130,6 +130,15 @@ def split(p: Pending, rows: int) -> list[Pending]:
     ]
 
 
+def part_rows(max_rows: int) -> int:
+    """The rows of a large request's parts for batches of at most ``max_rows``: half of
+    it. A tenant alone still fills a batch (two parts), but a batch that a 1-row
+    request shares with a large one's part holds about half the rows, so the small
+    request's forward costs about half a full batch: it waits for the batch running
+    when it came plus about half of one, not two whole ones."""
+    return max(1, max_rows // 2)
+
+
 @dataclass(frozen=True)
 class Choice:
     """Run ``take`` (indices into the queue, in batch order) now, or wait until ``until``

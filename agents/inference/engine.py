@@ -28,7 +28,7 @@ from nats.micro import add_service
 from opentelemetry import trace
 
 from joynexus.agents.inference import batcher
-from joynexus.agents.inference.batcher import Pending
+from joynexus.agents.inference.batcher import Pending, part_rows
 from joynexus.agents.inference.compute import (
     ForwardThread,
     ForwardTimes,
@@ -164,7 +164,7 @@ class InferenceEngine:
         )
         self.intake = Intake(
             broker, self.rpc, self.cache, self.quotas, self.stats,
-            instance=instance, max_queue=max_queue, part_rows=max_rows,
+            instance=instance, max_queue=max_queue, part_rows=part_rows(max_rows),
         )
         # Batch number in which each tenant was last served (turn-taking).
         self._last_served: dict[str, int] = {}

@@ -1,7 +1,9 @@
 """``joynexus bench isolation``: the attack catalogue against a live deployment (JSON).
 
 Runs every attack of :data:`joynexus.ops.isolation.CATALOGUE` (the one the
-adversarial suite asserts) against a fresh secured embedded deployment, or
+adversarial suite asserts) against a fresh secured embedded deployment (its
+agents one process per role, as `joynexus up` runs them, unless ``--agents
+in-process``), or
 against ``--nats URL`` with the admin credentials (the service's agents must
 be running, and ``--datasets-root`` is their datasets root on this machine).
 Each attack follows a baseline window of the victim tenant's probe in the
@@ -43,6 +45,7 @@ async def bench_isolation(
     only: list[str] | None = None,
     progress: bool = False,
     baseline_s: float = 2.0,
+    processes: bool = True,
 ) -> dict[str, Any]:
     if url and creds is None:
         from joynexus.broker.credentials import from_env_or_file
@@ -55,7 +58,7 @@ async def bench_isolation(
     rows: list[dict[str, Any]] = []
     async with SecuredDeployment(
         namespace=namespace, url=url, admin_creds=creds, service_creds=service_creds,
-        datasets_root=datasets_root,
+        datasets_root=datasets_root, processes=processes,
     ) as dep:
         victim = await prepare(dep)
         try:
@@ -88,6 +91,8 @@ async def bench_isolation(
         "victim_target": {"p50_ratio": P50_TARGET, "p99_ratio": P99_TARGET,
                           "train_rate_ratio": TRAIN_RATE_TARGET},
         "attacks_within_target": sum(1 for r in tried if r.get("within_target")),
-        "deployment": "external" if url else "embedded (fresh, secured)",
+        "deployment": "external" if url else (
+            "embedded (fresh, secured), "
+            + ("one process per role" if processes else "agents in the bench's process")),
         "seconds": round(time.monotonic() - t0, 1),
     }

@@ -103,6 +103,12 @@ def register(sub: Any) -> None:
             bp.add_argument(
                 "--only", metavar="NAMES", default="", help="comma-separated attack names"
             )
+            bp.add_argument(
+                "--agents", choices=("processes", "in-process"), default="processes",
+                help="the fresh deployment's agents: one process per role, as `joynexus up` "
+                "runs them (default), or all in the bench's process (quicker to start; the "
+                "victim's probe then shares their event loop)",
+            )
         bp.set_defaults(run=RUNNERS[name])
     learning.register_bench(bsub)  # `bench learning`
 
@@ -198,6 +204,7 @@ def _isolation(args: argparse.Namespace) -> int:
         service_creds=args.service_creds, datasets_root=args.datasets_root,
         namespace=args.namespace, progress=not args.json,
         only=[n for n in args.only.split(",") if n] or None,
+        processes=args.agents == "processes",
     ))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

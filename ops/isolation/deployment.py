@@ -91,15 +91,21 @@ class RawConn:
 
 
 class _LogBytes(logging.Handler):
-    """Counts the bytes of the log records this process emits (warnings and up)."""
+    """Counts the bytes of the log records this process emits (warnings and up), and
+    those its agent processes wrote to their logs (``others``)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.bytes = 0
+        self.own = 0
+        self.others: Callable[[], int] = lambda: 0
+
+    @property
+    def bytes(self) -> int:
+        return self.own + self.others()
 
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(Exception):
-            self.bytes += len(record.getMessage())
+            self.own += len(record.getMessage())
 
 
 class SecuredDeployment:
@@ -124,6 +130,7 @@ class SecuredDeployment:
         lease_ttl_s: float = 10.0,
         open_job_ttl_s: float = 8.0,
         prefetch_dataset: bool = True,
+        processes: bool = False,
     ) -> None:
         self.names = Names(namespace)
         self.namespace = namespace
@@ -136,6 +143,10 @@ class SecuredDeployment:
         self.lease_ttl_s = lease_ttl_s
         self.open_job_ttl_s = open_job_ttl_s
         self.prefetch_dataset = prefetch_dataset
+        #: The agents in processes of their own (:mod:`.processes`), as in production,
+        #: instead of in this process.
+        self.processes = processes
+        self.agents: Any = None
         self.ep: Any = None
         self.admin: Broker = None  # type: ignore[assignment]
         self.service: Broker | None = None
@@ -145,7 +156,7 @@ class SecuredDeployment:
         self.quotas: dict[str, dict[str, Any]] = {}
         self.clients: dict[str, Client] = {}
         #: The actor of this process: how often it died and was started again, and why.
-        self.actor_restarts: int | None = None
+        self._actor_restarts: int | None = None
         self.actor_errors: list[str] = []
         self.actor: Any = None
         self.scoped_datasets = True
@@ -166,6 +177,12 @@ class SecuredDeployment:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    @property
+    def actor_restarts(self) -> int | None:
+        """How often the actor died and was started again (None: not known, for an
+        external deployment)."""
+        return self.agents.restarts if self.agents is not None else self._actor_restarts
 
     @property
     def data(self) -> Path:
@@ -252,6 +269,10 @@ class SecuredDeployment:
         self.service = await Broker.connect(self.url, name="iso-service",
                                             namespace=self.namespace, credentials=ep.service)
         st.push_async_callback(self.service.close)
+        if self.processes:
+            assert control_creds is not None
+            await self._launch_processes(control_creds)
+            return
         control_b = await Broker.connect(self.url, name="iso-control",
                                          namespace=self.namespace, credentials=control_creds)
         st.push_async_callback(control_b.close)
@@ -272,10 +293,23 @@ class SecuredDeployment:
         pool = EnginePool(self.service, backbone, max_batch=8, max_wait_ms=5)
         await pool.scale_to(1)
         st.push_async_callback(pool.close)
-        self.actor_restarts = 0
+        self._actor_restarts = 0
         task = asyncio.create_task(self._supervise_actor(backbone))
         self._tasks.append(task)
         st.push_async_callback(self._stop_tasks)
+
+    async def _launch_processes(self, control_creds: Credentials) -> None:
+        from joynexus.ops.isolation.processes import AgentProcesses
+
+        assert self.service is not None and self.service_creds is not None
+        self.agents = AgentProcesses(
+            self.url, self.namespace, self.data / "agents", service=self.service_creds,
+            control=control_creds, datasets_root=self.datasets_root, lease_ttl_s=self.lease_ttl_s,
+        )
+        self._stack.push_async_callback(self.agents.stop)
+        await self.agents.start(self.service)
+        self.actor_errors = self.agents.errors
+        self.log_bytes.others = lambda: self.agents.log_bytes
 
     async def _supervise_actor(self, backbone: Any) -> None:
         """The actor, started again whenever it dies (what the health manager does),
@@ -292,8 +326,8 @@ class SecuredDeployment:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                assert self.actor_restarts is not None
-                self.actor_restarts += 1
+                assert self._actor_restarts is not None
+                self._actor_restarts += 1
                 self.actor_errors.append(f"{type(e).__name__}: {str(e)[:300]}")
                 log.warning("isolation: the actor died (%s); starting it again", e)
                 await asyncio.sleep(0.5)

@@ -109,14 +109,110 @@ async def fill_queue(creds: str, workload: str, *, limit_bytes: int, seconds: fl
     return {**outcomes, "pushed_mib": pushed // MiB}
 
 
+async def long_strings(creds: str, workload: str, *, signature: str, claim: str) -> dict[str, int]:
+    """190 requests carrying 1 MB strings where names go (a claimed tenant ``claim``
+    + 1 MB, a workload name, a job id), then 10 connections that each publish on a
+    subject with a 1 MB token (the server drops them). Counts: ``sent``, ``subjects``."""
+    import contextlib
+
+    import msgspec
+    import nats
+
+    from joynexus.ops.isolation.deployment import MODEL, MiB
+    from joynexus.ops.isolation.kit import infer_request
+    from joynexus.sdk import Client
+
+    client = await Client.connect(credentials=creds)
+    n, nc, tenant = client._b.names, client._b.nc, client.tenant
+    big = "x" * MiB
+    payloads = (
+        (n.infer(MODEL, tenant), infer_request(tenant, workload, signature, 1, claim=claim + big)),
+        (n.api(tenant, "get_workload"), msgspec.json.encode({"name": big})),
+        (n.api(tenant, "close_job"), msgspec.json.encode({"job_id": big})),
+    )
+    sent = 0
+    try:
+        for i in range(190):
+            subject, payload = payloads[i % 3]
+            await nc.publish(subject, payload, reply=nc.new_inbox())
+            sent += 1
+            if i % 20 == 19:
+                await nc.flush()
+        await nc.flush()
+    finally:
+        await client.close()
+    from joynexus.broker.credentials import Credentials
+
+    c = Credentials.load(creds)
+    subjects = 0
+    for _ in range(10):  # a 1 MB subject token: one connection each
+        try:
+            r = await nats.connect(c.url or "", user=c.user, password=c.password,
+                                   inbox_prefix=n.inbox_prefix(tenant),
+                                   max_reconnect_attempts=0, allow_reconnect=False,
+                                   connect_timeout=5)
+            with contextlib.suppress(Exception):
+                await r.publish(n.api(tenant, "v" * MiB), b"{}")
+                await r.flush(timeout=2)
+            with contextlib.suppress(Exception):
+                await r.close()
+        except Exception:
+            pass
+        subjects += 1
+    return {"sent": sent, "subjects": subjects}
+
+
+async def burst(creds: str, *, total: int = 2000, wait_s: float = 45.0) -> dict[str, int]:
+    """``total`` fire-and-forget requests at once, alternately ``list_workloads`` and a
+    ``create_workload`` that fails its checks, with replies to the tenant's own inbox;
+    counts the replies by error code (``ok``: none) and their number (``replies``)."""
+    import contextlib
+
+    import msgspec
+
+    from joynexus.schemas.base import decode
+    from joynexus.schemas.workloads import ApiReply
+    from joynexus.sdk import Client
+
+    client = await Client.connect(credentials=creds)
+    n, nc, tenant = client._b.names, client._b.nc, client.tenant
+    codes: Counter[str] = Counter()
+    done = asyncio.Event()
+
+    async def on_reply(msg: Any) -> None:
+        try:
+            r = decode(msg.data, ApiReply)
+            codes[r.error.code if r.error else "ok"] += 1
+        except Exception:
+            codes["undecodable"] += 1
+        if sum(codes.values()) >= total:
+            done.set()
+
+    prefix = n.inbox_prefix(tenant)
+    await nc.subscribe(f"{prefix}.flood.>", cb=on_reply, pending_msgs_limit=100_000)
+    bad_create = msgspec.json.encode(
+        {"spec": {"name": "flood", "task_type": "sft", "dataset": "no-such-dataset"}})
+    try:
+        for i in range(total):
+            verb, body = ("list_workloads", b"{}") if i % 2 else ("create_workload", bad_create)
+            await nc.publish(n.api(tenant, verb), body, reply=f"{prefix}.flood.{i}")
+        await nc.flush()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), wait_s)
+        await asyncio.sleep(0.5)
+    finally:
+        await client.close()
+    return {**codes, "replies": sum(codes.values())}
+
+
 async def run_flood(creds_file: Path, kind: str, workload: str, *, lanes: int = 1,
                     seconds: float, rows: int = 64, instruction: str = "", signature: str = "",
-                    limit_mib: int = 512) -> dict[str, int]:
+                    limit_mib: int = 512, claim: str = "") -> dict[str, int]:
     """Run :func:`flood` in a subprocess; its outcome counts."""
     cmd = [sys.executable, "-m", "joynexus.ops.isolation.flood", "--creds", str(creds_file),
            "--kind", kind, "--workload", workload, "--lanes", str(lanes),
            "--seconds", str(seconds), "--rows", str(rows), "--instruction", instruction,
-           "--signature", signature, "--limit-mib", str(limit_mib)]
+           "--signature", signature, "--limit-mib", str(limit_mib), "--claim", claim]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), seconds + 120)
@@ -129,9 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m joynexus.ops.isolation.flood",
                                  description="One tenant's flood within its quota (JSON counts).")
     ap.add_argument("--creds", required=True, help="the tenant's credentials file")
-    ap.add_argument("--kind", choices=("act", "get_policy", "tq"), required=True,
+    ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst"),
+                    required=True,
                     help="act: inference requests; get_policy: control-plane reads; tq: fill "
-                    "the Training Queue up to --limit-mib (or the quota)")
+                    "the Training Queue up to --limit-mib (or the quota); strings: 1 MB "
+                    "strings where names go; burst: 2,000 control-plane requests at once")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -139,8 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instruction", default="", help="act: the instruction")
     ap.add_argument("--signature", default="", help="act: the workload's schema signature")
     ap.add_argument("--limit-mib", type=int, default=512, help="tq: stop after this many MiB")
+    ap.add_argument("--claim", default="", help="strings: the tenant an inference request claims")
     a = ap.parse_args(argv)
-    if a.kind == "tq":
+    if a.kind == "burst":
+        counts = asyncio.run(burst(a.creds))
+    elif a.kind == "strings":
+        counts = asyncio.run(long_strings(a.creds, a.workload, signature=a.signature,
+                                          claim=a.claim))
+    elif a.kind == "tq":
         counts = asyncio.run(fill_queue(a.creds, a.workload, limit_bytes=a.limit_mib << 20,
                                         seconds=a.seconds))
     else:

@@ -1130,7 +1130,7 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
     broker: Broker, make_engine: Callable[..., Any], backbone: Any
 ) -> None:
     """A request of more rows than the engine's ``max_rows`` runs as parts of at most
-    that many (no forward is larger), answered once with every row's actions, equal to
+    half that many (``part_rows``: no forward is larger than ``max_rows``), answered once with every row's actions, equal to
     what it gets served whole; another tenant's 1-row request queued behind it rides
     in the batch after the first part, not after all of them (issue 24)."""
     store = PolicyStore(broker)
@@ -1143,9 +1143,9 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
     noise = np.random.default_rng(5).standard_normal((10, 8, 7)).astype(np.float32)
     hold = await hold_busy(gated, client, "b")
     whole_task = asyncio.ensure_future(client.request("a", schema=SCHEMA, noise=noise, **big))
-    await queued(engine, 3)  # 10 rows: parts of 4, 4 and 2
+    await queued(engine, 5)  # 10 rows: five parts of 2
     victim_task = asyncio.ensure_future(client.request("b", schema=SCHEMA, **make_obs(99)))
-    await queued(engine, 4)
+    await queued(engine, 6)
     gated.gate.set()
     whole, victim = await whole_task, await victim_task
     await hold
@@ -1155,7 +1155,7 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
                                              .module, big, noise), atol=ATOL, rtol=0)
     assert max(engine.stats.batch_sizes) <= 2 and engine.stats.rows <= 10 + 2
     # b's request went in the first batch after the gate (with a's first part): it did
-    # not wait for a's three parts; a's answer came with its last part's batch.
+    # not wait for a's five parts; a's answer came with its last part's batch.
     b_batch = int(victim.batch.batch_id.rsplit("-", 1)[-1])
     a_last = int(whole.batch.batch_id.rsplit("-", 1)[-1])
     assert b_batch < a_last, (b_batch, a_last)

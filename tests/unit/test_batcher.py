@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from joynexus.agents.inference.batcher import Arrival, Choice, choose, plan, served
+from joynexus.agents.inference.batcher import (
+    Arrival,
+    Choice,
+    choose,
+    part_rows,
+    plan,
+    served,
+)
 
 
 def q(*items: str, t: float = 0.0, busy: bool = False) -> list[Arrival]:
@@ -153,6 +160,30 @@ def test_plan_bounds_rows(
     want: tuple[int, ...],
 ) -> None:
     assert tuple(plan(queue, last_served, 16, max_rows)) == want
+
+
+@pytest.mark.parametrize(("max_rows", "want"), [(16, 8), (17, 8), (2, 1), (1, 1)])
+def test_large_requests_split_into_half_batches(max_rows: int, want: int) -> None:
+    assert part_rows(max_rows) == want
+
+
+@pytest.mark.parametrize(
+    ("queue", "last_served", "want_rows"),
+    [
+        # a flood's 64-row requests as parts of 8 (max_rows 16): alone, two fill a batch
+        (r(*["m8"] * 8), {}, 16),
+        # the victim's 1-row request rides with one part, not two: 9 rows, not 17
+        (r(*["m8"] * 8, "v1"), {"m": 1}, 9),
+        (r(*["m8"] * 8, "v1"), {"v": 1}, 9),
+    ],
+)
+def test_a_small_request_rides_with_half_a_batch(
+    queue: list[Arrival], last_served: dict[str, int], want_rows: int,
+) -> None:
+    take = plan(queue, last_served, 16, 16)
+    assert sum(queue[i].rows for i in take) == want_rows
+    if any(a.tenant == "v" for a in queue):
+        assert len(queue) - 1 in take
 
 
 def test_a_full_row_batch_runs_without_waiting_for_company() -> None:
