@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from joynexus.schemas.errors import InvalidSpec
 
-Kind = Literal["tenant", "service", "control", "responder", "admin"]
+Kind = Literal["tenant", "service", "control", "responder", "admin", "system"]
 
 #: Environment variable naming a credentials file, used when no --creds is given.
 CREDS_ENV = "JOYNEXUS_CREDS"

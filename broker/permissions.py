@@ -121,18 +121,26 @@ class User:
     permissions: dict[str, Any] | None = None
 
 
-def render_authorization(users: list[User]) -> str:
-    """An ``authorization`` block for nats-server's config (its format accepts JSON values)."""
+def render_authorization(users: list[User], system: User | None = None) -> str:
+    """An ``authorization`` block for nats-server's config (its format accepts JSON
+    values); with ``system``, first the system account ``SYS`` holding that one user
+    (it reads the server's connections and closes those over a tenant's cap)."""
     lines = []
     for u in users:
         entry: dict[str, Any] = {"user": u.user, "password": u.password_hash}
         if u.permissions is not None:
             entry["permissions"] = u.permissions
         lines.append("    " + json.dumps(entry))
+    sys_block = ""
+    if system is not None:
+        sys_user = json.dumps({"user": system.user, "password": system.password_hash})
+        sys_block = (f"accounts {{\n  SYS {{\n    users = [\n      {sys_user}\n    ]\n  }}\n}}\n"
+                     "system_account: SYS\n")
     return (
         "# Written by joynexus (the auth sync of the server's owner); do not edit:\n"
         "# `joynexus tenant add/rm` change it through the control plane.\n"
-        "authorization {\n  users = [\n" + "\n".join(lines) + "\n  ]\n}\n"
+        + sys_block
+        + "authorization {\n  users = [\n" + "\n".join(lines) + "\n  ]\n}\n"
     )
 
 

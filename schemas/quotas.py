@@ -63,6 +63,9 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     #: Of those, how many do their work at once on a control plane (the rest wait
     #: their turn, in order): the tenant's share of the control plane's time.
     max_requests_working: int = 2
+    #: Connections to the server at once (all the tenant's clients together): past
+    #: it the newest are closed (ops/runtime/conncap.py).
+    max_connections: int = 32
     #: The directory under which this tenant's SFT datasets must live
     #: (empty: ``<datasets root>/<tenant>``, the service's default).
     dataset_root: str = ""

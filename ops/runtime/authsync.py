@@ -45,6 +45,7 @@ from joynexus.broker.subjects import (
     Names,
     kv_subject,
 )
+from joynexus.ops.runtime.conncap import Capped, ConnectionCap
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import (
@@ -54,6 +55,7 @@ from joynexus.schemas.identities import (
     is_applied_key,
 )
 from joynexus.schemas.jobs import check_name
+from joynexus.schemas.quotas import DEFAULT_QUOTA
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ def bootstrap(
             ("responder", names.responder_user),
             ("service", names.service_user),
             ("control", names.control_user),
+            ("system", system_user(names)),
         )
     }
     admin, service = creds["admin"], creds["service"]
@@ -86,6 +89,11 @@ def bootstrap(
     if not conf.exists() or not _has_all(conf, creds.values()):
         write_auth(conf, names, admin, service, [])
     return admin, service
+
+
+def system_user(names: Names) -> str:
+    """The server's system-account user (reads its connections: :mod:`.conncap`)."""
+    return f"{names.namespace}-system"
 
 
 def _has_all(conf: Path, creds: Any) -> bool:
@@ -168,10 +176,16 @@ def write_auth(
         User(t.user, t.password_hash, tenant_permissions(ns, t.tenant_id))
         for t, ns in sorted(tenants, key=lambda x: x[0].user)
     ]
+    system = None
+    sys_path = path.parent / CREDS_DIR / "system.json"
+    if sys_path.exists():
+        c = Credentials.load(sys_path)
+        assert c.user and c.password
+        system = User(c.user, _hash_cached(c.password))
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(render_authorization(users))
+        f.write(render_authorization(users, system))
     os.replace(tmp, path)
 
 
@@ -228,6 +242,8 @@ class AuthSync:
         self._backoff: dict[str, tuple[int, float]] = {}
         #: refusal log lines dropped (the queue was full), reported as a count
         self.dropped = 0
+        #: each tenant's connections capped (None: no system account on this server)
+        self.conncap: ConnectionCap | None = None
 
     # -- the server's log (called from its pump thread)
     def on_log_line(self, line: str) -> None:
@@ -282,6 +298,16 @@ class AuthSync:
             source="nats-server",
         )
 
+    def caps(self) -> dict[str, Capped]:
+        """Each tenant user's connection cap (its quota's ``max_connections``)."""
+        out = {}
+        for bucket, tenants in self._tenants.items():
+            names = _bucket_names(bucket)
+            for t in tenants.values():
+                quota = t.quota or DEFAULT_QUOTA
+                out[t.user] = Capped(names, t.tenant_id, quota.max_connections)
+        return out
+
     def _names_of_user(self, user: str) -> Names:
         """The deployment a user belongs to (``<ns>.<tenant>``), when it is one this
         server has an identities bucket of; else this auth sync's own (a claimed
@@ -300,6 +326,11 @@ class AuthSync:
             asyncio.ensure_future(self._report_refusals()),
             asyncio.ensure_future(self._apply_loop()),
         ]
+        system = credentials_path(self.server.data_dir, "system")
+        if system.exists():  # each tenant's connections capped (its quota)
+            cap = ConnectionCap(self.b, Credentials.load(system), self.server.url, self.caps)
+            self.conncap = cap
+            tasks.append(asyncio.ensure_future(cap.run(stop)))
         watchers: dict[str, asyncio.Task[None]] = {}
         # A new identities bucket (a deployment's ensure_layout) is found at once from
         # JetStream's stream-created advisory; the periodic listing is the fallback.

@@ -11,6 +11,7 @@ event, and neither tenant's training stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -640,3 +641,44 @@ async def test_operator_quota_and_priority_class(secure: Secure) -> None:
     await until(lambda: any("identities" in e.lower() for e in errors), 10,
                 "the service identity's refusal on the identities bucket")
     await svc.close()
+
+
+async def test_a_tenants_connections_are_capped_and_others_keep_theirs(secure: Secure) -> None:
+    """A tenant past its ``max_connections`` quota: its newest connections are closed
+    within seconds (the ones it had first stay), a security event says so, and another
+    tenant's connections, the service's and the victim's calls are untouched (issue 24:
+    300 extra connections from one tenant were all accepted)."""
+    from joynexus.ops.admin.tenants import set_tenant
+    from joynexus.schemas.quotas import Quota
+
+    creds = await secure.issue("conn")
+    await secure.issue("conv")
+    await set_tenant(secure.admin, "conn", Quota(max_connections=3))
+    sync = secure.ep.sync.sync  # the auth sync (in its thread)
+    assert sync.conncap is not None
+
+    def capped() -> bool:
+        cap = sync.caps().get(creds.user or "")
+        return cap is not None and cap.cap == 3
+
+    await until(capped, 10, "the cap applied")
+    other = [await secure.raw("conv") for _ in range(5)]
+    first = [await secure.raw("conn") for _ in range(3)]
+    await asyncio.sleep(1.5)
+    assert all(c.nc.is_connected for c in first + other)
+    flood = []
+    for _ in range(12):
+        with contextlib.suppress(Exception):
+            flood.append(await secure.raw("conn"))
+    try:
+        await until(lambda: sum(c.nc.is_connected for c in flood) == 0, 15,
+                    "the excess connections closed")
+        assert all(c.nc.is_connected for c in first), "the tenant's first connections stay"
+        assert all(c.nc.is_connected for c in other), "another tenant's connections stay"
+        await secure.wait_security("conn", lambda e: "max_connections" in e.get("reason", ""),
+                                   "the excess filed", within=15)
+        conv = await secure.client("conv")
+        assert isinstance(await conv.list_workloads(), list)
+    finally:
+        for c in first + other + flood:
+            await c.close()
