@@ -25,6 +25,12 @@ from joynexus.ops.isolation.attacks.inputs import (
     attack_hostile_bodies,
     attack_non_finite_wait,
 )
+from joynexus.ops.isolation.attacks.limits import (
+    attack_bad_seed,
+    attack_connections,
+    attack_event_position,
+    attack_service_inbox_reply,
+)
 from joynexus.ops.isolation.attacks.quotas import attack_quotas
 from joynexus.ops.isolation.attacks.shares import (
     attack_control_reads,
@@ -55,6 +61,11 @@ CATALOGUE: list[Attack] = [
     Attack("non_finite_wait", attack_non_finite_wait, "7: a non-finite wait_s parks", 60),
     Attack("hostile_bodies", attack_hostile_bodies, "7: internal errors on hostile input", 60),
     Attack("bad_identity_record", attack_bad_identity_record, "2: revocation stops silently", 60),
+    Attack("connections", attack_connections, "24: connections past the tenant's cap", 90),
+    Attack("service_inbox_reply", attack_service_inbox_reply,
+           "24: replies into the service's inbox space", 30),
+    Attack("event_position", attack_event_position, "24: the job stream's position leaks", 30),
+    Attack("bad_seed", attack_bad_seed, "24: a spec accepted that later breaks", 30),
     # Last: when it does not hold it purges the job log and deletes streams.
     Attack("reply_subject", attack_reply_subject, "1: replies to any subject", 60),
 ]
@@ -65,7 +76,10 @@ __all__ = [
     "CATALOGUE",
     "HOSTILE_BODIES",
     "attack_bad_identity_record",
+    "attack_bad_seed",
+    "attack_connections",
     "attack_control_reads",
+    "attack_event_position",
     "attack_failed_logins",
     "attack_foreign_dataset",
     "attack_hostile_bodies",
@@ -78,5 +92,6 @@ __all__ = [
     "attack_quotas",
     "attack_reply_subject",
     "attack_request_flood",
+    "attack_service_inbox_reply",
     "attack_service_reads_admin_inbox",
 ]

@@ -52,6 +52,7 @@ HOSTILE_BODIES: tuple[tuple[str, bytes, bool], ...] = (
     ("a list", b"[1, 2]", False),
     ("wrong types", b'{"name": {"$gt": ""}, "job_id": 5, "workload": [], "spec": "x"}', False),
     ("deep nesting", b"[" * 5000 + b"]" * 5000, False),
+    ("deeper nesting", b'{"a":' * 8000 + b"1" + b"}" * 8000, False),  # the review's 8,000
     ("msgpack garbage", b"\xc1\xc1\xc1", True),
     ("huge numbers", b'{"after_seq": 1e400, "limit": -99999999999999999999, '
                      b'"offset": -5, "sample_count": 1e300}', False),
