@@ -147,6 +147,8 @@ class SecuredDeployment:
         #: instead of in this process.
         self.processes = processes
         self.agents: Any = None
+        #: Roles started on demand (:meth:`start_role`) beside in-process agents.
+        self.extra_agents: Any = None
         self.ep: Any = None
         self.admin: Broker = None  # type: ignore[assignment]
         self.service: Broker | None = None
@@ -310,6 +312,27 @@ class SecuredDeployment:
         await self.agents.start(self.service)
         self.actor_errors = self.agents.errors
         self.log_bytes.others = lambda: self.agents.log_bytes
+
+    async def start_role(self, role: str) -> bool:
+        """One more agent role in a process of its own, once (e.g. the evaluator, which
+        only the periodic-evaluation attack needs); False for an external deployment,
+        whose operator runs its roles."""
+        from joynexus.ops.isolation.processes import AgentProcesses
+
+        if self.external:
+            return False
+        procs = self.agents or self.extra_agents
+        if procs is None:
+            assert self.service is not None and self.service_creds is not None
+            procs = self.extra_agents = AgentProcesses(
+                self.url, self.namespace, self.data / "agents-extra",
+                service=self.service_creds, control=self.service_creds,
+                datasets_root=self.datasets_root, roles=())
+            self._stack.push_async_callback(procs.stop)
+            await procs.start(self.service)
+        if role not in procs.procs:
+            procs.spawn(role)
+        return True
 
     async def _supervise_actor(self, backbone: Any) -> None:
         """The actor, started again whenever it dies (what the health manager does),

@@ -34,6 +34,8 @@ from joynexus.ops.runtime.threads import role_thread_env
 
 #: The roles an attack meets, in start order (the scheduler first: others call it).
 ROLES = ("scheduler", "control", "inference", "actor")
+#: Those with a request server that says when the role serves.
+ANSWERING = frozenset(ROLES)
 #: How long the roles may take to start answering (imports of torch on 2 cores).
 START_S = 180.0
 
@@ -62,8 +64,9 @@ class AgentProcesses:
     def __init__(
         self, url: str, namespace: str, data: Path, *, service: Credentials,
         control: Credentials, datasets_root: Path, lease_ttl_s: float = 10.0,
-        max_batch: int = 8, max_wait_ms: float = 5.0,
+        max_batch: int = 8, max_wait_ms: float = 5.0, roles: tuple[str, ...] = ROLES,
     ) -> None:
+        self.roles = roles
         self.url, self.namespace, self.data = url, namespace, data
         self.datasets_root = datasets_root
         self.lease_ttl_s, self.max_batch, self.max_wait_ms = lease_ttl_s, max_batch, max_wait_ms
@@ -103,10 +106,10 @@ class AgentProcesses:
 
     async def start(self, b: Broker) -> None:
         """Start every role and wait until each serves (``b``: a service connection)."""
-        for role in ROLES:
+        for role in self.roles:
             self.spawn(role)
         deadline = time.monotonic() + START_S
-        waiting = set(ROLES)
+        waiting = set(self.roles) & ANSWERING
         while waiting:
             waiting -= {role for role in list(waiting) if await answers(b, role)}
             if not waiting:
@@ -144,7 +147,7 @@ class AgentProcesses:
     def log_bytes(self) -> int:
         """Bytes the roles have logged so far."""
         total = 0
-        for role in ROLES:
+        for role in self.procs:
             with contextlib.suppress(OSError):
                 total += (self.logs / f"{role}.log").stat().st_size
         return total
@@ -167,4 +170,4 @@ class AgentProcesses:
             f.close()
 
 
-__all__ = ["ROLES", "START_S", "AgentProcesses", "answers"]
+__all__ = ["ANSWERING", "ROLES", "START_S", "AgentProcesses", "answers"]

@@ -36,6 +36,7 @@ from joynexus.ops.isolation.attacks.shares import (
     attack_control_reads,
     attack_inference_in_flight,
     attack_inference_rows,
+    attack_periodic_evals,
 )
 from joynexus.ops.isolation.attacks.subjects import (
     attack_reply_subject,
@@ -55,6 +56,8 @@ CATALOGUE: list[Attack] = [
     Attack("inference_in_flight", attack_inference_in_flight,
            "24: an inference flood within quota", 120),
     Attack("control_reads", attack_control_reads, "24: a control-plane flood within quota", 90),
+    Attack("periodic_evals", attack_periodic_evals, "24: periodic evaluations escape quotas",
+           180),
     Attack("failed_logins", attack_failed_logins, "7: failed logins filed as the victim's", 60),
     Attack("service_reads_admin_inbox", attack_service_reads_admin_inbox,
            "7: the service reads the operator's replies", 30),
@@ -89,6 +92,7 @@ __all__ = [
     "attack_nan_batch",
     "attack_nan_in_step",
     "attack_non_finite_wait",
+    "attack_periodic_evals",
     "attack_quotas",
     "attack_reply_subject",
     "attack_request_flood",

@@ -93,4 +93,56 @@ async def attack_control_reads(dep: SecuredDeployment, attacker: str, victim: st
     return ck.result()
 
 
-__all__ = ["attack_control_reads", "attack_inference_in_flight", "attack_inference_rows"]
+#: How long the periodic-evaluation flood trains (each new version asks for an evaluation).
+EVAL_FLOOD_S = 25.0
+
+
+async def attack_periodic_evals(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
+    """An SFT workload with ``eval_every=1, eval_episodes=500, eval_videos=4,
+    video_frames=200`` fed as fast as it trains (the review: 63 periodic evaluations
+    in 40 s, 56 at once): at most ``max_concurrent_evals`` of the tenant's evaluations
+    run at once, the rest wait, its records stay within ``max_workloads``."""
+    from joynexus.ops.isolation.deployment import sft_batch, sft_spec
+    from joynexus.schemas.quotas import DEFAULT_QUOTA
+
+    ck = Checks()
+    if not await dep.start_role("evaluator"):
+        ck.add("an evaluator to attack", False, "an external deployment: run it there")
+        return ck.result()
+    client = await dep.client(attacker)
+    name = "flood-evals"
+    q = dep.quotas.get(attacker, {})
+    most_evals = int(q.get("max_concurrent_evals", DEFAULT_QUOTA.max_concurrent_evals))
+    max_records = int(q.get("max_workloads", DEFAULT_QUOTA.max_workloads))
+    await client.create_workload(sft_spec(
+        name, await dep.dataset(attacker), env="PickCube-v1", eval_every=1,
+        eval_episodes=500, eval_videos=4, video_frames=200))
+    peak, records, periodic, seed = 0, 0, 0, 5000
+    try:
+        stop = time.monotonic() + EVAL_FLOOD_S
+        while time.monotonic() < stop:
+            await client.submit_sft_batch(name, sft_batch(4, seed))
+            seed += 1
+            wls = [w.record for w in await client.list_workloads()]
+            running = [r for r in wls if r.spec.task_type == "eval" and r.state == "active"]
+            peak = max(peak, len(running))
+            records = max(records, len(wls))
+            periodic = max(periodic, sum(1 for r in wls if r.periodic))
+        # Each version asks for one; a record exists only once the tenant's quota has
+        # room for it (the rest wait in the evaluator, oldest first, none dropped).
+        ck.add("periodic evaluations ran", periodic >= 1,
+               f"{periodic} periodic records for v1..v{await client.latest_version(name)}")
+        ck.add("at most max_concurrent_evals at once", peak <= most_evals,
+               f"peak {peak} (quota {most_evals})")
+        ck.add("records within max_workloads", records <= max_records,
+               f"{records} (quota {max_records})")
+    finally:
+        await cancel_quietly(client, name)
+        for w in await client.list_workloads():  # its periodic evaluations go too
+            if w.record.periodic and w.record.state == "active":
+                await cancel_quietly(client, w.record.spec.name)
+    return ck.result()
+
+
+__all__ = ["EVAL_FLOOD_S", "attack_control_reads", "attack_inference_in_flight",
+           "attack_inference_rows", "attack_periodic_evals"]
