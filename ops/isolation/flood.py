@@ -205,9 +205,41 @@ async def burst(creds: str, *, total: int = 2000, wait_s: float = 45.0) -> dict[
     return {**codes, "replies": sum(codes.values())}
 
 
+async def oversize(creds: str, workload: str, *, signature: str) -> dict[str, Any]:
+    """Inference requests past the tenant's bounds, each three at once: as many rows
+    as fit in 90% of max_payload, and an instruction of max_payload less 64 KiB.
+    Per request kind: the reply codes (``served`` for an answer) and the seconds."""
+    from joynexus.ops.isolation.kit import infer_raw, infer_request
+    from joynexus.schemas.inference import InferError
+    from joynexus.sdk import Client
+
+    client = await Client.connect(credentials=creds)
+    tenant, limit = client.tenant, client._b.max_payload
+    rows = min(10_000, int(limit * 0.9) // (3 * 64 * 64 + 12 * 4))
+    out: dict[str, Any] = {}
+    try:
+        for what, payload in (
+            ("rows", infer_request(tenant, workload, signature, rows)),
+            ("instruction", infer_request(tenant, workload, signature, 1,
+                                          instruction="a" * (limit - 64 * 1024))),
+        ):
+            t0 = time.perf_counter()
+            try:
+                got = await asyncio.gather(*(infer_raw(client, payload, timeout_s=10)
+                                             for _ in range(3)))
+                out[what] = [g.code if isinstance(g, InferError) else "served" for g in got]
+            except Exception as e:
+                out[what] = [f"raised {type(e).__name__}"]
+            out[f"{what}_s"] = round(time.perf_counter() - t0, 2)
+        out["rows_asked"] = rows
+    finally:
+        await client.close()
+    return out
+
+
 async def run_flood(creds_file: Path, kind: str, workload: str, *, lanes: int = 1,
                     seconds: float, rows: int = 64, instruction: str = "", signature: str = "",
-                    limit_mib: int = 512, claim: str = "") -> dict[str, int]:
+                    limit_mib: int = 512, claim: str = "") -> dict[str, Any]:
     """Run :func:`flood` in a subprocess; its outcome counts."""
     cmd = [sys.executable, "-m", "joynexus.ops.isolation.flood", "--creds", str(creds_file),
            "--kind", kind, "--workload", workload, "--lanes", str(lanes),
@@ -225,11 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m joynexus.ops.isolation.flood",
                                  description="One tenant's flood within its quota (JSON counts).")
     ap.add_argument("--creds", required=True, help="the tenant's credentials file")
-    ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst"),
+    ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst", "oversize"),
                     required=True,
                     help="act: inference requests; get_policy: control-plane reads; tq: fill "
                     "the Training Queue up to --limit-mib (or the quota); strings: 1 MB "
-                    "strings where names go; burst: 2,000 control-plane requests at once")
+                    "strings where names go; burst: 2,000 control-plane requests at once; "
+                    "oversize: inference requests past the rows and instruction bounds")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -239,7 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit-mib", type=int, default=512, help="tq: stop after this many MiB")
     ap.add_argument("--claim", default="", help="strings: the tenant an inference request claims")
     a = ap.parse_args(argv)
-    if a.kind == "burst":
+    counts: dict[str, Any]
+    if a.kind == "oversize":
+        counts = asyncio.run(oversize(a.creds, a.workload, signature=a.signature))
+    elif a.kind == "burst":
         counts = asyncio.run(burst(a.creds))
     elif a.kind == "strings":
         counts = asyncio.run(long_strings(a.creds, a.workload, signature=a.signature,

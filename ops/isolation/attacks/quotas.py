@@ -7,7 +7,6 @@ comes quickly; the victim's own work goes on meanwhile. See docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from joynexus.ops.isolation.deployment import (
@@ -22,8 +21,6 @@ from joynexus.ops.isolation.kit import (
     Checks,
     api_raw,
     cancel_quietly,
-    infer_raw,
-    infer_request,
     refused,
     short_error,
 )
@@ -34,7 +31,6 @@ from joynexus.schemas.errors import JoyNexusError
 async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Training Queue bytes, priority, max_in_flight, episodes, action_horizon,
     inference rows and instruction size: past every bound, refused quickly."""
-    from joynexus.schemas.inference import InferError
     from joynexus.schemas.quotas import PRIORITY_CLASSES
 
     ck = Checks()
@@ -76,30 +72,18 @@ async def attack_quotas(dep: SecuredDeployment, attacker: str, victim: str) -> A
         quota_codes, mention="episodes", within_s=20.0)
     ck.add("episodes=10**9 refused", ok, note)
     await cancel_quietly(client, "q-eval")
-    # inference: rows and instruction bytes per request
+    # inference: rows and instruction bytes per request, from a process of the
+    # attacker's own (building 3 x 2 requests near max_payload is its cost: ..flood)
     rec = (await create("q-infer")).workload
-    row_bytes = 3 * 64 * 64 + 12 * 4
-    rows = min(10_000, int(client._b.max_payload * 0.9) // row_bytes)
-    for what, payload in (
-        (f"inference with {rows} rows", infer_request(attacker, "q-infer",
-                                                      rec.schema_signature, rows)),
-        ("instruction near max_payload", infer_request(
-            attacker, "q-infer", rec.schema_signature, 1,
-            instruction="a" * (client._b.max_payload - 64 * 1024))),
-    ):
-        t0 = time.perf_counter()
-        try:
-            got = await asyncio.gather(*(infer_raw(client, payload, timeout_s=10)
-                                         for _ in range(3)))
-            took = time.perf_counter() - t0
-            errs = [g for g in got if isinstance(g, InferError)]
-            ok = len(errs) == 3 and all(g.code in ("quota_exceeded", "invalid_spec",
-                                                   "payload_too_large") for g in errs)
-            ck.add(f"{what} refused", ok and took < 5.0,
-                   f"{[g.code if isinstance(g, InferError) else 'served' for g in got]}"
-                   f" in {took:.2f}s")
-        except Exception as e:
-            ck.add(f"{what} refused", False, short_error(e))
+    got = await run_flood(creds_file(dep, attacker), "oversize", "q-infer", seconds=60,
+                          signature=rec.schema_signature)
+    for what, label in (("rows", f"inference with {got.get('rows_asked')} rows"),
+                        ("instruction", "instruction near max_payload")):
+        codes = got.get(what, [])
+        ok = len(codes) == 3 and all(c in ("quota_exceeded", "invalid_spec", "payload_too_large")
+                                     for c in codes)
+        ck.add(f"{label} refused", ok and got.get(f"{what}_s", 99) < 5.0,
+               f"{codes} in {got.get(f'{what}_s')}s")
     await cancel_quietly(client, "q-infer")
     # Training Queue bytes: open jobs (as many as admission lets in flight) and fill
     # them until the quota says no, from a process of the attacker's own (the encoding
