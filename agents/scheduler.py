@@ -32,11 +32,12 @@ from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
 from joynexus.agents.lifecycle import Refused, SchedulerCore
-from joynexus.broker import kvwatch, rpc
+from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
 from joynexus.broker.fastpath import sync_server
 from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.broker.responder import Server
 from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
@@ -135,7 +136,7 @@ class SchedulerAgent:
         # One workload end decided and appended at a time (decide, note, append).
         self._end_lock = asyncio.Lock()
         # Requests are answered by the rpc layer (agents' subjects: no reply check).
-        self.rpc = rpc.Server(
+        self.rpc = Server(
             broker,
             "scheduler",
             error_reply=lambda code, message: Reply(error=ErrorBody(code=code, message=message)),

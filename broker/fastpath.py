@@ -317,7 +317,7 @@ class FastPath:
 
 
 class FastResponder:
-    """A server's raw answer ``(request, data, headers)`` (``rpc.Server(respond=)``)
+    """A server's raw answer ``(request, data, headers)`` (``responder.Server(respond=)``)
     that answers each request through a :class:`FastPath` of the connection it came
     in on, as ``request.respond(data, headers=headers)`` does; a request without that
     connection (``Msg._client``) is answered by its own ``respond``."""

@@ -39,7 +39,7 @@ from joynexus.broker.fastpath import sync_server
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords, WeightsCache
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Server
+from joynexus.broker.responder import Server
 from joynexus.broker.subjects import CURSOR_KEYS
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter

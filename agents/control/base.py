@@ -25,7 +25,7 @@ from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.kvmirror import KVMirror
 from joynexus.broker.policy import PolicyRecords, WeightsCache
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Server
+from joynexus.broker.responder import Server
 from joynexus.broker.subjects import Names
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter

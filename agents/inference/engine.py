@@ -47,7 +47,7 @@ from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.fastpath import FastResponder, enabled_by_env, sync_server
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Server
+from joynexus.broker.responder import Server
 from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS, BatchInfo, InferError, encode_msgpack

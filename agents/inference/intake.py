@@ -27,7 +27,7 @@ from joynexus.agents.inference.policies import LoadedPolicy, PolicyCache
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.quotas import QuotaBook
-from joynexus.broker.rpc import Server, error_headers
+from joynexus.broker.responder import Server, error_headers
 from joynexus.schemas.errors import PermissionDenied, Unavailable
 from joynexus.schemas.inference import (
     InferError,

@@ -36,6 +36,7 @@ from joynexus.broker import rpc
 from joynexus.broker.connection import Broker
 from joynexus.broker.fastpath import sync_server
 from joynexus.broker.policy import PolicyRecords
+from joynexus.broker.responder import Server
 from joynexus.schemas.base import Wire, decode, encode
 from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
@@ -379,7 +380,7 @@ class PolicyInitService:
     def __init__(self, broker: Broker, *, instance: str) -> None:
         self.b = broker
         self.instance = instance
-        self.rpc = rpc.Server(
+        self.rpc = Server(
             broker,
             "policy-init",
             error_reply=lambda code, message: InitReply(error=ErrorBody(code=code, message=message)),

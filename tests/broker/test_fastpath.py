@@ -26,6 +26,7 @@ from joynexus.broker.fastpath import (
     sync_server,
     unsupported_reason,
 )
+from joynexus.broker.responder import Server
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import Wire, encode
 from joynexus.schemas.errors import QuotaExceeded
@@ -324,7 +325,7 @@ async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
     from joynexus.schemas.base import decode
 
     respond = FastResponder()
-    server = rpc.Server(broker, "fp-echo", respond=respond, limit=lambda _t: 1000,
+    server = Server(broker, "fp-echo", respond=respond, limit=lambda _t: 1000,
                         error_reply=lambda code, message: _Answer(error={"code": code, "message": message}))
     subject = broker.names.api("acme", "fpecho")
 

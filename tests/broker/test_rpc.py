@@ -16,7 +16,7 @@ from nats.micro import add_service
 from joynexus.agents.leases import MIN_TOUCH_EVERY_S, leases_kept, touch_every_s
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import rpc
+from joynexus.broker import responder, rpc
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.schemas.base import Wire, decode, encode
@@ -45,16 +45,16 @@ class EchoReply(Wire, kw_only=True, omit_defaults=True):
 
 
 class EchoService:
-    """A micro service whose one endpoint answers through an rpc.Server, as the
+    """A micro service whose one endpoint answers through an responder.Server, as the
     control plane's tenant API does (the tenant from the subject)."""
 
-    def __init__(self, b: Broker, *, limit: int = 32, total: int = rpc.MAX_IN_FLIGHT_TOTAL,
+    def __init__(self, b: Broker, *, limit: int = 32, total: int = responder.MAX_IN_FLIGHT_TOTAL,
                  slots: int | None = None) -> None:
         self.b = b
         self.release = asyncio.Event()
         self.handled = 0
         self._seen = asyncio.Condition()
-        self.server = rpc.Server(
+        self.server = responder.Server(
             b,
             "echo",
             error_reply=lambda code, message: EchoReply(error=ErrorBody(code=code, message=message)),
@@ -93,7 +93,7 @@ class EchoService:
             if req.do == "hold":
                 await self.release.wait()
             if req.do == "poll":  # a long poll: waits without the tenant's slot
-                async with rpc.waiting():
+                async with responder.waiting():
                     await self.release.wait()
             return EchoReply(text=req.text, tenant=tenant)
 
@@ -391,4 +391,4 @@ def test_a_reply_goes_only_where_its_subject_promises(
 ) -> None:
     from joynexus.broker.subjects import Names
 
-    assert rpc.reply_allowed(Names("jnx"), reply, tenant, service=service) is ok
+    assert responder.reply_allowed(Names("jnx"), reply, tenant, service=service) is ok

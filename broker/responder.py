@@ -1,0 +1,391 @@
+"""Request/reply, the serving side: :class:`Server` (who may be answered, how many
+requests at once, the span, the error body, the reply) and the :class:`Responder`
+under it; the asking side is broker/rpc.py.
+
+Every request server (the scheduler, the control plane's tenant and operator
+APIs, the inference engines) answers through a :class:`Server`. See
+docs/ARCHITECTURE.md ("Request/reply: one layer"). What it guards:
+
+- **Replies go only to the requester's own inbox.** A tenant names the reply
+  subject of its request; the service must not publish where it says (a reply
+  to ``$JS.API.STREAM.PURGE.<stream>`` once purged every tenant's job log). A
+  request on a tenant's subject is answered only if its reply subject is under
+  that tenant's inbox (``_INBOX.<ns>.<tenant>.``), or under the agents' or the
+  operator's inbox prefixes, which no tenant may subscribe to. Anything else is
+  dropped, unanswered, and reported as a ``security`` event (action
+  ``reply``). Behind the check, the answers travel on a connection of their
+  own, as the responder identity, which the broker lets publish to inboxes
+  only (:func:`joynexus.broker.permissions.responder_permissions`).
+- **A bounded number of requests in flight**, per tenant (its quota's
+  ``max_requests_in_flight``) and in all: past the bound a request is answered
+  at once with ``rate_limited`` (retryable) instead of being spawned.
+- **A fair share of the server's time** (``slots``): of a tenant's admitted
+  requests at most ``slots(tenant)`` do their work at once; the others wait, in
+  order, until one of its own ends. The event loop is the control plane's one
+  CPU: 32 concurrent handlers of one tenant made every other tenant's call 13-20x
+  slower (issue 24); now another tenant's request competes with a few of them,
+  and a verb that works longer holds its slot longer, so costs its tenant more
+  of its share. A long poll gives its slot back while it waits
+  (:func:`waiting`).
+- **A handler that raises answers an error body** (the error's stable code,
+  its message clipped; a bug answers ``error`` and is logged) with the
+  micro-service error headers, and the server keeps serving.
+
+A :class:`Server` answers through its ``respond`` function (None: the request's
+own ``respond``, nats-py's): the transport is a seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from joynexus.broker import metrics, tracing
+from joynexus.broker.connection import Broker
+from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
+from joynexus.broker.subjects import Names
+from joynexus.schemas.base import encode
+from joynexus.schemas.errors import JoyNexusError, PermissionDenied, RateLimited
+
+log = logging.getLogger(__name__)
+
+#: The longest reply subject answered (an inbox is ~60 characters).
+MAX_REPLY_LEN = 256
+#: Requests of all tenants served at once by one server.
+MAX_IN_FLIGHT_TOTAL = 1024
+#: The longest error message a tenant-facing server echoes back.
+MAX_ERROR_CHARS = 600
+
+#: How a server answers one request: ``(request, data, headers or None)``.
+RawRespond = Callable[[Any, bytes, "dict[str, str] | None"], Awaitable[Any]]
+
+
+def reply_allowed(
+    names: Names, reply: str, tenant: str | None, *, service: bool = False
+) -> bool:
+    """May a request on ``tenant``'s subject (None: an operator or agent subject)
+    be answered at ``reply``? On a tenant's own subject only in that tenant's
+    inboxes; on a subject only the service publishes to (``service``: the agents'
+    inference subject for a tenant) only in the agents'; elsewhere in the agents'
+    or the operators'."""
+    if not reply or len(reply) > MAX_REPLY_LEN or any(c in reply for c in " \t\r\n*>"):
+        return False
+    if tenant is None:
+        prefixes = [names.service_inbox_prefix, names.admin_inbox_prefix]
+    elif service:
+        prefixes = [names.service_inbox_prefix]
+    else:
+        prefixes = [names.inbox_prefix(tenant)]
+    return any(reply.startswith(p + ".") and len(reply) > len(p) + 1 for p in prefixes)
+
+
+def _reply_of(request: Any) -> str:
+    """The reply subject of a nats-py message or micro-service Request."""
+    msg = getattr(request, "_msg", request)
+    reply = getattr(msg, "reply", "") or ""
+    return reply if isinstance(reply, str) else str(reply)
+
+
+#: ``Nats-Service-Error-Code`` of an error reply (micro-service convention: HTTP-like).
+STATUS_BY_CODE = {PermissionDenied.code: "403"}
+
+
+def error_headers(code: str, message: str, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """The micro-service error headers of an error reply (added to ``headers``)."""
+    headers = {} if headers is None else headers
+    headers[SERVICE_ERROR] = message[:200]
+    headers[SERVICE_ERROR_CODE] = STATUS_BY_CODE.get(code, "400")
+    return headers
+
+
+class _Held:
+    """The slot a request works in, and whether it holds it now."""
+
+    def __init__(self, slot: asyncio.Semaphore) -> None:
+        self.slot = slot
+        self.held = False
+
+
+_HELD: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("rpc_slot", default=None)
+
+
+@contextlib.asynccontextmanager
+async def waiting() -> AsyncIterator[None]:
+    """Inside a handler: give the tenant's working slot back while waiting (a long
+    poll waits for events, it does no work), take it again, in turn, after."""
+    h = _HELD.get()
+    if h is None or not h.held:
+        yield
+        return
+    h.slot.release()
+    h.held = False
+    try:
+        yield
+    finally:
+        await h.slot.acquire()
+        h.held = True
+
+
+class Responder:
+    """Reply checks, in-flight bounds, spawned tasks and the answering connection of
+    one request server (``source`` names it in security events)."""
+
+    def __init__(
+        self,
+        b: Broker,
+        source: str,
+        *,
+        limit: Callable[[str], int] | None = None,
+        total: int = MAX_IN_FLIGHT_TOTAL,
+    ) -> None:
+        self.b = b
+        self.n = b.names
+        self.source = source
+        self.limit = limit or (lambda _tenant: 32)
+        self.total = total
+        #: Requests being served, per tenant ("" counts those of no tenant).
+        self.in_flight: dict[str, int] = {}
+        self._in_flight_total = 0
+        self.refused = 0
+        self.rate_limited = 0
+        self._conn: Broker | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def connection(self) -> Any:
+        """The connection to serve on: the responder identity's when the service
+        credentials carry one, else the agent's own."""
+        if self._conn is None:
+            self._conn = await self.b.responder(self.source)
+        return (self._conn or self.b).nc
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    def allowed(self, request: Any, tenant: str | None, *, service: bool = False) -> bool:
+        """False (and a security event, filed under ``tenant``) when the request's
+        reply subject is not the requester's: the request must be dropped."""
+        reply = _reply_of(request)
+        if reply_allowed(self.n, reply, tenant, service=service):
+            return True
+        self.refused += 1
+        who = tenant or "_"
+        self.spawn(
+            metrics.security(
+                self.b,
+                who,
+                action="reply",
+                subject=reply,
+                reason=(
+                    f"request on {metrics.clip(request.subject, 80)} asked for its reply at "
+                    f"{metrics.clip(reply, 80)!r}, not the requester's inbox "
+                    f"({self.n.inbox_prefix(who)}.*): dropped"
+                ),
+                source=self.source,
+            )
+        )
+        return False
+
+    def admit(self, tenant: str | None) -> None:
+        """Count one request of ``tenant`` (None: of no tenant, bound by the total
+        only) in; RateLimited past its bound."""
+        key = tenant or ""
+        n = self.in_flight.get(key, 0)
+        bound = self.limit(key) if tenant else self.total
+        if n >= bound or self._in_flight_total >= self.total:
+            self.rate_limited += 1
+            who = f"tenant {tenant!r} has" if tenant else "there are"
+            raise RateLimited(
+                f"{who} {n} requests being served by {self.source} "
+                f"(the bound is {min(bound, self.total)}); wait for answers before sending more, "
+                "or retry shortly"
+            )
+        self.in_flight[key] = n + 1
+        self._in_flight_total += 1
+
+    def release(self, tenant: str | None) -> None:
+        key = tenant or ""
+        n = self.in_flight.get(key, 0) - 1
+        if n > 0:
+            self.in_flight[key] = n
+        else:
+            self.in_flight.pop(key, None)
+        self._in_flight_total = max(0, self._in_flight_total - 1)
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.close()
+
+
+class Server(Responder):
+    """A :class:`Responder` that also runs each request's handler and answers it.
+
+    ``error_reply(code, message)`` builds the reply that carries an error (the
+    server's reply type), ``encode`` writes a reply; ``clip``: the longest error
+    message echoed back (None: whole, for the agents' own APIs); ``internal``: what
+    a bug answers (``{ref}``: a reference logged with it; ``{error}``: its repr);
+    ``respond``: the raw answer (None: the request's own ``respond``, nats-py's)."""
+
+    def __init__(
+        self,
+        b: Broker,
+        source: str,
+        *,
+        error_reply: Callable[[str, str], Any],
+        encode: Callable[[Any], bytes] = encode,
+        clip: int | None = MAX_ERROR_CHARS,
+        internal: str = "internal error (reference {ref} in the {source}'s log)",
+        limit: Callable[[str], int] | None = None,
+        total: int = MAX_IN_FLIGHT_TOTAL,
+        respond: RawRespond | None = None,
+        slots: Callable[[str], int] | None = None,
+    ) -> None:
+        super().__init__(b, source, limit=limit, total=total)
+        self.error_reply = error_reply
+        self.encode = encode
+        self.clip = clip
+        self.internal = internal
+        self.respond = respond
+        self.slots = slots
+        #: Per tenant with requests admitted: the slots its requests work in.
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        #: The most requests of one tenant that ever worked at once (for tests).
+        self.peak_working: dict[str, int] = {}
+        self._working: dict[str, int] = {}
+
+    def error_of(self, e: BaseException) -> tuple[str, str]:
+        """(code, message) of a failed request: the error's own, clipped; a bug's
+        reference (the traceback is logged, not sent)."""
+        if isinstance(e, JoyNexusError):  # clipped: a tenant's 1 MB name is not echoed back
+            return e.code, (str(e) if self.clip is None else metrics.clip(e, self.clip))
+        ref = uuid.uuid4().hex[:12]
+        log.error("%s request failed (ref %s)", self.source, ref, exc_info=e)
+        return "error", self.internal.format(ref=ref, source=self.source, error=repr(e))
+
+    def serve(
+        self,
+        request: Any,
+        handle: Callable[[], Awaitable[Any]],
+        *,
+        span: str,
+        tenant: str | None = None,
+        traced_only: bool = False,
+        error_reply: Callable[[str, str], Any] | None = None,
+    ) -> None:
+        """Answer ``request`` with what ``handle()`` returns, in a task of its own
+        (nats-py runs one callback at a time per subscription: a long poll never
+        blocks the others), counted against ``tenant``'s in-flight bound (past it:
+        ``rate_limited`` at once) and, with ``slots``, working only in one of
+        ``tenant``'s slots. ``handle`` decodes the request and does the work
+        in a span ``span`` continuing the caller's trace (``traced_only``: only when
+        the request carries one; thousands of root spans a second would only cost);
+        ``error_reply``: this request's, instead of the server's."""
+        try:
+            self.admit(tenant)
+        except RateLimited as e:
+            self.spawn(self.answer_error(request, e, error_reply=error_reply))
+            return
+        slot = self._slot(tenant)
+        work = handle if slot is None else self._in_slot(tenant or "", slot, handle)
+        task = self.spawn(self._answer(request, work, span, traced_only, error_reply))
+        task.add_done_callback(lambda _t: self._release(tenant))
+
+    def _slot(self, tenant: str | None) -> asyncio.Semaphore | None:
+        if self.slots is None or not tenant:
+            return None
+        sem = self._slots.get(tenant)
+        if sem is None:
+            sem = self._slots[tenant] = asyncio.Semaphore(max(1, self.slots(tenant)))
+        return sem
+
+    def _in_slot(
+        self, tenant: str, slot: asyncio.Semaphore, handle: Callable[[], Awaitable[Any]]
+    ) -> Callable[[], Awaitable[Any]]:
+        async def work() -> Any:
+            held = _Held(slot)
+            await slot.acquire()
+            held.held = True
+            token = _HELD.set(held)
+            n = self._working[tenant] = self._working.get(tenant, 0) + 1
+            self.peak_working[tenant] = max(self.peak_working.get(tenant, 0), n)
+            try:
+                return await handle()
+            finally:
+                _HELD.reset(token)
+                self._working[tenant] = self._working.get(tenant, 1) - 1
+                if held.held:
+                    slot.release()
+
+        return work
+
+    def _release(self, tenant: str | None) -> None:
+        self.release(tenant)
+        if tenant and tenant not in self.in_flight:  # none admitted: none waits on it
+            self._slots.pop(tenant, None)
+            self._working.pop(tenant, None)
+
+    async def _answer(
+        self,
+        request: Any,
+        handle: Callable[[], Awaitable[Any]],
+        span: str,
+        traced_only: bool,
+        error_reply: Callable[[str, str], Any] | None,
+    ) -> None:
+        headers = request.headers
+        try:
+            if traced_only and not tracing.traceparent(headers):
+                reply = await handle()
+            else:
+                with tracing.tracer.start_as_current_span(span, context=tracing.extract(headers)):
+                    reply = await handle()
+        except Exception as e:  # the tenant's error or a bug: answer it, keep serving
+            await self.answer_error(request, e, error_reply=error_reply)
+            return
+        await self.send(request, self.encode(reply))
+
+    async def answer_error(
+        self,
+        request: Any,
+        e: BaseException,
+        headers: dict[str, str] | None = None,
+        *,
+        error_reply: Callable[[str, str], Any] | None = None,
+    ) -> tuple[str, str]:
+        """Answer the error body of ``e`` (with the error headers); its (code, message)."""
+        code, message = self.error_of(e)
+        body = (error_reply or self.error_reply)(code, message)
+        await self.send(request, self.encode(body), error_headers(code, message, headers))
+        return code, message
+
+    async def send(self, request: Any, data: bytes, headers: dict[str, str] | None = None) -> bool:
+        """Respond; False (logged) when the answer could not be sent (the caller is
+        gone, the connection dropped)."""
+        try:
+            await self.respond_to(request, data, headers)
+            return True
+        except Exception as e:
+            log.warning("%s: reply not sent: %s", self.source, e)
+            return False
+
+    def respond_to(self, request: Any, data: bytes, headers: dict[str, str] | None) -> Awaitable[Any]:
+        """The raw answer, to await (no coroutine of its own: the inference engine's
+        replies take this path, each microsecond counted); raises what it raises."""
+        if self.respond is None:
+            return request.respond(data, headers=headers or None)  # type: ignore[no-any-return]
+        return self.respond(request, data, headers or None)
