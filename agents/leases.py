@@ -42,7 +42,7 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE
 from joynexus.broker.headers import EXPECTED_LAST_SUBJECT_SEQ, TTL
-from joynexus.broker.subjects import kv_subject
+from joynexus.broker.natsapi import kv_subject
 from joynexus.schemas.errors import JoyNexusError, Unavailable
 from joynexus.schemas.jobs import TrainingJob
 

@@ -12,7 +12,7 @@ import json
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import NUM_PENDING, SEQUENCE
-from joynexus.broker.subjects import JS_API
+from joynexus.broker.natsapi import JS_API
 from joynexus.schemas.errors import Unavailable
 
 #: Records per direct-get round trip.

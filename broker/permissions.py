@@ -19,8 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.broker.subjects import (
-    ADMIN,
+from joynexus.broker.natsapi import (
     ALL_ADMIN_INBOXES,
     ALL_INBOXES,
     ALL_JS_ACKS,
@@ -29,6 +28,12 @@ from joynexus.broker.subjects import (
     ALL_KV,
     ALL_OBJECTS,
     ALL_SERVICES,
+    kv_stream,
+    kv_subject,
+    stream_api,
+)
+from joynexus.broker.subjects import (
+    ADMIN,
     API,
     INFER,
     JOB,
@@ -39,9 +44,6 @@ from joynexus.broker.subjects import (
     TQ,
     Names,
     any_namespace,
-    kv_stream,
-    kv_subject,
-    stream_api,
 )
 
 #: bcrypt cost: each connection's password check costs ~2^cost hash rounds on the

@@ -27,7 +27,7 @@ from joynexus.agents.health.core import HEARTBEAT_S, ttl_for
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import TTL
-from joynexus.broker.subjects import kv_subject
+from joynexus.broker.natsapi import kv_subject
 from joynexus.schemas.health import Heartbeat
 
 log = logging.getLogger(__name__)

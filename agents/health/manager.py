@@ -33,7 +33,8 @@ from joynexus.agents.procs import die_with_parent
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import TTL
-from joynexus.broker.subjects import ALL_HEARTBEATS, HEALTH_KIND, kv_subject
+from joynexus.broker.natsapi import kv_subject
+from joynexus.broker.subjects import ALL_HEARTBEATS, HEALTH_KIND
 from joynexus.schemas.health import HealthDecision, Heartbeat, SlotState, SupervisorState
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from nats.js.errors import NotFoundError
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
-from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS, service_api
+from joynexus.broker.natsapi import service_api
+from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS
 from joynexus.schemas.errors import Unavailable
 
 

@@ -27,7 +27,8 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
-from joynexus.broker.subjects import HEARTBEAT_KEYS, service_api
+from joynexus.broker.natsapi import service_api
+from joynexus.broker.subjects import HEARTBEAT_KEYS
 from joynexus.ops.admin.tenants import add_tenant
 from joynexus.ops.mainjob.config import RL_TASKS, ROLES, datasets_root
 from joynexus.ops.runtime.deploy import role_env

@@ -29,6 +29,7 @@ from nats.js.errors import NotFoundError
 from joynexus.broker import kvwatch, metrics
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.credentials import Credentials
+from joynexus.broker.natsapi import JS_STREAM_NAMES, STREAM_CREATED_ADVISORIES, kv_subject
 from joynexus.broker.permissions import (
     User,
     hash_password,
@@ -39,12 +40,7 @@ from joynexus.broker.permissions import (
     service_permissions,
     tenant_permissions,
 )
-from joynexus.broker.subjects import (
-    JS_STREAM_NAMES,
-    STREAM_CREATED_ADVISORIES,
-    Names,
-    kv_subject,
-)
+from joynexus.broker.subjects import Names
 from joynexus.ops.runtime.conncap import Capped, ConnectionCap
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.base import decode, encode

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from joynexus.broker.subjects import service_api
+from joynexus.broker.natsapi import service_api
 from joynexus.ops.runtime.roles import REGISTRY, ROLES, by_name
 
 

@@ -45,7 +45,7 @@ import orjson
 from joynexus.agents.datasets import default_root
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
-from joynexus.broker.subjects import service_api
+from joynexus.broker.natsapi import service_api
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 log = logging.getLogger(__name__)

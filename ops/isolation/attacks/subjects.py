@@ -14,7 +14,7 @@ from typing import Any
 
 from joynexus.broker import kvwatch
 from joynexus.broker.fastpath import sync_server
-from joynexus.broker.subjects import kv_subject, stream_api
+from joynexus.broker.natsapi import kv_subject, stream_api
 from joynexus.ops.isolation.deployment import (
     MODEL,
     VICTIM_WORKLOAD,
