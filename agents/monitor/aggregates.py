@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from joynexus.agents.monitor.metric import Metric, number, numeric_fields
-from joynexus.broker import usage
+from joynexus.broker import usagestate
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class MetricAggregates:
         self._counters: dict[tuple[str, str], int] = defaultdict(int)
         #: Usage per tenant folded from the busy intervals (broker.usage): ClearML
         #: scalars "usage <figure>", one series per tenant.
-        self.usage = usage.empty_state()
+        self.usage = usagestate.empty_state()
 
     def _tick(self, title: str, tenant: str) -> int:
         self._counters[title, tenant] += 1
@@ -225,7 +225,7 @@ class MetricAggregates:
     def _usage_scalars(self, fields: dict[str, Any]) -> list[Scalar]:
         """The running usage totals of the tenants a busy interval touched."""
         before = {t: dict(v) for t, v in self.usage["tenants"].items()}
-        usage.fold_metric(self.usage, fields)
+        usagestate.fold_metric(self.usage, fields)
         out = []
         for t, now in self.usage["tenants"].items():
             for k in ("train_s", "infer_s", "env_s", "infer_requests"):

@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from joynexus.broker.connection import Broker
-from joynexus.broker.usage import parse_since, read_usage, report
+from joynexus.broker.usage import read_usage
+from joynexus.broker.usagestate import parse_since, report
 from joynexus.schemas.jobs import check_name
 
 COLUMNS = (

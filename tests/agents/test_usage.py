@@ -20,7 +20,7 @@ import pytest
 from joynexus.agents.control import ControlPlane
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import metrics, usage
+from joynexus.broker import metrics, usage, usagestate
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.ops.admin.tenants import add_tenant
@@ -116,7 +116,7 @@ async def test_parts_add_up_to_busy_time_and_queue_bytes(broker: Broker) -> None
     assert put * 0.3 <= acme["tq_byte_s"] <= put * 10
     assert acme["tq_bytes_held"] == 0
     # Rows: a step's time is split in proportion to its tenants' rows.
-    one = usage.split(1.0, {"a": 3, "b": 1})
+    one = usagestate.split(1.0, {"a": 3, "b": 1})
     assert one == {"a": 0.75, "b": 0.25}
 
 
@@ -153,18 +153,18 @@ async def test_restart_counts_each_event_once(broker: Broker, nats_server: Any,
     await a.checkpoint()  # refused (the revision moved on): it reloads the checkpoint
     assert a.revision > stale
     assert a.state["tenants"]["acme"]["train_s"] < 1e9
-    reference = await usage.catch_up(broker, usage.empty_state())  # everything, from seq 1
+    reference = await usage.catch_up(broker, usagestate.empty_state())  # everything, from seq 1
     assert reference["events"] == 180
     assert c.state["events"] == 180
     for t in TENANTS:
-        for k in usage.FIELDS:
+        for k in usagestate.FIELDS:
             assert c.state["tenants"][t].get(k, 0) == pytest.approx(
                 reference["tenants"][t].get(k, 0), abs=1e-9), (t, k)
     # What an operator reads (checkpoint + tail) is the same.
     op = await usage.read_usage(broker)
     assert op["events"] == 180
-    assert usage.report(op)["tenants"]["acme"]["train_s"] == pytest.approx(
-        usage.report(reference)["tenants"]["acme"]["train_s"])
+    assert usagestate.report(op)["tenants"]["acme"]["train_s"] == pytest.approx(
+        usagestate.report(reference)["tenants"]["acme"]["train_s"])
     # ... and what `joynexus usage` prints.
     from joynexus.ops.admin.usage import usage as usage_command
 
@@ -268,7 +268,7 @@ async def test_real_training_steps_split_by_rows(tmp_path: Path) -> None:
         else:
             raise AssertionError("the actor did not train both tenants' 3 jobs")
         # The training service's busy intervals, as the metrics stream holds them.
-        state = usage.empty_state()
+        state = usagestate.empty_state()
         busy = 0.0
         sub = await dep.admin.js.subscribe(dep.names.metrics("system", "*"), ordered_consumer=True)
         try:
@@ -280,7 +280,7 @@ async def test_real_training_steps_split_by_rows(tmp_path: Path) -> None:
                 e = json.loads(m.data)
                 if e.get("service") == "train":
                     busy += e["busy_end"] - e["busy_start"]
-                    usage.fold_metric(state, e)
+                    usagestate.fold_metric(state, e)
         finally:
             await sub.unsubscribe()
         assert busy > 0
