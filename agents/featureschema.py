@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from joynexus.schemas.catalog import BASE_MODELS
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
-from joynexus.schemas.workloads import BASE_MODELS
 
 __all__ = [
     "FEATURE_DIMS",
@@ -33,7 +33,7 @@ FEATURE_DIMS: dict[str, int] = {"tiny": 64, "bench": 384}
 
 
 def feature_dim(base_model: str) -> int:
-    """The feature width of a hosted base model (``schemas.workloads.BASE_MODELS``)."""
+    """The feature width of a hosted base model (``schemas.catalog.BASE_MODELS``)."""
     return FEATURE_DIMS[BASE_MODELS[base_model]]
 
 

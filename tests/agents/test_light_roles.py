@@ -239,7 +239,7 @@ def test_heavy_loaded_names_top_level_packages() -> None:
 def test_feature_dims_are_the_backbone_sizes() -> None:
     from joynexus.agents.featureschema import FEATURE_DIMS, feature_dim
     from joynexus.agents.models.backbone import SIZES
-    from joynexus.schemas.workloads import BASE_MODELS
+    from joynexus.schemas.catalog import BASE_MODELS
 
     assert FEATURE_DIMS == {size: s["text"]["hidden_size"] for size, s in SIZES.items()}
     assert set(BASE_MODELS.values()) <= set(FEATURE_DIMS)

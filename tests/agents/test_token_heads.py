@@ -41,8 +41,9 @@ from joynexus.agents.models.grouped import (
 )
 from joynexus.agents.models.heads import HEADS, HeadConfig, PPOBatch, TenantModule, build_head
 from joynexus.agents.models.token_heads import GR00TFlowHead, OFTAttnHead
+from joynexus.schemas.catalog import ACTION_MODULES
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
-from joynexus.schemas.workloads import ACTION_MODULES, WorkloadSpec
+from joynexus.schemas.workloads import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -69,6 +69,15 @@ from joynexus.agents.producers.schema import (
 from joynexus.agents.producers.sft import batch_indices, job_extra
 from joynexus.broker.subjects import Names
 from joynexus.schemas.base import decode, encode
+from joynexus.schemas.catalog import (
+    ACTION_MODULES,
+    BASE_IMAGE_SIDE,
+    BASE_MODELS,
+    MAX_IMAGE_SIZE,
+    MIN_IMAGE_SIZE,
+    RL_ENVS,
+    resized_side,
+)
 from joynexus.schemas.errors import InvalidMessage, InvalidSpec, QuotaExceeded
 from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import JobMetadata, TrainingJob
@@ -95,20 +104,13 @@ from joynexus.schemas.samples import (
     image_field,
 )
 from joynexus.schemas.workloads import (
-    ACTION_MODULES,
-    BASE_IMAGE_SIDE,
-    BASE_MODELS,
     MAX_EVAL_VIDEOS,
-    MAX_IMAGE_SIZE,
     MAX_SEED,
     MIN_GAMMA,
-    MIN_IMAGE_SIZE,
     MIN_LEARNING_RATE,
-    RL_ENVS,
     Scheduling,
     WorkloadRecord,
     WorkloadSpec,
-    resized_side,
 )
 
 Q = DEFAULT_QUOTA
