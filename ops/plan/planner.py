@@ -26,7 +26,8 @@ from typing import Any
 import orjson
 
 from joynexus.ops.measure.stats import percentile
-from joynexus.ops.plan.sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
+from joynexus.ops.plan.sim import Result, isolated, simulate
+from joynexus.ops.plan.world import Costs, DeploymentPlan, TenantSpec
 from joynexus.schemas.errors import InvalidSpec
 
 #: Seconds of a poll of the demo's progress loop (its windows end at one).

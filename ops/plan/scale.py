@@ -21,7 +21,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.plan.sim import Costs, DeploymentPlan, Result, TenantSpec, isolated, simulate
+from joynexus.ops.plan.sim import Result, isolated, simulate
+from joynexus.ops.plan.world import Costs, DeploymentPlan, TenantSpec
 
 #: Seconds per operation, of the order the paper's setting implies (assumed).
 PAPER_COSTS = Costs(

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops.cli import main
-from joynexus.ops.plan.sim import Costs, DeploymentPlan, TenantSpec, isolated, simulate
+from joynexus.ops.plan.sim import isolated, simulate
+from joynexus.ops.plan.world import Costs, DeploymentPlan, TenantSpec
 
 COSTS = Costs(train_step_s=0.2, actor_overhead_s=0.05, infer_batch_s=0.01,
               sim_per_call_s=0.05, advantages_s=0.01, sft_produce_s=0.02)
