@@ -2,7 +2,7 @@
 work, the nats-server is killed and restarted, a cluster node dies under load.
 
 Roles run as ``python -m joynexus.ops.cli agent <role>`` under an in-process
-health manager (:class:`joynexus.ops.bench.faults.FaultRig`), so signals are
+health manager (:class:`joynexus.ops.bench.faultrig.FaultRig`), so signals are
 real. Invariants, from the job event log and the Training Queue after the
 producers stop: no job lost (every job terminal), none completed twice, no
 partition left behind, and every tenant keeps completing jobs after a fault.
@@ -23,13 +23,12 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from joynexus.agents.health import Heartbeat
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
+from joynexus.ops.bench.faultrig import FaultRig, wait_until
 from joynexus.ops.bench.faults import (
     SYNTHETIC_ENV,
     SYNTHETIC_EXTRA,
-    FaultRig,
     nats_restart_fault,
     synthetic_faults,
-    wait_until,
 )
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.ops.runtime.natsserver import local_cluster as nats_cluster
@@ -202,7 +201,7 @@ async def test_real_producer_and_inference_killed_mid_work(
     """ManiSkill RL (PickCube, 1 env, horizon 4) through the real roles; SIGKILL an
     environment worker mid-rollout (acme has two, each its own process), the RL
     producer (their supervisor) mid-rollout and the inference engine mid-batch."""
-    from joynexus.ops.bench.faults import Fault
+    from joynexus.ops.bench.faultrig import Fault
     from joynexus.schemas.workloads import Scheduling, WorkloadSpec
     from joynexus.sdk import Client
 

@@ -24,7 +24,7 @@ from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, delete_layout, ensure_layout
-from joynexus.ops.bench.faults import wait_until
+from joynexus.ops.bench.faultrig import wait_until
 from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.jobs import TERMINAL_STATES, JobState, TrainingJob
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
