@@ -92,7 +92,7 @@ async def bench_engines(
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench import inference as bi
+    from joynexus.ops.bench import engineload as bi
 
     if rounds < 2 or not concurrency or min(concurrency) < 1:
         raise ValueError("need rounds >= 2 and concurrency levels >= 1")
@@ -125,13 +125,13 @@ async def bench_engines(
             except RuntimeError as e:
                 text = (await asyncio.to_thread(Path(log.name).read_text, errors="replace"))[-2000:]
                 raise RuntimeError(f"build {name} ({root}): {e}; its log ends:\n{text}") from None
-            await bi._closed_loop(arms[name][2], schema, tenants, 16, 128)  # warm-up
+            await bi.closed_loop(arms[name][2], schema, tenants, 16, 128)  # warm-up
         seen: dict[tuple[str, int], list[float]] = {}
         for r in range(rounds):
             for c in concurrency:
                 for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
                     n = 30 if c == 1 else 10 * c
-                    got = await bi._closed_loop(arms[name][2], schema, tenants, c, n)
+                    got = await bi.closed_loop(arms[name][2], schema, tenants, c, n)
                     seen.setdefault((name, c), []).append(
                         got["throughput_rps"] if c > 1 else got["p50_ms"]
                     )

@@ -45,7 +45,7 @@ from typing import Any
 
 from joynexus.broker.fastpath import ENV as FASTPATH_ENV
 from joynexus.broker.fastpath import sync_server
-from joynexus.ops.bench.inference import real_request_payload, stop_engine
+from joynexus.ops.bench.engineload import real_request_payload, stop_engine
 from joynexus.ops.bench.server import on_server
 from joynexus.ops.measure import stats
 
@@ -215,7 +215,7 @@ async def _echo(url: str, repeats: int, gap_s: float) -> dict[str, Any]:
 def _serve_engine(url: str, namespace: str, threads: int) -> None:
     """Body of an engine child: ``bench_inference``'s engine (B=1, no wait); it
     answers through the fast path unless ``JOYNEXUS_FASTPATH=0`` (set per arm)."""
-    from joynexus.ops.bench.inference import serve_engine
+    from joynexus.ops.bench.engineload import serve_engine
 
     serve_engine(url, namespace, "tiny", 1, 0.0, threads)
 
@@ -227,7 +227,7 @@ async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> 
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout
-    from joynexus.ops.bench.inference import sample_module, sample_obs, sample_schema, wait_engine
+    from joynexus.ops.bench.engineload import sample_module, sample_obs, sample_schema, wait_engine
 
     suffix = os.urandom(3).hex()
     feature_dim = int(SIZES["tiny"]["text"]["hidden_size"])
