@@ -11,7 +11,8 @@ credentials. ``train_s`` is wall time from creation to the last update (the
 whole service path), ``sft_ci95`` a Wilson 95% interval; a
 ``base="pretrained"`` plan first makes its base with ``ops/admin/pretrain_base.py``.
 
-See docs/ARCHITECTURE.md, "Policies that learn" (the figures).
+The deployment it runs on is :class:`joynexus.ops.bench.learnservice.Service`. See
+docs/ARCHITECTURE.md, "Policies that learn" (the figures).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from joynexus.ops.bench.learnservice import TENANT, Service
 from joynexus.ops.measure.stats import wilson
-
-TENANT = "acme"
 
 
 @dataclass(frozen=True)
@@ -111,136 +111,6 @@ def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None)
         state_keys=list(plan.state),
         progress=progress,
     )
-
-
-class _Service:
-    """The roles of a deployment, in this process, on a fresh embedded server."""
-
-    def __init__(
-        self, data: Path, *, rl: bool = False, ppo_epochs: int = 1, backbone_path: str | None = None
-    ) -> None:
-        self.data = data
-        self.backbone_path = backbone_path
-        self.rl = rl
-        self.ppo_epochs = ppo_epochs
-        self.restarts: dict[str, int] = {}
-        self.datasets = data / "datasets"
-        self.stack = contextlib.AsyncExitStack()
-        self.stop = asyncio.Event()
-        self.tasks: list[asyncio.Task[Any]] = []
-        self.url = ""
-        self.admin: Any = None
-
-    async def __aenter__(self) -> _Service:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stack.aclose()
-
-    async def _start(self) -> None:
-        import torch
-
-        from joynexus.agents.actor.agent import Actor
-        from joynexus.agents.control import ControlPlane
-        from joynexus.agents.evaluator import Evaluator
-        from joynexus.agents.inference import EnginePool
-        from joynexus.agents.models.backbone import Backbone, BackboneConfig
-        from joynexus.agents.producers import PolicyInitializer, ProducerAgent
-        from joynexus.agents.scheduler import SchedulerAgent
-        from joynexus.broker.connection import Broker
-        from joynexus.ops.runtime.deploy import embedded
-
-        st = self.stack
-        self.datasets.mkdir(parents=True, exist_ok=True)
-        ep = st.enter_context(embedded(self.data / "nats", act_as_admin=False))
-        self.url = ep.url
-        self.admin = await Broker.connect(self.url, name="bl-admin", credentials=ep.admin)
-        st.push_async_callback(self.admin.close)
-        service = await Broker.connect(self.url, name="bl-service", credentials=ep.service)
-        st.push_async_callback(service.close)
-        control_b = await Broker.connect(
-            self.url, name="bl-control", credentials=getattr(ep, "control", None) or ep.service
-        )
-        st.push_async_callback(control_b.close)
-        torch.manual_seed(0)
-        backbone = Backbone.build(BackboneConfig(size="tiny", path=self.backbone_path))
-        sched = SchedulerAgent(service, instance="sched", lease_ttl_s=60.0)
-        await sched.start()
-        st.push_async_callback(sched.stop)
-        control = ControlPlane(
-            control_b,
-            init_policy=PolicyInitializer(control_b),
-            instance="control",
-            datasets_root=self.datasets,
-        )
-        await control.start()
-        st.push_async_callback(control.stop)
-        pool = EnginePool(service, backbone, max_batch=16, max_wait_ms=5)
-        await pool.scale_to(1)
-        st.push_async_callback(pool.close)
-        st.push_async_callback(self._stop_tasks)
-        # The actor keeps its checkpoint, so a restarted one resumes exactly.
-        self._supervise("actor", lambda: Actor(
-            service, backbone, instance="actor", out_dir=self.data / "actor", lease_wait_s=0.5,
-            ppo_epochs=self.ppo_epochs,
-        ).run(self.stop))
-        self._supervise("producer-sft", lambda: ProducerAgent(
-            service, "sft", instance="prod-sft").run(self.stop))
-        self._supervise("evaluator", lambda: Evaluator(service, instance="eval").run(self.stop))
-        if self.rl:
-            from joynexus.agents.actor.forward import ActorForwardAgent
-            from joynexus.agents.advantage import AdvantageAgent
-
-            # The stage consumers exist before the first rollout: its job is routed
-            # through actor_forward (PPO), not straight to advantages.
-            sub = await ActorForwardAgent(service, backbone, instance="fwd").worker.subscribe()
-            await sub.unsubscribe()  # the durable consumer stays
-            self._supervise("actor-forward", lambda: ActorForwardAgent(
-                service, backbone, instance="fwd").run(self.stop))
-            self._supervise("advantage", lambda: AdvantageAgent(
-                service, instance="adv").worker.run(self.stop))
-            self._supervise("producer-rl", lambda: ProducerAgent(
-                service, "rl", instance="prod-rl").run(self.stop))
-
-    def _supervise(self, name: str, make: Any) -> None:
-        """Run a role coroutine; restart it after a crash (logged, counted)."""
-        import logging
-
-        async def guard() -> None:
-            while not self.stop.is_set():
-                try:
-                    await make()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    logging.getLogger(__name__).exception("bench role %s crashed; restarting", name)
-                    self.restarts[name] = self.restarts.get(name, 0) + 1
-                    await asyncio.sleep(1.0)
-
-        self.tasks.append(asyncio.create_task(guard()))
-
-    async def _stop_tasks(self) -> None:
-        self.stop.set()
-        if self.tasks:
-            _, late = await asyncio.wait(self.tasks, timeout=30)
-            for t in late:
-                t.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def tenant(self) -> Any:
-        from joynexus.ops.admin.tenants import add_tenant
-        from joynexus.sdk import Client
-
-        creds, _ = await add_tenant(self.admin, TENANT, url=self.url)
-        client = await Client.connect(credentials=creds)
-        self.stack.push_async_callback(client.close)
-        return client
 
 
 async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> dict[str, Any]:
@@ -439,7 +309,7 @@ async def run_learning(
         out: dict[str, Any] = {"tasks": {}}
         rl = any(p.rl_budget_s > 0 for p in plans)
         epochs = max((p.rl_epochs for p in plans if p.rl_budget_s > 0), default=1)
-        async with _Service(data, rl=rl, ppo_epochs=epochs, backbone_path=backbone_path) as svc:
+        async with Service(data, rl=rl, ppo_epochs=epochs, backbone_path=backbone_path) as svc:
             client = await svc.tenant()
             for i, plan in enumerate(plans):
                 name = f"ds{i}-{plan.task.split('-')[0].lower()}"
