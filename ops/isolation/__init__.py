@@ -12,7 +12,8 @@ isolation --json`` (``ops/bench/isolation.py``) reports them.
 - :mod:`.kit`: what every attack uses (raw calls, :class:`Checks`,
   :func:`refused`, :class:`Attack`);
 - :mod:`.attacks`: one module per family (subjects, identities, floods, data,
-  quotas, inputs) and :data:`CATALOGUE`, in the order they run;
+  quotas, inputs) and :data:`CATALOGUE`, in the order they run (each attack
+  function is imported from its family's module);
 - :mod:`.runner`: :func:`run_attack` (a baseline window, then the attack with the
   victim probed), :class:`Outcome`, :func:`prepare`.
 
@@ -21,23 +22,7 @@ See docs/ARCHITECTURE.md ("Tenants fenced by the broker", "Layout and import roo
 
 from __future__ import annotations
 
-from joynexus.ops.isolation.attacks import (
-    BY_NAME,
-    CATALOGUE,
-    HOSTILE_BODIES,
-    attack_bad_identity_record,
-    attack_failed_logins,
-    attack_foreign_dataset,
-    attack_hostile_bodies,
-    attack_long_strings,
-    attack_nan_batch,
-    attack_nan_in_step,
-    attack_non_finite_wait,
-    attack_quotas,
-    attack_reply_subject,
-    attack_request_flood,
-    attack_service_reads_admin_inbox,
-)
+from joynexus.ops.isolation.attacks import BY_NAME, CATALOGUE, HOSTILE_BODIES
 from joynexus.ops.isolation.deployment import (
     ATTACKER,
     ATTACKER_TQ_BYTES,
@@ -101,18 +86,6 @@ __all__ = [
     "Stats",
     "Victim",
     "api_raw",
-    "attack_bad_identity_record",
-    "attack_failed_logins",
-    "attack_foreign_dataset",
-    "attack_hostile_bodies",
-    "attack_long_strings",
-    "attack_nan_batch",
-    "attack_nan_in_step",
-    "attack_non_finite_wait",
-    "attack_quotas",
-    "attack_reply_subject",
-    "attack_request_flood",
-    "attack_service_reads_admin_inbox",
     "infer_raw",
     "infer_request",
     "prepare",
