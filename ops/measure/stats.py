@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,14 @@ def round_order(arms: Sequence[str], round_i: int) -> Sequence[str]:
     return arms if round_i % 2 == 0 else tuple(reversed(arms))
 
 
+def schedule(names: Sequence[str], *, repeats: int, warmup: int) -> Iterator[tuple[str, bool]]:
+    """The interleaved runs' order: ``(arm, kept)``, every arm once per round, the order
+    flipped each round (:func:`round_order`); the first ``warmup`` rounds not kept."""
+    for r in range(warmup + repeats):
+        for n in round_order(names, r):
+            yield n, r >= warmup
+
+
 def interleaved(
     arms: Mapping[str, Callable[[], Any]],
     *,
@@ -74,15 +82,13 @@ def interleaved(
     warmup: int = 1,
 ) -> dict[str, Samples]:
     """Run every arm once per round, order flipped each round; ms per call, warm-up dropped."""
-    names = tuple(arms)
-    out: dict[str, Samples] = {n: [] for n in names}
-    for r in range(warmup + repeats):
-        for n in round_order(names, r):
-            t0 = time.perf_counter()
-            arms[n]()
-            dt = (time.perf_counter() - t0) * 1e3
-            if r >= warmup:
-                out[n].append(dt)
+    out: dict[str, Samples] = {n: [] for n in arms}
+    for n, kept in schedule(tuple(arms), repeats=repeats, warmup=warmup):
+        t0 = time.perf_counter()
+        arms[n]()
+        dt = (time.perf_counter() - t0) * 1e3
+        if kept:
+            out[n].append(dt)
     return out
 
 
@@ -93,15 +99,13 @@ async def interleaved_async(
     warmup: int = 1,
 ) -> dict[str, Samples]:
     """``interleaved`` for coroutines (an arm that awaits a reply, for instance)."""
-    names = tuple(arms)
-    out: dict[str, Samples] = {n: [] for n in names}
-    for r in range(warmup + repeats):
-        for n in round_order(names, r):
-            t0 = time.perf_counter()
-            await arms[n]()
-            dt = (time.perf_counter() - t0) * 1e3
-            if r >= warmup:
-                out[n].append(dt)
+    out: dict[str, Samples] = {n: [] for n in arms}
+    for n, kept in schedule(tuple(arms), repeats=repeats, warmup=warmup):
+        t0 = time.perf_counter()
+        await arms[n]()
+        dt = (time.perf_counter() - t0) * 1e3
+        if kept:
+            out[n].append(dt)
     return out
 
 
