@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from workload_specs import spec as make_spec
 
 from joynexus.agents.actor.agent import Actor, TenantState
 from joynexus.agents.actor.batch import StepKnobs
@@ -68,6 +69,7 @@ from joynexus.agents.producers.schema import (
 )
 from joynexus.agents.producers.sft import batch_indices, job_extra
 from joynexus.broker.subjects import Names
+from joynexus.schemas import samples
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.catalog import (
     ACTION_MODULES,
@@ -82,27 +84,6 @@ from joynexus.schemas.errors import InvalidMessage, InvalidSpec, QuotaExceeded
 from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import JobMetadata, TrainingJob
 from joynexus.schemas.quotas import DEFAULT_QUOTA, Quota
-from joynexus.schemas.samples import (
-    ACTIONS_FIELD,
-    ADVANTAGES_FIELD,
-    DECISION_FIELD,
-    DONES_FIELD,
-    ENV_ID_FIELD,
-    EPISODE_INDEX_FIELD,
-    EXECUTED_ACTION_FIELD,
-    FRAME_INDEX_FIELD,
-    OBS_IMAGES,
-    OBS_STATE,
-    OLD_LOGP_FIELD,
-    RETURNS_FIELD,
-    REWARDS_FIELD,
-    STATE_FIELD,
-    STEP_FIELD,
-    SUCCESS_FIELD,
-    TERMINATED_FIELD,
-    VALUES_FIELD,
-    image_field,
-)
 from joynexus.schemas.workloads import (
     MAX_EVAL_VIDEOS,
     MAX_SEED,
@@ -309,8 +290,8 @@ def job_of(spec: WorkloadSpec, extra: dict[str, str], rows: int) -> TrainingJob:
 
 def observations(schema: FeatureSchema, rows: int, g: np.random.Generator) -> dict[str, np.ndarray]:
     h, w = schema.image_hw
-    cols = {image_field(c): g.integers(0, 256, (rows, 3, h, w), dtype=np.uint8) for c in schema.camera_slots}
-    cols[STATE_FIELD] = g.normal(size=(rows, schema.state_dim)).astype(np.float32)
+    cols = {samples.image_field(c): g.integers(0, 256, (rows, 3, h, w), dtype=np.uint8) for c in schema.camera_slots}
+    cols[samples.STATE_FIELD] = g.normal(size=(rows, schema.state_dim)).astype(np.float32)
     return cols
 
 
@@ -318,13 +299,13 @@ def advantage_columns(spec: WorkloadSpec, g: np.random.Generator) -> dict[str, n
     """A whole rollout's scalar columns (num_envs x horizon rows), as the producer writes them."""
     n, t = spec.num_envs, spec.horizon
     return {
-        ENV_ID_FIELD: np.repeat(np.arange(n), t),
-        STEP_FIELD: np.tile(np.arange(t), n),
-        REWARDS_FIELD: g.random(n * t).astype(np.float32),
-        DONES_FIELD: g.random(n * t) < 0.05,
-        VALUES_FIELD: g.normal(size=n * t).astype(np.float32),
-        SUCCESS_FIELD: g.random(n * t) < 0.1,
-        TERMINATED_FIELD: g.random(n * t) < 0.05,
+        samples.ENV_ID_FIELD: np.repeat(np.arange(n), t),
+        samples.STEP_FIELD: np.tile(np.arange(t), n),
+        samples.REWARDS_FIELD: g.random(n * t).astype(np.float32),
+        samples.DONES_FIELD: g.random(n * t) < 0.05,
+        samples.VALUES_FIELD: g.normal(size=n * t).astype(np.float32),
+        samples.SUCCESS_FIELD: g.random(n * t) < 0.1,
+        samples.TERMINATED_FIELD: g.random(n * t) < 0.05,
     }
 
 
@@ -332,16 +313,16 @@ def run_advantages(spec: WorkloadSpec, extra: dict[str, str], g: np.random.Gener
     """The advantage stage on the job: it applies the spec's gamma and lambda."""
     data = advantage_columns(spec, g)
     tq = FakeTQ(data)
-    job = job_of(spec, extra, len(data[STEP_FIELD]))
+    job = job_of(spec, extra, len(data[samples.STEP_FIELD]))
     rows = asyncio.run(AdvantageAgent.work(SimpleNamespace(tq=tq, gamma=0.5, lam=0.5), job))  # type: ignore[arg-type]
     assert rows == spec.num_envs * spec.horizon
-    adv = tq.put[ADVANTAGES_FIELD]
-    assert adv.shape == (rows,) and np.isfinite(adv).all() and np.isfinite(tq.put[RETURNS_FIELD]).all()
+    adv = tq.put[samples.ADVANTAGES_FIELD]
+    assert adv.shape == (rows,) and np.isfinite(adv).all() and np.isfinite(tq.put[samples.RETURNS_FIELD]).all()
     if spec.advantage == "grpo":
         assert np.abs(adv).max() > 0, "GRPO over this rollout's envs learns nothing"
     elif extra.get("actor_forward") != "1":  # values 0: the plain GAE of the rewards
-        r = data[REWARDS_FIELD].reshape(spec.num_envs, spec.horizon)
-        d = data[DONES_FIELD].reshape(spec.num_envs, spec.horizon)
+        r = data[samples.REWARDS_FIELD].reshape(spec.num_envs, spec.horizon)
+        d = data[samples.DONES_FIELD].reshape(spec.num_envs, spec.horizon)
         want, _ = gae(r, np.zeros_like(r), d, gamma=spec.gamma, lam=spec.gae_lambda)
         np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-5)
 
@@ -361,7 +342,7 @@ def actor_step(
     weights = save({k: v.contiguous() for k, v in module.head.state_dict().items()})
     module = module_from_weights(rec, weights)
     st = TenantState(module=module, record=rec)
-    job = job_of(spec, extra, len(data[STATE_FIELD]))
+    job = job_of(spec, extra, len(data[samples.STATE_FIELD]))
     actor = SimpleNamespace(tq=FakeTQ(data), knobs=StepKnobs())
     item = asyncio.run(Actor._item(actor, job, st))  # type: ignore[arg-type]
     assert module.lr == spec.learning_rate, "the actor trains at another rate than the spec's"
@@ -369,7 +350,7 @@ def actor_step(
     (loss,) = grouped_train_step(backbone, [item])
     assert math.isfinite(loss) and module.version == before + 1 and module.finite()
     (actions,) = grouped_forward(backbone, [ActRequest(module, item.batch)])
-    assert actions.shape == (len(data[STATE_FIELD]), schema.action_horizon, schema.action_dim)
+    assert actions.shape == (len(data[samples.STATE_FIELD]), schema.action_horizon, schema.action_dim)
     assert torch.isfinite(actions).all()
     if isinstance(module.head, GaussianPolicy):  # the RL producer samples with this std
         floor = float(spec.exploration_std or 0.0)
@@ -381,23 +362,23 @@ def rl_rows(spec: WorkloadSpec, schema: FeatureSchema, module: TenantModule, bac
     """ROWS rows of a rollout as the actor reads them (chunks, decisions, old log-probs)."""
     data = observations(schema, ROWS, g)
     h = schema.action_horizon
-    data[ACTIONS_FIELD] = chunk_targets(
+    data[samples.ACTIONS_FIELD] = chunk_targets(
         g.uniform(-1, 1, (ROWS, schema.action_dim)).astype(np.float32),
         np.zeros(ROWS, np.int64), np.zeros(ROWS, np.int64), np.arange(ROWS), h,
     )
-    data[ADVANTAGES_FIELD] = g.normal(size=ROWS).astype(np.float32)
+    data[samples.ADVANTAGES_FIELD] = g.normal(size=ROWS).astype(np.float32)
     if ppo:
         chunk_step = np.array([0, min(1, h - 1), 0])
-        data[DECISION_FIELD] = decision_lengths(chunk_step, np.zeros(ROWS, np.int64), np.arange(ROWS))
-        data[RETURNS_FIELD] = g.normal(size=ROWS).astype(np.float32)
-        batch = canonicalize_request(schema, {c: data[image_field(c)] for c in schema.camera_slots},
-                                     "x", data[STATE_FIELD])
+        data[samples.DECISION_FIELD] = decision_lengths(chunk_step, np.zeros(ROWS, np.int64), np.arange(ROWS))
+        data[samples.RETURNS_FIELD] = g.normal(size=ROWS).astype(np.float32)
+        batch = canonicalize_request(schema, {c: data[samples.image_field(c)] for c in schema.camera_slots},
+                                     "x", data[samples.STATE_FIELD])
         head = module.head
         assert isinstance(head, GaussianPolicy)
         with torch.no_grad():
             x = encode_for(backbone, batch, module)
-            data[OLD_LOGP_FIELD] = head.log_prob(
-                x, batch.state_B_S, torch.from_numpy(data[ACTIONS_FIELD]), float(spec.exploration_std or 0.0)
+            data[samples.OLD_LOGP_FIELD] = head.log_prob(
+                x, batch.state_B_S, torch.from_numpy(data[samples.ACTIONS_FIELD]), float(spec.exploration_std or 0.0)
             ).numpy()
     return data
 
@@ -461,15 +442,15 @@ def run_spec(spec: WorkloadSpec, backbones: dict[str, Backbone], rng: random.Ran
                 assert len(idx) == spec.batch_size and all(0 <= i < n for i in idx)
         extra = job_extra(instruction, 0, "", spec.learning_rate)
         data = observations(schema, ROWS, g)
-        data[ACTIONS_FIELD] = g.normal(size=(ROWS, spec.action_horizon, schema.action_dim)).astype(np.float32)
+        data[samples.ACTIONS_FIELD] = g.normal(size=(ROWS, spec.action_horizon, schema.action_dim)).astype(np.float32)
         actor_step(spec, schema, fresh_module(spec, schema), backbone, extra, data)
     else:  # eval: the evaluated policy is one trained in this env with this layout
         for e in (0, spec.episodes - 1):
             assert 0 <= episode_seed(spec.seed, 0, e) < 2**31 and 0 <= episode_seed(spec.seed, 1, e) < 2**31
         module = fresh_module(spec, schema)
         obs = observations(schema, ROWS, g)
-        batch = canonicalize_request(schema, {c: obs[image_field(c)] for c in schema.camera_slots},
-                                     instruction, obs[STATE_FIELD])
+        batch = canonicalize_request(schema, {c: obs[samples.image_field(c)] for c in schema.camera_slots},
+                                     instruction, obs[samples.STATE_FIELD])
         (actions,) = grouped_forward(backbone, [ActRequest(module, batch)])
         assert torch.isfinite(actions).all()
         check_videos(spec, schema.image_hw[0], g)
@@ -520,8 +501,8 @@ def policy(spec: WorkloadSpec, schema: FeatureSchema, instruction: str, module: 
     Gaussian exploration of the spec's std, clipped to the env's action range."""
 
     async def act(obs: dict[str, Any]) -> np.ndarray:
-        batch = canonicalize_request(schema, {c: obs[f"{OBS_IMAGES}.{c}"] for c in schema.camera_slots},
-                                     instruction, obs[OBS_STATE])
+        batch = canonicalize_request(schema, {c: obs[f"{samples.OBS_IMAGES}.{c}"] for c in schema.camera_slots},
+                                     instruction, obs[samples.OBS_STATE])
         (chunk,) = grouped_forward(backbone, [ActRequest(module, batch)])
         noise = g.normal(size=chunk.shape).astype(np.float32) * (spec.exploration_std or 0.1)
         return np.clip(chunk.numpy() + noise, -1.0, 1.0)
@@ -556,17 +537,17 @@ def test_drawn_specs_roll_out_and_evaluate_in_a_real_simulator(backbones: dict[s
                 out = asyncio.run(rollout(env, act, horizon=spec.horizon, seed=spec.seed * 100_003))
             finally:
                 env.close()
-            assert len(out[STATE_FIELD]) == spec.num_envs * spec.horizon
+            assert len(out[samples.STATE_FIELD]) == spec.num_envs * spec.horizon
             extra = {"instruction": instruction, "advantage": spec.advantage,  # as _reserve writes them
                      **asyncio.run(RLProducer._route_extra(rl_stub(spec, stage=False)))}  # type: ignore[arg-type]
             run_advantages(spec, extra, g)
-            out[ACTIONS_FIELD] = chunk_targets(out.pop(EXECUTED_ACTION_FIELD), out[ENV_ID_FIELD],
-                                               out[EPISODE_INDEX_FIELD], out[FRAME_INDEX_FIELD],
+            out[samples.ACTIONS_FIELD] = chunk_targets(out.pop(samples.EXECUTED_ACTION_FIELD), out[samples.ENV_ID_FIELD],
+                                               out[samples.EPISODE_INDEX_FIELD], out[samples.FRAME_INDEX_FIELD],
                                                schema.action_horizon)
-            out[ADVANTAGES_FIELD] = g.normal(size=len(out[STATE_FIELD])).astype(np.float32)
+            out[samples.ADVANTAGES_FIELD] = g.normal(size=len(out[samples.STATE_FIELD])).astype(np.float32)
             actor_step(spec, schema, module, backbone, extra, out)
         else:
-            rec = EpisodeVideos(spec.eval_videos, f"{OBS_IMAGES}.{schema.camera_slots[0]}",
+            rec = EpisodeVideos(spec.eval_videos, f"{samples.OBS_IMAGES}.{schema.camera_slots[0]}",
                                 max_frames=spec.video_frames, size=spec.video_size)
 
             # The evaluator's factory (evaluate_record): the policy's own observation.
@@ -581,19 +562,6 @@ def test_drawn_specs_roll_out_and_evaluate_in_a_real_simulator(backbones: dict[s
 
 
 # ------------------------------------------------------------------ the other direction
-def _spec(task_type: str = "rl", **kw: Any) -> WorkloadSpec:
-    if task_type in ("rl", "eval"):
-        kw.setdefault("env", "PickCube-v1")
-    if task_type == "sft":
-        kw.setdefault("dataset", "demo")
-    if task_type == "eval":
-        kw.setdefault("init_from_workload", "base")
-    if isinstance(kw.get("scheduling"), dict):
-        kw["scheduling"] = Scheduling(**kw["scheduling"])
-    kw.setdefault("name", "w")
-    return WorkloadSpec(task_type=task_type, **kw)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
@@ -649,7 +617,7 @@ def _spec(task_type: str = "rl", **kw: Any) -> WorkloadSpec:
 )
 def test_a_value_just_outside_a_bound_is_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidSpec, match=field.replace(".", r"\.")):
-        _spec(**changes)
+        make_spec(**changes)
 
 
 @pytest.mark.parametrize(
@@ -680,7 +648,7 @@ def test_a_value_the_consumer_cannot_take_is_refused_at_creation(
     changes: dict[str, Any], field: str, why: str
 ) -> None:
     with pytest.raises(InvalidSpec, match=field) as e:
-        _spec(**changes)
+        make_spec(**changes)
     assert e.match(why)
     # ... and so is it where a spec arrives: the wire (the SDK's JSON; the decode's
     # error, InvalidMessage, carries the spec's message).
@@ -706,7 +674,7 @@ def test_a_value_the_consumer_cannot_take_is_refused_at_creation(
     ],
 )
 def test_the_values_next_to_the_fixed_bounds_are_accepted(changes: dict[str, Any]) -> None:
-    _spec(**changes)
+    make_spec(**changes)
 
 
 def test_the_schema_s_image_rounding_is_the_base_s() -> None:
@@ -727,6 +695,6 @@ def test_the_schema_s_image_rounding_is_the_base_s() -> None:
 
 
 def test_num_envs_over_the_inference_rows_quota_is_refused_at_the_door() -> None:
-    spec = _spec(num_envs=Q.max_infer_rows + 1, horizon=1)
+    spec = make_spec(num_envs=Q.max_infer_rows + 1, horizon=1)
     with pytest.raises(QuotaExceeded, match="num_envs"):
         bound_spec(TENANT, spec, Quota())

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from workload_specs import spec
 
 from joynexus.agents.control import checks as c
 from joynexus.schemas.errors import InvalidSpec, PayloadTooLarge, QuotaExceeded, ShapeMismatch
@@ -29,16 +30,6 @@ from joynexus.schemas.workloads import (
 
 Q = Quota()
 HASH = "$2b$12$" + "a" * 53
-
-
-def spec(name: str = "w", task_type: str = "rl", **kw: Any) -> WorkloadSpec:
-    if task_type in ("rl", "eval"):
-        kw.setdefault("env", "PickCube-v1")
-    if task_type == "sft":
-        kw.setdefault("dataset", "demo")
-    if task_type == "eval":
-        kw.setdefault("init_from_workload", "base")
-    return WorkloadSpec(name=name, task_type=task_type, **kw)  # type: ignore[arg-type]
 
 
 def rec(s: WorkloadSpec, state: str = "active", **kw: Any) -> WorkloadRecord:
