@@ -43,6 +43,7 @@ from joynexus.agents.models.heads import HeadConfig, TenantModule
 from joynexus.agents.models.policyio import PolicyStore, weights_bytes
 from joynexus.broker.connection import Broker
 from joynexus.ops.runtime.natsserver import EmbeddedNats
+from joynexus.schemas import inference as iq
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import (
     InvalidMessage,
@@ -52,18 +53,6 @@ from joynexus.schemas.errors import (
     ShapeMismatch,
     Unavailable,
     UnknownTenant,
-)
-from joynexus.schemas.inference import (
-    IncompatibleSchema,
-    InferError,
-    InferReply,
-    InferRequest,
-    InferResult,
-    Observation,
-    TensorBytes,
-    UnknownPolicyVersion,
-    decode_msgpack,
-    encode_msgpack,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,11 +95,11 @@ def expected(backbone: Backbone, module: TenantModule, obs: dict[str, Any], nois
 
 def raw_request(tenant: str, obs: dict[str, Any], schema: FeatureSchema = SCHEMA) -> bytes:
     """An encoded inference request as a tenant's SDK builds it (to send on any subject)."""
-    return encode_msgpack(InferRequest(
+    return iq.encode_msgpack(iq.InferRequest(
         tenant_id=tenant, schema_signature=schema.signature(),
-        observation=Observation(images={k: TensorBytes.from_array(v) for k, v in obs["images"].items()},
+        observation=iq.Observation(images={k: iq.TensorBytes.from_array(v) for k, v in obs["images"].items()},
                                 instruction=obs["instruction"],
-                                state=TensorBytes.from_array(obs["state"])),
+                                state=iq.TensorBytes.from_array(obs["state"])),
     ))
 
 
@@ -232,7 +221,7 @@ async def test_policy_store_publishes_weights_then_record_and_keeps_versions(
     for k, v in m1.head.state_dict().items():
         torch.testing.assert_close(loaded.head.state_dict()[k], v, atol=0, rtol=0)
         torch.testing.assert_close(exported.head.state_dict()[k], v, atol=0, rtol=0)
-    with pytest.raises(UnknownPolicyVersion, match="no version 9: the latest published is 2"):
+    with pytest.raises(iq.UnknownPolicyVersion, match="no version 9: the latest published is 2"):
         await store.get("acme", "default", 9)
     with pytest.raises(InvalidSpec, match="not above the latest"):
         await store.publish("acme", "default", m1, SCHEMA, version=2)
@@ -372,7 +361,7 @@ async def test_a_burst_into_an_idle_engine_rides_one_batch(
         assert sent.wait(timeout=20)
         time.sleep(0.05)  # noqa: ASYNC251 - holding this loop is the point
         msgs = await burst
-        replies = [decode_msgpack(m.data, InferResult) for m in msgs]
+        replies = [iq.decode_msgpack(m.data, iq.InferResult) for m in msgs]
         seen.append(list(engine.stats.batch_sizes))
     # The first burst meets a fresh connection's small receive buffer (128 kB here), so the
     # server hands it over in pieces as the engine reads; once the kernel has grown it,
@@ -544,8 +533,8 @@ def test_each_distinct_instruction_is_tokenised_once(backbone: Backbone) -> None
 
 def test_images_are_read_from_the_wire_without_copies() -> None:
     obs = make_obs(0, b=2)
-    wire = Observation(images={k: TensorBytes.from_array(v) for k, v in obs["images"].items()},
-                       instruction="x", state=TensorBytes.from_array(obs["state"]))
+    wire = iq.Observation(images={k: iq.TensorBytes.from_array(v) for k, v in obs["images"].items()},
+                       instruction="x", state=iq.TensorBytes.from_array(obs["state"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "not writable" warning either
         fb = canonical(SCHEMA, wire)
@@ -605,7 +594,7 @@ async def test_version_routing_and_new_version_loaded_before_served(
     np.testing.assert_allclose(latest.actions.to_array(), want2, atol=ATOL, rtol=0)
     np.testing.assert_allclose(pinned1.actions.to_array(), want1, atol=ATOL, rtol=0)
     np.testing.assert_allclose(pinned2.actions.to_array(), want2, atol=ATOL, rtol=0)
-    with pytest.raises(UnknownPolicyVersion, match="no version 7"):
+    with pytest.raises(iq.UnknownPolicyVersion, match="no version 7"):
         await client.request("acme", schema=SCHEMA, policy_version=7, **obs)
 
 
@@ -637,7 +626,7 @@ async def test_full_queue_answers_unavailable_and_serves_the_rest(
     out = await asyncio.gather(*(client.request("acme", schema=SCHEMA, **make_obs(i)) for i in range(24)),
                                return_exceptions=True)
     refused = [r for r in out if isinstance(r, Unavailable)]
-    served = [r for r in out if isinstance(r, InferResult)]
+    served = [r for r in out if isinstance(r, iq.InferResult)]
     assert len(refused) + len(served) == 24
     assert refused and engine.stats.rejected == len(refused)
     assert "requests queued; retry later or scale up" in str(refused[0])
@@ -687,11 +676,11 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
     assert isinstance(out["nan"], InvalidSpec) and "state contains 1 NaN/inf" in str(out["nan"])
     assert isinstance(out["wrong_state"], ShapeMismatch) and "state: expected [B, 8]" in str(out["wrong_state"])
     assert isinstance(out["wrong_image"], ShapeMismatch) and "images['front']" in str(out["wrong_image"])
-    assert isinstance(out["schema"], IncompatibleSchema) and "act=4x7" in str(out["schema"])
-    assert isinstance(out["version"], UnknownPolicyVersion)
+    assert isinstance(out["schema"], iq.IncompatibleSchema) and "act=4x7" in str(out["schema"])
+    assert isinstance(out["version"], iq.UnknownPolicyVersion)
     assert isinstance(out["slot"], InvalidSpec) and "missing ['wrist']" in str(out["slot"])
     ra, rb = out["good_a"], out["good_b"]
-    assert isinstance(ra, InferResult) and isinstance(rb, InferResult)
+    assert isinstance(ra, iq.InferResult) and isinstance(rb, iq.InferResult)
     assert ra.batch.batch_id == rb.batch.batch_id and ra.batch.size == 2  # only the good ones batched
     np.testing.assert_allclose(ra.actions.to_array(), expected(backbone, ma, oa), atol=ATOL, rtol=0)
     np.testing.assert_allclose(rb.actions.to_array(), expected(backbone, mb, ob), atol=ATOL, rtol=0)
@@ -699,8 +688,8 @@ async def test_bad_requests_get_clear_errors_while_batch_mates_are_served(
 
     # Bytes that are not an inference request, and tensor bytes that do not fit their shape.
     msg = await broker.nc.request(broker.names.service_infer(MODEL, "a"), b"\x01garbage", timeout=5)
-    err = decode_msgpack(msg.data, InferReply)
-    assert isinstance(err, InferError) and isinstance(err.to_exception(), InvalidMessage)
+    err = iq.decode_msgpack(msg.data, iq.InferReply)
+    assert isinstance(err, iq.InferError) and isinstance(err.to_exception(), InvalidMessage)
     assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
 
 
@@ -751,14 +740,14 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
     gated.gate.set()
     good_a, bad, good_b = await calls
     await hold
-    reply = decode_msgpack(bad.data, InferReply)
-    assert isinstance(reply, InferError) and reply.code == "permission_denied"
+    reply = iq.decode_msgpack(bad.data, iq.InferReply)
+    assert isinstance(reply, iq.InferError) and reply.code == "permission_denied"
     err = reply.to_exception()
     assert isinstance(err, PermissionDenied) and err.permanent
     assert subject_a in str(err) and "claims tenant 'b'" in str(err) and "tenant 'a'" in str(err)
     assert bad.headers and bad.headers.get("Nats-Service-Error-Code") == "403"
     # The batch-mates: one shared forward of the two good requests, each with its own head.
-    assert isinstance(good_a, InferResult) and isinstance(good_b, InferResult)
+    assert isinstance(good_a, iq.InferResult) and isinstance(good_b, iq.InferResult)
     assert good_a.batch.batch_id == good_b.batch.batch_id and good_a.batch.size == 2
     np.testing.assert_allclose(good_a.actions.to_array(), expected(backbone, ma, oa), atol=ATOL, rtol=0)
     np.testing.assert_allclose(good_b.actions.to_array(), expected(backbone, mb, ob), atol=ATOL, rtol=0)
@@ -774,8 +763,8 @@ async def test_payload_claiming_another_tenant_is_refused_and_reported(
         await client._once(MODEL, raw_request("b", forged), "a", 5)
     # A subject that names no tenant (a literal wildcard token) serves nobody.
     msg = await broker.nc.request(broker.names.service_infer(MODEL), raw_request("a", oa), timeout=5)
-    nobody = decode_msgpack(msg.data, InferReply)
-    assert isinstance(nobody, InferError) and nobody.code == "permission_denied"
+    nobody = iq.decode_msgpack(msg.data, iq.InferReply)
+    assert isinstance(nobody, iq.InferError) and nobody.code == "permission_denied"
     assert "names no tenant" in nobody.message
     (event,) = await security_events(broker, "_")
     assert event["action"] == "claim_tenant" and event["target"] == broker.names.service_infer(MODEL)
@@ -799,19 +788,19 @@ async def test_agents_and_tenants_ask_on_subjects_of_their_own(
     seen: list[tuple[str, str]] = []
 
     async def spy(msg: Any) -> None:  # a plain subscriber (no queue group) sees every request
-        seen.append((msg.subject, decode_msgpack(msg.data, InferRequest).tenant_id))
+        seen.append((msg.subject, iq.decode_msgpack(msg.data, iq.InferRequest).tenant_id))
 
     subs = [await broker.nc.subscribe(broker.names.infer(MODEL), cb=spy),
             await broker.nc.subscribe(broker.names.service_infer(MODEL), cb=spy)]
     try:
         agent = InferenceClient(broker)
         r = await agent.request("acme", schema=SCHEMA, **make_obs(0))
-        assert isinstance(r, InferResult) and r.policy_version == 1
+        assert isinstance(r, iq.InferResult) and r.policy_version == 1
         await agent.request("bolt", schema=SCHEMA, **make_obs(1))
         ns = broker.names.namespace
         assert broker.names.service_infer(MODEL, "acme") == f"{ns}.isvc.qwen2_5-vl-tiny.acme"
         tenant = InferenceClient(await as_tenant("acme"), service=False)
-        assert isinstance(await tenant.request("acme", schema=SCHEMA, **make_obs(2)), InferResult)
+        assert isinstance(await tenant.request("acme", schema=SCHEMA, **make_obs(2)), iq.InferResult)
         await broker.nc.flush()
         assert seen == [(broker.names.service_infer(MODEL, "acme"), "acme"),
                         (broker.names.service_infer(MODEL, "bolt"), "bolt"),
@@ -875,7 +864,7 @@ async def test_failure_inside_a_batch_falls_back_per_request(
     out = await calls
     await hold
     r1, bad, r2 = out
-    assert isinstance(r1, InferResult) and isinstance(r2, InferResult)
+    assert isinstance(r1, iq.InferResult) and isinstance(r2, iq.InferResult)
     assert r1.batch.fallback and r1.batch.size == 3
     assert isinstance(bad, JoyNexusError) and "internal error" in str(bad)
     assert "boom" not in str(bad)  # no exception text reaches a tenant
@@ -928,7 +917,7 @@ async def test_visible_as_micro_service_and_reply_continues_the_trace(
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     msg = await broker.nc.request(broker.names.service_infer(MODEL, "acme"), raw_request("acme", o), timeout=5,
                                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
-    assert isinstance(decode_msgpack(msg.data, InferReply), InferResult)
+    assert isinstance(iq.decode_msgpack(msg.data, iq.InferReply), iq.InferResult)
     assert msg.headers is not None and msg.headers["traceparent"].split("-")[1] == trace_id
 
 
@@ -951,7 +940,7 @@ async def test_scale_down_mid_stream_loses_no_request(broker: Broker, backbone: 
         gone = await pool.scale_down()
         assert gone is leaving and gone.state == "stopped" and len(pool) == 1
         replies = await asyncio.gather(*tasks)  # every request answered (none errors or times out)
-        assert len(replies) == 60 and all(isinstance(r, InferResult) for r in replies)
+        assert len(replies) == 60 and all(isinstance(r, iq.InferResult) for r in replies)
         served_by = {r.batch.instance for r in replies}
         assert served_by == {pool.engines[0].instance, leaving.instance}
         assert leaving.stats.requests == sum(r.batch.instance == leaving.instance for r in replies)
