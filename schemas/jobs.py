@@ -173,7 +173,38 @@ class WorkloadEnded(Wire, kw_only=True, tag_field="event", tag="workload_ended",
 LogEvent = JobEvent | WorkloadEnded
 
 
-class WorkloadPolicy(Wire, kw_only=True, omit_defaults=True):
+class Admission(Wire, kw_only=True, omit_defaults=True):
+    """A workload's admission and ordering bounds: what a tenant asks for in its spec
+    (``schemas.workloads.Scheduling``) and what the scheduler enforces per
+    generation (:class:`WorkloadPolicy`)."""
+
+    priority: int = 0
+    #: Non-terminal jobs allowed at once.
+    max_in_flight: int = 2
+    #: Jobs in reserved/producing at once (rollouts under way) for this task.
+    max_active_rollouts: int = 1
+    #: Stop admitting once this many jobs completed or are in flight.
+    completion_target: int | None = None
+    #: An RL job is dropped if its behaviour version lags by more than this.
+    max_policy_staleness: int | None = None
+
+    def check_bounds(self, prefix: str = "") -> None:
+        """InvalidSpec naming the first bound out of range (``prefix``: before the
+        field's name in the message, e.g. ``scheduling.``)."""
+        for field in ("max_in_flight", "max_active_rollouts"):
+            if getattr(self, field) < 1:
+                raise InvalidSpec(f"{prefix}{field} must be >= 1, got {getattr(self, field)}")
+        if self.completion_target is not None and self.completion_target < 1:
+            raise InvalidSpec(
+                f"{prefix}completion_target must be >= 1, got {self.completion_target}"
+            )
+        if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
+            raise InvalidSpec(
+                f"{prefix}max_policy_staleness must be >= 0, got {self.max_policy_staleness}"
+            )
+
+
+class WorkloadPolicy(Admission, kw_only=True, omit_defaults=True):
     """Admission and ordering for one workload (the paper's per-policy limits).
 
     Jobs are counted per workload generation: a workload created again under a
@@ -185,15 +216,6 @@ class WorkloadPolicy(Wire, kw_only=True, omit_defaults=True):
     task_type: TaskType
     workload: str = "default"
     generation: int = 1
-    priority: int = 0
-    #: Non-terminal jobs allowed at once.
-    max_in_flight: int = 2
-    #: Jobs in reserved/producing at once (rollouts under way) for this task.
-    max_active_rollouts: int = 1
-    #: Stop admitting once this many jobs completed or are in flight.
-    completion_target: int | None = None
-    #: An RL job is dropped if its behaviour version lags by more than this.
-    max_policy_staleness: int | None = None
 
     def __post_init__(self) -> None:
         check_name("tenant_id", self.tenant_id)
@@ -202,14 +224,7 @@ class WorkloadPolicy(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(f"generation must be >= 1, got {self.generation}")
         if self.task_type not in TASK_TYPES:
             raise InvalidSpec(f"task_type {self.task_type!r} is not one of {TASK_TYPES}")
-        if self.max_in_flight < 1:
-            raise InvalidSpec(f"max_in_flight must be >= 1, got {self.max_in_flight}")
-        if self.max_active_rollouts < 1:
-            raise InvalidSpec(f"max_active_rollouts must be >= 1, got {self.max_active_rollouts}")
-        if self.completion_target is not None and self.completion_target < 1:
-            raise InvalidSpec(f"completion_target must be >= 1, got {self.completion_target}")
-        if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
-            raise InvalidSpec(f"max_policy_staleness must be >= 0, got {self.max_policy_staleness}")
+        self.check_bounds()
 
     @property
     def key(self) -> str:

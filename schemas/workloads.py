@@ -35,7 +35,7 @@ from joynexus.schemas.catalog import (
 )
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord, TensorBytes
-from joynexus.schemas.jobs import TASK_TYPES, TaskType, TrainingJob, check_name
+from joynexus.schemas.jobs import TASK_TYPES, Admission, TaskType, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
 
 #: The smallest learning rate the actor applies (``agents.actor.agent``: a job's rate
@@ -51,25 +51,12 @@ MIN_GAMMA = 1e-3
 MAX_SEED = 2**20
 
 
-class Scheduling(Wire, kw_only=True, omit_defaults=True):
-    priority: int = 0
-    max_in_flight: int = 2
-    max_active_rollouts: int = 1
-    completion_target: int | None = None
-    max_policy_staleness: int | None = None
+class Scheduling(Admission, kw_only=True, omit_defaults=True):
+    """A spec's admission and ordering (the scheduler's :class:`WorkloadPolicy` of
+    each generation of the workload takes them)."""
 
     def __post_init__(self) -> None:
-        for field in ("max_in_flight", "max_active_rollouts"):
-            if getattr(self, field) < 1:
-                raise InvalidSpec(f"scheduling.{field} must be >= 1, got {getattr(self, field)}")
-        if self.completion_target is not None and self.completion_target < 1:
-            raise InvalidSpec(
-                f"scheduling.completion_target must be >= 1, got {self.completion_target}"
-            )
-        if self.max_policy_staleness is not None and self.max_policy_staleness < 0:
-            raise InvalidSpec(
-                f"scheduling.max_policy_staleness must be >= 0, got {self.max_policy_staleness}"
-            )
+        self.check_bounds("scheduling.")
 
 
 class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
