@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,15 @@ def schedule(names: Sequence[str], *, repeats: int, warmup: int) -> Iterator[tup
             yield n, r >= warmup
 
 
+def kept_samples(names: Sequence[str], runs: Iterable[tuple[str, float, bool]]) -> dict[str, Samples]:
+    """Each arm's ms, from ``(arm, ms, kept)`` runs in order, the runs not kept dropped."""
+    out: dict[str, Samples] = {n: [] for n in names}
+    for n, ms, kept in runs:
+        if kept:
+            out[n].append(ms)
+    return out
+
+
 def interleaved(
     arms: Mapping[str, Callable[[], Any]],
     *,
@@ -82,14 +91,15 @@ def interleaved(
     warmup: int = 1,
 ) -> dict[str, Samples]:
     """Run every arm once per round, order flipped each round; ms per call, warm-up dropped."""
-    out: dict[str, Samples] = {n: [] for n in arms}
-    for n, kept in schedule(tuple(arms), repeats=repeats, warmup=warmup):
+
+    def ms(n: str) -> float:
         t0 = time.perf_counter()
         arms[n]()
-        dt = (time.perf_counter() - t0) * 1e3
-        if kept:
-            out[n].append(dt)
-    return out
+        return (time.perf_counter() - t0) * 1e3
+
+    names = tuple(arms)
+    return kept_samples(names, ((n, ms(n), kept) for n, kept in
+                                schedule(names, repeats=repeats, warmup=warmup)))
 
 
 async def interleaved_async(
@@ -99,14 +109,15 @@ async def interleaved_async(
     warmup: int = 1,
 ) -> dict[str, Samples]:
     """``interleaved`` for coroutines (an arm that awaits a reply, for instance)."""
-    out: dict[str, Samples] = {n: [] for n in arms}
-    for n, kept in schedule(tuple(arms), repeats=repeats, warmup=warmup):
+
+    async def ms(n: str) -> float:
         t0 = time.perf_counter()
         await arms[n]()
-        dt = (time.perf_counter() - t0) * 1e3
-        if kept:
-            out[n].append(dt)
-    return out
+        return (time.perf_counter() - t0) * 1e3
+
+    names = tuple(arms)
+    return kept_samples(names, [(n, await ms(n), kept) for n, kept in
+                                schedule(names, repeats=repeats, warmup=warmup)])
 
 
 def _boot_idx(n: int, n_boot: int, seed: int) -> np.ndarray:

@@ -69,17 +69,8 @@ from joynexus.agents.producers.schema import (
 )
 from joynexus.agents.producers.sft import batch_indices, job_extra
 from joynexus.broker.subjects import Names
-from joynexus.schemas import samples
+from joynexus.schemas import catalog, samples
 from joynexus.schemas.base import decode, encode
-from joynexus.schemas.catalog import (
-    ACTION_MODULES,
-    BASE_IMAGE_SIDE,
-    BASE_MODELS,
-    MAX_IMAGE_SIZE,
-    MIN_IMAGE_SIZE,
-    RL_ENVS,
-    resized_side,
-)
 from joynexus.schemas.errors import InvalidMessage, InvalidSpec, QuotaExceeded
 from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import JobMetadata, TrainingJob
@@ -97,7 +88,7 @@ from joynexus.schemas.workloads import (
 Q = DEFAULT_QUOTA
 TENANT = "acme"
 #: Every image size the schema accepts (the base reads each at its own grid).
-IMAGE_SIZES = [s for s in range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE + 1) if resized_side(s) == BASE_IMAGE_SIDE]
+IMAGE_SIZES = [s for s in range(catalog.MIN_IMAGE_SIZE, catalog.MAX_IMAGE_SIZE + 1) if catalog.resized_side(s) == catalog.BASE_IMAGE_SIDE]
 LIBERO_SAMPLE = ("LIBERO-spatial-0", "LIBERO-90-89", "LIBERO-10-9")
 #: Rows of the actor's step and of inference per drawn spec (the batch size itself
 #: is exercised by the SFT producer's rows; a step of 512 images per spec is slow).
@@ -153,7 +144,7 @@ def _cameras_and_state(rng: random.Random, env: str) -> tuple[list[str], list[st
 
 def draw_spec(rng: random.Random, task_type: str, dataset: str, *, envs: tuple[str, ...] = ()) -> WorkloadSpec:
     """A spec within the schema's bounds and the default quota's."""
-    env = rng.choice(envs or (*RL_ENVS, *LIBERO_SAMPLE))
+    env = rng.choice(envs or (*catalog.RL_ENVS, *LIBERO_SAMPLE))
     advantage = rng.choice(["gae", "grpo"]) if task_type == "rl" else "gae"
     # num_envs within the quota's rows per inference request: see
     # test_num_envs_over_the_inference_rows_quota_is_accepted_at_the_door below.
@@ -161,8 +152,8 @@ def draw_spec(rng: random.Random, task_type: str, dataset: str, *, envs: tuple[s
     kw: dict[str, Any] = dict(
         name=f"w{rng.randrange(10**6)}",
         task_type=task_type,
-        base_model=rng.choice(sorted(BASE_MODELS)),
-        action_module=rng.choice(ACTION_MODULES),
+        base_model=rng.choice(sorted(catalog.BASE_MODELS)),
+        action_module=rng.choice(catalog.ACTION_MODULES),
         num_envs=num_envs,
         horizon=_int(rng, 1, Q.max_rollout_steps // num_envs),
         action_horizon=_int(rng, 1, Q.max_action_horizon),
@@ -206,7 +197,7 @@ def draw_spec(rng: random.Random, task_type: str, dataset: str, *, envs: tuple[s
         kw["video_size"] = 0 if rng.random() < 0.3 else _int(rng, 16, Q.max_video_size)
     # The image size: any the schema takes (the video quota bounds it when videos
     # are saved at the camera's own size).
-    most = Q.max_video_size if kw.get("eval_videos") and not kw.get("video_size") else MAX_IMAGE_SIZE
+    most = Q.max_video_size if kw.get("eval_videos") and not kw.get("video_size") else catalog.MAX_IMAGE_SIZE
     sizes = [s for s in IMAGE_SIZES if s <= most]
     r = rng.random()
     kw["image_size"] = sizes[0] if r < 0.15 else sizes[-1] if r < 0.3 else rng.choice(sizes)
@@ -217,7 +208,7 @@ def draw_spec(rng: random.Random, task_type: str, dataset: str, *, envs: tuple[s
 @pytest.fixture(scope="module")
 def backbones() -> dict[str, Backbone]:
     torch.set_num_threads(1)
-    return {name: Backbone.build(BackboneConfig(size=size)) for name, size in BASE_MODELS.items()}  # type: ignore[arg-type]
+    return {name: Backbone.build(BackboneConfig(size=size)) for name, size in catalog.BASE_MODELS.items()}  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -485,8 +476,8 @@ def test_the_edges_run(backbones: dict[str, Backbone], dataset: str) -> None:
                 target_kl=1.0, exploration_std=1.0, critic_warmup=100_000, image_size=IMAGE_SIZES[-1])
     rng = random.Random(24)
     for bounds in (low, high):
-        for module in ACTION_MODULES:
-            for base in BASE_MODELS:
+        for module in catalog.ACTION_MODULES:
+            for base in catalog.BASE_MODELS:
                 common = dict(bounds, action_module=module, base_model=base)
                 run_spec(WorkloadSpec(name="rl", task_type="rl", env="PushCube-v1", **common), backbones, rng)
                 run_spec(WorkloadSpec(name="sft", task_type="sft", dataset=dataset, **common), backbones, rng)
@@ -580,8 +571,8 @@ def test_drawn_specs_roll_out_and_evaluate_in_a_real_simulator(backbones: dict[s
         ({"horizon": 0}, "horizon"),
         ({"batch_size": 0}, "batch_size"),
         ({"action_horizon": 0}, "action_horizon"),
-        ({"image_size": MIN_IMAGE_SIZE - 1}, "image_size"),
-        ({"image_size": MAX_IMAGE_SIZE + 1}, "image_size"),
+        ({"image_size": catalog.MIN_IMAGE_SIZE - 1}, "image_size"),
+        ({"image_size": catalog.MAX_IMAGE_SIZE + 1}, "image_size"),
         ({"head_hidden": 7}, "head_hidden"),
         ({"head_hidden": 513}, "head_hidden"),
         ({"learning_rate": 1.0}, "learning_rate"),
@@ -683,15 +674,15 @@ def test_the_schema_s_image_rounding_is_the_base_s() -> None:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     bb = Backbone.build(BackboneConfig(size="tiny"))
-    assert bb.config.image_size == BASE_IMAGE_SIDE == BackboneConfig().image_size
+    assert bb.config.image_size == catalog.BASE_IMAGE_SIDE == BackboneConfig().image_size
     ip = bb.image_processor
-    for side in (BASE_IMAGE_SIDE, 28, 84, 112):
+    for side in (catalog.BASE_IMAGE_SIDE, 28, 84, 112):
         for s in range(1, 600):
             assert smart_resize(s, s, ip.patch_size * ip.merge_size, side * side, side * side) == (
-                resized_side(s, side),
+                catalog.resized_side(s, side),
             ) * 2, s
-    assert 64 in IMAGE_SIZES and all(s in IMAGE_SIZES for s in range(28, MAX_IMAGE_SIZE + 1, 28))
-    assert set(ACTION_MODULES) == set(HEADS) - {"value"}
+    assert 64 in IMAGE_SIZES and all(s in IMAGE_SIZES for s in range(28, catalog.MAX_IMAGE_SIZE + 1, 28))
+    assert set(catalog.ACTION_MODULES) == set(HEADS) - {"value"}
 
 
 def test_num_envs_over_the_inference_rows_quota_is_refused_at_the_door() -> None:
