@@ -28,7 +28,7 @@ from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.procs import die_with_parent
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
-from joynexus.broker.subjects import service_api
+from joynexus.broker.natsapi import service_api
 from joynexus.ops.runtime.launcher import role_command
 from joynexus.ops.runtime.threads import role_thread_env
 

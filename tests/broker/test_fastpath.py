@@ -320,7 +320,7 @@ class _Answer(Wire, kw_only=True, omit_defaults=True):
 
 
 async def test_plugged_into_the_rpc_seams_on_both_sides(broker: Broker) -> None:
-    """rpc.call(request=FastPath(b.nc).request) and rpc.Server(respond=FastResponder()):
+    """rpc.call(request=FastPath(b.nc).request) and responder.Server(respond=FastResponder()):
     the same answers and typed errors as nats-py's own request and respond."""
     from joynexus.schemas.base import decode
 
