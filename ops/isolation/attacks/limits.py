@@ -76,7 +76,7 @@ async def attack_service_inbox_reply(dep: SecuredDeployment, attacker: str,
     await dep.client(attacker)
     seq0 = await dep.metrics_seq()
     raw = await dep.raw(attacker)
-    prefixes = [f"_INBOX.{n.namespace}._svc", f"_INBOX.{n.namespace}._admin"]
+    prefixes = [n.service_inbox_prefix, n.admin_inbox_prefix]
     landed: list[str] = []
     watch = None
     if dep.service is not None:  # what lands there, seen as the service
