@@ -10,8 +10,9 @@ docs/ARCHITECTURE.md ("Request/reply: one layer"). What it guards:
   subject of its request; the service must not publish where it says (a reply
   to ``$JS.API.STREAM.PURGE.<stream>`` once purged every tenant's job log). A
   request on a tenant's subject is answered only if its reply subject is under
-  that tenant's inbox (``_INBOX.<ns>.<tenant>.``), or under the agents' or the
-  operator's inbox prefixes, which no tenant may subscribe to. Anything else is
+  that tenant's inbox (``_INBOX.<ns>.<tenant>.``); a request on an agent's or
+  the operator's subject only under the agents' or the operator's inbox
+  prefixes, which no tenant may subscribe to (:func:`reply_allowed`). Anything else is
   dropped, unanswered, and reported as a ``security`` event (action
   ``reply``). Behind the check, the answers travel on a connection of their
   own, as the responder identity, which the broker lets publish to inboxes
@@ -25,8 +26,10 @@ docs/ARCHITECTURE.md ("Request/reply: one layer"). What it guards:
   CPU: 32 concurrent handlers of one tenant made every other tenant's call 13-20x
   slower (issue 24); now another tenant's request competes with a few of them,
   and a verb that works longer holds its slot longer, so costs its tenant more
-  of its share. A long poll gives its slot back while it waits
-  (:func:`waiting`).
+  of its share; a verb known to be expensive (``cost``: reading weights or
+  videos, writing rows, creating a workload) takes several of its tenant's
+  slots at once (:class:`Budget`), so a tenant's expensive calls run one at a
+  time. A long poll gives its slots back while it waits (:func:`waiting`).
 - **A handler that raises answers an error body** (the error's stable code,
   its message clipped; a bug answers ``error`` and is logged) with the
   micro-service error headers, and the server keeps serving.
@@ -42,6 +45,7 @@ import contextlib
 import contextvars
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -103,11 +107,60 @@ def error_headers(code: str, message: str, headers: dict[str, str] | None = None
     return headers
 
 
-class _Held:
-    """The slot a request works in, and whether it holds it now."""
+class Budget:
+    """A tenant's working slots: a request takes ``n`` of them at once (its verb's cost,
+    at most all of them), granted in arrival order (a costly request is not passed
+    over forever by cheap ones behind it)."""
 
-    def __init__(self, slot: asyncio.Semaphore) -> None:
+    def __init__(self, units: int) -> None:
+        self.units = max(1, units)
+        self.free = self.units
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def cost(self, n: int) -> int:
+        return max(1, min(n, self.units))
+
+    async def acquire(self, n: int) -> None:
+        n = self.cost(n)
+        if not self._waiters and self.free >= n:
+            self.free -= n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted as it was cancelled
+                self.release(n)
+            else:
+                fut.cancel()
+                self._grant()
+            raise
+
+    def release(self, n: int) -> None:
+        self.free = min(self.units, self.free + self.cost(n))
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.done():  # cancelled while waiting
+                self._waiters.popleft()
+                continue
+            if self.free < n:
+                return
+            self.free -= n
+            self._waiters.popleft()
+            fut.set_result(None)
+
+
+class _Held:
+    """The slots a request works in (``n`` of its tenant's budget), and whether it
+    holds them now."""
+
+    def __init__(self, slot: Budget, n: int) -> None:
         self.slot = slot
+        self.n = n
         self.held = False
 
 
@@ -122,12 +175,12 @@ async def waiting() -> AsyncIterator[None]:
     if h is None or not h.held:
         yield
         return
-    h.slot.release()
+    h.slot.release(h.n)
     h.held = False
     try:
         yield
     finally:
-        await h.slot.acquire()
+        await h.slot.acquire(h.n)
         h.held = True
 
 
@@ -263,7 +316,7 @@ class Server(Responder):
         self.respond = respond
         self.slots = slots
         #: Per tenant with requests admitted: the slots its requests work in.
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, Budget] = {}
         #: The most requests of one tenant that ever worked at once (for tests).
         self.peak_working: dict[str, int] = {}
         self._working: dict[str, int] = {}
@@ -286,12 +339,13 @@ class Server(Responder):
         tenant: str | None = None,
         traced_only: bool = False,
         error_reply: Callable[[str, str], Any] | None = None,
+        cost: int = 1,
     ) -> None:
         """Answer ``request`` with what ``handle()`` returns, in a task of its own
         (nats-py runs one callback at a time per subscription: a long poll never
         blocks the others), counted against ``tenant``'s in-flight bound (past it:
-        ``rate_limited`` at once) and, with ``slots``, working only in one of
-        ``tenant``'s slots. ``handle`` decodes the request and does the work
+        ``rate_limited`` at once) and, with ``slots``, working only in ``cost`` of
+        ``tenant``'s slots (at most all of them). ``handle`` decodes the request and does the work
         in a span ``span`` continuing the caller's trace (``traced_only``: only when
         the request carries one; thousands of root spans a second would only cost);
         ``error_reply``: this request's, instead of the server's."""
@@ -301,24 +355,24 @@ class Server(Responder):
             self.spawn(self.answer_error(request, e, error_reply=error_reply))
             return
         slot = self._slot(tenant)
-        work = handle if slot is None else self._in_slot(tenant or "", slot, handle)
+        work = handle if slot is None else self._in_slot(tenant or "", slot, cost, handle)
         task = self.spawn(self._answer(request, work, span, traced_only, error_reply))
         task.add_done_callback(lambda _t: self._release(tenant))
 
-    def _slot(self, tenant: str | None) -> asyncio.Semaphore | None:
+    def _slot(self, tenant: str | None) -> Budget | None:
         if self.slots is None or not tenant:
             return None
-        sem = self._slots.get(tenant)
-        if sem is None:
-            sem = self._slots[tenant] = asyncio.Semaphore(max(1, self.slots(tenant)))
-        return sem
+        budget = self._slots.get(tenant)
+        if budget is None:
+            budget = self._slots[tenant] = Budget(self.slots(tenant))
+        return budget
 
     def _in_slot(
-        self, tenant: str, slot: asyncio.Semaphore, handle: Callable[[], Awaitable[Any]]
+        self, tenant: str, slot: Budget, cost: int, handle: Callable[[], Awaitable[Any]]
     ) -> Callable[[], Awaitable[Any]]:
         async def work() -> Any:
-            held = _Held(slot)
-            await slot.acquire()
+            held = _Held(slot, slot.cost(cost))
+            await slot.acquire(held.n)
             held.held = True
             token = _HELD.set(held)
             n = self._working[tenant] = self._working.get(tenant, 0) + 1
@@ -329,7 +383,7 @@ class Server(Responder):
                 _HELD.reset(token)
                 self._working[tenant] = self._working.get(tenant, 1) - 1
                 if held.held:
-                    slot.release()
+                    slot.release(held.n)
 
         return work
 

@@ -41,3 +41,9 @@ ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list")
 
 #: Verbs whose body carries data (rows, a spec); every other request is small.
 BIG_VERBS = frozenset({"put_data", "create_workload"})
+
+#: What a verb costs of its tenant's working slots on the control plane (others: 1):
+#: those that read or write megabytes (weights, videos, rows) or build a policy take
+#: all of a tenant's default slots, so a tenant's expensive calls run one at a time.
+VERB_COST: dict[str, int] = {"get_policy": 2, "get_video": 2, "put_data": 2,
+                             "create_workload": 2}

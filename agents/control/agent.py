@@ -43,6 +43,7 @@ from joynexus.broker.responder import Server
 from joynexus.broker.subjects import CURSOR_KEYS
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
+from joynexus.schemas.api import VERB_COST
 from joynexus.schemas.base import decode
 from joynexus.schemas.identities import AdminReply, TenantRequest
 from joynexus.schemas.inference import decode_msgpack
@@ -184,7 +185,8 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
                 req = decode(request.data or b"{}", kind, what=f"{verb} request")
             return await getattr(self, f"_{verb}")(who, req)
 
-        self.rpc.serve(request, call, span=f"control.{verb}", tenant=tenant)
+        self.rpc.serve(request, call, span=f"control.{verb}", tenant=tenant,
+                       cost=VERB_COST.get(verb, 1))
 
     async def _handle_admin(self, request: Request) -> None:
         if not self.rpc.allowed(request, None):
