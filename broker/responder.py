@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
+from joynexus.broker.slots import HELD, Budget, Held
 from joynexus.broker.subjects import Names
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import JoyNexusError, PermissionDenied, RateLimited
@@ -105,83 +104,6 @@ def error_headers(code: str, message: str, headers: dict[str, str] | None = None
     headers[SERVICE_ERROR] = message[:200]
     headers[SERVICE_ERROR_CODE] = STATUS_BY_CODE.get(code, "400")
     return headers
-
-
-class Budget:
-    """A tenant's working slots: a request takes ``n`` of them at once (its verb's cost,
-    at most all of them), granted in arrival order (a costly request is not passed
-    over forever by cheap ones behind it)."""
-
-    def __init__(self, units: int) -> None:
-        self.units = max(1, units)
-        self.free = self.units
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    def cost(self, n: int) -> int:
-        return max(1, min(n, self.units))
-
-    async def acquire(self, n: int) -> None:
-        n = self.cost(n)
-        if not self._waiters and self.free >= n:
-            self.free -= n
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((n, fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # granted as it was cancelled
-                self.release(n)
-            else:
-                fut.cancel()
-                self._grant()
-            raise
-
-    def release(self, n: int) -> None:
-        self.free = min(self.units, self.free + self.cost(n))
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters:
-            n, fut = self._waiters[0]
-            if fut.done():  # cancelled while waiting
-                self._waiters.popleft()
-                continue
-            if self.free < n:
-                return
-            self.free -= n
-            self._waiters.popleft()
-            fut.set_result(None)
-
-
-class _Held:
-    """The slots a request works in (``n`` of its tenant's budget), and whether it
-    holds them now."""
-
-    def __init__(self, slot: Budget, n: int) -> None:
-        self.slot = slot
-        self.n = n
-        self.held = False
-
-
-_HELD: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("rpc_slot", default=None)
-
-
-@contextlib.asynccontextmanager
-async def waiting() -> AsyncIterator[None]:
-    """Inside a handler: give the tenant's working slot back while waiting (a long
-    poll waits for events, it does no work), take it again, in turn, after."""
-    h = _HELD.get()
-    if h is None or not h.held:
-        yield
-        return
-    h.slot.release(h.n)
-    h.held = False
-    try:
-        yield
-    finally:
-        await h.slot.acquire(h.n)
-        h.held = True
 
 
 class Responder:
@@ -317,6 +239,8 @@ class Server(Responder):
         self.slots = slots
         #: Per tenant with requests admitted: the slots its requests work in.
         self._slots: dict[str, Budget] = {}
+        #: Encoded ``rate_limited`` answers by (error builder, message): see _refuse.
+        self._refusals: dict[tuple[int, str], tuple[bytes, dict[str, str]]] = {}
         #: The most requests of one tenant that ever worked at once (for tests).
         self.peak_working: dict[str, int] = {}
         self._working: dict[str, int] = {}
@@ -352,7 +276,7 @@ class Server(Responder):
         try:
             self.admit(tenant)
         except RateLimited as e:
-            self.spawn(self.answer_error(request, e, error_reply=error_reply))
+            self.spawn(self._refuse(request, e, error_reply))
             return
         slot = self._slot(tenant)
         work = handle if slot is None else self._in_slot(tenant or "", slot, cost, handle)
@@ -371,16 +295,16 @@ class Server(Responder):
         self, tenant: str, slot: Budget, cost: int, handle: Callable[[], Awaitable[Any]]
     ) -> Callable[[], Awaitable[Any]]:
         async def work() -> Any:
-            held = _Held(slot, slot.cost(cost))
+            held = Held(slot, slot.cost(cost))
             await slot.acquire(held.n)
             held.held = True
-            token = _HELD.set(held)
+            token = HELD.set(held)
             n = self._working[tenant] = self._working.get(tenant, 0) + 1
             self.peak_working[tenant] = max(self.peak_working.get(tenant, 0), n)
             try:
                 return await handle()
             finally:
-                _HELD.reset(token)
+                HELD.reset(token)
                 self._working[tenant] = self._working.get(tenant, 1) - 1
                 if held.held:
                     slot.release(held.n)
@@ -412,6 +336,23 @@ class Server(Responder):
             await self.answer_error(request, e, error_reply=error_reply)
             return
         await self.send(request, self.encode(reply))
+
+    async def _refuse(self, request: Any, e: RateLimited,
+                      error_reply: Callable[[str, str], Any] | None) -> None:
+        """Answer ``rate_limited``: a flood of refused requests is answered from a cache
+        of encoded refusals (the message repeats: same tenant, same bound), so each
+        costs a lookup and a publish, not an encoding (the victim's request waits
+        behind them in the subscription's queue)."""
+        key = (id(error_reply), str(e))
+        hit = self._refusals.get(key)
+        if hit is None:
+            code, message = self.error_of(e)
+            hit = (self.encode((error_reply or self.error_reply)(code, message)),
+                   error_headers(code, message))
+            if len(self._refusals) >= 1024:
+                self._refusals.clear()
+            self._refusals[key] = hit
+        await self.send(request, hit[0], dict(hit[1]))
 
     async def answer_error(
         self,

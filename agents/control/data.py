@@ -31,7 +31,7 @@ from joynexus.agents.control.checks import (
 )
 from joynexus.broker import metrics
 from joynexus.broker.direct import last_seq_of, read_subject
-from joynexus.broker.responder import waiting
+from joynexus.broker.slots import waiting
 from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.usage import UsageQuery
 from joynexus.schemas.base import decode

@@ -16,7 +16,7 @@ from nats.micro import add_service
 from joynexus.agents.leases import MIN_TOUCH_EVERY_S, leases_kept, touch_every_s
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient
-from joynexus.broker import responder, rpc
+from joynexus.broker import responder, rpc, slots
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.schemas.base import Wire, decode, encode
@@ -93,7 +93,7 @@ class EchoService:
             if req.do == "hold":
                 await self.release.wait()
             if req.do == "poll":  # a long poll: waits without the tenant's slot
-                async with responder.waiting():
+                async with slots.waiting():
                     await self.release.wait()
             return EchoReply(text=req.text, tenant=tenant)
 

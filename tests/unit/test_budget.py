@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from joynexus.broker.responder import Budget
+from joynexus.broker.slots import Budget
 
 
 async def test_an_expensive_request_waits_for_all_slots_and_is_not_overtaken() -> None:
