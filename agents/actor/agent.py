@@ -70,7 +70,7 @@ from joynexus.agents.actor.forward import (
 from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
-from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing

@@ -26,7 +26,8 @@ from joynexus.agents.actor.forward import (
 from joynexus.agents.advantage import awr_weights
 from joynexus.agents.models.features import FeatureBatch, FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem
-from joynexus.agents.models.heads import PPOBatch, TenantModule
+from joynexus.agents.models.heads.ppo import PPOBatch
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.samples import ACTIONS_FIELD, DECISION_FIELD, STATE_FIELD, image_field
 

@@ -31,7 +31,9 @@ from joynexus.agents.jobextra import (
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import canonicalize_request
 from joynexus.agents.models.grouped import encode_for
-from joynexus.agents.models.heads import HEADS, GaussianPolicy, TenantModule
+from joynexus.agents.models.heads.base import HEADS
+from joynexus.agents.models.heads.gaussian import GaussianPolicy
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.stage import StageWorker

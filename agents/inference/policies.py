@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureSchema
-from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.schemas.inference import IncompatibleSchema, PolicyRecord
 

@@ -22,7 +22,8 @@ import torch
 
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import FeatureBatch, TokenFeatures, concat_batches
-from joynexus.agents.models.heads import ActionHead, TenantModule
+from joynexus.agents.models.heads.base import ActionHead
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError
 
 __all__ = [

@@ -15,7 +15,8 @@ import json
 from dataclasses import asdict
 
 from joynexus.agents.featureschema import FeatureSchema, feature_schema_of, schema_spec
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord

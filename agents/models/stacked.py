@@ -24,13 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from joynexus.agents.models.heads import (
-    NORM_CLIP,
-    ActionHead,
-    FlowMatchingHead,
-    OFTMLPHead,
-    time_embedding,
-)
+from joynexus.agents.models.heads.base import NORM_CLIP, ActionHead, time_embedding
+from joynexus.agents.models.heads.flow import FlowMatchingHead
+from joynexus.agents.models.heads.gaussian import OFTMLPHead
 from joynexus.schemas.errors import ShapeMismatch
 
 __all__ = ["arch_key", "stackable", "stacked_act"]

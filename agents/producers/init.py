@@ -352,7 +352,8 @@ def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "wei
 async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
     """Build ``record``'s head with fresh weights and ``stats`` and publish it as
     version 1 (a version 1 there already is a retried create). Imports torch."""
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.heads.base import HeadConfig
+    from joynexus.agents.models.heads.tenant import TenantModule
     from joynexus.agents.models.policyio import PolicyStore
 
     spec = record.spec

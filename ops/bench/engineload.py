@@ -66,7 +66,8 @@ def real_request_payload() -> bytes:
 
 
 def sample_module(tenant: str, i: int, feature_dim: int) -> Any:
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.heads.base import HeadConfig
+    from joynexus.agents.models.heads.tenant import TenantModule
 
     head = ("oft_mlp", "flow_matching")[i % 2]
     return TenantModule(tenant, head, HeadConfig(feature_dim, 8, 7, 8, hidden=HEAD_HIDDEN, seed=i))

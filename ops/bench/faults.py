@@ -174,7 +174,8 @@ async def _real_sft_feed(rig: FaultRig) -> None:
 
     from joynexus.agents.models.backbone import BackboneConfig
     from joynexus.agents.models.features import FeatureSchema
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.heads.base import HeadConfig
+    from joynexus.agents.models.heads.tenant import TenantModule
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.agents.producers import feature_dim
     from joynexus.schemas.errors import JoyNexusError

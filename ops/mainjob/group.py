@@ -157,7 +157,8 @@ def measure_rss(backbone: Any, n: int = 8) -> tuple[dict[str, float], list[Any]]
     right after building the backbone, before other allocations, for a clean
     reading. Returns the figures and the modules (reuse them).
     """
-    from joynexus.agents.models.heads import HeadConfig, TenantModule
+    from joynexus.agents.models.heads.base import HeadConfig
+    from joynexus.agents.models.heads.tenant import TenantModule
 
     base = _rss_mb()
     mods: list[Any] = []

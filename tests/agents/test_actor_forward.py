@@ -23,7 +23,8 @@ from joynexus.agents.actor.forward import (
 from joynexus.agents.advantage import AdvantageAgent, gae, to_trajectories
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.producers import feature_dim
 from joynexus.agents.scheduler import SchedulerAgent

@@ -22,7 +22,8 @@ from joynexus.agents.actor.agent import Actor
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, schema_spec
 from joynexus.agents.scheduler import SchedulerAgent
 from joynexus.agents.scheduler_client import SchedulerClient

@@ -39,7 +39,8 @@ from joynexus.agents.models.features import (
     patchify,
 )
 from joynexus.agents.models.grouped import ActRequest, serial_forward
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, weights_bytes
 from joynexus.broker.connection import Broker
 from joynexus.ops.runtime.natsserver import EmbeddedNats

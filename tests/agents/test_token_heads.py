@@ -39,8 +39,10 @@ from joynexus.agents.models.grouped import (
     serial_forward,
     serial_train_step,
 )
-from joynexus.agents.models.heads import HEADS, HeadConfig, PPOBatch, TenantModule, build_head
-from joynexus.agents.models.token_heads import GR00TFlowHead, OFTAttnHead
+from joynexus.agents.models.heads.base import HEADS, HeadConfig, build_head
+from joynexus.agents.models.heads.ppo import PPOBatch
+from joynexus.agents.models.heads.tenant import TenantModule
+from joynexus.agents.models.heads.token import GR00TFlowHead, OFTAttnHead
 from joynexus.schemas.catalog import ACTION_MODULES
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 from joynexus.schemas.workloads import WorkloadSpec

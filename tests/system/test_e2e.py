@@ -25,7 +25,7 @@ from joynexus.agents.control import ControlPlane
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.models.heads import TenantModule
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, module_from_weights
 from joynexus.agents.producers import PolicyInitializer, ProducerAgent
 from joynexus.agents.scheduler import SchedulerAgent

@@ -58,7 +58,9 @@ from joynexus.agents.models.grouped import (
     grouped_forward,
     grouped_train_step,
 )
-from joynexus.agents.models.heads import HEADS, GaussianPolicy, HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HEADS, HeadConfig
+from joynexus.agents.models.heads.gaussian import GaussianPolicy
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import module_from_weights
 from joynexus.agents.producers.rl import RLProducer
 from joynexus.agents.producers.schema import (

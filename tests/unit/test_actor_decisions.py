@@ -23,7 +23,8 @@ from joynexus.agents.actor.decisions import (
 )
 from joynexus.agents.actor.forward import OLD_LOGP_FIELD
 from joynexus.agents.models.features import FeatureSchema
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.producers.schema import feature_dim
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError, ShapeMismatch, Unavailable
 from joynexus.schemas.jobs import JobMetadata, TrainingJob

@@ -19,7 +19,8 @@ from joynexus.agents.inference.compute import decode_grouped, decode_one, forwar
 from joynexus.agents.inference.policies import LoadedPolicy
 from joynexus.agents.models.backbone import Backbone, BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request, concat_batches
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.schemas.inference import InferRequest, Observation, TensorBytes
 
 SCHEMA = FeatureSchema(("front",), (28, 28), 8, 7, 8)

@@ -35,7 +35,8 @@ from joynexus.agents.models.grouped import (
     serial_forward,
     serial_train_step,
 )
-from joynexus.agents.models.heads import HEADS, HeadConfig, TenantModule, build_head
+from joynexus.agents.models.heads.base import HEADS, HeadConfig, build_head
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)

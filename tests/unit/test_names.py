@@ -191,9 +191,9 @@ FIELD_EXCEPTIONS: dict[tuple[str, str], int] = {
     ("agents/actor/forward.py", "values"): 1,
     ("agents/actor/decisions.py", "advantages"): 1,
     ("agents/actor/decisions.py", "returns"): 1,
-    ("agents/models/heads.py", "old_logp"): 1,
-    ("agents/models/heads.py", "advantages"): 1,
-    ("agents/models/heads.py", "returns"): 1,
+    ("agents/models/heads/gaussian.py", "old_logp"): 1,
+    ("agents/models/heads/gaussian.py", "advantages"): 1,
+    ("agents/models/heads/gaussian.py", "returns"): 1,
     ("broker/inference_client.py", "actions"): 1,  # the reply's tensor, named as the chunk
     # schemas/rows.py: two bounds' descriptions are the words themselves
     ("schemas/rows.py", "advantages"): 1,

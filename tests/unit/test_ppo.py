@@ -8,14 +8,10 @@ import math
 import pytest
 import torch
 
-from joynexus.agents.models.heads import (
-    HeadConfig,
-    OFTMLPHead,
-    PPOBatch,
-    TenantModule,
-    build_head,
-    ppo_objective,
-)
+from joynexus.agents.models.heads.base import HeadConfig, build_head
+from joynexus.agents.models.heads.gaussian import OFTMLPHead
+from joynexus.agents.models.heads.ppo import PPOBatch, ppo_objective
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from joynexus.agents.models.heads import HeadConfig, TenantModule
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.stacked import arch_key, stackable, stacked_act
 
 

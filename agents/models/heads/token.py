@@ -6,7 +6,7 @@ over action tokens; RL by advantage weights) read the packed token features
 ``[B, L, D + 1]`` and mask pads out of every attention, so a row's output does
 not depend on the padding of the group it was batched with. Tokens are
 projected to ``cfg.hidden`` first, keeping a head well under 1% of the bench
-base. Importing ``joynexus.agents.models`` registers both.
+base. Importing ``joynexus.agents.models.heads`` registers both.
 
 See docs/ARCHITECTURE.md, "Policies that learn".
 """
@@ -20,15 +20,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from joynexus.agents.models.features import unpack_tokens
-from joynexus.agents.models.heads import (
+from joynexus.agents.models.heads.base import (
     ActionHead,
-    GaussianPolicy,
     HeadConfig,
     mlp_layers,
     register,
     time_embedding,
     weighted_mean,
 )
+from joynexus.agents.models.heads.gaussian import GaussianPolicy
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = ["GR00TFlowHead", "OFTAttnHead", "TokenAttention"]
@@ -220,14 +220,9 @@ class GR00TFlowHead(ActionHead):
         """Euler-integrate from ``noise`` ``[B, horizon, action_dim]`` (drawn from the head's
         generator if None); deterministic given the noise."""
         ctx = self._context(feats_B_D, state_B_S)
-        c = self.cfg
         b = feats_B_D.shape[0]
-        shape = (b, c.action_horizon, c.action_dim)
-        if noise is None:
-            noise = torch.randn(shape, generator=self.generator)
-        self._check_target(noise, shape)
-        x = noise.to(feats_B_D)
-        n = steps or c.flow_steps
+        x = self.noise_chunk(b, noise).to(feats_B_D)
+        n = steps or self.cfg.flow_steps
         if not (isinstance(n, int) and 1 <= n <= 1000):
             raise InvalidSpec(f"{self.type_name}: Euler steps must be an integer in 1..1000, got {n!r}")
         dt = 1.0 / n

@@ -1,0 +1,18 @@
+"""Tenant action modules (heads): the only trainable part of a tenant's policy.
+
+One module per head family, and the registry they share; importing this
+package (or any module in it) registers every family, so ``HEADS`` and
+``build_head`` know every action module in every process:
+
+    base      HeadConfig, ActionHead, the registry (register, build_head, HEADS)
+    ppo       PPOBatch, ppo_objective (heads with a tractable likelihood)
+    gaussian  GaussianPolicy; ``oft_mlp`` (OFTMLPHead)
+    flow      ``flow_matching`` (FlowMatchingHead), ``value`` (ValueHead)
+    token     heads reading token features: ``oft_attn``, ``gr00t_flow``
+    tenant    TenantModule: one tenant's head, AdamW and version
+
+See docs/ARCHITECTURE.md, "Policies that learn".
+"""
+
+# The families register themselves with ``base.register`` when imported.
+from joynexus.agents.models.heads import flow, gaussian, token  # noqa: F401
