@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 #: The width of the features each backbone size gives a head (its language model's
-#: hidden size: ``agents.models.backbone.SIZES[size]["text"]["hidden_size"]``, which
+#: hidden size: ``agents.models.backbone_config.SIZES[size]["text"]["hidden_size"]``, which
 #: a test checks against this table).
 FEATURE_DIMS: dict[str, int] = {"tiny": 64, "bench": 384}
 

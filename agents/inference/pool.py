@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from joynexus.agents.inference.engine import DEFAULT_MAX_ROWS, InferenceEngine
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.quotas import QuotaBook

@@ -11,311 +11,50 @@ padding never changes a real token's features; positions are the 3-D M-RoPE
 ids from ``get_rope_index``, passed explicitly (never the 1-D fallback);
 ``feats_B_D`` is the mean of the last hidden states over real tokens.
 
+How it is configured and built is ``backbone_config``, its tokenizer
+``tokenizer``, and its inputs' preparation ``backbone_inputs``; this module is
+the forward: ``prepare`` (tokenise, patchify), the batched vision tower, the
+language model with explicit positions, pooling.
+
 See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLModel,
-    Qwen2VLImageProcessor,
-)
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLModel, Qwen2VLImageProcessor
 
-from joynexus.agents.models.features import (
-    FeatureBatch,
-    SharedBatch,
+from joynexus.agents.models.backbone_config import (
+    DTYPES,
+    META_FILE,
+    BackboneConfig,
+    build_image_processor,
+    build_qwen_config,
+    with_saved_settings,
+)
+from joynexus.agents.models.backbone_inputs import (
+    BackboneInputs,
     TokenCache,
-    TokenFeatures,
+    channels,
     patchify,
     right_pad,
 )
+from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
+from joynexus.agents.models.tokenizer import (
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    train_tokenizer,
+)
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
-__all__ = [
-    "SIZES",
-    "SPECIAL_TOKENS",
-    "Backbone",
-    "BackboneConfig",
-    "BackboneInputs",
-    "build_image_processor",
-    "build_qwen_config",
-    "build_tokenizer",
-    "instruction_corpus",
-    "train_tokenizer",
-]
-
-PAD_TOKEN = "<|endoftext|>"
-SPECIAL_TOKENS: tuple[str, ...] = (
-    PAD_TOKEN,
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-META_FILE = "joynexus_backbone.json"
-
-# Model sizes built from config. "bench" is sized so a batch-4 forward takes
-# ~30 ms on 2 CPU threads; the vision tower is kept small next to the LM so the
-# shared language-model compute dominates, as it does for real VLA backbones.
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3]),
-        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2),
-    ),
-    "bench": dict(
-        text=dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, mrope_section=[8, 12, 12]),
-        vision=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2),
-    ),
-}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class BackboneConfig:
-    """How to build the resident backbone. Validates itself.
-
-    ``path``: a local directory to load with ``from_pretrained`` (then ``size``
-    only names the model); None builds random weights of ``size``.
-    ``image_size``: side (pixels, multiple of 28) the image processor resizes to.
-    ``threads``: torch intra-op threads to set at build (None leaves it).
-    A directory written by ``Backbone.save`` (or ``joynexus base pretrain``) also
-    fixes ``size``, ``image_size``, ``max_text_tokens`` and ``tokenizer``: the
-    base was made for them, so ``build`` takes them from its settings file.
-    """
-
-    size: Literal["tiny", "bench"] = "tiny"
-    path: str | None = None
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = None
-    image_size: int = 56
-    max_text_tokens: int = 48
-    seed: int = 0
-    #: Tokenizer of a base built from config: "bpe" (merges learned here from
-    #: ``instruction_corpus()``, ~9 tokens per ManiSkill instruction) or "bytes"
-    #: (one token per UTF-8 byte, ~40). A base loaded from ``path`` always uses
-    #: the tokenizer saved with it.
-    tokenizer: Literal["bpe", "bytes"] = "bpe"
-
-    def __post_init__(self) -> None:
-        if self.size not in SIZES:
-            raise InvalidSpec(f"BackboneConfig.size={self.size!r}: choose one of {sorted(SIZES)}")
-        if self.dtype not in _DTYPES:
-            raise InvalidSpec(f"BackboneConfig.dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
-        if self.image_size < 28 or self.image_size % 28:
-            raise InvalidSpec(
-                f"BackboneConfig.image_size={self.image_size}: must be a multiple of 28 (patch 14 x merge 2), >= 28"
-            )
-        if self.max_text_tokens < 1:
-            raise InvalidSpec(f"BackboneConfig.max_text_tokens={self.max_text_tokens}: must be >= 1")
-        if self.tokenizer not in ("bpe", "bytes"):
-            raise InvalidSpec(f"BackboneConfig.tokenizer={self.tokenizer!r}: choose 'bpe' or 'bytes'")
-        if self.threads is not None and self.threads < 1:
-            raise InvalidSpec(f"BackboneConfig.threads={self.threads}: must be >= 1 or None")
-        try:
-            dev = torch.device(self.device)
-        except RuntimeError as e:
-            raise InvalidSpec(f"BackboneConfig.device={self.device!r}: not a torch device ({e})") from e
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidSpec(f"BackboneConfig.device={self.device!r} but CUDA is not available; use 'cpu'")
-        if self.path is not None and not Path(self.path).is_dir():
-            raise InvalidSpec(f"BackboneConfig.path={self.path!r} is not a local directory; save a backbone there first")
-
-    @property
-    def base_model(self) -> str:
-        return f"qwen2.5-vl-{self.size}"
-
-
-@dataclass(frozen=True)
-class BackboneInputs:
-    """Tokenized and patchified inputs for one backbone forward (CPU tensors)."""
-
-    input_ids_B_L: torch.Tensor  # int64, right-padded
-    lengths_B: torch.Tensor  # int64, real tokens per row
-    pixel_values_P_F: torch.Tensor  # float32, all images' patches, sample-major then camera
-    image_grid_thw_N_3: torch.Tensor  # int64, N = B * cameras
-    n_cameras: int
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.input_ids_B_L.shape[0])
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map (what ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE: id i (0..255) is byte i, no merges, then the special tokens."""
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token="<|im_end|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )
-    return fast
-
-
-#: LIBERO-style instructions (written here; the suites' own task strings are in this
-#: style), next to the ManiSkill tasks' instructions in the corpus the BPE learns from.
-LIBERO_STYLE_INSTRUCTIONS: tuple[str, ...] = (
-    "put the black bowl on the plate",
-    "put the black bowl on top of the cabinet",
-    "put the bowl on the stove",
-    "put the bowl on the plate",
-    "put the wine bottle on top of the cabinet",
-    "put the wine bottle on the rack",
-    "put the cream cheese in the bowl",
-    "put the ketchup in the basket",
-    "put the tomato sauce in the basket",
-    "put the butter in the basket",
-    "put the milk in the basket",
-    "put the orange juice in the basket",
-    "put the alphabet soup in the basket",
-    "put the chocolate pudding to the right of the plate",
-    "put the white mug on the left plate",
-    "put the yellow and white mug in the microwave",
-    "put both the alphabet soup and the tomato sauce in the basket",
-    "put both moka pots on the stove",
-    "open the middle drawer of the cabinet",
-    "open the top drawer and put the bowl inside",
-    "close the top drawer of the cabinet",
-    "close the microwave",
-    "turn on the stove",
-    "turn off the stove and put the moka pot on it",
-    "pick up the black bowl between the plate and the ramekin and place it on the plate",
-    "pick up the black bowl next to the cookie box and place it on the plate",
-    "pick up the black bowl on the wooden cabinet and place it on the plate",
-    "pick up the alphabet soup and place it in the basket",
-    "pick up the salad dressing and place it in the basket",
-    "pick up the book and place it in the back compartment of the caddy",
-    "push the plate to the front of the stove",
-    "stack the black bowl on the other black bowl",
-    "stack the left bowl on the right bowl and place them in the tray",
-    "move the red cube to the left of the blue block",
-    "slide the green block to the target on the table",
-    "lift the cube and hold it above the table",
-    "place the red cube on the green cube",
-    "grasp the handle and pull the drawer open",
-    "rotate the valve to the right",
-    "insert the peg into the hole",
-)
-
-
-def instruction_corpus(extra: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """What the BPE learns its merges from: the ManiSkill tasks' instructions, the
-    LIBERO-style ones above and ``extra`` (e.g. a dataset's task strings)."""
-    from joynexus.agents.envs.maniskill import TASKS  # lazy: a plain dict of task facts
-
-    out = [info.instruction for info in TASKS.values()] + list(LIBERO_STYLE_INSTRUCTIONS)
-    out += [str(t) for t in extra]
-    return list(dict.fromkeys(out))
-
-
-def train_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with merges, trained here with ``tokenizers`` (nothing downloaded).
-
-    The base alphabet is all 256 bytes, so any text still tokenizes (unseen words
-    fall back to smaller pieces, down to single bytes); words of the corpus
-    become single tokens. Deterministic for a given corpus (ties between equal
-    pair counts are broken by the pair's ids, and the 256 byte symbols are
-    numbered in sorted order), so every process building the same base gets the
-    same ids. The special tokens follow the learned vocabulary.
-    """
-    if vocab_size < 257:
-        raise InvalidSpec(f"train_tokenizer vocab_size={vocab_size}: must exceed the 256 byte symbols")
-    texts = corpus if corpus is not None else instruction_corpus()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    # Repeated a few times so a word seen once still earns its merges (min_frequency 2).
-    tok.train_from_iterator([t for t in texts for _ in range(2)], trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token="<|im_end|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )
-
-
-def build_image_processor(image_size: int) -> Qwen2VLImageProcessor:
-    """Qwen2-VL image processor pinned to ``image_size`` x ``image_size`` pixels."""
-    px = image_size * image_size
-    return Qwen2VLImageProcessor(min_pixels=px, max_pixels=px, patch_size=14, temporal_patch_size=2, merge_size=2)
-
-
-def build_qwen_config(size: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_VLConfig:
-    spec = SIZES[size]
-    t = dict(spec["text"])
-    mrope = t.pop("mrope_section")
-    head_dim = t["hidden_size"] // t["num_attention_heads"]
-    if sum(mrope) * 2 != head_dim:
-        raise InvalidSpec(f"size {size!r}: mrope_section {mrope} must sum to head_dim/2 = {head_dim // 2}")
-    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
-    text_config = dict(
-        t,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rope_scaling={"type": "mrope", "mrope_section": mrope},
-        tie_word_embeddings=False,
-        use_cache=False,
-        pad_token_id=ids[PAD_TOKEN],
-    )
-    v = spec["vision"]
-    vision_config = dict(
-        v,
-        out_hidden_size=t["hidden_size"],
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=112,
-        fullatt_block_indexes=list(range(v["depth"])),
-        in_channels=3,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        pad_token_id=ids[PAD_TOKEN],
-        tie_word_embeddings=False,
-    )
+__all__ = ["Backbone"]
 
 
 def _patch_embed(pe: Any, pixel_values_P_F: torch.Tensor) -> torch.Tensor:
@@ -351,7 +90,7 @@ class Backbone:
         self.image_processor = image_processor
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.model.eval()
         self.model.requires_grad_(False)
@@ -377,9 +116,9 @@ class Backbone:
             torch.set_num_threads(config.threads)
         if config.path is not None:
             p = Path(config.path)
-            config = _with_saved_settings(config, p)
+            config = with_saved_settings(config, p)
             model = Qwen2_5_VLModel.from_pretrained(p, local_files_only=True, attn_implementation="sdpa",
-                                                    dtype=_DTYPES[config.dtype])
+                                                    dtype=DTYPES[config.dtype])
             tokenizer = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
             image_processor = build_image_processor(config.image_size)
         else:
@@ -471,8 +210,8 @@ class Backbone:
                 patch_size=ip.patch_size,
                 temporal_patch_size=ip.temporal_patch_size,
                 merge_size=ip.merge_size,
-                mean=_channels(ip.image_mean),
-                std=_channels(ip.image_std),
+                mean=channels(ip.image_mean),
+                std=channels(ip.image_std),
                 rescale=ip.rescale_factor,
             )
         same = flat.shape[-2:] == (side, side)
@@ -659,27 +398,3 @@ class Backbone:
     def encode_tokens(self, batch: FeatureBatch | SharedBatch, tokens: bool = True) -> TokenFeatures:
         """prepare + features: ``TokenFeatures`` for a canonical batch."""
         return self.features(self.prepare(batch), tokens)
-
-
-#: Settings a saved base fixes (what it was built and trained for).
-_SAVED_SETTINGS = ("size", "image_size", "max_text_tokens", "tokenizer")
-
-
-def _with_saved_settings(config: BackboneConfig, p: Path) -> BackboneConfig:
-    """``config`` with the settings saved beside the weights in ``p`` (if any)."""
-    f = p / META_FILE
-    if not f.is_file():
-        return config
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidSpec(f"{f}: cannot read the base's settings ({e}); save the base again") from e
-    if not isinstance(meta, dict):
-        raise InvalidSpec(f"{f}: expected a JSON object of settings")
-    fixed = {k: meta[k] for k in _SAVED_SETTINGS if k in meta}
-    return replace(config, **fixed) if fixed else config
-
-
-def _channels(v: float | list[float]) -> list[float]:
-    """A processor's per-channel mean/std (a scalar means the same for all three)."""
-    return [float(v)] * 3 if isinstance(v, (int, float)) else [float(x) for x in v]

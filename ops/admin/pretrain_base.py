@@ -146,7 +146,7 @@ def collect_renders(
 
 
 def _inputs(backbone: Any, images_N_C_H_W: np.ndarray, instruction: str) -> Any:
-    from joynexus.agents.models.backbone import BackboneInputs
+    from joynexus.agents.models.backbone_inputs import BackboneInputs
 
     n = int(images_N_C_H_W.shape[0])
     ids, lengths = backbone.tokenize([instruction] * n, 1)
@@ -273,7 +273,8 @@ def make_base(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Render, pre-train, measure, save. Returns the report (also ``DIR/pretrain_report.json``)."""
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.ops.admin.progress import Progress
     from joynexus.schemas.errors import InvalidSpec
 

@@ -88,7 +88,7 @@ async def bench_engines(
     takes, :func:`~joynexus.agents.inference.pool.serving_threads`)."""
     from joynexus.agents.inference import InferenceClient
     from joynexus.agents.inference.pool import serving_threads
-    from joynexus.agents.models.backbone import SIZES, BackboneConfig
+    from joynexus.agents.models.backbone_config import SIZES, BackboneConfig
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout

@@ -172,7 +172,7 @@ async def _real_sft_feed(rig: FaultRig) -> None:
     rows a real actor trains on (random images/states, target chunks)."""
     import numpy as np
 
-    from joynexus.agents.models.backbone import BackboneConfig
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.agents.models.features import FeatureSchema
     from joynexus.agents.models.heads.base import HeadConfig
     from joynexus.agents.models.heads.tenant import TenantModule

@@ -90,7 +90,8 @@ async def _overhead(b: Any, size: str, repeats: int) -> dict[str, Any]:
     import torch
 
     from joynexus.agents.inference import InferenceClient, InferenceEngine
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker import fastpath
@@ -242,7 +243,8 @@ async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequen
     process adds at concurrency 1, like for like."""
     import torch
 
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
 
     bb = await asyncio.to_thread(Backbone.build, BackboneConfig(size=size))  # type: ignore[arg-type]
@@ -278,7 +280,8 @@ async def _c1_gap(client: Any, schema: Any, tenants: Sequence[str], mods: Sequen
 def _warmup(threads: int) -> None:
     import torch
 
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.agents.models.features import canonicalize_request
 
     torch.set_num_threads(threads)
@@ -303,7 +306,7 @@ async def bench_inference(
 
     from joynexus.agents.inference import InferenceClient
     from joynexus.agents.inference.pool import serving_threads
-    from joynexus.agents.models.backbone import SIZES, BackboneConfig
+    from joynexus.agents.models.backbone_config import SIZES, BackboneConfig
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout

@@ -54,7 +54,8 @@ class Service:
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.evaluator import Evaluator
         from joynexus.agents.inference import EnginePool
-        from joynexus.agents.models.backbone import Backbone, BackboneConfig
+        from joynexus.agents.models.backbone import Backbone
+        from joynexus.agents.models.backbone_config import BackboneConfig
         from joynexus.agents.producers import PolicyInitializer, ProducerAgent
         from joynexus.agents.scheduler import SchedulerAgent
         from joynexus.broker.connection import Broker

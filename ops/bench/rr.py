@@ -223,7 +223,7 @@ def _serve_engine(url: str, namespace: str, threads: int) -> None:
 async def _engine(url: str, repeats: int, gap_s: float, arms: Sequence[str]) -> dict[str, Any]:
     """The real engine in one child process per arm, asked in turn by one client."""
     from joynexus.agents.inference import InferenceClient
-    from joynexus.agents.models.backbone import SIZES
+    from joynexus.agents.models.backbone_config import SIZES
     from joynexus.agents.models.policyio import PolicyStore
     from joynexus.broker.connection import Broker
     from joynexus.broker.layout import delete_layout, ensure_layout

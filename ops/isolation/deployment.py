@@ -254,7 +254,8 @@ class SecuredDeployment:
 
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.inference import EnginePool
-        from joynexus.agents.models.backbone import Backbone, BackboneConfig
+        from joynexus.agents.models.backbone import Backbone
+        from joynexus.agents.models.backbone_config import BackboneConfig
         from joynexus.agents.producers import PolicyInitializer
         from joynexus.agents.scheduler import SchedulerAgent
         from joynexus.ops.runtime.deploy import embedded

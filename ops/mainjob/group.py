@@ -51,7 +51,8 @@ def bench_group(
     rss: bool = True,
 ) -> dict[str, Any]:
     """Grouped vs serial timings over the T x B grid; keys are ``"TxB"``."""
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
     from joynexus.agents.models.features import FeatureSchema, canonicalize_request, split_rows
     if quick:
         tenants, batches, repeats = (2, 8), (1, 4), 9

@@ -248,7 +248,8 @@ async def _advantage(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.actor.forward import ActorForwardAgent
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
 
     # The resident frozen base (the same one the actor and the engine load).
     backbone = await asyncio.to_thread(
@@ -261,7 +262,8 @@ async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None
 
 async def _actor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.actor.agent import Actor
-    from joynexus.agents.models.backbone import Backbone, BackboneConfig
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
 
     backbone = await asyncio.to_thread(
         Backbone.build,

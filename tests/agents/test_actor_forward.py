@@ -21,7 +21,8 @@ from joynexus.agents.actor.forward import (
     forward_rows,
 )
 from joynexus.agents.advantage import AdvantageAgent, gae, to_trajectories
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import FeatureSchema
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.tenant import TenantModule

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from joynexus.agents.actor.agent import Actor
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step
 from joynexus.agents.models.heads.base import HeadConfig

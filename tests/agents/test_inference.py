@@ -31,13 +31,10 @@ from joynexus.agents.inference import (
 )
 from joynexus.agents.inference.admission import canonical
 from joynexus.agents.inference.pool import THREADS_ENV
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
-from joynexus.agents.models.features import (
-    FeatureSchema,
-    TokenCache,
-    canonicalize_request,
-    patchify,
-)
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
+from joynexus.agents.models.backbone_inputs import TokenCache, patchify
+from joynexus.agents.models.features import FeatureSchema, canonicalize_request
 from joynexus.agents.models.grouped import ActRequest, serial_forward
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.tenant import TenantModule

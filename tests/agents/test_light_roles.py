@@ -238,7 +238,7 @@ def test_heavy_loaded_names_top_level_packages() -> None:
 # ---------------------------------------------------------------- the light tables
 def test_feature_dims_are_the_backbone_sizes() -> None:
     from joynexus.agents.featureschema import FEATURE_DIMS, feature_dim
-    from joynexus.agents.models.backbone import SIZES
+    from joynexus.agents.models.backbone_config import SIZES
     from joynexus.schemas.catalog import BASE_MODELS
 
     assert FEATURE_DIMS == {size: s["text"]["hidden_size"] for size, s in SIZES.items()}

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import (
     FeatureBatch,
     FeatureSchema,

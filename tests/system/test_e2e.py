@@ -24,7 +24,8 @@ from joynexus.agents.advantage import AdvantageAgent
 from joynexus.agents.control import ControlPlane
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, module_from_weights
 from joynexus.agents.producers import PolicyInitializer, ProducerAgent

@@ -20,7 +20,8 @@ from joynexus.agents.envs.maniskill import make_env, random_policy, run_episodes
 from joynexus.agents.envs.video import EpisodeVideos, decode_frames
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.producers import PolicyInitializer
 from joynexus.agents.scheduler import SchedulerAgent

@@ -22,7 +22,8 @@ from joynexus.agents.control import ControlPlane
 from joynexus.agents.envs import registry
 from joynexus.agents.evaluator import Evaluator
 from joynexus.agents.inference import EnginePool
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
 from joynexus.agents.producers import PolicyInitializer, workload_schema
 from joynexus.agents.scheduler import SchedulerAgent

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.ops.admin.pretrain_base import REPORT_FILE, make_base
 from joynexus.schemas.errors import InvalidSpec
 

@@ -50,7 +50,8 @@ from joynexus.agents.envs.registry import task_spec
 from joynexus.agents.envs.video import EpisodeVideos, decode_frames
 from joynexus.agents.evaluator import MAX_PERIODIC_EVALS, Evaluator
 from joynexus.agents.featureschema import FeatureSchema, feature_dim, schema_spec
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import canonicalize_request
 from joynexus.agents.models.grouped import (
     ActRequest,

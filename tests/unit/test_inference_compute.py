@@ -17,7 +17,8 @@ from joynexus.agents.inference import compute
 from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.inference.compute import decode_grouped, decode_one, forward_grouped
 from joynexus.agents.inference.policies import LoadedPolicy
-from joynexus.agents.models.backbone import Backbone, BackboneConfig
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import FeatureSchema, canonicalize_request, concat_batches
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.tenant import TenantModule

@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from joynexus.agents.models.backbone import (
-    SPECIAL_TOKENS,
-    Backbone,
-    BackboneConfig,
-    build_tokenizer,
-    train_tokenizer,
-)
+from joynexus.agents.models.backbone import Backbone
+from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import (
     FeatureBatch,
     FeatureSchema,
@@ -37,6 +32,7 @@ from joynexus.agents.models.grouped import (
 )
 from joynexus.agents.models.heads.base import HEADS, HeadConfig, build_head
 from joynexus.agents.models.heads.tenant import TenantModule
+from joynexus.agents.models.tokenizer import SPECIAL_TOKENS, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)
