@@ -1,11 +1,13 @@
-"""The Training Scheduler's pure core: lifecycle rules, admission, lease order.
+"""The job lifecycle's rules, and the scheduler's state as the event log makes it.
 
-No I/O and no clock reads: every function takes ``now`` (monotonic seconds,
-used only for lease deadlines) from its caller, so every (state, event) pair
-is tabled in tests/unit/test_lifecycle.py. The agent is a thin loop around
-:class:`SchedulerCore` (decide, apply optimistically, append, then commit the
-stream sequence or revert), and replaying each job's latest event through
-:meth:`SchedulerCore.load` rebuilds the same state after a restart.
+``allowed``/``transition`` (with ``MARK_TARGETS``) say which event may follow a
+job in which state; :class:`JobBook` holds every job, policy, counter, lease
+deadline and ready queue, and applies events to them: ``apply`` a decided
+event before its append, then ``commit`` its stream sequence or ``revert`` it,
+and ``load`` a job's latest event when rebuilding after a restart. No I/O and
+no clock reads: ``now`` (monotonic seconds, for lease deadlines) comes from the
+caller, so every (state, event) pair is tabled in tests/unit/test_lifecycle.py.
+The decisions on top of this state are ``agents.schedcore.SchedulerCore``.
 
 See docs/ARCHITECTURE.md, "The job lifecycle is an event log" (the states,
 actor_forward included) and "The Training Scheduler: one decider, many callers".
@@ -16,44 +18,27 @@ from __future__ import annotations
 import heapq
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 
-from joynexus.schemas.errors import (
-    Conflict,
-    IllegalTransition,
-    InvalidSpec,
-    StaleLease,
-    UnknownJob,
-    UnknownTenant,
-)
+from joynexus.schemas import jobs
+from joynexus.schemas.errors import IllegalTransition, UnknownJob
 from joynexus.schemas.jobs import (
     STAGES,
     TERMINAL_STATES,
-    Completed,
-    Dropped,
-    Failed,
     GlobalLimits,
     JobEvent,
-    JobMetadata,
     JobState,
-    Leased,
-    LeaseExpired,
-    Marked,
-    Reserved,
-    StageLeased,
     TrainingJob,
     WorkloadEnded,
     WorkloadPolicy,
-    check_name,
     generation_key,
 )
-from joynexus.schemas.scheduler import Refusal, ReserveRequest
 
 S = JobState
 _NEEDS = {needs: stage for stage, (needs, _) in STAGES.items()}
-_COMPUTING = {computing: stage for stage, (_, computing) in STAGES.items()}
+#: Each stage's computing state -> the stage.
+COMPUTING = {computing: stage for stage, (_, computing) in STAGES.items()}
 
 #: Where Marked may move a job from each state (the producer's and stage holders' moves).
 MARK_TARGETS: dict[JobState, frozenset[JobState]] = {
@@ -71,26 +56,26 @@ def allowed(prev: JobState | None, event: JobEvent) -> bool:
     """Whether ``event`` may follow a job in state ``prev`` (None: no job yet)."""
     to = event.job.state
     match event:
-        case Reserved():
+        case jobs.Reserved():
             return prev is None and to is S.RESERVED
         case _ if prev is None or prev in TERMINAL_STATES:
             return False
-        case Marked():
+        case jobs.Marked():
             return to in MARK_TARGETS.get(prev, frozenset())
-        case StageLeased(stage=stage):
+        case jobs.StageLeased(stage=stage):
             if stage not in STAGES:
                 return False
             needs, computing = STAGES[stage]
             return to is computing and prev in (needs, computing)
-        case Leased():
+        case jobs.Leased():
             return prev is S.READY and to is S.LEASED
-        case LeaseExpired():
+        case jobs.LeaseExpired():
             return prev is S.LEASED and to is S.READY
-        case Completed():
+        case jobs.Completed():
             return prev is S.LEASED and to is S.COMPLETED
-        case Dropped():
+        case jobs.Dropped():
             return to is S.DROPPED
-        case Failed():
+        case jobs.Failed():
             return to is S.FAILED
     return False
 
@@ -118,29 +103,14 @@ def transition(job: TrainingJob | None, event: JobEvent) -> TrainingJob:
     return new
 
 
-@dataclass(frozen=True)
-class Refused:
-    """Why admission refused a job: a code to decide on and the words to show."""
-
-    code: Refusal
-    reason: str
-
-
-@dataclass
-class Effects:
-    """What the agent must do besides appending events."""
-
-    clear_partitions: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _ready_key(job: TrainingJob) -> tuple[int, int, int]:
+def ready_key(job: TrainingJob) -> tuple[int, int, int]:
     # Highest priority first; ready RL before SFT at equal priority; then FIFO.
     return (-job.priority, 0 if job.task_type == "rl" else 1, job.ready_seq)
 
 
 @dataclass
-class SchedulerCore:
-    """All scheduler state, rebuilt from the event log; every method is pure."""
+class JobBook:
+    """All scheduler state, rebuilt from the event log, and how events change it (pure)."""
 
     lease_ttl_s: float = 30.0
     limits: GlobalLimits = field(default_factory=GlobalLimits)
@@ -261,7 +231,7 @@ class SchedulerCore:
         prev = self.jobs.get(event.job.job_id)
         new = transition(prev, event)
         self._replace(new, new.job_id)
-        if new.state in (S.LEASED, *_COMPUTING):
+        if new.state in (S.LEASED, *COMPUTING):
             self.deadlines[new.job_id] = now + self.lease_ttl_s
         else:
             self.deadlines.pop(new.job_id, None)
@@ -273,7 +243,7 @@ class SchedulerCore:
     def revert(self, job_id: str, prev: TrainingJob | None, now: float) -> None:
         """Undo an applied event whose append failed."""
         self._replace(prev, job_id)
-        if prev is not None and prev.state in (S.LEASED, *_COMPUTING):
+        if prev is not None and prev.state in (S.LEASED, *COMPUTING):
             self.deadlines[job_id] = now + self.lease_ttl_s
         if prev is not None and prev.state is S.READY:
             self._push_ready(prev)
@@ -299,7 +269,7 @@ class SchedulerCore:
         """Rebuild: take a job's last event from the log as its state."""
         job = event.job
         self._replace(job, job.job_id)
-        if job.state in (S.LEASED, *_COMPUTING):
+        if job.state in (S.LEASED, *COMPUTING):
             # Deadlines do not survive a restart; give holders a full TTL to touch.
             self.deadlines[job.job_id] = now + self.lease_ttl_s
         if job.state is S.COMPLETED and job.result_version is not None:
@@ -308,338 +278,7 @@ class SchedulerCore:
         self.commit(job.job_id, seq)
 
     def _push_ready(self, job: TrainingJob) -> None:
-        heapq.heappush(self.ready[job.consumer_role], (_ready_key(job), job.job_id))
-
-    # ------------------------------------------------------------ decisions
-    def decide_reserve(
-        self, req: ReserveRequest, *, at: float, by: str
-    ) -> Reserved | TrainingJob | Refused:
-        """A Reserved event, the existing job (a retried reserve), or why admission refused."""
-        check_name("job_id", req.job_id)
-        check_name("tenant_id", req.tenant_id)
-        existing = self.jobs.get(req.job_id)
-        if existing is not None:
-            if existing.tenant_id != req.tenant_id:
-                raise InvalidSpec(f"job id {req.job_id!r} is already used by another tenant")
-            return existing
-        key = f"{req.tenant_id}.{req.workload}"
-        policy = self.policies.get(key)
-        if policy is None:
-            known = sorted(p.workload for p in self.policies.values() if p.tenant_id == req.tenant_id)
-            raise UnknownTenant(
-                f"tenant {req.tenant_id!r} has no workload {req.workload!r} at the scheduler; "
-                f"register its policy first (set_policy). Its workloads: {', '.join(known) or 'none'}"
-            )
-        if policy.task_type != req.task_type:
-            raise InvalidSpec(
-                f"workload {key} is {policy.task_type}, not {req.task_type}: reserve its own task type"
-            )
-        refused = self._refusal(policy, req)
-        if refused is not None:
-            return refused
-        job = TrainingJob(
-            job_id=req.job_id,
-            tenant_id=req.tenant_id,
-            task_type=req.task_type,
-            workload=check_name("workload", req.workload),
-            generation=req.generation,
-            domain=req.domain,
-            partition_id=req.job_id,
-            sample_count=req.sample_count,
-            behavior_policy_version=req.behavior_policy_version,
-            max_policy_staleness=policy.max_policy_staleness,
-            priority=policy.priority,
-            producer_role=check_name("producer_role", req.producer_role),
-            consumer_role=check_name("consumer_role", req.consumer_role),
-            state=S.RESERVED,
-            metadata=req.metadata if isinstance(req.metadata, JobMetadata) else JobMetadata(),
-        )
-        return Reserved(job=job, at=at, by=by)
-
-    def _refusal(self, policy: WorkloadPolicy, req: ReserveRequest) -> Refused | None:
-        """Why ``req`` may not be admitted now under ``policy`` (None: it may)."""
-        key = policy.key
-        if req.generation != policy.generation:
-            return Refused(
-                "superseded",
-                f"{key}: generation {req.generation} is not the workload's current one "
-                f"({policy.generation}): it was created again",
-            )
-        if self.is_ended(policy):
-            end = self.ended[key]
-            return Refused("ended", f"{key}: generation {end.generation} ended ({end.state})")
-        gk = policy.counts_key
-        in_flight, completed = self.in_flight[gk], self.completed[gk]
-        if in_flight >= policy.max_in_flight:
-            return Refused(
-                "in_flight", f"{key}: {in_flight} jobs in flight (max_in_flight {policy.max_in_flight})"
-            )
-        target = policy.completion_target
-        if target is not None and completed + in_flight >= target:
-            return Refused(
-                "completion_target",
-                f"{key}: completion target {target} reached "
-                f"({completed} completed, {in_flight} in flight)",
-            )
-        if req.task_type == "rl":
-            if self.active_rollouts[gk] >= policy.max_active_rollouts:
-                return Refused(
-                    "rollouts",
-                    f"{key}: {self.active_rollouts[gk]} rollouts active "
-                    f"(max {policy.max_active_rollouts})",
-                )
-            if self.active_rollouts["*"] >= self.limits.max_active_rollouts:
-                return Refused(
-                    "global_rollouts",
-                    f"global: {self.active_rollouts['*']} rollouts active "
-                    f"(max {self.limits.max_active_rollouts})",
-                )
-        return None
-
-    def decide_workload_end(
-        self, tenant_id: str, workload: str, *, at: float, by: str
-    ) -> WorkloadEnded | None:
-        """The end of the workload's current generation, if it has just come: its
-        completion target of jobs completed (``done``), or as many failed (``failed``:
-        it would go on failing), and no job of it in flight. None: not yet, no
-        target, or ended already."""
-        policy = self.policies.get(f"{tenant_id}.{workload}")
-        if policy is None or policy.completion_target is None or self.is_ended(policy):
-            return None
-        c = self.counts(policy)
-        target = policy.completion_target
-        if c["in_flight"]:
-            return None
-        if c["completed"] >= target:
-            state: Literal["done", "failed"] = "done"
-            reason = f"{c['completed']} jobs completed (completion target {target})"
-        elif c["failed"] >= target:
-            state = "failed"
-            reason = (
-                f"{c['failed']} jobs failed, as many as its completion target ({target}), "
-                f"with {c['completed']} completed: see the jobs' reasons"
-            )
-        else:
-            return None
-        return WorkloadEnded(
-            tenant_id=tenant_id,
-            workload=workload,
-            generation=policy.generation,
-            state=state,
-            completed=c["completed"],
-            failed=c["failed"],
-            dropped=c["dropped"],
-            last_version=self.versions.get(policy.key, 0),
-            reason=reason,
-            at=at,
-            by=by,
-        )
-
-    def pending_ends(self, *, at: float, by: str) -> list[WorkloadEnded]:
-        """Every workload generation whose end is due and not in the log yet (after a
-        restart: the scheduler stopped between a last completion and its end)."""
-        out = []
-        for p in self.policies.values():
-            end = self.decide_workload_end(p.tenant_id, p.workload, at=at, by=by)
-            if end is not None:
-                out.append(end)
-        return out
-
-    def decide_mark(
-        self,
-        job_id: str,
-        state: JobState,
-        *,
-        attempt: int,
-        sample_count: int | None,
-        at: float,
-        by: str,
-    ) -> Marked | TrainingJob:
-        job = self.get(job_id)
-        if job.state is state:
-            return job  # a retried mark that already landed
-        if job.state in _COMPUTING and attempt != job.attempt:
-            raise StaleLease(
-                f"job {job_id}: lease {attempt} on stage {_COMPUTING[job.state]} is stale "
-                f"(current lease {job.attempt} held by {job.holder or 'nobody'})"
-            )
-        changes: dict[str, object] = {"state": state, "holder": ""}
-        if sample_count is not None:
-            changes["sample_count"] = sample_count
-        ev = Marked(job=msgspec.structs.replace(job, **changes), at=at, by=by)
-        transition(job, ev)
-        return ev
-
-    def decide_lease_stage(
-        self, job_id: str, stage: str, *, now: float, at: float, by: str
-    ) -> StageLeased | TrainingJob:
-        if stage not in STAGES:
-            raise InvalidSpec(f"unknown stage {stage!r}; stages are {sorted(STAGES)}")
-        job = self.get(job_id)
-        _needs, computing = STAGES[stage]
-        if job.state is computing:
-            if job.holder == by:
-                return job  # our own lease, asked again (a retry or a redelivery)
-            if self.deadlines.get(job_id, 0.0) > now:
-                raise Conflict(
-                    f"job {job_id}: stage {stage} is leased to {job.holder} "
-                    f"(lease {job.attempt}); two workers never run one stage"
-                )
-        ev = StageLeased(
-            stage=stage,
-            job=msgspec.structs.replace(job, state=computing, attempt=job.attempt + 1, holder=by),
-            at=at,
-            by=by,
-        )
-        transition(job, ev)
-        return ev
-
-    def is_stale(self, job: TrainingJob) -> bool:
-        if job.task_type != "rl" or job.max_policy_staleness is None:
-            return False
-        lag = self.current_version(job.tenant_id, job.workload) - job.behavior_policy_version
-        return lag > job.max_policy_staleness
-
-    def stale_reason(self, job: TrainingJob) -> str:
-        cur = self.current_version(job.tenant_id, job.workload)
-        return (
-            f"stale: behaviour policy version {job.behavior_policy_version} lags current "
-            f"version {cur} by {cur - job.behavior_policy_version} "
-            f"(max_policy_staleness {job.max_policy_staleness})"
-        )
-
-    def next_ready(
-        self, consumer_role: str, skip: set[str] | frozenset[str] = frozenset()
-    ) -> TrainingJob | None:
-        """The job lease_next would take: priority, then RL before SFT, then ready order."""
-        heap = self.ready.get(consumer_role)
-        if not heap:
-            return None
-        skipped: list[tuple[tuple[int, int, int], str]] = []
-        found: TrainingJob | None = None
-        while heap:
-            key, job_id = heap[0]
-            job = self.jobs.get(job_id)
-            if job is None or job.state is not S.READY or _ready_key(job) != key:
-                heapq.heappop(heap)  # lazily deleted entry
-                continue
-            if job_id in skip:
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = job
-            break
-        for item in skipped:
-            heapq.heappush(heap, item)
-        return found
-
-    def count_ready(self, consumer_role: str) -> int:
-        return sum(
-            1
-            for _, job_id in self.ready.get(consumer_role, ())
-            if (j := self.jobs.get(job_id)) is not None and j.state is S.READY
-        )
-
-    def decide_lease(self, job: TrainingJob, *, at: float, by: str) -> Leased | Dropped:
-        """Lease a ready job, or drop it if it became stale while it waited."""
-        if self.is_stale(job):
-            return Dropped(
-                job=msgspec.structs.replace(
-                    job, state=S.DROPPED, holder="", reason=self.stale_reason(job)
-                ),
-                at=at,
-                by=by,
-            )
-        ev = Leased(
-            job=msgspec.structs.replace(job, state=S.LEASED, attempt=job.attempt + 1, holder=by),
-            at=at,
-            by=by,
-        )
-        transition(job, ev)
-        return ev
-
-    def check_lease(self, job_id: str, attempt: int, *, verb: str) -> TrainingJob:
-        job = self.get(job_id)
-        if job.state is not S.LEASED and job.state not in _COMPUTING:
-            raise IllegalTransition(
-                f"cannot {verb} job {job_id}: it is {job.state.value}, not leased"
-            )
-        if attempt != job.attempt:
-            raise StaleLease(
-                f"cannot {verb} job {job_id}: lease {attempt} expired and the job was "
-                f"leased again (lease {job.attempt}, holder {job.holder or 'nobody'})"
-            )
-        return job
-
-    def touch(self, job_id: str, attempt: int, *, now: float) -> TrainingJob:
-        job = self.check_lease(job_id, attempt, verb="touch")
-        self.deadlines[job_id] = now + self.lease_ttl_s
-        return job
-
-    def decide_complete(
-        self, job_id: str, attempt: int, *, result_version: int | None, at: float, by: str
-    ) -> Completed | TrainingJob:
-        job = self.get(job_id)
-        if job.state is S.COMPLETED and job.attempt == attempt:
-            return job  # a retried complete that already landed
-        if job.state is not S.LEASED:
-            raise IllegalTransition(
-                f"cannot complete job {job_id}: it is {job.state.value}, not leased"
-            )
-        self.check_lease(job_id, attempt, verb="complete")
-        ev = Completed(
-            job=msgspec.structs.replace(
-                job, state=S.COMPLETED, holder="", result_version=result_version
-            ),
-            at=at,
-            by=by,
-        )
-        transition(job, ev)
-        return ev
-
-    def decide_end(
-        self,
-        job_id: str,
-        kind: Literal["drop", "fail"],
-        reason: str,
-        *,
-        attempt: int,
-        at: float,
-        by: str,
-    ) -> Dropped | Failed | TrainingJob:
-        job = self.get(job_id)
-        target = S.DROPPED if kind == "drop" else S.FAILED
-        if job.state is target:
-            return job
-        if job.state in TERMINAL_STATES:
-            raise IllegalTransition(f"cannot {kind} job {job_id}: it is already {job.state.value}")
-        if attempt and attempt != job.attempt:
-            raise StaleLease(
-                f"cannot {kind} job {job_id}: lease {attempt} is stale (current {job.attempt})"
-            )
-        new = msgspec.structs.replace(job, state=target, holder="", reason=reason or kind)
-        return Dropped(job=new, at=at, by=by) if kind == "drop" else Failed(job=new, at=at, by=by)
-
-    def decide_expiries(self, *, now: float, at: float, by: str) -> list[LeaseExpired]:
-        """Actor leases past their deadline go back to ready (stage leases are
-        re-taken on redelivery instead: their durable consumer resends the work)."""
-        out = []
-        for job_id, deadline in self.deadlines.items():
-            if deadline > now:
-                continue
-            job = self.jobs.get(job_id)
-            if job is not None and job.state is S.LEASED:
-                out.append(
-                    LeaseExpired(
-                        job=msgspec.structs.replace(job, state=S.READY, holder=""), at=at, by=by
-                    )
-                )
-        return out
-
-    def effects_of(self, job: TrainingJob) -> Effects:
-        eff = Effects()
-        if job.state in TERMINAL_STATES and job.partition_id:
-            eff.clear_partitions.append((job.tenant_id, job.partition_id))
-        return eff
+        heapq.heappush(self.ready[job.consumer_role], (ready_key(job), job.job_id))
 
     def prune_terminal(self, keep: int) -> int:
         """Forget the oldest terminal jobs beyond ``keep`` (their events stay in the log)."""

@@ -31,7 +31,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
-from joynexus.agents.lifecycle import Refused, SchedulerCore
+from joynexus.agents.schedcore import Refused, SchedulerCore
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id

@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from joynexus.agents.lifecycle import Refused, SchedulerCore
+from joynexus.agents.schedcore import Refused, SchedulerCore
 from joynexus.schemas.jobs import (
     Dropped,
     GlobalLimits,

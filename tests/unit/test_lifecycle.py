@@ -8,7 +8,9 @@ from collections import Counter
 import msgspec
 import pytest
 
-from joynexus.agents.lifecycle import Refused, SchedulerCore, allowed, transition
+from joynexus.agents.lifecycle import allowed, transition
+from joynexus.agents.schedcore import Refused, SchedulerCore
+from joynexus.schemas import jobs
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
@@ -16,20 +18,7 @@ from joynexus.schemas.errors import (
     UnknownJob,
     UnknownTenant,
 )
-from joynexus.schemas.jobs import (
-    Completed,
-    Dropped,
-    Failed,
-    GlobalLimits,
-    JobState,
-    Leased,
-    LeaseExpired,
-    Marked,
-    Reserved,
-    StageLeased,
-    TrainingJob,
-    WorkloadPolicy,
-)
+from joynexus.schemas.jobs import GlobalLimits, JobState, TrainingJob, WorkloadPolicy
 from joynexus.schemas.scheduler import ReserveRequest
 
 S = JobState
@@ -81,15 +70,15 @@ def job(state: JobState = S.RESERVED, **kw: object) -> TrainingJob:
 def make_event(kind: str, to: JobState):
     j = job(to)
     if kind.startswith("stage:"):
-        return StageLeased(stage=kind.split(":")[1], job=j)
+        return jobs.StageLeased(stage=kind.split(":")[1], job=j)
     cls = {
-        "reserved": Reserved,
-        "marked": Marked,
-        "leased": Leased,
-        "lease_expired": LeaseExpired,
-        "completed": Completed,
-        "dropped": Dropped,
-        "failed": Failed,
+        "reserved": jobs.Reserved,
+        "marked": jobs.Marked,
+        "leased": jobs.Leased,
+        "lease_expired": jobs.LeaseExpired,
+        "completed": jobs.Completed,
+        "dropped": jobs.Dropped,
+        "failed": jobs.Failed,
     }[kind]
     return cls(job=j)
 
@@ -110,12 +99,12 @@ def test_transition_table(prev: JobState | None, kind: str) -> None:
 
 def test_completed_to_leased_names_both_states() -> None:
     with pytest.raises(IllegalTransition, match="completed -> leased"):
-        transition(job(S.COMPLETED), Leased(job=job(S.LEASED)))
+        transition(job(S.COMPLETED), jobs.Leased(job=job(S.LEASED)))
 
 
 def test_event_of_another_job_is_rejected() -> None:
     with pytest.raises(IllegalTransition, match="applied to job"):
-        transition(job(S.READY), Leased(job=job(S.LEASED, job_id="j2")))
+        transition(job(S.READY), jobs.Leased(job=job(S.LEASED, job_id="j2")))
 
 
 # ----------------------------------------------------------------- the core
@@ -249,7 +238,7 @@ def test_stale_rl_job_is_dropped_at_lease_with_reason() -> None:
     d.core.versions["a.default"] = 2
     j = d.core.next_ready("actor")
     ev = d.core.decide_lease(j, at=0, by="a")
-    assert isinstance(ev, Dropped) and "lags current version 2 by 2" in ev.job.reason
+    assert isinstance(ev, jobs.Dropped) and "lags current version 2 by 2" in ev.job.reason
     d.run(ev)
     assert d.core.effects_of(d.core.jobs[old.job_id]).clear_partitions == [("a", old.job_id)]
     assert d.lease().job_id == fresh.job_id
