@@ -12,7 +12,8 @@ appended concurrently, so throughput is not bound by one round trip.
 Besides requests it runs three loops: actor-lease expiry, a consumer of
 JetStream max-deliveries advisories (jobs whose stage message failed too
 often are failed, with the reason), and a sweep that clears Training Queue
-partitions of terminal or unknown jobs (cleanup after a crash).
+partitions of terminal or unknown jobs (cleanup after a crash). The verbs
+themselves, and the tenants bucket they keep, are ``agents.scheduler_verbs``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -31,74 +31,32 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
-from joynexus.agents.schedcore import Refused, SchedulerCore
-from joynexus.broker import kvwatch
+from joynexus.agents.schedcore import SchedulerCore
+from joynexus.agents.scheduler_verbs import LEASE_VERBS, REQUEST_TYPES, SchedulerVerbs, snapshot
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.eventlog import Fenced, JobEventLog, new_op_id
 from joynexus.broker.fastpath import sync_server
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.responder import Server
-from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
+from joynexus.broker.subjects import SCHEDULER_VERBS
 from joynexus.broker.tq import TrainingQueue
-from joynexus.schemas.base import decode, encode
+from joynexus.schemas.base import decode
 from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
 from joynexus.schemas.jobs import (
     STAGES,
     TERMINAL_STATES,
-    GlobalLimits,
     JobEvent,
     JobState,
     TrainingJob,
     WorkloadEnded,
-    WorkloadPolicy,
 )
-from joynexus.schemas.scheduler import (
-    CompleteRequest,
-    EndRequest,
-    ErrorBody,
-    GetJobRequest,
-    LeaseNextRequest,
-    LeaseStageRequest,
-    ListJobsRequest,
-    MarkRequest,
-    Reply,
-    ReserveRequest,
-    SchedulerSnapshot,
-    SetLimitsRequest,
-    SetPolicyRequest,
-    SetVersionRequest,
-    TouchRequest,
-    WaitReadyRequest,
-)
+from joynexus.schemas.scheduler import EndRequest, ErrorBody, Reply, SchedulerSnapshot
 
 log = logging.getLogger(__name__)
 
-LIMITS_KEY = GLOBAL_LIMITS_KEY
-MAX_WAIT_S = 25.0
 #: Requests served at once (long polls included); past it ``rate_limited``, which
 #: the scheduler's clients retry.
 MAX_IN_FLIGHT = 10_000
-#: Verbs whose reply holds a lease, and so says its TTL.
-_LEASE_VERBS = frozenset({"lease_stage", "lease_next", "touch"})
-
-_REQUEST_TYPES: dict[str, type[Any]] = {
-    "reserve": ReserveRequest,
-    "mark": MarkRequest,
-    "lease_stage": LeaseStageRequest,
-    "lease_next": LeaseNextRequest,
-    "touch": TouchRequest,
-    "complete": CompleteRequest,
-    "drop": EndRequest,
-    "fail": EndRequest,
-    "set_policy": SetPolicyRequest,
-    "set_limits": SetLimitsRequest,
-    "set_version": SetVersionRequest,
-    "wait_for_ready": WaitReadyRequest,
-    "get_job": GetJobRequest,
-    "list_jobs": ListJobsRequest,
-    "snapshot": WaitReadyRequest,  # no fields needed; any empty object decodes
-}
-assert set(_REQUEST_TYPES) == set(SCHEDULER_VERBS)
 
 
 class SchedulerAgent:
@@ -131,8 +89,7 @@ class SchedulerAgent:
         self.keep_terminal = keep_terminal
         self.layout = layout or LayoutOptions()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        self._lease_requests: dict[str, str] = {}
+        self.verbs = SchedulerVerbs(self)
         # One workload end decided and appended at a time (decide, note, append).
         self._end_lock = asyncio.Lock()
         # Requests are answered by the rpc layer (agents' subjects: no reply check).
@@ -146,7 +103,6 @@ class SchedulerAgent:
         )
         self._loops: list[asyncio.Task[Any]] = []
         self._service: Any = None
-        self._kv: Any = None
         self.rebuild_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -169,8 +125,7 @@ class SchedulerAgent:
         await ensure_layout(self.b, self.layout)
         if self.lease is not None and not self.lease.epoch_seq:
             raise RuntimeError("SchedulerAgent.start() before stand_by() acquired the lease")
-        self._kv = await self.b.js.key_value(self.n.tenants_bucket)
-        await self._load_policies()
+        await self.verbs.load_policies(await self.b.js.key_value(self.n.tenants_bucket))
         await self.rebuild()
         self.rpc.spawn(self._append_due_ends())
         self._service = await add_service(
@@ -234,27 +189,13 @@ class SchedulerAgent:
         if bad:
             log.warning("rebuild skipped %d malformed job events (first: %s)", len(bad), bad[0])
 
-    async def _load_policies(self) -> None:
-        # Every key: a part of them would start the scheduler without some tenants'
-        # limits or version counters (nats-py's kv.keys() can stop short).
-        keys = await kvwatch.keys(self._kv)
-        for key in keys:
-            entry = await self._kv.get(key)
-            if key == LIMITS_KEY:
-                self.core.limits = decode(entry.value, GlobalLimits)
-            elif key.startswith(VERSION_KEYS):
-                _, tenant, workload = key.split(".", 2)
-                self.core.versions[f"{tenant}.{workload}"] = int(entry.value)
-            else:
-                self.core.set_policy(decode(entry.value, WorkloadPolicy))
-
     # ------------------------------------------------------------ plumbing
     def _handler(self, verb: str) -> Callable[[Request], Awaitable[None]]:
-        typ = _REQUEST_TYPES[verb]
-        method: Callable[[Any], Awaitable[Reply]] = getattr(self, f"_on_{verb}")
+        typ = REQUEST_TYPES[verb]
+        method: Callable[[Any], Awaitable[Reply]] = getattr(self.verbs, f"on_{verb}")
         span = f"scheduler.{typ.__name__}"
         # A lease reply says how long the lease lasts untouched (the keep-alive's period).
-        ttl = self.core.lease_ttl_s if verb in _LEASE_VERBS else 0.0
+        ttl = self.core.lease_ttl_s if verb in LEASE_VERBS else 0.0
 
         async def handle(request: Request) -> Reply:
             reply = await method(decode(request.data or b"{}", typ, what=typ.__name__))
@@ -269,7 +210,8 @@ class SchedulerAgent:
         return on_request
 
     @contextlib.asynccontextmanager
-    async def _job_lock(self, job_id: str) -> AsyncIterator[None]:
+    async def job_lock(self, job_id: str) -> AsyncIterator[None]:
+        """Serialise the appends of one job (different jobs append concurrently)."""
         lock = self._locks.get(job_id)
         if lock is None:
             lock = self._locks[job_id] = asyncio.Lock()
@@ -280,7 +222,11 @@ class SchedulerAgent:
             if not lock.locked() and not getattr(lock, "_waiters", None):
                 self._locks.pop(job_id, None)
 
-    async def _append(self, event: JobEvent) -> TrainingJob:
+    def busy_jobs(self) -> set[str]:
+        """Jobs whose lock is held now (a lease skips them)."""
+        return {j for j, lock in self._locks.items() if lock.locked()}
+
+    async def append(self, event: JobEvent) -> TrainingJob:
         """Apply, append with compare-and-append, commit (or revert). Caller holds the job lock."""
         now = time.monotonic()
         job_id = event.job.job_id
@@ -299,7 +245,7 @@ class SchedulerAgent:
             ) from e
         job = self.core.commit(job_id, appended.seq)
         if job.state is JobState.READY:
-            self._wake(job.consumer_role)
+            self.verbs.wake(job.consumer_role)
         for tenant, partition in self.core.effects_of(job).clear_partitions:
             self.rpc.spawn(self._clear_partition(tenant, partition))
         if job.state in TERMINAL_STATES:  # maybe the last job of its workload
@@ -366,11 +312,6 @@ class SchedulerAgent:
         if stored is not None:
             self.core.load(stored.event, stored.seq, time.monotonic())
 
-    def _wake(self, role: str) -> None:
-        ev = self._ready_events.pop(role, None)
-        if ev is not None:
-            ev.set()
-
     async def _clear_partition(self, tenant_id: str, partition_id: str) -> None:
         try:
             await self.tq.async_clear_partition(tenant_id, partition_id)
@@ -381,170 +322,8 @@ class SchedulerAgent:
     def _at() -> float:
         return time.time()
 
-    # ------------------------------------------------------------ verbs
-    async def _on_reserve(self, req: ReserveRequest) -> Reply:
-        async with self._job_lock(req.job_id):
-            decided = self.core.decide_reserve(req, at=self._at(), by=req.by)
-            if isinstance(decided, Refused):
-                return Reply(refused=decided.reason, refusal=decided.code)
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self._append(decided))
-
-    async def _on_mark(self, req: MarkRequest) -> Reply:
-        async with self._job_lock(req.job_id):
-            decided = self.core.decide_mark(
-                req.job_id,
-                req.state,
-                attempt=req.attempt,
-                sample_count=req.sample_count,
-                at=self._at(),
-                by=req.by,
-            )
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self._append(decided))
-
-    async def _on_lease_stage(self, req: LeaseStageRequest) -> Reply:
-        async with self._job_lock(req.job_id):
-            decided = self.core.decide_lease_stage(
-                req.job_id, req.stage, now=time.monotonic(), at=self._at(), by=req.by
-            )
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self._append(decided))
-
-    async def _on_lease_next(self, req: LeaseNextRequest) -> Reply:
-        if req.request_id:
-            job_id = self._lease_requests.get(req.request_id)
-            job = self.core.jobs.get(job_id) if job_id else None
-            if job is not None and job.state is JobState.LEASED and job.holder == req.by:
-                return Reply(job=job)
-        deadline = time.monotonic() + min(max(req.wait_s, 0.0), MAX_WAIT_S)
-        while True:
-            busy = {j for j, lock in self._locks.items() if lock.locked()}
-            job = self.core.next_ready(req.consumer_role, busy)
-            if job is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return Reply(
-                        refused=f"no ready job for {req.consumer_role!r}", refusal="no_ready"
-                    )
-                ev = self._ready_events[req.consumer_role]
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ev.wait(), remaining)
-                continue
-            async with self._job_lock(job.job_id):
-                if self.core.jobs[job.job_id].state is not JobState.READY:
-                    continue
-                try:
-                    leased = await self._append(
-                        self.core.decide_lease(job, at=self._at(), by=req.by)
-                    )
-                except Conflict:
-                    continue
-            if leased.state is JobState.LEASED:
-                if req.request_id:
-                    self._lease_requests[req.request_id] = leased.job_id
-                    if len(self._lease_requests) > 10_000:
-                        self._lease_requests.pop(next(iter(self._lease_requests)))
-                return Reply(job=leased)
-            # dropped as stale: look for the next one
-
-    async def _on_touch(self, req: TouchRequest) -> Reply:
-        return Reply(job=self.core.touch(req.job_id, req.attempt, now=time.monotonic()))
-
-    async def _on_complete(self, req: CompleteRequest) -> Reply:
-        async with self._job_lock(req.job_id):
-            decided = self.core.decide_complete(
-                req.job_id, req.attempt, result_version=req.result_version, at=self._at(), by=req.by
-            )
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self._append(decided))
-
-    async def _end(self, req: EndRequest, kind: Literal["drop", "fail"]) -> Reply:
-        async with self._job_lock(req.job_id):
-            decided = self.core.decide_end(
-                req.job_id,
-                kind,
-                req.reason,
-                attempt=req.attempt,
-                at=self._at(),
-                by=req.by,  # type: ignore[arg-type]
-            )
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self._append(decided))
-
-    async def _on_drop(self, req: EndRequest) -> Reply:
-        return await self._end(req, "drop")
-
-    async def _on_fail(self, req: EndRequest) -> Reply:
-        return await self._end(req, "fail")
-
-    async def _on_set_policy(self, req: SetPolicyRequest) -> Reply:
-        if self.core.is_superseded(req.policy):
-            return Reply()  # a late retry for a generation since replaced
-        await self._kv.put(req.policy.key, encode(req.policy))
-        self.core.set_policy(req.policy)
-        return Reply()
-
-    async def _on_set_limits(self, req: SetLimitsRequest) -> Reply:
-        await self._kv.put(LIMITS_KEY, encode(req.limits))
-        self.core.limits = req.limits
-        return Reply()
-
-    async def _on_set_version(self, req: SetVersionRequest) -> Reply:
-        key = f"{req.tenant_id}.{req.workload}"
-        version = max(self.core.versions.get(key, 0), req.version)
-        await self._kv.put(Names.version_key(req.tenant_id, req.workload), str(version).encode())
-        self.core.versions[key] = version
-        return Reply(count=version)
-
-    async def _on_wait_for_ready(self, req: WaitReadyRequest) -> Reply:
-        deadline = time.monotonic() + min(max(req.wait_s, 0.0), MAX_WAIT_S)
-        while True:
-            n = self.core.count_ready(req.consumer_role)
-            remaining = deadline - time.monotonic()
-            if n or remaining <= 0:
-                return Reply(count=n)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready_events[req.consumer_role].wait(), remaining)
-
-    async def _on_get_job(self, req: GetJobRequest) -> Reply:
-        return Reply(job=self.core.get(req.job_id))
-
-    async def _on_list_jobs(self, req: ListJobsRequest) -> Reply:
-        states = set(req.states)
-        return Reply(
-            jobs=[
-                j
-                for j in self.core.jobs.values()
-                if j.tenant_id == req.tenant_id
-                and (not req.workload or j.workload == req.workload)
-                and (not req.generation or j.generation == req.generation)
-                and (not states or j.state in states)
-            ]
-        )
-
-    async def _on_snapshot(self, _req: Any) -> Reply:
-        return Reply(snapshot=self.snapshot())
-
     def snapshot(self) -> SchedulerSnapshot:
-        c = self.core
-        return SchedulerSnapshot(
-            jobs_by_state={k: v for k, v in c.by_state.items() if v},
-            jobs_by_tenant_state={
-                t: {k: v for k, v in states.items() if v} for t, states in c.by_tenant_state.items()
-            },
-            policies=sorted(c.policies.values(), key=lambda p: p.key),
-            limits=c.limits,
-            versions=dict(c.versions),
-            active_rollouts=c.active_rollouts["*"],
-            leases=sum(1 for j in c.deadlines if j in c.jobs),
-            last_seq=c.max_seq,
-        )
+        return snapshot(self.core)
 
     # ------------------------------------------------------------ loops
     async def _expiry_loop(self) -> None:
@@ -553,7 +332,7 @@ class SchedulerAgent:
             now = time.monotonic()
             for ev in self.core.decide_expiries(now=now, at=self._at(), by=self.instance):
                 job_id = ev.job.job_id
-                async with self._job_lock(job_id):
+                async with self.job_lock(job_id):
                     fresh = self.core.decide_expiries(
                         now=time.monotonic(), at=self._at(), by=self.instance
                     )
@@ -561,7 +340,7 @@ class SchedulerAgent:
                     if not mine:
                         continue  # touched or completed meanwhile
                     try:
-                        await self._append(mine[0])
+                        await self.append(mine[0])
                         log.info("lease %d of job %s expired", ev.job.attempt, job_id)
                     except JoyNexusError as e:
                         log.warning("expiring lease of %s failed: %s", job_id, e)
@@ -604,7 +383,7 @@ class SchedulerAgent:
             f"{event.job.state.value} event {adv.get('deliveries')} times without success "
             "(the worker crashed, timed out or rejected it each time)"
         )
-        await self._end(EndRequest(job_id=job.job_id, reason=reason, by=self.instance), "fail")
+        await self.verbs.end(EndRequest(job_id=job.job_id, reason=reason, by=self.instance), "fail")
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -22,35 +22,9 @@ from typing import Any, TypeVar
 from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.schemas import jobs, scheduler
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import IllegalTransition, Unavailable, UnknownJob
-from joynexus.schemas.jobs import (
-    GlobalLimits,
-    JobMetadata,
-    JobState,
-    TaskType,
-    TrainingJob,
-    WorkloadPolicy,
-)
-from joynexus.schemas.scheduler import (
-    DEFAULT_LEASE_TTL_S,
-    FINAL_REFUSALS,
-    CompleteRequest,
-    EndRequest,
-    GetJobRequest,
-    LeaseNextRequest,
-    LeaseStageRequest,
-    ListJobsRequest,
-    MarkRequest,
-    Reply,
-    ReserveRequest,
-    SchedulerSnapshot,
-    SetLimitsRequest,
-    SetPolicyRequest,
-    SetVersionRequest,
-    TouchRequest,
-    WaitReadyRequest,
-)
 
 
 def new_job_id() -> str:
@@ -58,7 +32,9 @@ def new_job_id() -> str:
 
 
 #: Each verb's reply decoder (an error reply raises its typed error).
-_REPLY = {verb: rpc.checked(Reply, f"scheduler reply to {verb}") for verb in SCHEDULER_VERBS}
+_REPLY = {
+    verb: rpc.checked(scheduler.Reply, f"scheduler reply to {verb}") for verb in SCHEDULER_VERBS
+}
 
 
 class SchedulerClient:
@@ -72,12 +48,12 @@ class SchedulerClient:
         self.retry = replace(rpc.SCHEDULER, deadline_s=deadline_s)
         #: The TTL of the scheduler's job leases, as its last lease reply said (replies
         #: of a scheduler that does not say keep the default): drives the keep-alive.
-        self.lease_ttl_s = DEFAULT_LEASE_TTL_S
+        self.lease_ttl_s = scheduler.DEFAULT_LEASE_TTL_S
         #: Why the last reserve was refused: in words, and as a ``Refusal`` code.
         self.last_refusal = ""
         self.last_refusal_code = ""
 
-    async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> Reply:
+    async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> scheduler.Reply:
         def unanswered(e: Unavailable) -> Unavailable:
             return Unavailable(
                 f"scheduler did not answer {verb} within {self.deadline_s:.0f}s "
@@ -99,16 +75,16 @@ class SchedulerClient:
         return reply
 
     # -- policies
-    async def set_policy(self, policy: WorkloadPolicy) -> None:
-        await self._call("set_policy", SetPolicyRequest(policy=policy))
+    async def set_policy(self, policy: jobs.WorkloadPolicy) -> None:
+        await self._call("set_policy", scheduler.SetPolicyRequest(policy=policy))
 
-    async def set_limits(self, limits: GlobalLimits) -> None:
-        await self._call("set_limits", SetLimitsRequest(limits=limits))
+    async def set_limits(self, limits: jobs.GlobalLimits) -> None:
+        await self._call("set_limits", scheduler.SetLimitsRequest(limits=limits))
 
     async def set_version(self, tenant_id: str, workload: str, version: int) -> int:
         r = await self._call(
             "set_version",
-            SetVersionRequest(tenant_id=tenant_id, workload=workload, version=version),
+            scheduler.SetVersionRequest(tenant_id=tenant_id, workload=workload, version=version),
         )
         return r.count
 
@@ -116,7 +92,7 @@ class SchedulerClient:
     async def reserve(
         self,
         tenant_id: str,
-        task_type: TaskType,
+        task_type: jobs.TaskType,
         *,
         workload: str = "default",
         generation: int = 1,
@@ -125,13 +101,13 @@ class SchedulerClient:
         behavior_policy_version: int = 0,
         producer_role: str = "producer",
         consumer_role: str = "actor",
-        metadata: JobMetadata | None = None,
+        metadata: jobs.JobMetadata | None = None,
         job_id: str | None = None,
-    ) -> TrainingJob | None:
+    ) -> jobs.TrainingJob | None:
         """Admit a new job, or None when admission refuses it: ``last_refusal`` then
         says why in words and ``last_refusal_code`` as a ``Refusal`` code (on the
         codes in ``FINAL_REFUSALS`` a producer stops, on the others it waits)."""
-        req = ReserveRequest(
+        req = scheduler.ReserveRequest(
             job_id=job_id or new_job_id(),
             tenant_id=tenant_id,
             task_type=task_type,
@@ -142,7 +118,7 @@ class SchedulerClient:
             behavior_policy_version=behavior_policy_version,
             producer_role=producer_role,
             consumer_role=consumer_role,
-            metadata=metadata or JobMetadata(),
+            metadata=metadata or jobs.JobMetadata(),
             by=self.by,
         )
         self.last_refusal = self.last_refusal_code = ""
@@ -151,29 +127,29 @@ class SchedulerClient:
         return r.job
 
     async def mark(
-        self, job_id: str, state: JobState, *, attempt: int = 0, sample_count: int | None = None
-    ) -> TrainingJob:
+        self, job_id: str, state: jobs.JobState, *, attempt: int = 0, sample_count: int | None = None
+    ) -> jobs.TrainingJob:
         r = await self._call(
             "mark",
-            MarkRequest(
+            scheduler.MarkRequest(
                 job_id=job_id, state=state, attempt=attempt, sample_count=sample_count, by=self.by
             ),
         )
         assert r.job is not None
         return r.job
 
-    async def lease_stage(self, job_id: str, stage: str) -> TrainingJob:
+    async def lease_stage(self, job_id: str, stage: str) -> jobs.TrainingJob:
         r = await self._call(
-            "lease_stage", LeaseStageRequest(job_id=job_id, stage=stage, by=self.by)
+            "lease_stage", scheduler.LeaseStageRequest(job_id=job_id, stage=stage, by=self.by)
         )
         assert r.job is not None
         return r.job
 
     async def lease_next(
         self, consumer_role: str = "actor", *, wait_s: float = 0.0
-    ) -> TrainingJob | None:
+    ) -> jobs.TrainingJob | None:
         """The best ready job for this role (priority, RL first, FIFO), or None after ``wait_s``."""
-        req = LeaseNextRequest(
+        req = scheduler.LeaseNextRequest(
             consumer_role=consumer_role, by=self.by, wait_s=wait_s, request_id=secrets.token_hex(8)
         )
         r = await self._call("lease_next", req, extra_wait=wait_s)
@@ -182,44 +158,44 @@ class SchedulerClient:
     async def wait_for_ready(self, consumer_role: str = "actor", *, wait_s: float = 5.0) -> int:
         r = await self._call(
             "wait_for_ready",
-            WaitReadyRequest(consumer_role=consumer_role, wait_s=wait_s),
+            scheduler.WaitReadyRequest(consumer_role=consumer_role, wait_s=wait_s),
             extra_wait=wait_s,
         )
         return r.count
 
-    async def touch(self, job: TrainingJob) -> TrainingJob:
+    async def touch(self, job: jobs.TrainingJob) -> jobs.TrainingJob:
         r = await self._call(
-            "touch", TouchRequest(job_id=job.job_id, attempt=job.attempt, by=self.by)
+            "touch", scheduler.TouchRequest(job_id=job.job_id, attempt=job.attempt, by=self.by)
         )
         assert r.job is not None
         return r.job
 
-    async def complete(self, job: TrainingJob, *, result_version: int | None = None) -> TrainingJob:
+    async def complete(self, job: jobs.TrainingJob, *, result_version: int | None = None) -> jobs.TrainingJob:
         r = await self._call(
             "complete",
-            CompleteRequest(
+            scheduler.CompleteRequest(
                 job_id=job.job_id, attempt=job.attempt, result_version=result_version, by=self.by
             ),
         )
         assert r.job is not None
         return r.job
 
-    async def drop(self, job_id: str, reason: str, *, attempt: int = 0) -> TrainingJob:
+    async def drop(self, job_id: str, reason: str, *, attempt: int = 0) -> jobs.TrainingJob:
         r = await self._call(
-            "drop", EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
+            "drop", scheduler.EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
         )
         assert r.job is not None
         return r.job
 
-    async def fail(self, job_id: str, reason: str, *, attempt: int = 0) -> TrainingJob:
+    async def fail(self, job_id: str, reason: str, *, attempt: int = 0) -> jobs.TrainingJob:
         r = await self._call(
-            "fail", EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
+            "fail", scheduler.EndRequest(job_id=job_id, reason=reason, attempt=attempt, by=self.by)
         )
         assert r.job is not None
         return r.job
 
-    async def get_job(self, job_id: str) -> TrainingJob:
-        r = await self._call("get_job", GetJobRequest(job_id=job_id))
+    async def get_job(self, job_id: str) -> jobs.TrainingJob:
+        r = await self._call("get_job", scheduler.GetJobRequest(job_id=job_id))
         assert r.job is not None
         return r.job
 
@@ -229,12 +205,12 @@ class SchedulerClient:
         *,
         workload: str = "",
         generation: int = 0,
-        states: list[JobState] | None = None,
-    ) -> list[TrainingJob]:
+        states: list[jobs.JobState] | None = None,
+    ) -> list[jobs.TrainingJob]:
         """The tenant's jobs (of one workload, of one generation of it: 0 is any)."""
         r = await self._call(
             "list_jobs",
-            ListJobsRequest(
+            scheduler.ListJobsRequest(
                 tenant_id=tenant_id, workload=workload, generation=generation, states=states or []
             ),
         )
@@ -246,8 +222,8 @@ class SchedulerClient:
         workload: str,
         reason: str,
         *,
-        states: tuple[JobState, ...] = (JobState.RESERVED, JobState.PRODUCING),
-        owned: Callable[[TrainingJob], bool] = lambda _job: True,
+        states: tuple[jobs.JobState, ...] = (jobs.JobState.RESERVED, jobs.JobState.PRODUCING),
+        owned: Callable[[jobs.TrainingJob], bool] = lambda _job: True,
         generation: int = 0,
     ) -> int:
         """Fail the jobs of a workload still in ``states`` that ``owned`` picks (a
@@ -255,10 +231,10 @@ class SchedulerClient:
         ended meanwhile counts as done. Returns how many it failed; raises what
         the scheduler raised otherwise (the caller decides whether to retry)."""
         failed = 0
-        jobs = await self.list_jobs(
+        listed = await self.list_jobs(
             tenant_id, workload=workload, generation=generation, states=list(states)
         )
-        for job in jobs:
+        for job in listed:
             if not owned(job):
                 continue
             try:
@@ -268,8 +244,8 @@ class SchedulerClient:
                 pass  # ended meanwhile: terminal either way
         return failed
 
-    async def snapshot(self) -> SchedulerSnapshot:
-        r = await self._call("snapshot", WaitReadyRequest())
+    async def snapshot(self) -> scheduler.SchedulerSnapshot:
+        r = await self._call("snapshot", scheduler.WaitReadyRequest())
         assert r.snapshot is not None
         return r.snapshot
 
@@ -298,7 +274,7 @@ def ends_run(code: str, until_done: bool = True) -> bool:
     workload's generation ended (its completion target met) or was replaced, and the
     producer runs until done; every other refusal (limits on jobs at once, the last
     jobs of the target still in flight, one of which may fail) is waited out."""
-    return until_done and code in FINAL_REFUSALS
+    return until_done and code in scheduler.FINAL_REFUSALS
 
 
 async def reserve_until_admitted(

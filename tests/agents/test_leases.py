@@ -81,7 +81,7 @@ async def test_a_deposed_scheduler_cannot_admit(broker: Broker) -> None:
         # a still answers what reaches it, but its admission is refused by the server's fence
         req = ReserveRequest(job_id="j-from-deposed", tenant_id="acme", task_type="sft", by="p")
         with pytest.raises(Unavailable, match="no longer holds the lease"):
-            await a._on_reserve(req)
+            await a.verbs.on_reserve(req)
         assert a.deposed.is_set()
         assert "j-from-deposed" not in a.core.jobs
         # b admits, and knows a's earlier job (it rebuilt from the log after taking over)
