@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from joynexus.agents.evaluator import EvalControl, Evaluator, FairSlots, run_episodes
+from joynexus.agents.envs.maniskill import run_episodes
+from joynexus.agents.evalrun import EvalControl, FairSlots
+from joynexus.agents.evaluator import Evaluator
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Unavailable
