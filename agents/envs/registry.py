@@ -3,7 +3,8 @@
 * ManiSkill tasks keep their ids: ``PickCube-v1``, ``PushCube-v1``, ``StackCube-v1``
   (:mod:`joynexus.agents.envs.maniskill`).
 * LIBERO tasks are ``LIBERO-<suite>-<i>``: suite spatial, object, goal or 10
-  (i in 0..9) or 90 (i in 0..89) (:mod:`joynexus.agents.envs.libero`).
+  (i in 0..9) or 90 (i in 0..89) (:mod:`joynexus.agents.envs.libero`; what
+  each task is, without a simulator: :mod:`joynexus.agents.envs.libero_tasks`).
 
 Both kinds return an env with the same surface (``spec``, ``reset``,
 ``reset_one``, ``step``, ``replace_obs``, ``close``), so ``rollout``, the
@@ -56,9 +57,9 @@ def task_spec(
     if control_mode is not None:
         kw["control_mode"] = control_mode
     if env_kind(name) == "libero":
-        from joynexus.agents.envs import libero
+        from joynexus.agents.envs import libero_tasks
 
-        return libero.task_spec(name, **kw)
+        return libero_tasks.task_spec(name, **kw)
     from joynexus.agents.envs import maniskill
 
     return maniskill.task_spec(name, **kw)
@@ -67,9 +68,9 @@ def task_spec(
 def state_key_dims(name: str) -> dict[str, int]:
     """Every state entry env ``name`` can give, with its size."""
     if env_kind(name) == "libero":
-        from joynexus.agents.envs import libero
+        from joynexus.agents.envs import libero_tasks
 
-        return libero.state_key_dims(name)
+        return libero_tasks.state_key_dims(name)
     from joynexus.agents.envs import maniskill
 
     return maniskill.state_key_dims(name)
@@ -78,9 +79,9 @@ def state_key_dims(name: str) -> dict[str, int]:
 def resolve_state_keys(name: str, keys: Sequence[str]) -> tuple[str, ...]:
     """State presets ("proprio", "privileged") of env ``name`` expanded into its keys."""
     if env_kind(name) == "libero":
-        from joynexus.agents.envs import libero
+        from joynexus.agents.envs import libero_tasks
 
-        return libero.resolve_state_keys(name, keys)
+        return libero_tasks.resolve_state_keys(name, keys)
     from joynexus.agents.envs import maniskill
 
     return maniskill.resolve_state_keys(name, keys)

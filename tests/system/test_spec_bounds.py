@@ -136,9 +136,9 @@ def _cameras_and_state(rng: random.Random, env: str) -> tuple[list[str], list[st
         cams = list(TASKS[env].cameras)
         keys = ["proprio", "privileged", "agent/qpos"]
     else:
-        from joynexus.agents.envs import libero
+        from joynexus.agents.envs import libero_tasks
 
-        cams = list(libero.CAMERAS)
+        cams = list(libero_tasks.CAMERAS)
         keys = ["proprio", "privileged"]
     cameras = rng.sample(cams, rng.randint(1, len(cams))) if rng.random() < 0.3 else []
     state = [rng.choice(keys)] if rng.random() < 0.3 else []
