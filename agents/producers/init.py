@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from joynexus.agents.featureschema import (
     FeatureSchema,
@@ -42,6 +42,9 @@ from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
+
+if TYPE_CHECKING:
+    from joynexus.agents.models.heads.tenant import TenantModule
 
 log = logging.getLogger(__name__)
 
@@ -349,14 +352,12 @@ def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "wei
 
 
 # ---------------------------------------------------------------- fresh weights (torch)
-async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
-    """Build ``record``'s head with fresh weights and ``stats`` and publish it as
-    version 1 (a version 1 there already is a retried create). Imports torch."""
+def fresh_module(tenant: str, spec: WorkloadSpec, schema: FeatureSchema, stats: Stats) -> TenantModule:
+    """``spec``'s head for ``tenant`` with fresh weights (from ``spec.seed``) and the
+    normalisation ``stats``: what version 1 is. Imports torch."""
     from joynexus.agents.models.heads.base import HeadConfig
     from joynexus.agents.models.heads.tenant import TenantModule
-    from joynexus.agents.models.policyio import PolicyStore
 
-    spec = record.spec
     cfg = HeadConfig(
         feature_dim=feature_dim(spec.base_model),
         state_dim=schema.state_dim,
@@ -365,8 +366,18 @@ async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema
         hidden=spec.head_hidden,
         seed=spec.seed,
     )
-    module = TenantModule(record.tenant_id, spec.action_module, cfg, lr=spec.learning_rate)
+    module = TenantModule(tenant, spec.action_module, cfg, lr=spec.learning_rate)
     module.set_normalization(stats)
+    return module
+
+
+async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
+    """Build ``record``'s head with fresh weights and ``stats`` and publish it as
+    version 1 (a version 1 there already is a retried create). Imports torch."""
+    from joynexus.agents.models.policyio import PolicyStore
+
+    spec = record.spec
+    module = fresh_module(record.tenant_id, spec, schema, stats)
     with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create
         await PolicyStore(b).publish(
             record.tenant_id, spec.name, module, schema, spec.base_model, version=1
@@ -434,6 +445,7 @@ __all__ = [
     "check_eval_source",
     "check_safetensors",
     "copied_head_config",
+    "fresh_module",
     "publish_fresh",
     "read_export",
     "retag_safetensors",

@@ -49,7 +49,7 @@ from joynexus.agents.envs.pool import build_key
 from joynexus.agents.envs.registry import task_spec
 from joynexus.agents.envs.video import EpisodeVideos, decode_frames
 from joynexus.agents.evaluator import MAX_PERIODIC_EVALS, Evaluator
-from joynexus.agents.featureschema import FeatureSchema, feature_dim, schema_spec
+from joynexus.agents.featureschema import FeatureSchema, schema_spec
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.agents.models.features import canonicalize_request
@@ -59,10 +59,11 @@ from joynexus.agents.models.grouped import (
     grouped_forward,
     grouped_train_step,
 )
-from joynexus.agents.models.heads.base import HEADS, HeadConfig
+from joynexus.agents.models.heads.base import HEADS
 from joynexus.agents.models.heads.gaussian import GaussianPolicy
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import module_from_weights
+from joynexus.agents.producers.init import fresh_module
 from joynexus.agents.producers.rl import RLProducer
 from joynexus.agents.producers.schema import (
     chunk_targets,
@@ -252,21 +253,6 @@ class FakeTQ:
         self.put.update(data)
 
 
-def fresh_module(spec: WorkloadSpec, schema: FeatureSchema) -> TenantModule:
-    """Version 1's head, as ``producers.init.publish_fresh`` builds it."""
-    cfg = HeadConfig(
-        feature_dim=feature_dim(spec.base_model),
-        state_dim=schema.state_dim,
-        action_dim=schema.action_dim,
-        action_horizon=schema.action_horizon,
-        hidden=spec.head_hidden,
-        seed=spec.seed,
-    )
-    module = TenantModule(TENANT, spec.action_module, cfg, lr=spec.learning_rate)
-    module.set_normalization(normalization_stats(spec))
-    return module
-
-
 async def _no_stage(*_: Any) -> None:
     raise LookupError("no actor_forward consumer in this deployment")
 
@@ -425,7 +411,7 @@ def run_spec(spec: WorkloadSpec, backbones: dict[str, Backbone], rng: random.Ran
             extra = {"instruction": instruction, "advantage": spec.advantage,  # as _reserve writes them
                      **asyncio.run(RLProducer._route_extra(rl_stub(spec, stage=stage)))}  # type: ignore[arg-type]
             run_advantages(spec, extra, g)
-            module = fresh_module(spec, schema)
+            module = fresh_module(TENANT, spec, schema, normalization_stats(spec))
             ppo = extra.get("actor_forward") == "1"
             actor_step(spec, schema, module, backbone, extra, rl_rows(spec, schema, module, backbone, ppo, g))
     elif spec.task_type == "sft":
@@ -437,11 +423,11 @@ def run_spec(spec: WorkloadSpec, backbones: dict[str, Backbone], rng: random.Ran
         extra = job_extra(instruction, 0, "", spec.learning_rate)
         data = observations(schema, ROWS, g)
         data[samples.ACTIONS_FIELD] = g.normal(size=(ROWS, spec.action_horizon, schema.action_dim)).astype(np.float32)
-        actor_step(spec, schema, fresh_module(spec, schema), backbone, extra, data)
+        actor_step(spec, schema, fresh_module(TENANT, spec, schema, normalization_stats(spec)), backbone, extra, data)
     else:  # eval: the evaluated policy is one trained in this env with this layout
         for e in (0, spec.episodes - 1):
             assert 0 <= episode_seed(spec.seed, 0, e) < 2**31 and 0 <= episode_seed(spec.seed, 1, e) < 2**31
-        module = fresh_module(spec, schema)
+        module = fresh_module(TENANT, spec, schema, normalization_stats(spec))
         obs = observations(schema, ROWS, g)
         batch = canonicalize_request(schema, {c: obs[samples.image_field(c)] for c in schema.camera_slots},
                                      instruction, obs[samples.STATE_FIELD])
@@ -522,7 +508,7 @@ def test_drawn_specs_roll_out_and_evaluate_in_a_real_simulator(backbones: dict[s
         )
         schema, instruction = workload_schema(spec)
         backbone = backbones[spec.base_model]
-        module = fresh_module(spec, schema)
+        module = fresh_module(TENANT, spec, schema, normalization_stats(spec))
         act = policy(spec, schema, instruction, module, backbone, g)
         if task_type == "rl":
             build = RLProducer._build_args(rl_stub(spec, stage=False), schema)  # type: ignore[arg-type]

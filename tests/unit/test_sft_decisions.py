@@ -10,14 +10,7 @@ import torch
 
 from joynexus.agents.producers.sft import BACKOFF, batch_indices, job_extra, sft_columns
 from joynexus.agents.scheduler_client import ends_run
-from joynexus.schemas.samples import (
-    ACTION,
-    ACTIONS_FIELD,
-    OBS_IMAGES,
-    OBS_STATE,
-    STATE_FIELD,
-    image_field,
-)
+from joynexus.schemas import samples
 from joynexus.schemas.scheduler import Refusal
 
 
@@ -76,23 +69,23 @@ def test_sft_columns_shapes_and_dtypes(as_tensor: bool, cams: tuple[str, ...], h
 
     items = [
         {
-            OBS_STATE: arr(rng.normal(size=sdim)),  # float64 in: float32 out
-            ACTION: arr(rng.normal(size=horizon * adim)),  # flat chunk: reshaped [H, A]
-            **{f"{OBS_IMAGES}.{c}": arr(rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)) for c in cams},
+            samples.OBS_STATE: arr(rng.normal(size=sdim)),  # float64 in: float32 out
+            samples.ACTION: arr(rng.normal(size=horizon * adim)),  # flat chunk: reshaped [H, A]
+            **{f"{samples.OBS_IMAGES}.{c}": arr(rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)) for c in cams},
         }
         for _ in range(m)
     ]
     cols = sft_columns(items, cams, horizon)
-    assert set(cols) == {STATE_FIELD, ACTIONS_FIELD, *[image_field(c) for c in cams]}
-    assert cols[STATE_FIELD].shape == (m, sdim) and cols[STATE_FIELD].dtype == np.float32
-    assert cols[ACTIONS_FIELD].shape == (m, horizon, adim) and cols[ACTIONS_FIELD].dtype == np.float32
-    first = np.asarray(items[0][ACTION], dtype=np.float32).reshape(horizon, adim)
-    assert np.array_equal(cols[ACTIONS_FIELD][0], first)
+    assert set(cols) == {samples.STATE_FIELD, samples.ACTIONS_FIELD, *[samples.image_field(c) for c in cams]}
+    assert cols[samples.STATE_FIELD].shape == (m, sdim) and cols[samples.STATE_FIELD].dtype == np.float32
+    assert cols[samples.ACTIONS_FIELD].shape == (m, horizon, adim) and cols[samples.ACTIONS_FIELD].dtype == np.float32
+    first = np.asarray(items[0][samples.ACTION], dtype=np.float32).reshape(horizon, adim)
+    assert np.array_equal(cols[samples.ACTIONS_FIELD][0], first)
     for c in cams:
-        assert cols[image_field(c)].shape == (m, 3, 8, 8) and cols[image_field(c)].dtype == np.uint8
+        assert cols[samples.image_field(c)].shape == (m, 3, 8, 8) and cols[samples.image_field(c)].dtype == np.uint8
 
 
 def test_sft_columns_refuse_a_chunk_of_the_wrong_size() -> None:
-    items = [{OBS_STATE: np.zeros(2), ACTION: np.zeros(5)}]
+    items = [{samples.OBS_STATE: np.zeros(2), samples.ACTION: np.zeros(5)}]
     with pytest.raises(ValueError, match="reshape"):
         sft_columns(items, (), 2)

@@ -12,36 +12,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from joynexus.agents.models.heads.base import (
-    ActionHead,
-    HeadConfig,
-    mlp_layers,
-    register,
-    time_embedding,
-    weighted_mean,
-)
+from joynexus.agents.models.heads import base
 
 __all__ = ["FlowMatchingHead", "ValueHead"]
 
 
-@register("flow_matching")
-class FlowMatchingHead(ActionHead):
+@base.register("flow_matching")
+class FlowMatchingHead(base.ActionHead):
     """Velocity field v(x_t, t | feats, state); x_0 = noise, x_1 = actions (rectified flow)."""
 
     t_dim = 32
 
-    def __init__(self, cfg: HeadConfig) -> None:
+    def __init__(self, cfg: base.HeadConfig) -> None:
         super().__init__(cfg)
         self.norm = nn.LayerNorm(cfg.feature_dim)
         self.cond = nn.Linear(cfg.feature_dim + cfg.state_dim, cfg.hidden)
         n_act = cfg.action_horizon * cfg.action_dim
-        self.net = mlp_layers(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
+        self.net = base.mlp_layers(n_act + cfg.hidden + self.t_dim, cfg.hidden, n_act)
 
     def _cond(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor) -> torch.Tensor:
         return self.cond(torch.cat([self.norm(feats_B_D), self.norm_state(state_B_S)], dim=-1))
 
     def velocity(self, x_B_N: torch.Tensor, t_B: torch.Tensor, cond_B_C: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([x_B_N, cond_B_C, time_embedding(t_B, self.t_dim)], dim=-1))
+        return self.net(torch.cat([x_B_N, cond_B_C, base.time_embedding(t_B, self.t_dim)], dim=-1))
 
     def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,7 +48,7 @@ class FlowMatchingHead(ActionHead):
         t_B = torch.rand((b,), generator=self.generator).to(x1_B_N)
         xt_B_N = (1.0 - t_B[:, None]) * noise_B_N + t_B[:, None] * x1_B_N
         v_B_N = self.velocity(xt_B_N, t_B, self._cond(feats_B_D, state_B_S))
-        return weighted_mean(((v_B_N - (x1_B_N - noise_B_N)) ** 2).mean(1), weight_B)
+        return base.weighted_mean(((v_B_N - (x1_B_N - noise_B_N)) ** 2).mean(1), weight_B)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
             steps: int | None = None, **kw: Any) -> torch.Tensor:
@@ -75,7 +68,7 @@ class FlowMatchingHead(ActionHead):
         n_act = x_B_N.shape[1]
         w_x, w_c, w_t = first.weight.split([n_act, cond_B_C.shape[1], self.t_dim], dim=1)
         t_K = torch.arange(n, dtype=x_B_N.dtype, device=x_B_N.device) * dt
-        t_part_K_H = torch.nn.functional.linear(time_embedding(t_K, self.t_dim), w_t)
+        t_part_K_H = torch.nn.functional.linear(base.time_embedding(t_K, self.t_dim), w_t)
         c_part_B_H = torch.nn.functional.linear(cond_B_C, w_c, first.bias)
         for k in range(n):
             h_B_H = torch.nn.functional.linear(x_B_N, w_x) + c_part_B_H + t_part_K_H[k]
@@ -83,14 +76,14 @@ class FlowMatchingHead(ActionHead):
         return self.denorm_action(x_B_N.view(noise.shape))
 
 
-@register("value")
-class ValueHead(ActionHead):
+@base.register("value")
+class ValueHead(base.ActionHead):
     """State value V(s) for RL: one scalar per sample."""
 
-    def __init__(self, cfg: HeadConfig) -> None:
+    def __init__(self, cfg: base.HeadConfig) -> None:
         super().__init__(cfg)
         self.norm = nn.LayerNorm(cfg.feature_dim)
-        self.net = mlp_layers(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
+        self.net = base.mlp_layers(cfg.feature_dim + cfg.state_dim, cfg.hidden, 1)
 
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._check(feats_B_D, state_B_S)
@@ -100,5 +93,5 @@ class ValueHead(ActionHead):
              weight_B: torch.Tensor | None = None) -> torch.Tensor:
         v_B = self.act(feats_B_D, state_B_S)
         self._check_target(target, tuple(v_B.shape))
-        return weighted_mean((v_B - target) ** 2, weight_B)
+        return base.weighted_mean((v_B - target) ** 2, weight_B)
 
