@@ -14,16 +14,18 @@ import asyncio
 import json
 from dataclasses import asdict
 
-from joynexus.agents.featureschema import FeatureSchema, feature_schema_of, schema_spec
+from joynexus.agents.featureschema import FeatureSchema, feature_dim, feature_schema_of, schema_spec
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord
+from joynexus.schemas.workloads import WorkloadSpec
 
 __all__ = [
     "PolicyStore",
     "feature_schema_of",
+    "fresh_module",
     "module_from_weights",
     "schema_spec",
     "weights_bytes",
@@ -47,6 +49,23 @@ def weights_bytes(module: TenantModule, version: int | None = None) -> bytes:
         "config": json.dumps(asdict(module.cfg)),
     }
     return bytes(save(tensors, metadata=meta))
+
+
+def fresh_module(tenant: str, spec: WorkloadSpec, schema: FeatureSchema,
+                 stats: dict[str, dict[str, list[float]]]) -> TenantModule:
+    """``spec``'s head for ``tenant`` with fresh weights (from ``spec.seed``) and the
+    normalisation ``stats``: what version 1 is (``producers.init.publish_fresh``)."""
+    cfg = HeadConfig(
+        feature_dim=feature_dim(spec.base_model),
+        state_dim=schema.state_dim,
+        action_dim=schema.action_dim,
+        action_horizon=schema.action_horizon,
+        hidden=spec.head_hidden,
+        seed=spec.seed,
+    )
+    module = TenantModule(tenant, spec.action_module, cfg, lr=spec.learning_rate)
+    module.set_normalization(stats)
+    return module
 
 
 def module_from_weights(record: PolicyRecord, data: bytes) -> TenantModule:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from joynexus.agents.featureschema import (
     FeatureSchema,
@@ -42,9 +42,6 @@ from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.workloads import WorkloadRecord, WorkloadSpec
-
-if TYPE_CHECKING:
-    from joynexus.agents.models.heads.tenant import TenantModule
 
 log = logging.getLogger(__name__)
 
@@ -352,29 +349,10 @@ def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "wei
 
 
 # ---------------------------------------------------------------- fresh weights (torch)
-def fresh_module(tenant: str, spec: WorkloadSpec, schema: FeatureSchema, stats: Stats) -> TenantModule:
-    """``spec``'s head for ``tenant`` with fresh weights (from ``spec.seed``) and the
-    normalisation ``stats``: what version 1 is. Imports torch."""
-    from joynexus.agents.models.heads.base import HeadConfig
-    from joynexus.agents.models.heads.tenant import TenantModule
-
-    cfg = HeadConfig(
-        feature_dim=feature_dim(spec.base_model),
-        state_dim=schema.state_dim,
-        action_dim=schema.action_dim,
-        action_horizon=schema.action_horizon,
-        hidden=spec.head_hidden,
-        seed=spec.seed,
-    )
-    module = TenantModule(tenant, spec.action_module, cfg, lr=spec.learning_rate)
-    module.set_normalization(stats)
-    return module
-
-
 async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
     """Build ``record``'s head with fresh weights and ``stats`` and publish it as
     version 1 (a version 1 there already is a retried create). Imports torch."""
-    from joynexus.agents.models.policyio import PolicyStore
+    from joynexus.agents.models.policyio import PolicyStore, fresh_module
 
     spec = record.spec
     module = fresh_module(record.tenant_id, spec, schema, stats)
@@ -445,7 +423,6 @@ __all__ = [
     "check_eval_source",
     "check_safetensors",
     "copied_head_config",
-    "fresh_module",
     "publish_fresh",
     "read_export",
     "retag_safetensors",

@@ -62,8 +62,7 @@ from joynexus.agents.models.grouped import (
 from joynexus.agents.models.heads.base import HEADS
 from joynexus.agents.models.heads.gaussian import GaussianPolicy
 from joynexus.agents.models.heads.tenant import TenantModule
-from joynexus.agents.models.policyio import module_from_weights
-from joynexus.agents.producers.init import fresh_module
+from joynexus.agents.models.policyio import fresh_module, module_from_weights
 from joynexus.agents.producers.rl import RLProducer
 from joynexus.agents.producers.schema import (
     chunk_targets,
