@@ -133,7 +133,7 @@ def test_bpe_tokenizer_is_the_same_in_every_process() -> None:
     import sys
 
     code = (
-        "import json,sys; from joynexus.agents.models.backbone import train_tokenizer; "
+        "import json,sys; from joynexus.agents.models.tokenizer import train_tokenizer; "
         "json.dump(sorted(train_tokenizer().get_vocab().items()), sys.stdout)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=170)
