@@ -30,7 +30,7 @@ from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.workloads import WorkloadRecord, video_object_name
 
-__all__ = ["EvalControl", "FairSlots", "RunRecord", "evaluate_record", "save_videos"]
+__all__ = ["EvalControl", "FairSlots", "RunRecord", "delete_videos", "evaluate_record", "save_videos"]
 
 
 class FairSlots:
@@ -208,6 +208,21 @@ async def save_videos(b: Broker, rec: WorkloadRecord, files: list[tuple[str, byt
     for name, data in files:
         await store.put(video_object_name(rec.tenant_id, rec.spec.name, name), data)
     return [name for name, _ in files]
+
+
+async def delete_videos(b: Broker, rec: WorkloadRecord) -> int:
+    """Delete an evaluation's videos from the object store (its record is being
+    forgotten: what it saved goes with it, so a tenant's stored videos stay within
+    ``max_workloads`` records' worth); how many were deleted."""
+    if not rec.videos:
+        return 0
+    store = await b.js.object_store(b.names.weights_store)
+    gone = 0
+    for name in rec.videos:
+        with contextlib.suppress(Exception):  # already gone
+            await store.delete(video_object_name(rec.tenant_id, rec.spec.name, name))
+            gone += 1
+    return gone
 
 
 RunRecord = Callable[[Broker, WorkloadRecord, EvalControl], Awaitable[tuple[dict[str, float], bool]]]

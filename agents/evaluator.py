@@ -30,7 +30,13 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from joynexus.agents.control.checks import periodic_to_forget, periodic_wait
-from joynexus.agents.evalrun import EvalControl, FairSlots, RunRecord, evaluate_record
+from joynexus.agents.evalrun import (
+    EvalControl,
+    FairSlots,
+    RunRecord,
+    delete_videos,
+    evaluate_record,
+)
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyRecords
@@ -228,6 +234,7 @@ class Evaluator:
                     with contextlib.suppress(KeyNotFoundError):
                         await self._kv.delete(key)
                     self.records.pop(key, None)
+                    await delete_videos(self.b, old)
                 await self._periodic(tenant, train, version, signature)
             if not line:
                 del self.due[tenant]

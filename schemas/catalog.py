@@ -12,7 +12,7 @@ import math
 
 #: Base models the service can host, and the backbone size each maps to.
 BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
-#: The action heads a workload may train (the head registry's names, ``agents.models.heads.HEADS``
+#: The action heads a workload may train (the head registry's names, ``agents.models.heads.base.HEADS``
 #: less ``value``; kept here because specs validate without torch: a test checks both agree).
 ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow")
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
@@ -47,7 +47,7 @@ def describe_envs() -> str:
 
 
 #: The side of the square image every hosted base reads
-#: (``agents.models.backbone.BackboneConfig.image_size``; a test checks they agree): its
+#: (``agents.models.backbone_config.BackboneConfig.image_size``; a test checks they agree): its
 #: Qwen2-VL image processor resizes each camera image to it, by ``smart_resize``.
 BASE_IMAGE_SIDE = 56
 #: The camera image sizes a workload may ask for (pixels a side).

@@ -29,6 +29,7 @@ from joynexus.agents.procs import die_with_parent
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.natsapi import service_api
+from joynexus.ops.runtime.children import stop_all
 from joynexus.ops.runtime.launcher import role_command
 from joynexus.ops.runtime.threads import role_thread_env
 
@@ -156,16 +157,7 @@ class AgentProcesses:
         self._stop.set()
         if self._watch is not None:
             await self._watch
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 20
-        for p in self.procs.values():
-            try:
-                await asyncio.to_thread(p.wait, max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        await asyncio.to_thread(stop_all, list(self.procs.values()))
         for f in self._files:
             f.close()
 

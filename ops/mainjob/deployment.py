@@ -31,6 +31,7 @@ from joynexus.broker.natsapi import service_api
 from joynexus.broker.subjects import HEARTBEAT_KEYS
 from joynexus.ops.admin.tenants import add_tenant
 from joynexus.ops.mainjob.config import RL_TASKS, ROLES, datasets_root
+from joynexus.ops.runtime.children import stop_all
 from joynexus.ops.runtime.deploy import role_env
 from joynexus.ops.runtime.launcher import role_command
 from joynexus.ops.runtime.threads import role_thread_env
@@ -178,16 +179,7 @@ class RoleProcesses:
             p.wait()
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 20
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(self.procs.values())
         for log in self._logs:
             log.close()
 

@@ -244,3 +244,27 @@ async def test_a_failed_evaluation_says_why_in_its_record(broker: Broker) -> Non
     assert "no inference engine serves" in rec.reason
     rec = await h.wait_state(broker.names.workload_key("acme", "crash"), "cancelled", within=2)
     assert "crashed (KeyError)" in rec.reason and "internal detail" not in rec.reason
+
+
+async def test_a_forgotten_evaluations_videos_go_with_it(broker: Broker) -> None:
+    """Videos are stored per evaluation; deleting them with its record keeps a tenant's
+    stored videos within its records (issue 24: a forgotten periodic record's videos
+    stayed in the object store)."""
+    from nats.js.errors import ObjectNotFoundError
+
+    from joynexus.agents.evalrun import delete_videos, save_videos
+    from joynexus.schemas.workloads import video_object_name
+
+    rec = WorkloadRecord(tenant_id="acme", spec=WorkloadSpec(
+        name="pick-v3", task_type="eval", env="PickCube-v1", init_from_workload="pick"))
+    names = await save_videos(broker, rec, [("ep0.mp4", b"a" * 100), ("ep1.mp4", b"b" * 50)])
+    rec = WorkloadRecord(tenant_id="acme", spec=rec.spec, videos=names)
+    other = WorkloadRecord(tenant_id="bolt", spec=rec.spec, videos=["ep0.mp4"])
+    await save_videos(broker, other, [("ep0.mp4", b"c")])
+    store = await broker.js.object_store(broker.names.weights_store)
+    assert (await store.get(video_object_name("acme", "pick-v3", "ep1.mp4"))).data == b"b" * 50
+    assert await delete_videos(broker, rec) == 2
+    for name in names:
+        with pytest.raises(ObjectNotFoundError):
+            await store.get(video_object_name("acme", "pick-v3", name))
+    assert (await store.get(video_object_name("bolt", "pick-v3", "ep0.mp4"))).data == b"c"
