@@ -103,7 +103,7 @@ def wait_for_signal() -> None:
 
 
 def tls(args: argparse.Namespace) -> Any:
-    from joynexus.ops.runtime.natsserver import TlsFiles
+    from joynexus.ops.runtime.natsconfig import TlsFiles
     from joynexus.schemas.errors import InvalidSpec
 
     cert = getattr(args, "tls_cert", None)
@@ -123,7 +123,7 @@ def tls(args: argparse.Namespace) -> Any:
 def cluster(args: argparse.Namespace, tls: Any) -> Any:
     if not getattr(args, "cluster", None):
         return None
-    from joynexus.ops.runtime.natsserver import ClusterOptions
+    from joynexus.ops.runtime.natsconfig import ClusterOptions
 
     routes = tuple(r.strip() for r in args.routes.split(",") if r.strip())
     return ClusterOptions(

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from joynexus.broker.credentials import CREDS_ENV, Credentials
 from joynexus.broker.subjects import Names
-from joynexus.ops.runtime.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
+from joynexus.ops.runtime.natsconfig import ClusterOptions, TlsFiles
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.errors import JoyNexusError
 
 log = logging.getLogger(__name__)
@@ -60,19 +61,19 @@ class Endpoint:
 
     @property
     def admin_path(self) -> Path | None:
-        from joynexus.ops.runtime.authsync import credentials_path
+        from joynexus.ops.runtime.bootstrap import credentials_path
 
         return credentials_path(self.data_dir, "admin") if self.admin and self.data_dir else None
 
     @property
     def service_path(self) -> Path | None:
-        from joynexus.ops.runtime.authsync import credentials_path
+        from joynexus.ops.runtime.bootstrap import credentials_path
 
         return credentials_path(self.data_dir, "service") if self.service and self.data_dir else None
 
     @property
     def control_path(self) -> Path | None:
-        from joynexus.ops.runtime.authsync import credentials_path
+        from joynexus.ops.runtime.bootstrap import credentials_path
 
         return credentials_path(self.data_dir, "control") if self.service and self.data_dir else None
 
@@ -167,7 +168,7 @@ def embedded(
             )
             yield Endpoint(server.url, data, server=server)
             return
-        from joynexus.ops.runtime.authsync import secured_server
+        from joynexus.ops.runtime.bootstrap import secured_server
 
         names = Names(namespace)
         server, admin, service = secured_server(
@@ -179,13 +180,13 @@ def embedded(
         sync.start()
         stack.callback(sync.stop)
         if act_as_admin:
-            from joynexus.ops.runtime.authsync import credentials_path
+            from joynexus.ops.runtime.bootstrap import credentials_path
 
             for var, kind in ((CREDS_ENV, "admin"), (SERVICE_CREDS_ENV, "service"),
                               (CONTROL_CREDS_ENV, "control")):
                 stack.callback(_restore_env, var, os.environ.get(var))
                 os.environ[var] = str(credentials_path(data, kind))
-        from joynexus.ops.runtime.authsync import credentials_path
+        from joynexus.ops.runtime.bootstrap import credentials_path
 
         control = Credentials.load(credentials_path(data, "control")).with_url(server.url)
         yield Endpoint(server.url, data, admin, service, server, sync=sync, control=control)

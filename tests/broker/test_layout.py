@@ -44,7 +44,8 @@ async def test_a_store_too_small_for_the_layout_says_what_to_do(
     import pytest
 
     from joynexus.broker.layout import TQ_MAX_BYTES_ENV, delete_layout
-    from joynexus.ops.runtime.natsserver import EmbeddedNats, ServerLimits
+    from joynexus.ops.runtime.natsconfig import ServerLimits
+    from joynexus.ops.runtime.natsserver import EmbeddedNats
     from joynexus.schemas.errors import InvalidSpec
 
     server = EmbeddedNats(

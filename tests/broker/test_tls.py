@@ -30,7 +30,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from joynexus.broker.connection import Broker
-from joynexus.ops.runtime.natsserver import ClusterOptions, EmbeddedNats, TlsFiles
+from joynexus.ops.runtime.natsconfig import ClusterOptions, TlsFiles
+from joynexus.ops.runtime.natsserver import EmbeddedNats
 from joynexus.schemas.errors import JoyNexusError, Unavailable
 
 pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]

@@ -475,8 +475,8 @@ async def test_secured_cluster_applies_tenants_on_every_node(tmp_path: Path) -> 
     import shutil
     import socket
 
-    from joynexus.ops.runtime.authsync import CREDS_DIR, bootstrap
-    from joynexus.ops.runtime.natsserver import ClusterOptions
+    from joynexus.ops.runtime.bootstrap import CREDS_DIR, bootstrap
+    from joynexus.ops.runtime.natsconfig import ClusterOptions
     from joynexus.schemas.identities import APPLIED_KEY
 
     socks = [socket.socket() for _ in range(3)]
