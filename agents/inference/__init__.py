@@ -22,9 +22,11 @@ docs/ARCHITECTURE.md ("The Inference Queue").
 
 from __future__ import annotations
 
-from joynexus.agents.inference.engine import INLINE_FORWARD_MS, EngineStats, InferenceEngine
+from joynexus.agents.inference.engine import InferenceEngine
+from joynexus.agents.inference.intake import EngineStats
 from joynexus.agents.inference.policies import LoadedPolicy
 from joynexus.agents.inference.pool import EnginePool, run_inference_agent, serving_threads
+from joynexus.agents.inference.runs import INLINE_FORWARD_MS
 from joynexus.broker.inference_client import InferenceClient
 
 __all__ = [

@@ -6,17 +6,15 @@ tenants it serves; it is one endpoint of the NATS micro service ``<ns>-infer``
 jobs live apart: the door (:mod:`.intake`: decode, check, enqueue, reply), the
 choice (:func:`.batcher.choose`) and the compute (:mod:`.compute`: ONE backbone
 forward over the batch's rows, each tenant's head, torch only). This module is
-the lifecycle and the loop: what to run, where (on the event loop when forwards
-of its size are measured short, else on the engine's forward thread), the
-replies, then the batch's busy metric. A batch whose shared forward fails falls
-back to one forward per request. See docs/ARCHITECTURE.md ("The Inference Queue").
+the lifecycle and the loop: what to run and the replies; where a batch's forward
+runs, its fallback to one forward per request and its busy metric are
+:mod:`.runs`'. See docs/ARCHITECTURE.md ("The Inference Queue").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -25,25 +23,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from nats.micro import add_service
-from opentelemetry import trace
 
 from joynexus.agents.inference import batcher
 from joynexus.agents.inference.batcher import Pending, part_rows
 from joynexus.agents.inference.compute import (
-    ForwardThread,
-    ForwardTimes,
     Outcome,
-    forward_each,
-    forward_grouped,
     joined,
     result_of,
     tally,
 )
 from joynexus.agents.inference.intake import EngineStats, Intake, drain_service
 from joynexus.agents.inference.policies import PolicyCache
+from joynexus.agents.inference.runs import INLINE_FORWARD_MS, BatchRuns
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.policyio import PolicyStore
-from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.fastpath import FastResponder, enabled_by_env, sync_server
 from joynexus.broker.quotas import QuotaBook
@@ -52,30 +45,10 @@ from joynexus.broker.subjects import model_token
 from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS, BatchInfo, InferError, encode_msgpack
 
-__all__ = ["DEFAULT_MAX_ROWS", "INLINE_FORWARD_MS", "EngineStats", "InferenceEngine"]
+__all__ = ["InferenceEngine"]
 
 log = logging.getLogger(__name__)
 
-
-#: A batch's busy metric is published this long after its replies, off their path. Sent
-#: at once (in the same turn of the event loop) its encoding and nats-py's flusher write
-#: ran before the loop read a reply for a client in this process, and the server took
-#: it in (a JetStream subject) while it should have been forwarding the reply: issue 15
-#: measured 0.24-0.41 ms of the in-process round trip. The events of batches that end
-#: within the delay go out together, in order.
-BUSY_DELAY_S = 0.002
-
-#: A batch whose forward is expected (the median of the last ones of its backbone key
-#: and power of two of rows) to take at most this long runs on the event loop instead
-#: of the forward thread. The hop to the thread and back cost 0.4-1.3 ms per batch on
-#: the 2-core machine (issue 15; more when it is loaded), 3-9% of a 15 ms forward. While
-#: the loop is held no request is taken in, but none could join the running batch
-#: anyway: what a request arriving meanwhile loses is its intake (decode, checks,
-#: ~0.1-0.3 ms) overlapping the forward, so the loop wins while fewer than a few
-#: requests arrive per forward - the light load where a round trip is all latency. A
-#: tiny-backbone forward of 1-4 rows takes 3-7 ms here, the bench backbone's 15-25 ms;
-#: batches of many rows stay on the thread. A size not measured yet runs on the thread.
-INLINE_FORWARD_MS = 15.0
 
 #: Before an idle engine chooses its batch, the loop turns while turns bring requests
 #: already received (``InferenceEngine._take_in_received``), at most this long, and
@@ -126,9 +99,6 @@ class InferenceEngine:
         self.retain_versions = retain_versions
         self.policies = policies or PolicyStore(broker)
         self.load_timeout_s = load_timeout_s
-        #: a batch whose forward is expected to take at most this long runs on the event
-        #: loop; longer ones (and any of a size not measured yet) on the forward thread
-        self.inline_forward_ms = inline_forward_ms
         self.stats = EngineStats()
         self.state = "new"  # new -> prepared -> serving -> draining -> stopped
 
@@ -140,16 +110,11 @@ class InferenceEngine:
             instance=instance,
         )
         self._freed_at = 0.0  # when the last batch ended (perf_counter)
-        self._times = ForwardTimes()
-        self._thread = ForwardThread(instance)
         self._batch_ids = itertools.count(1)
         self._batch_ids_served = itertools.count(1)
         self._watcher: asyncio.Task[None] | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._service: Any = None
-        # Busy intervals not published yet (metrics.busy's arguments) and the timer that will.
-        self._busy: deque[tuple[float, float, dict[str, Any]]] = deque()
-        self._busy_timer: asyncio.TimerHandle | None = None
         self._own_quotas = quotas is None
         self.quotas = quotas or QuotaBook(broker)
         # Replies are msgpack; an error is an InferError (its message clipped).
@@ -162,6 +127,8 @@ class InferenceEngine:
             limit=lambda t: self.quotas.get(t).max_requests_in_flight,
             respond=FastResponder() if enabled_by_env() else None,
         )
+        self.runs = BatchRuns(broker, self.rpc, backbone, self.stats, instance=instance,
+                              inline_forward_ms=inline_forward_ms)
         self.intake = Intake(
             broker, self.rpc, self.cache, self.quotas, self.stats,
             instance=instance, max_queue=max_queue, part_rows=part_rows(max_rows),
@@ -184,7 +151,7 @@ class InferenceEngine:
 
     @property
     def _forward_ms(self) -> dict[tuple[str, int], deque[float]]:
-        return self._times.seen
+        return self.runs.times.seen
 
     # ------------------------------------------------------------ lifecycle
     async def prepare(self) -> None:
@@ -280,11 +247,7 @@ class InferenceEngine:
             with contextlib.suppress(Exception):
                 await self._service.stop()
             self._service = None
-        self._thread.shutdown()
-        if self._busy_timer is not None:
-            self._busy_timer.cancel()
-            self._busy_timer = None
-        await self._publish_busy()  # what the timer had not sent yet
+        await self.runs.close()
         await self.rpc.stop()
         if self._own_quotas:
             await self.quotas.stop()
@@ -382,51 +345,18 @@ class InferenceEngine:
             seen = n
 
     def forward_estimate_ms(self, key: tuple[str, int]) -> float | None:
-        """The median of the last forwards of this size measured (None: not measured yet):
-        one stall from elsewhere on the machine does not move it."""
-        return self._times.estimate_ms(key)
+        """The median of the last forwards of this size measured (None: not measured yet)."""
+        return self.runs.times.estimate_ms(key)
 
-    def _runs_inline(self, key: tuple[str, int]) -> bool:
-        """Short and nothing waiting: a request queued behind this batch would have its
-        intake (decode, checks) overlap the forward on the thread, which the loop cannot."""
-        if self.intake.queue:
-            return False
-        est = self._times.estimate_ms(key)
-        return est is not None and est <= self.inline_forward_ms
+    @property
+    def inline_forward_ms(self) -> float:
+        """A batch whose forward is expected to take at most this long runs on the event
+        loop; longer ones (and any of a size not measured yet) on the forward thread."""
+        return self.runs.inline_forward_ms
 
-    async def _forward(
-        self, items: list[Pending], rows: int, batch_id: str
-    ) -> tuple[list[Outcome], float, bool, bool]:
-        """The batch's shared forward (inline when its size is known short), or one
-        forward per request if that fails: (outcomes, forward ms, inline, fallback)."""
-        fkey = ForwardTimes.key(items, rows)
-        inline = self._runs_inline(fkey)
-        # Only recorded (sampled) spans are linked: a link to a no-op span exports nothing.
-        links = [trace.Link(p.span.get_span_context()) for p in items if p.span.is_recording()]
-        with tracing.tracer.start_as_current_span(
-            "inference.batch",
-            links=links,
-            attributes={"joynexus.batch_id": batch_id, "joynexus.batch_size": len(items),
-                        "joynexus.inline": inline},
-        ):
-            try:
-                (outcomes, forward_ms), took_ms = await self._thread.call(
-                    functools.partial(forward_grouped, self.backbone), items, inline
-                )
-                self._times.note(fkey, took_ms)
-                return outcomes, forward_ms, inline, False
-            except Exception as e:
-                log.warning(
-                    "engine %s: shared forward of %s failed (%s); serving each request alone",
-                    self.instance,
-                    batch_id,
-                    e,
-                )
-                self.stats.fallbacks += 1
-                (outcomes, forward_ms), _ = await self._thread.call(
-                    functools.partial(forward_each, self.backbone), items, False
-                )
-                return outcomes, forward_ms, inline, True
+    @inline_forward_ms.setter
+    def inline_forward_ms(self, ms: float) -> None:
+        self.runs.inline_forward_ms = ms
 
     async def _fail(self, p: Pending, e: BaseException) -> None:
         """Answer ``p``'s request with ``e`` (a split request: once, at its first failed
@@ -452,7 +382,8 @@ class InferenceEngine:
         started = time.perf_counter()
         wall_start = time.time()
         cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
-        outcomes, forward_ms, inline, fallback = await self._forward(items, rows, batch_id)
+        outcomes, forward_ms, inline, fallback = await self.runs.forward(
+            items, rows, batch_id, queued=bool(self.intake.queue))
         wall_end, cpu_s = time.time(), time.process_time() - cpu_start
         self.stats.batches += 1
         self.stats.rows += rows
@@ -467,7 +398,7 @@ class InferenceEngine:
             await self._answer(items, outcomes, info, started=started, forward_ms=forward_ms)
         finally:
             # The busy interval goes out BUSY_DELAY_S after the replies, off their path.
-            self._note_busy(
+            self.runs.note_busy(
                 wall_start,
                 wall_end,
                 instance=self.instance,
@@ -479,21 +410,6 @@ class InferenceEngine:
                 tenant_rows=tenant_rows,
                 tenant_requests=tenant_requests,
             )
-
-    def _note_busy(self, start: float, end: float, **fields: Any) -> None:
-        self._busy.append((start, end, fields))
-        if self._busy_timer is None:
-            self._busy_timer = asyncio.get_running_loop().call_later(BUSY_DELAY_S, self._busy_due)
-
-    def _busy_due(self) -> None:
-        self._busy_timer = None
-        self.rpc.spawn(self._publish_busy())
-
-    async def _publish_busy(self) -> None:
-        """Publish the busy intervals noted so far, oldest first (metrics.busy never raises)."""
-        while self._busy:
-            start, end, fields = self._busy.popleft()
-            await metrics.busy(self.b, "infer", start, end, **fields)
 
     async def _answer(
         self, items: Sequence[Pending], outcomes: list[Outcome], info: BatchInfo, *,

@@ -11,6 +11,7 @@ Queue").
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -19,13 +20,14 @@ from typing import Any
 
 import torch
 
-from joynexus.agents.inference.engine import DEFAULT_MAX_ROWS, InferenceEngine
+from joynexus.agents.inference.engine import InferenceEngine
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.backbone_config import BackboneConfig
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.quotas import QuotaBook
 from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -70,26 +72,19 @@ class EnginePool:
     """
 
     def __init__(
-        self,
-        broker: Broker,
-        backbone: Backbone,
-        *,
-        base_model: str | None = None,
-        max_batch: int = 16,
-        max_rows: int = DEFAULT_MAX_ROWS,
-        max_wait_ms: float = 5.0,
-        retain_versions: int = 4,
-        instance_prefix: str = "infer",
+        self, broker: Broker, backbone: Backbone, *, instance_prefix: str = "infer",
+        **engine: Any,
     ) -> None:
+        """``engine``: each engine's settings, :class:`InferenceEngine`'s keyword
+        arguments (``base_model``, ``max_batch``, ``max_rows``, ``max_wait_ms``,
+        ``retain_versions``, ...); a name it does not take is refused here."""
+        unknown = set(engine) - set(inspect.signature(InferenceEngine).parameters) | (
+            set(engine) & {"instance", "quotas"})
+        if unknown:
+            raise TypeError(f"EnginePool: not an engine setting: {sorted(unknown)}")
         self.b = broker
         self.backbone = backbone
-        self.kw: dict[str, Any] = dict(
-            base_model=base_model,
-            max_batch=max_batch,
-            max_rows=max_rows,
-            max_wait_ms=max_wait_ms,
-            retain_versions=retain_versions,
-        )
+        self.kw: dict[str, Any] = engine
         self.instance_prefix = instance_prefix
         self.engines: list[InferenceEngine] = []
         self._lock = asyncio.Lock()
