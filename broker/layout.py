@@ -176,6 +176,13 @@ def kv_configs(b: Broker, opts: LayoutOptions) -> list[KeyValueConfig]:
             replicas=opts.replicas,
         ),
         KeyValueConfig(
+            bucket=n.apikeys_bucket,
+            description="JoyNexus policy gateway API keys: key.<id> -> tenant, scope and the "
+            "sha256 of the key (the control plane writes), used.<id> -> last use",
+            history=1,
+            replicas=opts.replicas,
+        ),
+        KeyValueConfig(
             bucket=n.health_bucket,
             description="JoyNexus health: hb.<role>.<instance> heartbeats (per-message TTL; "
             "the server writes a marker when one expires) and mgr.<instance> supervisor state",

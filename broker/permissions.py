@@ -35,6 +35,7 @@ from joynexus.broker.natsapi import (
 from joynexus.broker.subjects import (
     ADMIN,
     API,
+    APIKEY_KEYS,
     INFER,
     JOB,
     LEASE,
@@ -86,6 +87,9 @@ def service_permissions(namespaces: list[str] | tuple[str, ...] = ("jnx",), *,
             ids = n.identities_bucket
             deny += [kv_subject(ids, ">"), stream_api("PURGE", kv_stream(ids)),
                      stream_api("MSG.DELETE", kv_stream(ids))]
+            keys = n.apikeys_bucket  # the gateway writes last use only, never a key
+            deny += [kv_subject(keys, APIKEY_KEYS + ">"), stream_api("PURGE", kv_stream(keys)),
+                     stream_api("MSG.DELETE", kv_stream(keys))]
     return {
         "publish": {"allow": allow, "deny": deny},
         "subscribe": {"allow": [">"], "deny": [ALL_ADMIN_INBOXES]},

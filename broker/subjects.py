@@ -59,6 +59,10 @@ LEASE_KEYS = "lease."
 ASSIGNMENT_KEYS = "env."
 CURSOR_KEYS = "cursor."
 VERSION_KEYS = "version."
+#: The API keys bucket (agents/gateway/): ``key.<id>`` the record (the operator's admin
+#: API writes it), ``used.<id>`` when the gateway last accepted it.
+APIKEY_KEYS = "key."
+APIKEY_USED_KEYS = "used."
 #: The tenants bucket's global admission limits.
 GLOBAL_LIMITS_KEY = "_global.limits"
 
@@ -180,6 +184,11 @@ class Names:
     @property
     def identities_bucket(self) -> str:
         return self._upper("IDENTITIES")
+
+    @property
+    def apikeys_bucket(self) -> str:
+        """KV of the policy gateway's API keys (sha256 hashes only; agents/gateway/)."""
+        return self._upper("APIKEYS")
 
     def tenant_user(self, tenant_id: str) -> str:
         """The NATS user of a tenant: ``<ns>.<tenant>`` (the server's log names it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from joynexus.schemas import workloads as w
+from joynexus.schemas.apikeys import KEY_VERBS
 from joynexus.schemas.base import Wire
 
 
@@ -36,8 +37,8 @@ VERBS: dict[str, type[Any]] = {
     "usage": UsageQuery,
 }
 
-#: The operator API's verbs (each takes a ``TenantRequest``).
-ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list")
+#: The operator API's verbs (each takes a ``TenantRequest``; the key verbs a ``KeyRequest``).
+ADMIN_VERBS = ("tenant_add", "tenant_set", "tenant_remove", "tenant_list", *KEY_VERBS)
 
 #: Verbs whose body carries data (rows, a spec); every other request is small.
 BIG_VERBS = frozenset({"put_data", "create_workload"})

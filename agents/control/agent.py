@@ -20,6 +20,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
+from joynexus.agents.control.apikeys import ApiKeysAPI
 from joynexus.agents.control.base import InitPolicy
 from joynexus.agents.control.checks import (
     check_admin_verb,
@@ -44,6 +45,7 @@ from joynexus.broker.subjects import CURSOR_KEYS
 from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
 from joynexus.schemas.api import VERB_COST
+from joynexus.schemas.apikeys import KEY_VERBS, KeyReply, KeyRequest
 from joynexus.schemas.base import decode
 from joynexus.schemas.identities import AdminReply, TenantRequest
 from joynexus.schemas.inference import decode_msgpack
@@ -57,11 +59,15 @@ def _admin_error(code: str, message: str) -> AdminReply:
     return AdminReply(error=ErrorBody(code=code, message=message))
 
 
+def _key_error(code: str, message: str) -> KeyReply:
+    return KeyReply(error=ErrorBody(code=code, message=message))
+
+
 #: Keys of the workloads bucket that are not workload records.
 _NOT_RECORDS = (CURSOR_KEYS,)
 
 
-class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
+class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKeysAPI):
     def __init__(
         self,
         broker: Broker,
@@ -80,6 +86,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
         self._kv = None
         self._lock = asyncio.Lock()
         self._ids = None
+        self._keys = None
         self._policies = PolicyRecords(broker)
         self._weights = WeightsCache()
         self._tq = TrainingQueue(broker)
@@ -121,6 +128,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
             try:
                 self._kv = await self.b.js.key_value(self.n.workloads_bucket)
                 self._ids = await self.b.js.key_value(self.n.identities_bucket)
+                self._keys = await self.b.js.key_value(self.n.apikeys_bucket)
                 break
             except BucketNotFoundError:
                 if asyncio.get_running_loop().time() > deadline:
@@ -193,9 +201,13 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI):
             return
         verb = request.subject.split(".")[-1]
 
+        keys = verb in KEY_VERBS
+
         async def call() -> Any:
             check_admin_verb(verb)
-            req = decode(request.data or b"{}", TenantRequest, what=f"{verb} request")
+            kind = KeyRequest if keys else TenantRequest
+            req = decode(request.data or b"{}", kind, what=f"{verb} request")
             return await getattr(self, f"_{verb}")(req)
 
-        self.rpc.serve(request, call, span=f"control.{verb}", error_reply=_admin_error)
+        self.rpc.serve(request, call, span=f"control.{verb}",
+                       error_reply=_key_error if keys else _admin_error)

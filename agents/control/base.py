@@ -68,6 +68,10 @@ class ControlBase:
     _tq_bytes: dict[str, dict[str, int]]
     meter: Meter
 
+    async def revoke_tenant_keys(self, tenant: str) -> list[str]:
+        """Delete the tenant's gateway API keys (agents/control/apikeys.py)."""
+        raise NotImplementedError
+
     async def _put_record(self, rec: WorkloadRecord) -> None:
         key = self.n.workload_key(rec.tenant_id, rec.spec.name)
         await self._kv.put(key, encode(rec))

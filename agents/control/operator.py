@@ -117,6 +117,7 @@ class OperatorAPI(ControlBase):
             if ident is None:
                 raise UnknownTenant(f"tenant {tenant!r} has no credentials to revoke")
             await self._ids.delete(tenant)
+            await self.revoke_tenant_keys(tenant)  # agents/control/apikeys.py
             # The delete marker's revision, or a later one: applying either applies ours.
             entry_rev = await self._last_revision()
         cancelled = []

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.ops.cli.common import common
+from joynexus.ops.cli.tenantkeys import register_keys
 
 
 def register(sub: Any) -> None:
@@ -56,6 +57,7 @@ def register(sub: Any) -> None:
         if action == "ls":
             tp.add_argument("--json", action="store_true", help="print JSON")
         tp.set_defaults(run=run)
+    register_keys(tsub)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -300,6 +300,12 @@ async def _monitor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     await MonitorAgent(b, out_dir=o.data_dir / "monitor", instance=o.instance).run(stop)
 
 
+async def _gateway(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
+    from joynexus.agents.gateway import run_gateway
+
+    await run_gateway(b, stop, o.ready, instance=o.instance)  # $JOYNEXUS_GATEWAY_*
+
+
 async def _synthetic(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.stage import StageWorker
 
@@ -392,6 +398,7 @@ REGISTRY: dict[str, Role] = {
         ),
         Role("evaluator", _evaluator, (_A + "evaluator",), up_order=8),
         Role("monitor", _monitor, (), up_order=9),
+        Role("gateway", _gateway, (_A + "gateway",)),
         Role("synthetic", _synthetic, (_A + "synthetic",)),
         Role("health", _health, (_A + "health",), supervised=False),
         # Started by producer-rl, one or more per RL workload (agents/envworkers/).
