@@ -86,6 +86,12 @@ def register(sub: Any) -> None:
         help="control: root of the tenants' dataset spaces, DIR/<tenant>/<dataset> "
         "(default $JOYNEXUS_DATASETS or .jnx/datasets)",
     )
+    p.add_argument("--port", type=int, default=None,
+                   help="gateway: websocket port (default $JOYNEXUS_GATEWAY_PORT or 8000, openpi's)")
+    p.add_argument("--host", default=None,
+                   help="gateway: address to listen on (default $JOYNEXUS_GATEWAY_HOST or 0.0.0.0)")
+    p.add_argument("--tls-cert", default=None, help="gateway: serve wss:// with this certificate")
+    p.add_argument("--tls-key", default=None, help="gateway: the certificate's private key")
     p.set_defaults(run=run)
 
 
@@ -151,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         opts.ack_wait_s = args.ack_wait
     if args.datasets is not None:
         opts.datasets_root = Path(args.datasets)
+    # The gateway reads its knobs from the environment (so a restart keeps them).
+    for flag, var in (("port", "PORT"), ("host", "HOST"), ("tls_cert", "TLS_CERT"),
+                      ("tls_key", "TLS_KEY")):
+        if getattr(args, flag) is not None:
+            os.environ[f"JOYNEXUS_GATEWAY_{var}"] = str(getattr(args, flag))
     asyncio.run(
         _until_signal(lambda stop: run_agent(args.role, args.nats, args.namespace, opts, stop))
     )

@@ -32,7 +32,7 @@ from joynexus.schemas.health import Heartbeat
 #: environment workers simulate); the evaluator loads them with its first evaluation,
 #: not before (an idle one held 670 MB through the main job's windows).
 LIGHT_ROLES = ("scheduler", "control", "monitor", "producer-rl", "producer-sft", "advantage",
-               "evaluator")
+               "evaluator", "gateway")
 #: A light role's resident memory stays well below one with torch loaded (~840 MiB here).
 MAX_LIGHT_RSS_MB = 400
 
@@ -110,7 +110,8 @@ async def _heartbeat(b: Broker, role: str, instance: str, timeout_s: float = 10.
 
 def _env() -> dict[str, str]:
     # producer-rl is ready without warm spares (a spare is a heavy child: it simulates).
-    return {"JOYNEXUS_ENV_SPARES": "0", "JOYNEXUS_HEARTBEAT_S": "0.5"}
+    # The gateway on any free port.
+    return {"JOYNEXUS_ENV_SPARES": "0", "JOYNEXUS_HEARTBEAT_S": "0.5", "JOYNEXUS_GATEWAY_PORT": "0"}
 
 
 @pytest.mark.parametrize("role", LIGHT_ROLES)
