@@ -44,5 +44,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# openpi's client in a virtualenv of its own (it pins numpy < 2, as on a robot): the
+# policy gateway's tests drive it (tests/system/test_gateway.py). Cached by a stamp;
+# typing_extensions is imported by openpi-client 0.1.2 but not declared by it.
+OPENPI_REQS="openpi-client==0.1.2 numpy<2 msgpack>=1.0.5 websockets>=11 typing_extensions"
+if [ ! -f .venv-openpi/.installed ] || [ "$(cat .venv-openpi/.installed)" != "$OPENPI_REQS" ]; then
+  echo "setup: creating .venv-openpi (openpi-client and its pinned dependencies)" >&2
+  "$PY" -m venv .venv-openpi
+  # shellcheck disable=SC2086
+  .venv-openpi/bin/python -m pip install --quiet --progress-bar off $OPENPI_REQS \
+    && echo "$OPENPI_REQS" > .venv-openpi/.installed \
+    || echo "setup: openpi-client not installed; the gateway's openpi test will skip" >&2
+fi
+
 .venv/bin/nats-server --version >/dev/null
 echo "setup: ready (.venv/bin/joynexus, .venv/bin/pytest)" >&2

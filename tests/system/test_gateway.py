@@ -9,8 +9,11 @@ connection stays usable after a bad observation.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,6 +30,7 @@ from joynexus.schemas.workloads import WorkloadSpec
 
 pytestmark = [pytest.mark.security, pytest.mark.timeout(300)]
 
+ROOT = Path(__file__).resolve().parents[2]
 MAX_FRAME = 1 << 20
 IDLE_S = 3.0
 TENANT_CONNS = 4
@@ -216,3 +220,33 @@ async def test_oversized_frames_idle_clients_and_connection_floods_are_bounded(e
     finally:
         for ws in held:
             await ws.close()
+
+
+def openpi_python() -> Path | None:
+    """openpi's own virtualenv (ops/setup.sh makes .venv-openpi; or $JOYNEXUS_OPENPI_PYTHON)."""
+    env_py = os.environ.get("JOYNEXUS_OPENPI_PYTHON")
+    py = Path(env_py) if env_py else ROOT / ".venv-openpi" / "bin" / "python"
+    return py if py.is_file() else None
+
+
+async def test_openpis_own_client_runs_episodes_through_the_gateway(env: Env) -> None:
+    py = openpi_python()
+    if py is None:
+        pytest.skip("no .venv-openpi (ops/setup.sh makes it) nor $JOYNEXUS_OPENPI_PYTHON")
+    episodes, steps = 3, 7
+    proc = await asyncio.create_subprocess_exec(
+        str(py), str(Path(__file__).with_name("openpi_driver.py")),
+        f"ws://127.0.0.1:{env.gw.port}", env.keys["acme"], str(episodes), str(steps),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    got = json.loads(out.decode().strip().splitlines()[-1])
+    assert got["numpy"].startswith("1."), got  # its own pinned numpy, not the service's
+    assert got["meta"] == {"tenant": "acme", "workload": "pick", "version": 1,
+                           "action_horizon": 2, "action_dim": 4}
+    assert got["steps"] == episodes * steps
+    # ActionChunkBroker asks once per chunk of 2 steps: ceil(7 / 2) per episode; then the
+    # bad observation and the one after it
+    assert got["calls"] == episodes * 4 + 2
+    assert "Error in inference server" in got["error"] and "NaN" in got["error"]
+    assert got["after_error"] == [2, 4]
