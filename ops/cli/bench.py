@@ -61,6 +61,11 @@ def register(sub: Any) -> None:
             "(sync_server)",
         ),
         (
+            "gateway",
+            "a round trip through the policy gateway (openpi's protocol) vs a direct SDK act, "
+            "interleaved: p50/p99 of each and the overhead's paired interval",
+        ),
+        (
             "isolation",
             "the attack catalogue (the adversarial suite's) against a fresh secured deployment: "
             "per attack held or not and the victim tenant's p50/p99 ratio to its baseline",
@@ -90,6 +95,8 @@ def register(sub: Any) -> None:
                             f"{', '.join(ENGINE_ARMS)} (default {','.join(DEFAULT_ARMS)})")
         if name == "engines":
             add_arguments(bp)
+        if name == "gateway":
+            bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -210,6 +217,15 @@ def _isolation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    """Its own fresh secured deployment: no embedded server here."""
+    from joynexus.ops.bench.gateway import bench_gateway
+
+    print(json.dumps(asyncio.run(bench_gateway(repeats=args.repeats)),
+                     indent=None if args.json else 2))
+    return 0
+
+
 #: Each benchmark's runner, by name.
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "scheduler": _scheduler,
@@ -222,4 +238,5 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "rollouts": _rollouts,
     "races": _races,
     "isolation": _isolation,
+    "gateway": _gateway,
 }

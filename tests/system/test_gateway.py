@@ -250,3 +250,12 @@ async def test_openpis_own_client_runs_episodes_through_the_gateway(env: Env) ->
     assert got["calls"] == episodes * 4 + 2
     assert "Error in inference server" in got["error"] and "NaN" in got["error"]
     assert got["after_error"] == [2, 4]
+
+
+async def test_bench_gateway_reports_the_paired_overhead() -> None:
+    from joynexus.ops.bench.gateway import bench_gateway
+
+    out = await bench_gateway(repeats=6, warmup=1)
+    assert out["gateway"]["n"] == out["sdk"]["n"] == 6
+    lo, hi = out["overhead_ci95"]
+    assert lo <= out["overhead_p50_ms"] <= hi and out["gateway_p50_ms"] > 0
