@@ -231,8 +231,8 @@ def openpi_python() -> Path | None:
 
 async def test_openpis_own_client_runs_episodes_through_the_gateway(env: Env) -> None:
     py = openpi_python()
-    if py is None:
-        pytest.skip("no .venv-openpi (ops/setup.sh makes it) nor $JOYNEXUS_OPENPI_PYTHON")
+    assert py is not None, ("no .venv-openpi: run `bash ops/setup.sh` (it makes it), or set "
+                            "$JOYNEXUS_OPENPI_PYTHON to a python with openpi-client")
     episodes, steps = 3, 7
     proc = await asyncio.create_subprocess_exec(
         str(py), str(Path(__file__).with_name("openpi_driver.py")),
