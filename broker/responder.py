@@ -19,7 +19,9 @@ docs/ARCHITECTURE.md ("Request/reply: one layer"). What it guards:
   only (:func:`joynexus.broker.permissions.responder_permissions`).
 - **A bounded number of requests in flight**, per tenant (its quota's
   ``max_requests_in_flight``) and in all: past the bound a request is answered
-  at once with ``rate_limited`` (retryable) instead of being spawned.
+  ``rate_limited`` (retryable) instead of being spawned; refusals are sent round
+  robin between tenants, a few per turn of the event loop, so a burst of one
+  tenant's refused requests does not queue ahead of another tenant's work.
 - **A fair share of the server's time** (``slots``): of a tenant's admitted
   requests at most ``slots(tenant)`` do their work at once; the others wait, in
   order, until one of its own ends. The event loop is the control plane's one
@@ -44,6 +46,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -63,6 +66,13 @@ MAX_REPLY_LEN = 256
 MAX_IN_FLIGHT_TOTAL = 1024
 #: The longest error message a tenant-facing server echoes back.
 MAX_ERROR_CHARS = 600
+
+#: Refusals of one tenant waiting to be sent (past it, or past the bytes bound,
+#: a refused request is dropped unanswered: its sender is far past its bound).
+MAX_QUEUED_REFUSALS = 4096
+MAX_QUEUED_REFUSAL_BYTES = 16 << 20
+#: Refusals sent between two turns of the event loop (see Server._drain_refusals).
+REFUSALS_PER_TURN = 16
 
 #: How a server answers one request: ``(request, data, headers or None)``.
 RawRespond = Callable[[Any, bytes, "dict[str, str] | None"], Awaitable[Any]]
@@ -244,6 +254,12 @@ class Server(Responder):
         #: The most requests of one tenant that ever worked at once (for tests).
         self.peak_working: dict[str, int] = {}
         self._working: dict[str, int] = {}
+        #: Refused requests not answered yet, per tenant, and their bytes (_defer_refusal).
+        self._to_refuse: dict[str, deque[tuple[Any, RateLimited, Any]]] = {}
+        self._to_refuse_bytes: dict[str, int] = {}
+        self._refuser: asyncio.Task[None] | None = None
+        #: Refused requests dropped unanswered (past MAX_QUEUED_REFUSALS or its bytes).
+        self.refusals_dropped = 0
 
     def error_of(self, e: BaseException) -> tuple[str, str]:
         """(code, message) of a failed request: the error's own, clipped; a bug's
@@ -276,7 +292,7 @@ class Server(Responder):
         try:
             self.admit(tenant)
         except RateLimited as e:
-            self.spawn(self._refuse(request, e, error_reply))
+            self._defer_refusal(tenant or "", request, e, error_reply)
             return
         slot = self._slot(tenant)
         work = handle if slot is None else self._in_slot(tenant or "", slot, cost, handle)
@@ -336,6 +352,51 @@ class Server(Responder):
             await self.answer_error(request, e, error_reply=error_reply)
             return
         await self.send(request, self.encode(reply))
+
+    def _defer_refusal(self, tenant: str, request: Any, e: RateLimited,
+                       error_reply: Callable[[str, str], Any] | None) -> None:
+        """Queue a refusal, sent round robin with other tenants' a few per turn of the
+        event loop (_drain_refusals): with a task each, an admitted request of another
+        tenant waited behind a whole burst's answers (issue 24's ``request_flood``).
+        Past the tenant's bound (count, bytes) a refused request is dropped unanswered."""
+        size = len(getattr(request, "data", b"") or b"")
+        q = self._to_refuse.get(tenant)
+        used = self._to_refuse_bytes.get(tenant, 0)
+        if (q is not None and len(q) >= MAX_QUEUED_REFUSALS) or used + size > MAX_QUEUED_REFUSAL_BYTES:
+            self.refusals_dropped += 1
+            if self.refusals_dropped % 1000 == 1:
+                log.warning("%s: %d refused requests dropped unanswered (tenant %r is far "
+                            "past its bound)", self.source, self.refusals_dropped, tenant)
+            return
+        if q is None:
+            q = self._to_refuse[tenant] = deque()
+        q.append((request, e, error_reply))
+        self._to_refuse_bytes[tenant] = used + size
+        if self._refuser is None:
+            self._refuser = self.spawn(self._drain_refusals())
+
+    async def _drain_refusals(self) -> None:
+        """Send the queued refusals, round robin, yielding every REFUSALS_PER_TURN."""
+        sent = 0
+        try:
+            while self._to_refuse:
+                for tenant in list(self._to_refuse):
+                    q = self._to_refuse.get(tenant)
+                    if not q:
+                        continue
+                    request, e, error_reply = q.popleft()
+                    left = self._to_refuse_bytes.get(tenant, 0) - len(getattr(request, "data", b"") or b"")
+                    if q:
+                        self._to_refuse_bytes[tenant] = left
+                    else:
+                        del self._to_refuse[tenant]
+                        self._to_refuse_bytes.pop(tenant, None)
+                    await self._refuse(request, e, error_reply)
+                    sent += 1
+                    if sent % REFUSALS_PER_TURN == 0:
+                        await asyncio.sleep(0)
+        finally:
+            self._refuser = None
 
     async def _refuse(self, request: Any, e: RateLimited,
                       error_reply: Callable[[str, str], Any] | None) -> None:

@@ -207,6 +207,61 @@ async def test_the_in_flight_bound_holds_and_rate_limited_is_retried_by_policy(
     assert echo.server.in_flight == {} and echo.server.rate_limited >= 2
 
 
+async def _burst(broker: Broker, tenant: str, n: int, tag: str) -> tuple[list[str], asyncio.Event]:
+    """``n`` fire-and-forget echo requests of ``tenant``: the codes of their answers
+    as they arrive (an event set once all ``n`` came)."""
+    codes: list[str] = []
+    done = asyncio.Event()
+
+    async def got(m: Any) -> None:
+        r = decode(m.data, EchoReply)
+        codes.append(r.error.code if r.error else "ok")
+        if len(codes) >= n:
+            done.set()
+
+    prefix = f"{broker.names.service_inbox_prefix}.{tag}"
+    await broker.nc.subscribe(f"{prefix}.>", cb=got, pending_msgs_limit=100_000)
+    body = encode(Echo(text="flood"))
+    for i in range(n):
+        await broker.nc.publish(broker.names.api(tenant, "echo"), body, reply=f"{prefix}.{i}")
+    return codes, done
+
+
+async def test_a_burst_of_refusals_does_not_queue_ahead_of_another_tenants_request(
+    broker: Broker, echo: EchoService
+) -> None:
+    """2,000 requests of acme past its bound, then one of beta: beta is answered
+    after a few of acme's refusals, not after all of them (a task per refusal ran
+    them in arrival order: issue 24's request_flood), and every refusal is sent."""
+    held = [asyncio.create_task(ask(broker, "acme", Echo(text=str(i), do="hold"))) for i in range(2)]
+    await echo.handled_at_least(2)
+    codes, done = await _burst(broker, "acme", 2000, "burst")
+    beta = await ask(broker, "beta", Echo(text="b"))
+    before_beta = len(codes)
+    await asyncio.wait_for(done.wait(), 20)
+    assert beta.tenant == "beta"
+    assert before_beta < 500, f"beta answered after {before_beta} of acme's 2000 refusals"
+    assert codes == ["rate_limited"] * 2000 and echo.server.refusals_dropped == 0
+    echo.release.set()
+    assert [r.text for r in await asyncio.gather(*held)] == ["0", "1"]
+
+
+async def test_refusals_past_the_queue_bound_are_dropped_and_others_still_served(
+    broker: Broker, echo: EchoService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(responder, "MAX_QUEUED_REFUSALS", 50)
+    held = [asyncio.create_task(ask(broker, "acme", Echo(text=str(i), do="hold"))) for i in range(2)]
+    await echo.handled_at_least(2)
+    codes, _done = await _burst(broker, "acme", 600, "bound")
+    assert (await ask(broker, "beta", Echo(text="b"))).tenant == "beta"
+    await asyncio.sleep(1.0)
+    assert echo.server.refusals_dropped > 0
+    assert 50 <= len(codes) == 600 - echo.server.refusals_dropped
+    assert set(codes) == {"rate_limited"} and echo.server._to_refuse == {}
+    echo.release.set()
+    await asyncio.gather(*held)
+
+
 async def test_a_tenant_works_in_its_slots_and_another_is_served_meanwhile(
     broker: Broker,
 ) -> None:
