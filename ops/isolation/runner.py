@@ -99,6 +99,8 @@ class Outcome:
             "baseline_p50_ms": round(self.baseline.p50 * 1000, 1),
             "victim_p99_ms": round(self.during.p99 * 1000, 1),
             "baseline_p99_ms": round(self.baseline.p99 * 1000, 1),
+            "victim_slowest": [{"call": c, "ms": round(x * 1000, 1), "at_s": round(at, 2)}
+                               for c, x, at in self.during.slowest],
             "victim_errors": len(self.during.errors),
             "victim_error_sample": self.during.errors[:3],
             "victim_progressed": self.progressed, "seconds": self.seconds,

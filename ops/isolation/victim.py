@@ -47,15 +47,21 @@ class Stats:
     errors: list[str] = field(default_factory=list)
     #: The victim's policy versions per second over the window (None: not known).
     train_rate: float | None = None
+    #: The slowest probes: (call, seconds, when, in seconds from the window's start).
+    slowest: list[tuple[str, float, float]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, xs: list[float], errors: list[str], train_rate: float | None = None) -> Stats:
+    def of(cls, xs: list[float], errors: list[str], train_rate: float | None = None,
+           calls: list[tuple[str, float]] | None = None) -> Stats:
+        """``calls``: each probe's (call, start offset), in the order of ``xs``."""
         if not xs:
             return cls(errors=errors, train_rate=train_rate)
         s = sorted(xs)
+        slow = sorted(range(len(xs)), key=lambda i: -xs[i])[:3] if calls else []
         return cls(n=len(s), p50=statistics.median(s),
                    p99=s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)], max=s[-1],
-                   errors=errors, train_rate=train_rate)
+                   errors=errors, train_rate=train_rate,
+                   slowest=[(calls[i][0], xs[i], calls[i][1]) for i in slow] if calls else [])
 
     def brief(self) -> dict[str, Any]:
         return {"n": self.n, "p50_ms": round(self.p50 * 1000, 1),
@@ -125,13 +131,17 @@ class Victim:
         return [("get_workload", lambda: c.get_workload(w)), ("list_workloads", c.list_workloads),
                 ("act", self.act), ("latest_version", lambda: c.latest_version(w))]
 
-    async def _sample(self, stop: asyncio.Event, xs: list[float], errors: list[str]) -> None:
+    async def _sample(self, stop: asyncio.Event, xs: list[float], errors: list[str],
+                      who: list[tuple[str, float]] | None = None) -> None:
         calls = self._calls()
         i = 0
+        start = time.perf_counter()
         while not stop.is_set():
             what, call = calls[i % len(calls)]
             i += 1
             t0 = time.perf_counter()
+            if who is not None:
+                who.append((what, t0 - start))
             try:
                 await asyncio.wait_for(call(), CALL_TIMEOUT_S)
             except asyncio.CancelledError:
@@ -166,10 +176,11 @@ class Victim:
         policy version advanced since the attack started, the attack's seconds)."""
         xs: list[float] = []
         errors: list[str] = []
+        who: list[tuple[str, float]] = []
         v0 = await self.version()
         stop = asyncio.Event()
         t0 = time.monotonic()
-        task = asyncio.create_task(self._sample(stop, xs, errors))
+        task = asyncio.create_task(self._sample(stop, xs, errors, who))
         try:
             result = await attack
             left = min_s - (time.monotonic() - t0)
@@ -191,4 +202,4 @@ class Victim:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.3)
-        return result, Stats.of(xs, errors, train_rate), progressed, round(took, 1)
+        return result, Stats.of(xs, errors, train_rate, who), progressed, round(took, 1)
