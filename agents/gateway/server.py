@@ -69,8 +69,11 @@ class GatewayOptions:
     #: Largest observation frame (None: the NATS server's max_payload, which the
     #: request to the engine must fit anyway).
     max_frame_bytes: int | None = None
-    idle_s: float = 300.0
-    send_timeout_s: float = 10.0
+    idle_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_GATEWAY_IDLE_S", "300")))
+    #: A client that does not read its replies for this long is cut off.
+    send_timeout_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_GATEWAY_SEND_TIMEOUT_S", "10")))
     infer_timeout_s: float = 10.0
     max_conns_per_tenant: int = field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_GATEWAY_TENANT_CONNS", "16")))
