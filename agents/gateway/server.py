@@ -266,12 +266,16 @@ class PolicyGateway:
 
 
 async def run_gateway(b: Broker, stop: asyncio.Event, ready: Any, *, instance: str,
-                      opts: GatewayOptions | None = None) -> None:
-    """The role: serve until ``stop`` (port and TLS from ``$JOYNEXUS_GATEWAY_*``)."""
+                      opts: GatewayOptions | None = None, announce: Any = None) -> None:
+    """The role: serve until ``stop`` (port and TLS from ``$JOYNEXUS_GATEWAY_*``);
+    ``announce(url)`` is told its address (the heartbeats carry it)."""
     gw = PolicyGateway(b, opts, instance=instance)
     await gw.start()
     scheme = "wss" if gw.o.tls_cert else "ws"
-    print(f"{instance}: openpi policy gateway on {scheme}://{gw.o.host}:{gw.port}", flush=True)
+    url = f"{scheme}://{gw.o.host}:{gw.port}"
+    print(f"{instance}: openpi policy gateway on {url}", flush=True)
+    if announce is not None:
+        announce(url)
     ready()
     try:
         await stop.wait()

@@ -15,7 +15,9 @@ scripted PushCube demonstrations (``bench learning``'s path), then:
    ``Runtime(PolicyAgent(ActionChunkBroker(WebsocketClientPolicy(...))))`` drives
    the episodes, each observation through the gateway and the Inference Queue.
 
-The proxy counts the client's outcomes. ``agree`` says whether the client's rate
+The default policy is deliberately half-trained (10 demonstrations, 20 updates:
+about 0.4 success), so that the comparison can fail: a policy that always succeeds
+agrees with anything. The proxy counts the client's outcomes. ``agree`` says whether the client's rate
 lies in the Wilson 95% interval of the evaluator's (the issue's target).
 See docs/ARCHITECTURE.md ("The policy gateway").
 """
@@ -66,8 +68,8 @@ async def run_openpi(py: Path, url: str, key: str, sock: Path, episodes: int,
 
 
 async def bench_success(
-    *, task: str = "PushCube-v1", episodes: int = 30, seed: int = 2027, demos: int = 40,
-    updates: int = 200, budget_s: float = 240.0, data_dir: str | Path | None = None,
+    *, task: str = "PushCube-v1", episodes: int = 30, seed: int = 2027, demos: int = 10,
+    updates: int = 20, budget_s: float = 240.0, data_dir: str | Path | None = None,
     log: Any = None,
 ) -> dict[str, Any]:
     from joynexus.agents.gateway import GatewayOptions, PolicyGateway

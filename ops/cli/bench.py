@@ -100,7 +100,7 @@ def register(sub: Any) -> None:
             bp.add_argument(
                 "--success", action="store_true",
                 help="instead: train a PushCube SFT policy through the SDK and compare the "
-                "evaluator's success with openpi's own client's on the same seeds (~10 min)")
+                "evaluator's success with openpi's own client's on the same seeds (~4 min)")
             bp.add_argument("--episodes", type=int, default=30, help="with --success (default 30)")
             bp.add_argument("--seed", type=int, default=2027, help="with --success (default 2027)")
         if name == "isolation":
@@ -122,6 +122,10 @@ def register(sub: Any) -> None:
                 "runs them (default), or all in the bench's process (quicker to start; the "
                 "victim's probe then shares their event loop)",
             )
+            bp.add_argument(
+                "--gateway-url", default="", metavar="URL",
+                help="with --nats: the deployment's policy gateway (ws://HOST:PORT) for the "
+                "gateway attacks (a fresh deployment starts its own)")
         bp.set_defaults(run=RUNNERS[name])
     learning.register_bench(bsub)  # `bench learning`
 
@@ -217,7 +221,7 @@ def _isolation(args: argparse.Namespace) -> int:
         service_creds=args.service_creds, datasets_root=args.datasets_root,
         namespace=args.namespace, progress=not args.json,
         only=[n for n in args.only.split(",") if n] or None,
-        processes=args.agents == "processes",
+        processes=args.agents == "processes", gateway_url=args.gateway_url,
     ))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -26,15 +26,18 @@ async def test_openpis_client_agrees_with_the_evaluator_on_the_same_seeds(tmp_pa
     assert openpi_python() is not None, (
         "no .venv-openpi: run `bash ops/setup.sh` (it makes it), or set "
         "$JOYNEXUS_OPENPI_PYTHON to a python with openpi-client")
-    out = await bench_success(episodes=30, seed=2027, demos=20, updates=100, budget_s=180.0,
+    # half-trained on purpose (about 0.4 success): a policy that always succeeds
+    # agrees with anything
+    out = await bench_success(episodes=30, seed=2027, demos=10, updates=20, budget_s=180.0,
                               data_dir=tmp_path)
     assert out["openpi_numpy"].startswith("1."), out  # openpi's own pinned numpy
-    assert out["openpi_meta"]["version"] == out["version"] and out["updates"] >= 50, out
+    assert out["openpi_meta"]["version"] == out["version"] and out["updates"] >= 20, out
     assert out["episodes"] == out["openpi_episodes"] == 30, out
     lo, hi = out["evaluator_ci95"]
     assert lo <= out["openpi_success"] <= hi and out["agree"], out
     # the same initial states and the same chunks, executed open loop: the same episodes
     assert out["mean_length_openpi"] == pytest.approx(out["mean_length_evaluator"], abs=2.0), out
+    assert out["mean_length_evaluator"] < 49.0, out  # not every episode ran to the limit
     # ActionChunkBroker asks once per chunk of 4 steps (and afresh after each episode)
     assert out["openpi_steps"] == round(out["mean_length_openpi"] * 30)
     assert out["openpi_steps"] / 4 <= out["openpi_policy_calls"] <= out["openpi_steps"] / 4 + 30

@@ -154,6 +154,8 @@ async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: s
             await asyncio.wait_for(ws.recv(), 30)
         except ConnectionClosed as e:
             code = e.rcvd.code if e.rcvd else None
+            if e.rcvd and "exceeds limit" not in e.rcvd.reason:  # says why, to the client
+                code = f"{code} without the limit in its reason: {e.rcvd.reason[:60]!r}"
         except TimeoutError:
             code = "no close"
     finally:  # the server hung up mid-send: websockets' own close would trip over it
