@@ -2,7 +2,9 @@
 reads, a connection flood. Each runs as the attacker against the deployment's gateway
 (``SecuredDeployment.gateway_url``) while the runner measures the victim; the checks
 that need a served policy use a workload of the attacker's own (:data:`WORKLOAD`),
-and the victim's own gateway connection must keep serving through the floods.
+and the victim's own gateway connection must keep serving through the floods. The
+heavy ones (:data:`PARTS`) run from a process of their own, as a client on another
+machine would, so their encoding and buffers do not load the victim probe's loop.
 See docs/ARCHITECTURE.md ("The policy gateway").
 """
 
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import sys
 import time
 from typing import Any
 
@@ -28,11 +32,11 @@ FLOOD = 1000
 MiB = 1 << 20
 
 
-def _connect(dep: SecuredDeployment, key: str | None, query: str = "", **kw: Any) -> Any:
+def _connect(base: str, key: str | None, query: str = "", **kw: Any) -> Any:
     from websockets.asyncio.client import connect
 
     headers = {"Authorization": f"Api-Key {key}"} if key else None
-    url = dep.gateway_url + "/" + (f"?{query}" if query else "")
+    url = base + "/" + (f"?{query}" if query else "")
     return connect(url, additional_headers=headers, max_size=None, compression=None,
                    open_timeout=20, **kw)
 
@@ -59,12 +63,12 @@ def observation(meta: dict[str, Any], seed: int = 0, **patch: Any) -> bytes:
     return encode({k: pack_array(v) if isinstance(v, np.ndarray) else v for k, v in obs.items()})
 
 
-async def _status(dep: SecuredDeployment, key: str | None, query: str = "") -> tuple[int, bytes]:
+async def _status(url: str, key: str | None, query: str = "") -> tuple[int, bytes]:
     """The HTTP status a refused handshake got (101 if it was accepted)."""
     from websockets.exceptions import InvalidStatus
 
     try:
-        async with _connect(dep, key, query):
+        async with _connect(url, key, query):
             return 101, b""
     except InvalidStatus as e:
         return e.response.status_code, bytes(e.response.body or b"")
@@ -82,10 +86,10 @@ async def _keys(dep: SecuredDeployment, tenant: str, workload: str) -> str:
     return key
 
 
-async def _served(dep: SecuredDeployment, key: str) -> tuple[bool, str]:
+async def _served(url: str, key: str) -> tuple[bool, str]:
     """One observation through a fresh connection: served, and a note."""
     try:
-        async with _connect(dep, key) as ws:
+        async with _connect(url, key) as ws:
             meta = _unpack(await asyncio.wait_for(ws.recv(), 20))
             t0 = time.perf_counter()
             await ws.send(observation(meta))
@@ -102,24 +106,24 @@ async def attack_gateway_keys(dep: SecuredDeployment, attacker: str, victim: str
 
     from joynexus.ops.admin.apikeys import add_key, remove_key
 
-    ck = Checks()
+    ck, url = Checks(), dep.gateway_url
     key = await _keys(dep, attacker, WORKLOAD)
     for what, k in (("missing", None), ("garbage", "garbage"), ("forged", key[:-4] + "AAAA"),
                     ("unknown id", "jnxk_000000000000_" + "A" * 43)):
-        code, _ = await _status(dep, k)
+        code, _ = await _status(url, k)
         ck.add(f"{what} key refused", code == 401, f"HTTP {code}")
-    code, body = await _status(dep, key, f"workload={VICTIM_WORKLOAD}")
+    code, body = await _status(url, key, f"workload={VICTIM_WORKLOAD}")
     ck.add("a workload key names the victim's workload", code == 403, f"HTTP {code}")
     any_key, _ = await add_key(dep.admin, attacker)
-    code, body = await _status(dep, any_key, f"workload={VICTIM_WORKLOAD}")
+    code, body = await _status(url, any_key, f"workload={VICTIM_WORKLOAD}")
     ck.add("an unscoped key reaches only its own tenant's workloads",
            code in (101, 404) and victim.encode() not in body, f"HTTP {code}")
     if code == 101:  # the attacker has a workload of that name: it must be its own
-        async with _connect(dep, any_key, f"workload={VICTIM_WORKLOAD}") as ws:
+        async with _connect(url, any_key, f"workload={VICTIM_WORKLOAD}") as ws:
             tenant = _unpack(await ws.recv())["tenant"]
         ck.add("... and serves the attacker's own", tenant == attacker, tenant)
     doomed, info = await add_key(dep.admin, attacker, workload=WORKLOAD)
-    async with _connect(dep, doomed) as ws:
+    async with _connect(url, doomed) as ws:
         await ws.recv()
         await remove_key(dep.admin, attacker, info.key_id)
         t0 = time.perf_counter()
@@ -132,20 +136,19 @@ async def attack_gateway_keys(dep: SecuredDeployment, attacker: str, victim: str
             closed = "still open after 10 s"
         ck.add("a revoked key's open connection closed", closed == "1008",
                f"{closed} in {time.perf_counter() - t0:.1f}s")
-    code, _ = await _status(dep, doomed)
+    code, _ = await _status(url, doomed)
     ck.add("a revoked key refused", code == 401, f"HTTP {code}")
     return ck.result()
 
 
-async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
+async def _frames(url: str, key: str, victim_key: str) -> Checks:
     """A 100 MB frame, msgpack bombs, non-finite and mis-shaped arrays."""
     from websockets.exceptions import ConnectionClosed
 
     ck = Checks()
-    key = await _keys(dep, attacker, WORKLOAD)
     t0 = time.perf_counter()
     code: Any = None
-    ws = await _connect(dep, key, write_limit=4 * MiB)
+    ws = await _connect(url, key, write_limit=4 * MiB)
     try:
         meta = _unpack(await ws.recv())
         with contextlib.suppress(ConnectionClosed, TimeoutError):
@@ -179,7 +182,7 @@ async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: s
         ("mis-shaped image", observation(meta, **{
             f"observation/images/{meta['cameras'][0]}": np.zeros((7, 7, 3), np.uint8)})),
     ]
-    async with _connect(dep, key) as ws:
+    async with _connect(url, key) as ws:
         await ws.recv()
         bad = []
         for what, frame in bombs:
@@ -191,25 +194,22 @@ async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: s
         await ws.send(observation(meta, 1))
         reply = await asyncio.wait_for(ws.recv(), 20)
         ck.add("the same connection still serves", isinstance(reply, bytes))
-    return ck.result()
+    return ck
 
 
-async def attack_gateway_never_reads(dep: SecuredDeployment, attacker: str,
-                                     victim: str) -> AttackResult:
+async def _never_reads(url: str, key: str, victim_key: str) -> Checks:
     """A client that sends observations and never reads a reply: cut off, and the
     victim's own gateway connection keeps serving meanwhile."""
     from websockets.exceptions import ConnectionClosed
 
     ck = Checks()
-    key = await _keys(dep, attacker, WORKLOAD)
-    host, port = dep.gateway_url.removeprefix("ws://").rsplit(":", 1)
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, full soon
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-    victim_key = await _keys(dep, victim, VICTIM_WORKLOAD)
     t0, sent, cut = time.perf_counter(), 0, "not cut off within 90 s"
-    async with _connect(dep, key, sock=sock, max_queue=1) as ws:
+    async with _connect(url, key, sock=sock, max_queue=1) as ws:
         meta = _unpack(await ws.recv())
         frame = observation(meta, **{"pad": "x" * 512})
         with contextlib.suppress(TimeoutError):
@@ -222,28 +222,26 @@ async def attack_gateway_never_reads(dep: SecuredDeployment, attacker: str,
                         cut = f"cut off after {sent} frames in {time.perf_counter() - t0:.1f}s"
                         break
                     if sent % 50 == 0:
-                        ok, note = await _served(dep, victim_key)
+                        ok, note = await _served(url, victim_key)
                         if not ok:
                             cut = f"the victim's gateway connection failed: {note}"
                             break
     ck.add("a client that never reads is cut off", cut.startswith("cut off"), cut)
-    return ck.result()
+    return ck
 
 
-async def attack_gateway_connections(dep: SecuredDeployment, attacker: str,
-                                     victim: str) -> AttackResult:
+async def _connections(url: str, key: str, victim_key: str) -> Checks:
     """1,000 connections from one tenant against its cap; the victim still connects."""
     from websockets.exceptions import InvalidStatus
 
     ck = Checks()
-    key = await _keys(dep, attacker, WORKLOAD)
     held: list[Any] = []
     codes: dict[str, int] = {}
     t0 = time.perf_counter()
 
     async def one() -> None:
         try:
-            held.append(await _connect(dep, key).__aenter__())
+            held.append(await _connect(url, key).__aenter__())
             codes["101"] = codes.get("101", 0) + 1
         except InvalidStatus as e:
             c = str(e.response.status_code)
@@ -255,7 +253,7 @@ async def attack_gateway_connections(dep: SecuredDeployment, attacker: str,
         for i in range(0, FLOOD, 100):
             await asyncio.gather(*(one() for _ in range(min(100, FLOOD - i))))
         took = time.perf_counter() - t0
-        ok, note = await _served(dep, await _keys(dep, victim, VICTIM_WORKLOAD))
+        ok, note = await _served(url, victim_key)
         ck.add("the victim is served during the flood", ok, note)
     finally:
         await asyncio.gather(*(ws.close() for ws in held), return_exceptions=True)
@@ -263,10 +261,68 @@ async def attack_gateway_connections(dep: SecuredDeployment, attacker: str,
            codes.get("101", 0) <= 16 and codes.get("429", 0) >= FLOOD - 16,
            f"{codes} in {took:.1f}s")
     await asyncio.sleep(0.5)
-    ok, note = await _served(dep, key)
+    ok, note = await _served(url, key)
     ck.add("the attacker connects again once it closed them", ok, note)
+    return ck
+
+
+#: The attacks that run from a process of their own (as a client on another machine
+#: would: their encoding and buffers are not the victim probe's event loop's).
+PARTS = {"frames": _frames, "never_reads": _never_reads, "connections": _connections}
+
+
+async def _from_own_process(dep: SecuredDeployment, part: str, attacker: str,
+                            victim: str) -> AttackResult:
+    key = await _keys(dep, attacker, WORKLOAD)
+    victim_key = await _keys(dep, victim, VICTIM_WORKLOAD)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "joynexus.ops.isolation.attacks.gateway", part, dep.gateway_url,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:  # the keys through stdin, not the command line
+        out, err = await asyncio.wait_for(proc.communicate(f"{key}\n{victim_key}\n".encode()),
+                                          170)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return AttackResult(False, f"the attacker's process ({part}) did not finish in 170 s")
+    if proc.returncode != 0:
+        return AttackResult(False, f"the attacker's process ({part}) exited {proc.returncode}: "
+                            f"{err.decode()[-400:]}")
+    ck = Checks()
+    for name, ok, note in json.loads(out.decode().strip().splitlines()[-1]):
+        ck.add(name, ok, note)
     return ck.result()
+
+
+async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
+    """A 100 MB frame, msgpack bombs, non-finite and mis-shaped arrays."""
+    return await _from_own_process(dep, "frames", attacker, victim)
+
+
+async def attack_gateway_never_reads(dep: SecuredDeployment, attacker: str,
+                                     victim: str) -> AttackResult:
+    """A client that never reads its replies: cut off; the victim served meanwhile."""
+    return await _from_own_process(dep, "never_reads", attacker, victim)
+
+
+async def attack_gateway_connections(dep: SecuredDeployment, attacker: str,
+                                     victim: str) -> AttackResult:
+    """1,000 connections from one tenant against its cap; the victim still served."""
+    return await _from_own_process(dep, "connections", attacker, victim)
+
+
+def main() -> None:
+    """``python -m joynexus.ops.isolation.attacks.gateway PART URL``, the attacker's and the
+    victim's keys on stdin: the part's checks as one JSON line."""
+    part, url = sys.argv[1], sys.argv[2]
+    key, victim_key = sys.stdin.read().split()[:2]
+    print(json.dumps(asyncio.run(PARTS[part](url, key, victim_key)).items), flush=True)
 
 
 __all__ = ["FLOOD", "WORKLOAD", "attack_gateway_connections", "attack_gateway_frames",
            "attack_gateway_keys", "attack_gateway_never_reads", "observation"]
+
+
+if __name__ == "__main__":
+    main()
