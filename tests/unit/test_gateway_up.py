@@ -42,3 +42,23 @@ def test_port_zero_picks_a_free_one_for_the_role(capsys: pytest.CaptureFixture[s
     assert f"ws://127.0.0.1:{port}" in capsys.readouterr().out
     with socket.socket() as s:  # and it is free for the role to take
         s.bind(("127.0.0.1", port))
+
+
+def test_status_shows_where_the_gateway_serves() -> None:
+    import msgspec
+
+    from joynexus.ops.admin.status import render
+    from joynexus.schemas.health import Heartbeat
+
+    beat = Heartbeat(role="gateway", instance="gateway-0", pid=1, host="h", started_at=0.0,
+                     at=0.0, beats=1, interval_s=1.0, address="ws://127.0.0.1:8000")
+    other = Heartbeat(role="control", instance="control-0", pid=2, host="h", started_at=0.0,
+                      at=0.0, beats=1, interval_s=1.0)
+    rows = [{**msgspec.to_builtins(b), "age_s": 0.1} for b in (beat, other)]
+    text = render({"namespace": "jnx", "streams": {}, "consumers": {}, "agents": {"heartbeats": rows, "managers": []}})
+    assert "gateway gateway-0 serves at ws://127.0.0.1:8000" in text
+    assert "control-0 serves" not in text
+    # an older beat, without the field, still decodes
+    old = msgspec.json.encode({k: v for k, v in msgspec.to_builtins(other).items()
+                               if k != "address"})
+    assert msgspec.json.decode(old, type=Heartbeat).address == ""

@@ -52,14 +52,15 @@ def _unpack(data: bytes) -> Any:
     return conv(msgspec.msgpack.decode(data))
 
 
-def observation(meta: dict[str, Any], seed: int = 0, **patch: Any) -> bytes:
+def observation(meta: dict[str, Any], patch: dict[str, Any] | None = None, *,
+                seed: int = 0) -> bytes:
     """An observation of the policy's shapes (its metadata), ``patch`` replacing keys."""
     rng = np.random.default_rng(seed)
     h, w = meta["image_size"]
     obs: dict[str, Any] = {f"observation/images/{c}": rng.integers(0, 255, (h, w, 3), np.uint8)
                            for c in meta["cameras"]}
     obs["observation/state"] = rng.standard_normal(meta["state_dim"]).astype(np.float32)
-    obs.update(patch)
+    obs.update(patch or {})
     return encode({k: pack_array(v) if isinstance(v, np.ndarray) else v for k, v in obs.items()})
 
 
@@ -175,11 +176,11 @@ async def _frames(url: str, key: str, victim_key: str) -> Checks:
             b"__ndarray__": True, b"data": b"", b"dtype": "<f4", b"shape": [2**30, 2**30]}})),
         ("object dtype", msgspec.msgpack.encode({"observation/state": {
             b"__ndarray__": True, b"data": b"x" * 8, b"dtype": "|O", b"shape": [1]}})),
-        ("NaN state", observation(meta, **{"observation/state": np.full(meta["state_dim"],
+        ("NaN state", observation(meta, {"observation/state": np.full(meta["state_dim"],
                                                                          np.nan, np.float32)})),
-        ("inf state", observation(meta, **{"observation/state": np.full(meta["state_dim"],
+        ("inf state", observation(meta, {"observation/state": np.full(meta["state_dim"],
                                                                          np.inf)})),
-        ("mis-shaped image", observation(meta, **{
+        ("mis-shaped image", observation(meta, {
             f"observation/images/{meta['cameras'][0]}": np.zeros((7, 7, 3), np.uint8)})),
     ]
     async with _connect(url, key) as ws:
@@ -191,7 +192,7 @@ async def _frames(url: str, key: str, victim_key: str) -> Checks:
             if not isinstance(reply, str) or "internal error" in reply:
                 bad.append(f"{what}: {str(reply)[:60]}")
         ck.add("every bomb answered with an error string", not bad, "; ".join(bad[:3]))
-        await ws.send(observation(meta, 1))
+        await ws.send(observation(meta, seed=1))
         reply = await asyncio.wait_for(ws.recv(), 20)
         ck.add("the same connection still serves", isinstance(reply, bytes))
     return ck
@@ -211,7 +212,7 @@ async def _never_reads(url: str, key: str, victim_key: str) -> Checks:
     t0, sent, cut = time.perf_counter(), 0, "not cut off within 90 s"
     async with _connect(url, key, sock=sock, max_queue=1) as ws:
         meta = _unpack(await ws.recv())
-        frame = observation(meta, **{"pad": "x" * 512})
+        frame = observation(meta, {"pad": "x" * 512})
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(90):
                 while True:
