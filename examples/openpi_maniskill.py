@@ -65,7 +65,7 @@ class ProxyEnvironment(environment.Environment):
 
     def apply_action(self, action: dict) -> None:
         a = np.asarray(action["actions"], dtype=np.float32)
-        self.done = self._call(op="step", action=a)["done"]
+        self.done = self._call(op="apply", action=a)["done"]
         self.steps += 1
 
 

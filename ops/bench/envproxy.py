@@ -13,7 +13,7 @@ env, so on the same seeds both see the same initial states. The outcomes are
 counted here, by the process that owns the simulator, not by the client.
 
 Wire: each message is a 4-byte big-endian length and a msgpack map, arrays in
-openpi's msgpack-numpy form. Requests ``{"op": "reset" | "observe" | "step",
+openpi's msgpack-numpy form. Requests ``{"op": "reset" | "observe" | "apply",
 "action": [A] float32}``; replies ``{"done": bool}``, the observation (openpi's
 keys: ``observation/images/<cam>`` H x W x 3 uint8, ``observation/state``,
 ``prompt``, the task's instruction), or ``{"error": str}``.
@@ -143,7 +143,7 @@ class EnvProxy:
                         reply = await asyncio.to_thread(self.reset)
                     elif op == "observe":
                         reply = self.observe()
-                    elif op == "step":
+                    elif op == "apply":
                         reply = await asyncio.to_thread(self.step, msg.get("action"))
                     else:
                         reply = {"error": f"unknown op {op!r:.40}"}

@@ -109,7 +109,7 @@ async def bench_success(
             await gw.start()
             proxy = EnvProxy(task, episodes, seed, int(fs.image_hw[0]), fs.camera_slots,
                              fs.state_keys)
-            sock = Path(tempfile.mkdtemp(prefix="jnx-envproxy-")) / "env.sock"
+            sock = Path(tempfile.mkdtemp(prefix="jnx-envproxy-")) / "env-socket"
             try:
                 async with proxy.serving(sock):
                     t2 = time.perf_counter()

@@ -46,7 +46,7 @@ async def test_openpis_client_agrees_with_the_evaluator_on_the_same_seeds(tmp_pa
 async def test_the_environment_proxy_refuses_what_a_client_should_not_send(tmp_path: Path) -> None:
     proxy = EnvProxy("PushCube-v1", episodes=1, seed=0, image_size=64,
                      cameras=["base_camera"], state_keys=["privileged"])
-    sock = tmp_path / "env.sock"
+    sock = tmp_path / "env-socket"
 
     async def call(w: asyncio.StreamWriter, r: asyncio.StreamReader, **msg: object) -> dict:
         data = codec.encode({k: codec.pack_array(v) if isinstance(v, np.ndarray) else v
@@ -58,15 +58,15 @@ async def test_the_environment_proxy_refuses_what_a_client_should_not_send(tmp_p
     async with proxy.serving(sock):
         r, w = await asyncio.open_unix_connection(str(sock))
         assert "reset first" in (await call(w, r, op="observe"))["error"]
-        assert "reset first" in (await call(w, r, op="step", action=np.zeros(4, np.float32)))["error"]
+        assert "reset first" in (await call(w, r, op="apply", action=np.zeros(4, np.float32)))["error"]
         assert "unknown op" in (await call(w, r, op="rm -rf"))["error"]
         assert (await call(w, r, op="reset")) == {"done": False}
         obs = await call(w, r, op="observe")
         assert obs["observation/images/base_camera"].shape == (64, 64, 3)
         assert obs["observation/state"].dtype == np.float32 and obs["prompt"]
-        assert "ShapeMismatch" in (await call(w, r, op="step", action=np.zeros(7, np.float32)))["error"]
-        assert "non-finite" in (await call(w, r, op="step", action=np.full(4, np.nan, np.float32)))["error"]
-        assert (await call(w, r, op="step", action=np.zeros(4, np.float32))) == {"done": False}
+        assert "ShapeMismatch" in (await call(w, r, op="apply", action=np.zeros(7, np.float32)))["error"]
+        assert "non-finite" in (await call(w, r, op="apply", action=np.full(4, np.nan, np.float32)))["error"]
+        assert (await call(w, r, op="apply", action=np.zeros(4, np.float32))) == {"done": False}
         assert (await call(w, r, op="reset")) == {"done": True}  # one episode asked: no more
         w.write(struct.pack(">I", MAX_MESSAGE + 1))  # too large: the proxy hangs up
         assert await asyncio.wait_for(r.read(), 5) == b""
