@@ -39,6 +39,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     rss_mb: float = 0.0
     #: Seconds from the process's start to its role serving (None: not yet ready).
     ready_s: float | None = None
+    #: Where the role serves clients outside NATS (the policy gateway's ws:// URL).
+    address: str = ""
 
 
 class HealthDecision(msgspec.Struct, kw_only=True):

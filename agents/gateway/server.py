@@ -69,8 +69,11 @@ class GatewayOptions:
     #: Largest observation frame (None: the NATS server's max_payload, which the
     #: request to the engine must fit anyway).
     max_frame_bytes: int | None = None
-    idle_s: float = 300.0
-    send_timeout_s: float = 10.0
+    idle_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_GATEWAY_IDLE_S", "300")))
+    #: A client that does not read its replies for this long is cut off.
+    send_timeout_s: float = field(
+        default_factory=lambda: float(os.environ.get("JOYNEXUS_GATEWAY_SEND_TIMEOUT_S", "10")))
     infer_timeout_s: float = 10.0
     max_conns_per_tenant: int = field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_GATEWAY_TENANT_CONNS", "16")))
@@ -146,20 +149,26 @@ class PolicyGateway:
             self._refuse("_", "gateway_auth", "missing, malformed, wrong or revoked API key")
             return conn.respond(HTTPStatus.UNAUTHORIZED, "invalid or revoked API key\n")
         tenant = key.tenant_id
-        try:
-            view = await self._view(key, parse_qs(url.query))
-        except PermissionError as e:
-            self._refuse(tenant, "gateway_scope", str(e))
-            return conn.respond(HTTPStatus.FORBIDDEN, f"{e}\n")
-        except JoyNexusError as e:
-            return conn.respond(HTTPStatus.NOT_FOUND, f"{type(e).__name__}: {e}\n")
+        # The cap first: a flood of refused handshakes costs a hash each, no KV reads.
         if self._per_tenant[tenant] >= self.o.max_conns_per_tenant:
             self._refuse(tenant, "gateway_connections",
                          f"{self.o.max_conns_per_tenant} gateway connections already open")
             return conn.respond(HTTPStatus.TOO_MANY_REQUESTS,
                                 f"tenant {tenant!r} has {self._per_tenant[tenant]} gateway "
                                 "connections open, its limit\n")
-        self._per_tenant[tenant] += 1
+        self._per_tenant[tenant] += 1  # held while the policy is looked up
+        try:
+            view = await self._view(key, parse_qs(url.query))
+        except PermissionError as e:
+            self._release(tenant)
+            self._refuse(tenant, "gateway_scope", str(e))
+            return conn.respond(HTTPStatus.FORBIDDEN, f"{e}\n")
+        except JoyNexusError as e:
+            self._release(tenant)
+            return conn.respond(HTTPStatus.NOT_FOUND, f"{type(e).__name__}: {e}\n")
+        except BaseException:
+            self._release(tenant)
+            raise
         self._open += 1
         self._pending[conn] = _Session(key, view)
         self._spawn(self._release_when_closed(conn, tenant))
@@ -196,11 +205,14 @@ class PolicyGateway:
         try:
             await conn.wait_closed()
         finally:
-            self._per_tenant[tenant] -= 1
-            if self._per_tenant[tenant] <= 0:
-                del self._per_tenant[tenant]
+            self._release(tenant)
             self._open -= 1
             self._pending.pop(conn, None)
+
+    def _release(self, tenant: str) -> None:
+        self._per_tenant[tenant] -= 1
+        if self._per_tenant[tenant] <= 0:
+            del self._per_tenant[tenant]
 
     # ------------------------------------------------------------ the session
     def _revoked(self, key_id: str) -> None:
@@ -263,12 +275,16 @@ class PolicyGateway:
 
 
 async def run_gateway(b: Broker, stop: asyncio.Event, ready: Any, *, instance: str,
-                      opts: GatewayOptions | None = None) -> None:
-    """The role: serve until ``stop`` (port and TLS from ``$JOYNEXUS_GATEWAY_*``)."""
+                      opts: GatewayOptions | None = None, announce: Any = None) -> None:
+    """The role: serve until ``stop`` (port and TLS from ``$JOYNEXUS_GATEWAY_*``);
+    ``announce(url)`` is told its address (the heartbeats carry it)."""
     gw = PolicyGateway(b, opts, instance=instance)
     await gw.start()
     scheme = "wss" if gw.o.tls_cert else "ws"
-    print(f"{instance}: openpi policy gateway on {scheme}://{gw.o.host}:{gw.port}", flush=True)
+    url = f"{scheme}://{gw.o.host}:{gw.port}"
+    print(f"{instance}: openpi policy gateway on {url}", flush=True)
+    if announce is not None:
+        announce(url)
     ready()
     try:
         await stop.wait()

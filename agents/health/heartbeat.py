@@ -103,6 +103,8 @@ class Heartbeater:
         self.process_started_at = self.started_at - (process_age_s() or 0.0)
         #: Seconds from the process's start to its role serving; None until then.
         self.ready_s: float | None = None
+        #: Where the role serves clients outside NATS (the gateway's URL), for status.
+        self.address = ""
 
     def mark_ready(self) -> float:
         """The role serves from now on: later beats carry ``ready_s`` (the first
@@ -128,6 +130,7 @@ class Heartbeater:
             loop_lag_s=round(max(0.0, time.monotonic() - self._loop_seen - self.interval_s), 3),
             rss_mb=round(rss_mb(), 1),
             ready_s=self.ready_s,
+            address=self.address,
         )
         ttl = ttl_s or ttl_for(self.interval_s)
         await b.js.publish(

@@ -424,6 +424,9 @@ def render(s: dict[str, Any]) -> str:
                  "last error"],
             )
         )
+        for a in agents:  # roles serving clients outside NATS (the policy gateway)
+            if a.get("address"):
+                parts.append(f"{a.get('role')} {a.get('instance')} serves at {a['address']}")
     if s.get("security"):
         now = time.time()
         rrows = [

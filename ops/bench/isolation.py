@@ -46,6 +46,7 @@ async def bench_isolation(
     progress: bool = False,
     baseline_s: float = 2.0,
     processes: bool = True,
+    gateway_url: str = "",
 ) -> dict[str, Any]:
     if url and creds is None:
         from joynexus.broker.credentials import from_env_or_file
@@ -58,7 +59,7 @@ async def bench_isolation(
     rows: list[dict[str, Any]] = []
     async with SecuredDeployment(
         namespace=namespace, url=url, admin_creds=creds, service_creds=service_creds,
-        datasets_root=datasets_root, processes=processes,
+        datasets_root=datasets_root, processes=processes, gateway_url=gateway_url,
     ) as dep:
         victim = await prepare(dep)
         try:
@@ -68,6 +69,10 @@ async def bench_isolation(
                 if attack.in_process and dep.external:
                     rows.append({"name": attack.name, "class": attack.klass, "held": None,
                                  "detail": "skipped: needs the agents in this process"})
+                    continue
+                if attack.name.startswith("gateway") and not dep.gateway_url:
+                    rows.append({"name": attack.name, "class": attack.klass, "held": None,
+                                 "detail": "skipped: no policy gateway (--gateway-url)"})
                     continue
                 if progress:
                     print(f"attack {attack.name} ...", file=sys.stderr, flush=True)

@@ -113,7 +113,7 @@ def make_dataset(plan: Plan, root: Path, *, seed: int = 0, progress: Any = None)
     )
 
 
-async def _train(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> dict[str, Any]:
+async def train_sft(client: Any, plan: Plan, name: str, dataset: str, log: Any) -> dict[str, Any]:
     from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 
     spec = WorkloadSpec(
@@ -323,7 +323,7 @@ async def run_learning(
                     log(f"{plan.task}: reusing the dataset in {root}")
                 gen_s = time.perf_counter() - t0
                 log(f"{plan.task}: {info.episodes} demos ({info.frames} frames) in {gen_s:.0f} s")
-                res = await _train(client, plan, f"sft{i}", name, log)
+                res = await train_sft(client, plan, f"sft{i}", name, log)
                 t1 = time.perf_counter()
                 ev = await client.evaluate(
                     f"sft{i}", version=res["version"], episodes=plan.episodes,
@@ -468,4 +468,4 @@ def plans_for(quick: bool, tasks: list[str] | None = None) -> tuple[Plan, ...]:
     return plans
 
 
-__all__ = ["FULL", "QUICK", "Plan", "make_dataset", "plans_for", "run_learning", "wilson"]
+__all__ = ["FULL", "QUICK", "Plan", "make_dataset", "plans_for", "run_learning", "train_sft", "wilson"]

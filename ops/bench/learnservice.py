@@ -35,6 +35,8 @@ class Service:
         self.tasks: list[asyncio.Task[Any]] = []
         self.url = ""
         self.admin: Any = None
+        #: the agents' identity's connection (a policy gateway may serve on it)
+        self.service: Any = None
 
     async def __aenter__(self) -> Service:
         try:
@@ -69,6 +71,7 @@ class Service:
         st.push_async_callback(self.admin.close)
         service = await Broker.connect(self.url, name="bl-service", credentials=ep.service)
         st.push_async_callback(service.close)
+        self.service = service
         control_b = await Broker.connect(
             self.url, name="bl-control", credentials=getattr(ep, "control", None) or ep.service
         )

@@ -97,6 +97,12 @@ def register(sub: Any) -> None:
             add_arguments(bp)
         if name == "gateway":
             bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
+            bp.add_argument(
+                "--success", action="store_true",
+                help="instead: train a PushCube SFT policy through the SDK and compare the "
+                "evaluator's success with openpi's own client's on the same seeds (~4 min)")
+            bp.add_argument("--episodes", type=int, default=30, help="with --success (default 30)")
+            bp.add_argument("--seed", type=int, default=2027, help="with --success (default 2027)")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -116,6 +122,10 @@ def register(sub: Any) -> None:
                 "runs them (default), or all in the bench's process (quicker to start; the "
                 "victim's probe then shares their event loop)",
             )
+            bp.add_argument(
+                "--gateway-url", default="", metavar="URL",
+                help="with --nats: the deployment's policy gateway (ws://HOST:PORT) for the "
+                "gateway attacks (a fresh deployment starts its own)")
         bp.set_defaults(run=RUNNERS[name])
     learning.register_bench(bsub)  # `bench learning`
 
@@ -211,7 +221,7 @@ def _isolation(args: argparse.Namespace) -> int:
         service_creds=args.service_creds, datasets_root=args.datasets_root,
         namespace=args.namespace, progress=not args.json,
         only=[n for n in args.only.split(",") if n] or None,
-        processes=args.agents == "processes",
+        processes=args.agents == "processes", gateway_url=args.gateway_url,
     ))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
@@ -221,6 +231,14 @@ def _gateway(args: argparse.Namespace) -> int:
     """Its own fresh secured deployment: no embedded server here."""
     from joynexus.ops.bench.gateway import bench_gateway
 
+    if args.success:
+        from joynexus.ops.bench.gatewaysuccess import bench_success
+
+        out = asyncio.run(bench_success(
+            episodes=args.episodes, seed=args.seed,
+            log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))))
+        print(json.dumps(out, indent=None if args.json else 2))
+        return 0 if out["agree"] else 1
     print(json.dumps(asyncio.run(bench_gateway(repeats=args.repeats)),
                      indent=None if args.json else 2))
     return 0

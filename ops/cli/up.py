@@ -5,6 +5,9 @@ the ``--config FILE`` both take."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES
 
 #: The commands whose defaults ``--config FILE`` sets.
 LAUNCHERS = ("up", "server")
+#: What `joynexus up` starts by default: the deployment's roles and the policy gateway.
+UP_ROLES = (*DEPLOYMENT_ROLES, "gateway")
 
 
 def register(sub: Any) -> None:
@@ -41,10 +46,18 @@ def register(sub: Any) -> None:
     cluster_flags(p)
     p.add_argument(
         "--roles",
-        default=",".join(DEPLOYMENT_ROLES),
-        help=f"comma-separated roles, one process each (default: {','.join(DEPLOYMENT_ROLES)}); "
+        default=",".join(UP_ROLES),
+        help=f"comma-separated roles, one process each (default: {','.join(UP_ROLES)}); "
         "with several hosts, each host's list is its placement rule",
     )
+    p.add_argument(
+        "--gateway-port", type=int,
+        default=int(os.environ.get("JOYNEXUS_GATEWAY_PORT", "8000")),
+        help="the policy gateway's port, on --host (default $JOYNEXUS_GATEWAY_PORT or 8000, "
+        "openpi's; 0: a free one, printed)",
+    )
+    p.add_argument("--no-gateway", action="store_true",
+                   help="leave the policy gateway out (as --roles without it)")
     p.add_argument(
         "--host-id",
         default=None,
@@ -132,6 +145,10 @@ def run_up(args: argparse.Namespace) -> int:
     from joynexus.ops.runtime.launcher import launch
 
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    if args.no_gateway:
+        roles = [r for r in roles if r != "gateway"]
+    if "gateway" in roles and not gateway_port(args):
+        return 2
     with nats_url(args.nats, args.data_dir, **embedded_opts(args)) as url:
         return launch(
             url,
@@ -140,3 +157,23 @@ def run_up(args: argparse.Namespace) -> int:
             out_dir=Path(args.data_dir) / "actor",
             host_id=args.host_id,
         )
+
+
+def gateway_port(args: argparse.Namespace) -> bool:
+    """Bind-check the gateway's port before anything starts (0: choose a free one) and
+    hand it to the role's process (``$JOYNEXUS_GATEWAY_*``, kept across restarts); False
+    with a clear message when the port is taken."""
+    host, port = args.host, args.gateway_port
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            port = int(s.getsockname()[1])
+    except OSError as e:
+        print(f"joynexus up: the policy gateway cannot listen on {host}:{port} ({e.strerror}); "
+              "another deployment's gateway? Pass --gateway-port PORT (0: a free one) or "
+              "--no-gateway", file=sys.stderr)
+        return False
+    os.environ["JOYNEXUS_GATEWAY_HOST"], os.environ["JOYNEXUS_GATEWAY_PORT"] = host, str(port)
+    print(f"joynexus up: policy gateway (openpi's protocol) at ws://{host}:{port}", flush=True)
+    return True

@@ -131,6 +131,7 @@ class SecuredDeployment:
         open_job_ttl_s: float = 8.0,
         prefetch_dataset: bool = True,
         processes: bool = False,
+        gateway_url: str = "",
     ) -> None:
         self.names = Names(namespace)
         self.namespace = namespace
@@ -146,6 +147,8 @@ class SecuredDeployment:
         #: The agents in processes of their own (:mod:`.processes`), as in production,
         #: instead of in this process.
         self.processes = processes
+        #: The policy gateway's address (a fresh deployment starts one: ``.gateway``).
+        self.gateway_url = gateway_url
         self.agents: Any = None
         #: Roles started on demand (:meth:`start_role`) beside in-process agents.
         self.extra_agents: Any = None
@@ -275,6 +278,7 @@ class SecuredDeployment:
         if self.processes:
             assert control_creds is not None
             await self._launch_processes(control_creds)
+            self.gateway_url = f"ws://127.0.0.1:{self.agents.gateway_port}"
             return
         control_b = await Broker.connect(self.url, name="iso-control",
                                          namespace=self.namespace, credentials=control_creds)
@@ -296,6 +300,9 @@ class SecuredDeployment:
         pool = EnginePool(self.service, backbone, max_batch=8, max_wait_ms=5)
         await pool.scale_to(1)
         st.push_async_callback(pool.close)
+        from joynexus.ops.isolation.gateway import start_in_process
+
+        self.gateway_url = f"ws://127.0.0.1:{await start_in_process(self.service, st)}"
         self._actor_restarts = 0
         task = asyncio.create_task(self._supervise_actor(backbone))
         self._tasks.append(task)

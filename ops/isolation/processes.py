@@ -29,14 +29,16 @@ from joynexus.agents.procs import die_with_parent
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.natsapi import service_api
+from joynexus.ops.isolation.gateway import GATEWAY_ENV, free_port, wait_healthy
 from joynexus.ops.runtime.children import stop_all
 from joynexus.ops.runtime.launcher import role_command
 from joynexus.ops.runtime.threads import role_thread_env
 
 #: The roles an attack meets, in start order (the scheduler first: others call it).
-ROLES = ("scheduler", "control", "inference", "actor")
-#: Those with a request server that says when the role serves.
-ANSWERING = frozenset(ROLES)
+ROLES = ("scheduler", "control", "inference", "actor", "gateway")
+#: Those with a request server that says when the role serves (the gateway says it
+#: over HTTP: ``gateway.healthy``).
+ANSWERING = frozenset(ROLES) - {"gateway"}
 #: How long the roles may take to start answering (imports of torch on 2 cores).
 START_S = 180.0
 
@@ -77,6 +79,8 @@ class AgentProcesses:
             "control": control.save(data / "agent-creds" / "control.json"),
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: The gateway's port (0: no gateway among the roles).
+        self.gateway_port = free_port() if "gateway" in roles else 0
         self._files: list[IO[bytes]] = []
         self.restarts = 0
         self.errors: list[str] = []
@@ -91,6 +95,8 @@ class AgentProcesses:
             extra += ["--max-batch", str(self.max_batch), "--max-wait-ms", str(self.max_wait_ms)]
         if role == "control":
             extra += ["--datasets", str(self.datasets_root)]
+        if role == "gateway":
+            extra += ["--port", str(self.gateway_port)]
         return role_command(role, self.url, self.namespace, instance=f"{role}-0",
                             out_dir=self.data / "actor", extra=extra)
 
@@ -101,7 +107,7 @@ class AgentProcesses:
         self.procs[role] = subprocess.Popen(
             self.command(role), stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, **role_thread_env(role), DATASETS_ENV: str(self.datasets_root),
-                 "PYTHONUNBUFFERED": "1"},
+                 "PYTHONUNBUFFERED": "1", **(GATEWAY_ENV if role == "gateway" else {})},
             preexec_fn=die_with_parent,
         )
 
@@ -123,6 +129,10 @@ class AgentProcesses:
                 raise TimeoutError(f"{', '.join(sorted(waiting))} did not serve within "
                                    f"{START_S:.0f}s (logs under {self.logs})")
             await asyncio.sleep(0.5)
+        if self.gateway_port:
+            gw = self.procs["gateway"]
+            await wait_healthy(self.gateway_port, max(5.0, deadline - time.monotonic()),
+                               alive=lambda: gw.poll() is None)
         self._watch = asyncio.create_task(self._supervise())
 
     def tail(self, role: str, chars: int = 600) -> str:

@@ -82,6 +82,9 @@ class RoleOptions:
     #: Told once when the role serves (after the heartbeat's ready mark, which
     #: :func:`run_role` adds); runners call ``o.ready()``.
     ready: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: Told where the role serves clients outside NATS (the gateway's URL): its
+    #: heartbeats carry it, and ``joynexus status`` shows it.
+    announce: Callable[[str], None] = field(default=lambda address: None, repr=False)
 
 
 Runner = Callable[[Broker, asyncio.Event, RoleOptions], Awaitable[None]]
@@ -303,7 +306,8 @@ async def _monitor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 async def _gateway(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.gateway import run_gateway
 
-    await run_gateway(b, stop, o.ready, instance=o.instance)  # $JOYNEXUS_GATEWAY_*
+    await run_gateway(b, stop, o.ready, instance=o.instance,  # $JOYNEXUS_GATEWAY_*
+                      announce=o.announce)
 
 
 async def _synthetic(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
@@ -449,7 +453,10 @@ async def run_role(name: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
             said.append(hb.mark_ready())
             told()
 
-    o = replace(o, ready=ready)
+    def announce(address: str) -> None:
+        hb.address = address
+
+    o = replace(o, ready=ready, announce=announce)
     async with hb.running():
         if r.ready_when == "runner":
             await r.run(b, stop, o)

@@ -201,6 +201,8 @@ async def test_oversized_frames_idle_clients_and_connection_floods_are_bounded(e
         with pytest.raises(ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 5)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        # the close frame's reason says why (openpi's client raises it): the limit
+        assert f"exceeds limit of {MAX_FRAME} bytes" in closed.value.rcvd.reason
     async with env.ws(env.keys["acme"]) as ws:  # idle: closed after IDLE_S
         await ws.recv()
         with pytest.raises(ConnectionClosed):

@@ -52,7 +52,8 @@ def deployment(tmp_path: Path) -> Iterator[Path]:
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
         up = subprocess.Popen([sys.executable, "-m", "joynexus.ops.cli", "up", "--data-dir",
-                               str(data), "--port", str(port)], env=env, stdout=log, stderr=log)
+                               str(data), "--port", str(port), "--gateway-port", "0"],
+                              env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 300
         while "deployment up" not in log_path.read_text():

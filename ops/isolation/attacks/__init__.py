@@ -16,6 +16,12 @@ from joynexus.ops.isolation.attacks.data import (
     attack_nan_in_step,
 )
 from joynexus.ops.isolation.attacks.floods import attack_long_strings, attack_request_flood
+from joynexus.ops.isolation.attacks.gateway import (
+    attack_gateway_connections,
+    attack_gateway_frames,
+    attack_gateway_keys,
+    attack_gateway_never_reads,
+)
 from joynexus.ops.isolation.attacks.identities import (
     attack_bad_identity_record,
     attack_failed_logins,
@@ -69,6 +75,12 @@ CATALOGUE: list[Attack] = [
            "24: replies into the service's inbox space", 30),
     Attack("event_position", attack_event_position, "24: the job stream's position leaks", 30),
     Attack("bad_seed", attack_bad_seed, "24: a spec accepted that later breaks", 30),
+    Attack("gateway_keys", attack_gateway_keys, "27: gateway keys and scopes", 90),
+    Attack("gateway_frames", attack_gateway_frames, "27: hostile gateway frames", 120),
+    Attack("gateway_never_reads", attack_gateway_never_reads,
+           "27: a gateway client that never reads", 150),
+    Attack("gateway_connections", attack_gateway_connections,
+           "27: 1,000 gateway connections from one tenant", 150),
     # Last: when it does not hold it purges the job log and deletes streams.
     Attack("reply_subject", attack_reply_subject, "1: replies to any subject", 60),
 ]
@@ -85,6 +97,10 @@ __all__ = [
     "attack_event_position",
     "attack_failed_logins",
     "attack_foreign_dataset",
+    "attack_gateway_connections",
+    "attack_gateway_frames",
+    "attack_gateway_keys",
+    "attack_gateway_never_reads",
     "attack_hostile_bodies",
     "attack_inference_in_flight",
     "attack_inference_rows",
