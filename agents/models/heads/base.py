@@ -50,8 +50,13 @@ class HeadConfig:
     seed: int = 0  # init weights and the head's own noise generator
     #: Gaussian heads: initial policy std per action dimension, in normalised action units.
     init_std: float = 0.3
+    #: ``pi05_expert`` only: the base's cache layers the expert attends to (its own depth);
+    #: ``feature_dim`` is then the cache's width, ``kv_layers * 2 * kv_heads * head_dim``.
+    kv_layers: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_layers, int) or not 0 <= self.kv_layers <= 64:
+            raise InvalidSpec(f"HeadConfig.kv_layers={self.kv_layers!r}: an integer in [0, 64]")
         for name in ("feature_dim", "state_dim", "action_dim", "action_horizon", "hidden", "flow_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -1,0 +1,153 @@
+"""The π0.5 base family and its ``pi05_expert`` head, at the tiny size (random weights,
+built from the project's configs and tokenizer, nothing downloaded): grouped == serial
+for forwards, train steps and weights; the cache's size bounded and reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from joynexus.agents.models.features import FeatureBatch, FeatureSchema, IncompatibleBatches, canonicalize_request
+from joynexus.agents.models.grouped import ActRequest, TrainItem
+from joynexus.agents.models.heads.base import HeadConfig
+from joynexus.agents.models.heads.pi05 import Pi05ExpertHead
+from joynexus.agents.models.heads.tenant import TenantModule
+from joynexus.agents.models.pi05_base import Pi05Base, discretize_state
+from joynexus.agents.models.pi05_config import GEMMA_VARIANTS, Pi05BaseConfig
+from joynexus.agents.models.pi05_grouped import (
+    cache_bytes,
+    grouped_forward,
+    grouped_train_step,
+    serial_forward,
+    serial_train_step,
+    shared_features,
+)
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+pytestmark = pytest.mark.timeout(120)
+
+H = 4  # action horizon of the tests' tenants
+
+
+@pytest.fixture(scope="module")
+def base() -> Pi05Base:
+    torch.set_num_threads(1)
+    return Pi05Base.build(Pi05BaseConfig(max_state_dim=8))
+
+
+def batch(seed: int, b: int, state_dim: int = 5, cams: tuple[str, ...] = ("front", "wrist"),
+          text: str = "push the cube to the goal") -> FeatureBatch:
+    g = torch.Generator().manual_seed(seed)
+    schema = FeatureSchema(cams, (56, 56), state_dim, 3, H, base_model="pi05-tiny")
+    imgs = {c: torch.randint(0, 256, (b, 3, 56, 56), generator=g, dtype=torch.uint8) for c in cams}
+    texts = [text if i % 2 else f"{text} now" for i in range(b)]
+    return canonicalize_request(schema, imgs, texts, torch.randn(b, state_dim, generator=g))
+
+
+def tenant(base: Pi05Base, name: str, state_dim: int, seed: int, head: str = "pi05_expert",
+           action_dim: int = 3) -> TenantModule:
+    cfg = HeadConfig(feature_dim=base.feature_dim, state_dim=state_dim, action_dim=action_dim, action_horizon=H,
+                     hidden=32, flow_steps=3, seed=seed, kv_layers=base.kv_layout[0] if head == "pi05_expert" else 0)
+    return TenantModule(name, head, cfg, lr=1e-3)
+
+
+def test_state_is_discretised_into_256_bins_as_openpi() -> None:
+    import numpy as np
+
+    bins = discretize_state(np.array([[-1.0, -0.999, 0.0, 0.999, 1.0]]))
+    assert bins.tolist() == [[0, 0, 128, 255, 255]]
+
+
+def test_prefix_layout_and_cache_bytes_are_reported(base: Pi05Base) -> None:
+    d = base.describe(n_cameras=2, state_dim=5)
+    n, kvh, hd = base.kv_layout
+    assert (n, kvh, hd) == (2, 1, 8) and d["feature_dim"] == n * 2 * kvh * hd == base.feature_dim
+    assert d["family"] == "pi05" and d["params"]["base"] == base.num_params() > d["params"]["vision"] > 0
+    # two cameras of (56 / 14)^2 SigLIP tokens, then the prompt
+    fb = batch(1, 2)
+    feats = shared_features(base, [(tenant(base, "a", 5, 0), fb)])[0]
+    assert feats.h_B_L_D is not None and feats.real_B_L is not None
+    assert bool(feats.real_B_L[:, : 2 * 16].all())
+    longest = int(feats.real_B_L.sum(1).max())
+    assert d["prefix_tokens_per_sample"] <= longest + 8  # the describe() instruction is short
+    assert cache_bytes([feats]) == [2 * longest * (base.feature_dim + 1) * 4]
+    assert d["kv_bytes_per_row"] == d["prefix_tokens_per_sample"] * (base.feature_dim + 1) * 4
+    # A real-size base's figures come from the same formula (no weights built).
+    big = GEMMA_VARIANTS["gemma_2b"]
+    assert big["depth"] * 2 * big["num_kv_heads"] * big["head_dim"] == 9216
+
+
+def test_prompt_bounds_refuse_hostile_inputs(base: Pi05Base) -> None:
+    head = tenant(base, "a", 9, 0).head
+    assert isinstance(head, Pi05ExpertHead)
+    with pytest.raises(ShapeMismatch, match="max_state_dim"):
+        base.prepare(batch(2, 1, state_dim=9), head.prefix_state(torch.zeros(1, 9)))
+    long_text = "x " * 5000
+    ids, lengths = base.tokenize([long_text], torch.zeros(1, 3).numpy())
+    assert int(lengths[0]) <= 1 + base.config.max_text_tokens + 64  # instruction cut, fixed prompt around it
+    with pytest.raises(InvalidSpec, match="kv_layers"):
+        tenant(base, "b", 5, 0, head="pi05_expert").head.__class__(
+            HeadConfig(feature_dim=base.feature_dim, state_dim=5, kv_layers=3))
+    # An extreme state is clipped into the prompt's bins, never out of them.
+    ids2, _ = base.tokenize(["go"], torch.full((1, 3), 1e30).numpy())
+    assert ids2.shape[0] == 1
+
+
+def test_grouped_equals_serial_forward(base: Pi05Base) -> None:
+    specs = [(5, 0, batch(3, 2, 5)), (7, 1, batch(4, 3, 7, text="pick up the red cube")), (4, 2, batch(5, 1, 4))]
+    reqs = []
+    for sd, seed, fb in specs:
+        noise = torch.randn(fb.batch_size, H, 3, generator=torch.Generator().manual_seed(seed))
+        reqs.append(ActRequest(tenant(base, f"t{seed}", sd, seed), fb, noise))
+    grouped = grouped_forward(base, reqs)
+    serial = serial_forward(base, reqs)
+    assert [tuple(g.shape) for g in grouped] == [(2, H, 3), (3, H, 3), (1, H, 3)]
+    for g, s in zip(grouped, serial, strict=True):
+        torch.testing.assert_close(g, s, atol=1e-5, rtol=1e-5)
+    # Rows are independent: a row's actions do not depend on who shares its forward.
+    alone = serial_forward(base, [ActRequest(reqs[1].tenant, reqs[1].batch, reqs[1].noise)])[0]
+    torch.testing.assert_close(grouped[1], alone, atol=1e-5, rtol=1e-5)
+    # Different noise gives different actions (the expert really denoises).
+    other = serial_forward(base, [ActRequest(reqs[0].tenant, reqs[0].batch, torch.zeros(2, H, 3))])[0]
+    assert not torch.allclose(other, grouped[0])
+
+
+def test_grouped_train_steps_equal_serial_and_isolate_tenants(base: Pi05Base) -> None:
+    def items() -> list[TrainItem]:
+        out = []
+        for i, (sd, fb) in enumerate([(5, batch(6, 2, 5)), (7, batch(7, 3, 7)), (6, batch(8, 2, 6))]):
+            head = "flow_matching" if i == 2 else "pi05_expert"  # a pooled head shares the same forward
+            target = torch.randn(fb.batch_size, H, 3, generator=torch.Generator().manual_seed(50 + i))
+            out.append(TrainItem(tenant(base, f"t{i}", sd, i, head=head), fb, target))
+        return out
+
+    g_items, s_items = items(), items()
+    g_curves = [grouped_train_step(base, g_items) for _ in range(4)]
+    s_curves = [serial_train_step(base, s_items) for _ in range(4)]
+    for lg_step, ls_step in zip(g_curves, s_curves, strict=True):
+        for lg, ls in zip(lg_step, ls_step, strict=True):
+            assert abs(lg - ls) <= 1e-4 * max(1.0, abs(ls)), (g_curves, s_curves)
+    for gi, si in zip(g_items, s_items, strict=True):
+        gs, ss = gi.tenant.head.state_dict(), si.tenant.head.state_dict()
+        for k in gs:
+            torch.testing.assert_close(gs[k], ss[k], atol=1e-5, rtol=1e-4)
+    assert [it.tenant.version for it in g_items] == [4, 4, 4]
+    # The expert's loss falls on its own data (it learns through the cache).
+    assert g_curves[-1][0] < g_curves[0][0] or g_curves[-1][1] < g_curves[0][1]
+
+    before = [{k: v.clone() for k, v in it.tenant.head.state_dict().items()} for it in g_items]
+    grouped_train_step(base, [g_items[1]])
+    for i in (0, 2):
+        after = g_items[i].tenant.head.state_dict()
+        assert all(torch.equal(before[i][k], after[k]) for k in before[i])
+    assert any(not torch.equal(before[1][k], v) for k, v in g_items[1].tenant.head.state_dict().items())
+    assert not any(p.requires_grad for p in base.model.parameters())
+
+
+def test_incompatible_cameras_and_duplicate_tenants_are_refused(base: Pi05Base) -> None:
+    a = tenant(base, "a", 5, 0)
+    b = tenant(base, "b", 5, 1)
+    with pytest.raises(IncompatibleBatches):
+        shared_features(base, [(a, batch(9, 1)), (b, batch(10, 1, cams=("front",)))])
+    with pytest.raises(InvalidSpec, match="twice"):
+        shared_features(base, [(a, batch(9, 1)), (a, batch(10, 1))])
