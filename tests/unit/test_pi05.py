@@ -151,3 +151,31 @@ def test_incompatible_cameras_and_duplicate_tenants_are_refused(base: Pi05Base) 
         shared_features(base, [(a, batch(9, 1)), (b, batch(10, 1, cams=("front",)))])
     with pytest.raises(InvalidSpec, match="twice"):
         shared_features(base, [(a, batch(9, 1)), (a, batch(10, 1))])
+
+
+def test_cache_path_equals_lerobots_sample_actions(base: Pi05Base) -> None:
+    """LeRobot's own PI05Pytorch.sample_actions (its prefix, masks, positions, denoising
+    loop) on the same weights, inputs and noise gives the cache path's actions to 1e-5."""
+    from joynexus.agents.models.pi05_lerobot import lerobot_model, openpi_transformers
+
+    tm = tenant(base, "a", 5, 3)
+    with torch.no_grad():  # a trained-looking expert: the adaptive norms' zero init would hide their path
+        for p in tm.head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    fb = batch(11, 3, 5)
+    inputs = base.prepare(fb, tm.head.prefix_state(fb.state_B_S))
+    noise = torch.randn(3, H, 32, generator=torch.Generator().manual_seed(5))
+    ours = tm.act(base.features(inputs).tokens(), fb.state_B_S, noise=noise, steps=4)
+    with openpi_transformers():
+        ref_model = lerobot_model(base, tm.head, steps=4)
+        real = torch.arange(inputs.ids_B_T.shape[1])[None, :] < inputs.lengths_B[:, None]
+        images = list(inputs.pixels_K_B_C_S_S)
+        ref = ref_model.sample_actions(images, [torch.ones(3, dtype=torch.bool)] * len(images),
+                                       inputs.ids_B_T, real, noise=noise.clone(), num_steps=4)
+    assert ref.shape == (3, H, 32)
+    torch.testing.assert_close(ours, ref[..., :3], atol=1e-5, rtol=1e-5)
+    assert float((ours - noise[..., :3]).abs().max()) > 1e-2  # the expert moved the noise
+    # The patch is gone after the block: the base's own forward is the release's again.
+    import transformers.models.gemma.modeling_gemma as mg
+
+    assert mg.GemmaRMSNorm.forward.__qualname__.startswith("GemmaRMSNorm")
