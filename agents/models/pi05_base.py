@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from transformers import PaliGemmaForConditionalGeneration, PreTrainedTokenizerFast
 
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
@@ -36,7 +36,7 @@ from joynexus.agents.models.pi05_config import PI05_DTYPES, Pi05BaseConfig, buil
 from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
-__all__ = ["MASK_VALUE", "Pi05Base", "Pi05Inputs", "apply_rope", "discretize_state", "rope_cos_sin"]
+__all__ = ["MASK_VALUE", "Pi05Base", "Pi05Inputs", "Pi05Prompt", "apply_rope", "discretize_state", "rope_cos_sin"]
 
 #: The additive attention mask value of OpenPI (``OPENPI_ATTENTION_MASK_VALUE``).
 MASK_VALUE = -2.3819763e38
@@ -76,6 +76,42 @@ class Pi05Inputs:
         return int(self.ids_B_T.shape[0])
 
 
+class Pi05Prompt:
+    """π0.5's prompt with the project's tokenizer (what OpenPI's ``PaligemmaTokenizer`` and
+    LeRobot's ``Pi05PrepareStateTokenizerProcessorStep`` write), without a model."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, config: Pi05BaseConfig) -> None:
+        self.config = config
+        self.pad_id = int(tokenizer.convert_tokens_to_ids(PAD_TOKEN))  # type: ignore[arg-type]
+        self._bos = int(tokenizer.convert_tokens_to_ids("<|im_start|>"))  # type: ignore[arg-type]
+        enc = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
+        self._tok = TokenCache(enc, maxsize=4096)
+        self._task, self._state, self._action = (enc([s])[0] for s in ("Task: ", ", State: ", ";\nAction: "))
+
+    def tokenize(self, instructions: Sequence[str], prefix_state_B_S: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """π0.5 prompts (right-padded ids, real lengths): ``<bos>Task: <text>, State: <bins>;\\nAction: ``."""
+        st = np.asarray(prefix_state_B_S, dtype=np.float32)
+        b = len(instructions)
+        if st.ndim != 2 or st.shape[0] != b:
+            raise ShapeMismatch(f"prefix state must be [B={b}, S], got {list(st.shape)}")
+        if st.shape[1] > self.config.max_state_dim:
+            raise ShapeMismatch(
+                f"state has {st.shape[1]} values but this π0.5 base takes at most max_state_dim="
+                f"{self.config.max_state_dim}; build the base with a larger max_state_dim"
+            )
+        if not np.isfinite(st).all():
+            raise InvalidSpec("prefix state holds NaN/inf: send finite numbers only")
+        st = np.pad(np.clip(st, -1.0, 1.0), ((0, 0), (0, self.config.max_state_dim - st.shape[1])))
+        bins = discretize_state(st)
+        cleaned = [t.strip().replace("_", " ").replace("\n", " ") for t in instructions]
+        texts = self._tok(tuple(cleaned))
+        states = self._tok(tuple(" ".join(map(str, row)) for row in bins))
+        m = self.config.max_text_tokens
+        rows = [[self._bos, *self._task, *t[:m], *self._state, *s, *self._action]
+                for t, s in zip(texts, states, strict=True)]
+        return right_pad(rows, self.pad_id)
+
+
 class Pi05Base:
     """The frozen π0.5 PaliGemma shared by all tenants. Build with ``Pi05Base.build``."""
 
@@ -92,11 +128,8 @@ class Pi05Base:
         self.model.eval()
         self.model.requires_grad_(False)
         self.lm = model.model.language_model
-        self._pad = int(tokenizer.convert_tokens_to_ids(PAD_TOKEN))  # type: ignore[arg-type]
-        self._bos = int(tokenizer.convert_tokens_to_ids("<|im_start|>"))  # type: ignore[arg-type]
-        enc = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
-        self._tok = TokenCache(enc, maxsize=4096)
-        self._task, self._state, self._action = (enc([s])[0] for s in ("Task: ", ", State: ", ";\nAction: "))
+        self.prompt = Pi05Prompt(tokenizer, config)
+        self._pad = self.prompt.pad_id
 
     @classmethod
     def build(cls, config: Pi05BaseConfig | None = None) -> Pi05Base:
@@ -152,27 +185,8 @@ class Pi05Base:
 
     # -- input preparation --------------------------------------------------
     def tokenize(self, instructions: Sequence[str], prefix_state_B_S: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """π0.5 prompts (right-padded ids, real lengths): ``<bos>Task: <text>, State: <bins>;\\nAction: ``."""
-        st = np.asarray(prefix_state_B_S, dtype=np.float32)
-        b = len(instructions)
-        if st.ndim != 2 or st.shape[0] != b:
-            raise ShapeMismatch(f"prefix state must be [B={b}, S], got {list(st.shape)}")
-        if st.shape[1] > self.config.max_state_dim:
-            raise ShapeMismatch(
-                f"state has {st.shape[1]} values but this π0.5 base takes at most max_state_dim="
-                f"{self.config.max_state_dim}; build the base with a larger max_state_dim"
-            )
-        if not np.isfinite(st).all():
-            raise InvalidSpec("prefix state holds NaN/inf: send finite numbers only")
-        st = np.pad(np.clip(st, -1.0, 1.0), ((0, 0), (0, self.config.max_state_dim - st.shape[1])))
-        bins = discretize_state(st)
-        cleaned = [t.strip().replace("_", " ").replace("\n", " ") for t in instructions]
-        texts = self._tok(tuple(cleaned))
-        states = self._tok(tuple(" ".join(map(str, row)) for row in bins))
-        m = self.config.max_text_tokens
-        rows = [[self._bos, *self._task, *t[:m], *self._state, *s, *self._action]
-                for t, s in zip(texts, states, strict=True)]
-        return right_pad(rows, self._pad)
+        """The π0.5 prompts of a batch (``Pi05Prompt.tokenize``)."""
+        return self.prompt.tokenize(instructions, prefix_state_B_S)
 
     def images(self, batch: FeatureBatch) -> torch.Tensor:
         """Each camera's images as SigLIP takes them: [-1, 1], ``image_size`` square ``[K, B, 3, S, S]``

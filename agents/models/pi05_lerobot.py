@@ -59,6 +59,7 @@ class _ReadOnlyCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *a: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[layer_idx]
+        assert layer.keys is not None and layer.values is not None
         return torch.cat([layer.keys, k], 2), torch.cat([layer.values, v], 2)
 
 

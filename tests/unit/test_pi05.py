@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from joynexus.agents.models.features import FeatureBatch, FeatureSchema, IncompatibleBatches, canonicalize_request
+from joynexus.agents.models.features import (
+    FeatureBatch,
+    FeatureSchema,
+    IncompatibleBatches,
+    canonicalize_request,
+)
 from joynexus.agents.models.grouped import ActRequest, TrainItem
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.pi05 import Pi05ExpertHead
@@ -83,7 +88,7 @@ def test_prompt_bounds_refuse_hostile_inputs(base: Pi05Base) -> None:
     with pytest.raises(ShapeMismatch, match="max_state_dim"):
         base.prepare(batch(2, 1, state_dim=9), head.prefix_state(torch.zeros(1, 9)))
     long_text = "x " * 5000
-    ids, lengths = base.tokenize([long_text], torch.zeros(1, 3).numpy())
+    _, lengths = base.tokenize([long_text], torch.zeros(1, 3).numpy())
     assert int(lengths[0]) <= 1 + base.config.max_text_tokens + 64  # instruction cut, fixed prompt around it
     with pytest.raises(InvalidSpec, match="kv_layers"):
         tenant(base, "b", 5, 0, head="pi05_expert").head.__class__(
@@ -179,3 +184,23 @@ def test_cache_path_equals_lerobots_sample_actions(base: Pi05Base) -> None:
     import transformers.models.gemma.modeling_gemma as mg
 
     assert mg.GemmaRMSNorm.forward.__qualname__.startswith("GemmaRMSNorm")
+
+
+def test_base_describe_command(base: Pi05Base, capsys: pytest.CaptureFixture[str]) -> None:
+    """``joynexus base describe``: counted without weights, agreeing with a built base."""
+    import json
+
+    from joynexus.agents.models.families import describe
+    from joynexus.ops.cli.app import main
+
+    assert main(["base", "describe", "--base", "pi05", "--cameras", "2", "--state-dim", "5", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["family"] == "pi05" and d["params"]["base"] == base.num_params()
+    assert d["params"]["head"] == tenant(base, "a", 5, 0).num_params()  # the tiny expert (width 32)
+    assert d["feature_dim"] == base.feature_dim and d["kv_layers"] == base.kv_layout[0]
+    assert d["kv_bytes_per_row"] == d["prefix_tokens_per_sample"] * (base.feature_dim + 1) * 4
+    real = describe("pi05", "gemma_300m", cameras=1, state_dim=8)
+    assert real["feature_dim"] == 18 * 2 * 256 and real["prefix_tokens_per_sample"] > 256  # 224 px: 256 image tokens
+    assert real["params"]["base"] > 300_000_000  # so400m tower + gemma_300m, counted on the meta device
+    assert main(["base", "describe", "--base", "pi05", "--size", "huge"]) == 2
+    assert "choose one of" in capsys.readouterr().err

@@ -19,7 +19,7 @@ import math
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from torch import nn
 
 from joynexus.agents.models.features import unpack_tokens
@@ -151,6 +151,7 @@ class Pi05ExpertHead(base.ActionHead):
         keep = torch.cat([real_B_L, torch.ones(b, h, dtype=torch.bool, device=x.device)], 1)
         mask = torch.where(keep[:, None, None, :], 0.0, MASK_VALUE).to(x.dtype)
         for layer, (pk, pv) in zip(self.expert.layers, cache, strict=True):
+            assert isinstance(layer, ExpertLayer)
             att = layer.self_attn
             hs, gate = layer.input_layernorm(x, cond)
             q = apply_rope(att.q_proj(hs).view(b, h, EXPERT_HEADS, -1).transpose(1, 2), cos, sin)

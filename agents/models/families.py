@@ -1,0 +1,96 @@
+"""The resident base families and what each costs: ``describe`` (``joynexus base describe``).
+
+``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``) and ``pi05`` (OpenPI's
+PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemma_300m``,
+``gemma_2b``). Parameters are counted on the meta device, so a real-size description
+allocates no weights; prefix tokens come from the family's own tokenizer and layout.
+
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from joynexus.schemas.catalog import BASE_FAMILIES
+from joynexus.schemas.errors import InvalidSpec
+
+__all__ = ["FAMILY_SIZES", "describe"]
+
+FAMILY_SIZES: dict[str, tuple[str, ...]] = {"qwen2_5_vl": ("tiny", "bench"), "pi05": ("tiny", "gemma_300m", "gemma_2b")}
+_INSTRUCTION = "push the cube to the goal region"
+
+
+def _count(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int = 8, action_dim: int = 7,
+             action_horizon: int = 8) -> dict[str, Any]:
+    """Family, parameters of the base and of one tenant's default head, prefix tokens per
+    sample and the bytes per row a head receives from the shared forward (float32)."""
+    if family not in BASE_FAMILIES:
+        raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
+    if size not in FAMILY_SIZES[family]:
+        raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
+    if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
+        raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
+    from joynexus.agents.models.heads.base import HeadConfig, build_head
+
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLModel
+
+        from joynexus.agents.models.backbone_config import build_qwen_config
+        from joynexus.agents.models.tokenizer import train_tokenizer
+
+        tok = train_tokenizer()
+        qcfg = build_qwen_config(size, tok)
+        with torch.device("meta"):
+            base_params = _count(Qwen2_5_VLModel(qcfg))
+        width = int(qcfg.text_config.hidden_size)
+        tokens = 1 + cameras * (2 + (56 // 28) ** 2) + len(tok(_INSTRUCTION, add_special_tokens=False)["input_ids"]) + 1
+        head_type, hcfg = "gr00t_flow", HeadConfig(width, state_dim, action_dim, action_horizon)
+        row_bytes = tokens * (width + 1) * 4
+        extra: dict[str, Any] = {"feature": "last hidden states", "feature_dim": width, "image_size": 56}
+    else:
+        from transformers import PaliGemmaForConditionalGeneration
+
+        from joynexus.agents.models.pi05_base import Pi05Prompt
+        from joynexus.agents.models.pi05_config import (
+            GEMMA_VARIANTS,
+            Pi05BaseConfig,
+            build_paligemma_config,
+        )
+        from joynexus.agents.models.tokenizer import train_tokenizer
+
+        cfg = Pi05BaseConfig(paligemma_variant=size, image_size=56 if size == "tiny" else 224,  # type: ignore[arg-type]
+                             max_state_dim=max(32, state_dim) if size != "tiny" else max(8, state_dim))
+        tok = train_tokenizer()
+        with torch.device("meta"):
+            model = PaliGemmaForConditionalGeneration(build_paligemma_config(cfg, tok))
+        base_params = _count(model)
+        prompt = Pi05Prompt(tok, cfg)  # the prompt layout only: no weights are built
+        tokens = cameras * cfg.image_tokens + int(prompt.tokenize([_INSTRUCTION], _zeros(state_dim))[1][0])
+        g = cfg.gemma
+        kv_dim = g["depth"] * 2 * g["num_kv_heads"] * g["head_dim"]
+        width = GEMMA_VARIANTS[cfg.expert_variant]["width"]
+        head_type = "pi05_expert"
+        hcfg = HeadConfig(kv_dim, state_dim, action_dim, action_horizon, hidden=width, kv_layers=g["depth"])
+        row_bytes = tokens * (kv_dim + 1) * 4
+        extra = {"feature": "per-layer prefix keys and values", "feature_dim": kv_dim, "kv_layers": g["depth"],
+                 "expert_variant": cfg.expert_variant, "image_size": cfg.image_size,
+                 "max_state_dim": cfg.max_state_dim}
+    with torch.device("meta"):
+        head_params = _count(build_head(head_type, hcfg))
+    return {"family": family, "size": size, "params": {"base": base_params, "head": head_params},
+            "head": head_type, "cameras": cameras, "state_dim": state_dim,
+            "prefix_tokens_per_sample": tokens, "kv_bytes_per_row": row_bytes, **extra}
+
+
+def _zeros(state_dim: int) -> Any:
+    import numpy as np
+
+    return np.zeros((1, state_dim), dtype=np.float32)
+
