@@ -21,7 +21,7 @@ tokenizer step. See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +31,14 @@ import torch.nn.functional as F
 from transformers import PaliGemmaForConditionalGeneration, PreTrainedTokenizerFast
 
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
-from joynexus.agents.models.features import FeatureBatch, TokenFeatures
+from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
 from joynexus.agents.models.pi05_config import PI05_DTYPES, Pi05BaseConfig, build_paligemma_config
 from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
-__all__ = ["MASK_VALUE", "Pi05Base", "Pi05Inputs", "Pi05Prompt", "apply_rope", "discretize_state", "rope_cos_sin"]
+__all__ = [
+    "MASK_VALUE", "Pi05Base", "Pi05Inputs", "Pi05Prompt", "apply_rope", "cache_bytes", "discretize_state", "rope_cos_sin",
+]
 
 #: The additive attention mask value of OpenPI (``OPENPI_ATTENTION_MASK_VALUE``).
 MASK_VALUE = -2.3819763e38
@@ -116,6 +118,8 @@ class Pi05Base:
     """The frozen π0.5 PaliGemma shared by all tenants. Build with ``Pi05Base.build``."""
 
     family = "pi05"
+    #: The prompt carries each row's state: callers attach it (``grouped.for_base``).
+    reads_state = True
 
     def __init__(self, model: PaliGemmaForConditionalGeneration, tokenizer: PreTrainedTokenizerFast,
                  config: Pi05BaseConfig) -> None:
@@ -188,13 +192,13 @@ class Pi05Base:
         """The π0.5 prompts of a batch (``Pi05Prompt.tokenize``)."""
         return self.prompt.tokenize(instructions, prefix_state_B_S)
 
-    def images(self, batch: FeatureBatch) -> torch.Tensor:
+    def images(self, images: Mapping[str, torch.Tensor], camera_slots: Sequence[str]) -> torch.Tensor:
         """Each camera's images as SigLIP takes them: [-1, 1], ``image_size`` square ``[K, B, 3, S, S]``
         (LeRobot's ``_preprocess_images``, its resize-with-pad included)."""
         side = self.config.image_size
         out = []
-        for slot in batch.schema.camera_slots:
-            img = batch.images[slot].to(torch.float32) / 255.0
+        for slot in camera_slots:
+            img = images[slot].to(torch.float32) / 255.0
             if img.shape[1] == 1:
                 img = img.expand(-1, 3, -1, -1)
             if tuple(img.shape[-2:]) != (side, side):
@@ -204,7 +208,23 @@ class Pi05Base:
 
     def prepare(self, batch: FeatureBatch, prefix_state_B_S: torch.Tensor) -> Pi05Inputs:
         ids, lengths = self.tokenize(batch.instructions, prefix_state_B_S.detach().cpu().numpy())
-        return Pi05Inputs(self.images(batch), ids, lengths)
+        return Pi05Inputs(self.images(batch.images, batch.schema.camera_slots), ids, lengths)
+
+    def encode_tokens(self, batch: FeatureBatch | SharedBatch, tokens: bool = True) -> TokenFeatures:
+        """The resident-base interface (``Backbone.encode_tokens``): prepare and one frozen prefix
+        forward. The batch must carry its rows' prompt state (``grouped.for_base`` attaches it)."""
+        if isinstance(batch, FeatureBatch):
+            state, slots = batch.prefix_state_B_S, batch.schema.camera_slots
+        else:
+            state, slots = batch.prefix_state_N_S, batch.camera_slots
+        if state is None:
+            raise InvalidSpec(
+                "the π0.5 base reads each row's state in its prompt: attach the tenant's prefix state "
+                "(agents.models.grouped.for_base) before its forward"
+            )
+        ids, lengths = self.tokenize(batch.instructions, state.detach().cpu().numpy())
+        feats = self.features(Pi05Inputs(self.images(batch.images, slots), ids, lengths))
+        return feats if tokens else TokenFeatures(feats.pooled_B_D)
 
     def concat_inputs(self, parts: Sequence[Pi05Inputs]) -> Pi05Inputs:
         """Rows of several prepared prefixes end to end (same cameras), prompts re-padded."""
@@ -265,6 +285,14 @@ class Pi05Base:
             w = real_B_L[..., None].to(torch.float32)
             pooled = (kv_B_L_C.float() * w).sum(1) / w.sum(1)
         return TokenFeatures(pooled.clone(), kv_B_L_C, real_B_L)
+
+
+def cache_bytes(feats: TokenFeatures) -> int:
+    """Bytes of a part's cache as its head receives it (float32 keys, values and mask)."""
+    if feats.h_B_L_D is None:
+        return 0
+    b, L, c = feats.h_B_L_D.shape
+    return int(b * L * (c + 1) * 4)
 
 
 def _resize_with_pad(img_B_C_H_W: torch.Tensor, side: int) -> torch.Tensor:

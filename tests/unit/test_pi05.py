@@ -13,20 +13,21 @@ from joynexus.agents.models.features import (
     IncompatibleBatches,
     canonicalize_request,
 )
-from joynexus.agents.models.grouped import ActRequest, TrainItem
+from joynexus.agents.models.grouped import (
+    ActRequest,
+    TrainItem,
+    for_base,
+    grouped_forward,
+    grouped_train_step,
+    isolated_train_step,
+    serial_forward,
+    serial_train_step,
+)
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.pi05 import Pi05ExpertHead
 from joynexus.agents.models.heads.tenant import TenantModule
-from joynexus.agents.models.pi05_base import Pi05Base, discretize_state
+from joynexus.agents.models.pi05_base import Pi05Base, cache_bytes, discretize_state
 from joynexus.agents.models.pi05_config import GEMMA_VARIANTS, Pi05BaseConfig
-from joynexus.agents.models.pi05_grouped import (
-    cache_bytes,
-    grouped_forward,
-    grouped_train_step,
-    serial_forward,
-    serial_train_step,
-    shared_features,
-)
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,12 +71,12 @@ def test_prefix_layout_and_cache_bytes_are_reported(base: Pi05Base) -> None:
     assert d["family"] == "pi05" and d["params"]["base"] == base.num_params() > d["params"]["vision"] > 0
     # two cameras of (56 / 14)^2 SigLIP tokens, then the prompt
     fb = batch(1, 2)
-    feats = shared_features(base, [(tenant(base, "a", 5, 0), fb)])[0]
+    feats = base.encode_tokens(for_base(base, fb, tenant(base, "a", 5, 0)))
     assert feats.h_B_L_D is not None and feats.real_B_L is not None
     assert bool(feats.real_B_L[:, : 2 * 16].all())
     longest = int(feats.real_B_L.sum(1).max())
     assert d["prefix_tokens_per_sample"] <= longest + 8  # the describe() instruction is short
-    assert cache_bytes([feats]) == [2 * longest * (base.feature_dim + 1) * 4]
+    assert cache_bytes(feats) == 2 * longest * (base.feature_dim + 1) * 4
     assert d["kv_bytes_per_row"] == d["prefix_tokens_per_sample"] * (base.feature_dim + 1) * 4
     # A real-size base's figures come from the same formula (no weights built).
     big = GEMMA_VARIANTS["gemma_2b"]
@@ -126,9 +127,11 @@ def test_grouped_train_steps_equal_serial_and_isolate_tenants(base: Pi05Base) ->
             out.append(TrainItem(tenant(base, f"t{i}", sd, i, head=head), fb, target))
         return out
 
-    g_items, s_items = items(), items()
+    g_items, s_items, i_items = items(), items(), items()
     g_curves = [grouped_train_step(base, g_items) for _ in range(4)]
     s_curves = [serial_train_step(base, s_items) for _ in range(4)]
+    i_curves = [isolated_train_step(base, i_items) for _ in range(4)]  # the actor's step
+    assert i_curves == g_curves
     for lg_step, ls_step in zip(g_curves, s_curves, strict=True):
         for lg, ls in zip(lg_step, ls_step, strict=True):
             assert abs(lg - ls) <= 1e-4 * max(1.0, abs(ls)), (g_curves, s_curves)
@@ -149,13 +152,17 @@ def test_grouped_train_steps_equal_serial_and_isolate_tenants(base: Pi05Base) ->
     assert not any(p.requires_grad for p in base.model.parameters())
 
 
-def test_incompatible_cameras_and_duplicate_tenants_are_refused(base: Pi05Base) -> None:
+def test_incompatible_cameras_duplicate_tenants_and_a_missing_state_are_refused(base: Pi05Base) -> None:
     a = tenant(base, "a", 5, 0)
     b = tenant(base, "b", 5, 1)
     with pytest.raises(IncompatibleBatches):
-        shared_features(base, [(a, batch(9, 1)), (b, batch(10, 1, cams=("front",)))])
+        grouped_forward(base, [ActRequest(a, batch(9, 1)), ActRequest(b, batch(10, 1, cams=("front",)))])
     with pytest.raises(InvalidSpec, match="twice"):
-        shared_features(base, [(a, batch(9, 1)), (a, batch(10, 1))])
+        grouped_train_step(base, [TrainItem(a, batch(9, 1), torch.zeros(1, H, 3)),
+                                  TrainItem(a, batch(10, 1), torch.zeros(1, H, 3))])
+    # Without the prompt's state the base refuses to guess it.
+    with pytest.raises(InvalidSpec, match="prefix state"):
+        base.encode_tokens(batch(9, 1))
 
 
 def test_cache_path_equals_lerobots_sample_actions(base: Pi05Base) -> None:

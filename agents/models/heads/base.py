@@ -97,6 +97,12 @@ class ActionHead(nn.Module, abc.ABC):
         z = (state_B_S - self.state_mean) / self.state_std
         return z.clamp(-NORM_CLIP, NORM_CLIP)
 
+    @torch.no_grad()
+    def prefix_state(self, state_B_S: torch.Tensor) -> torch.Tensor:
+        """The state as a base's prompt takes it (π0.5 discretises it into 256 bins of [-1, 1],
+        after LeRobot's normaliser): ``PREFIX_STATE_SPAN`` of this data's standard deviations."""
+        return (self.norm_state(state_B_S) / PREFIX_STATE_SPAN).clamp(-1.0, 1.0)
+
     def norm_action(self, action_B_H_A: torch.Tensor) -> torch.Tensor:
         return (action_B_H_A - self.action_mean) / self.action_std
 
@@ -139,6 +145,8 @@ class ActionHead(nn.Module, abc.ABC):
 HEADS: dict[str, type[ActionHead]] = {}
 #: Normalised states are clipped to this many standard deviations.
 NORM_CLIP = 10.0
+#: How many standard deviations of the training data a prompt's [-1, 1] state spans.
+PREFIX_STATE_SPAN = 3.0
 
 
 def register(type_name: str) -> Callable[[type[ActionHead]], type[ActionHead]]:

@@ -32,8 +32,6 @@ __all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "pi05_lerobot_keys", "sinusoidal_ti
 
 #: LeRobot's expert attention layout (its joint forward reshapes to 8 heads).
 EXPERT_HEADS = 8
-#: How many standard deviations of the training data the prompt's [-1, 1] state spans.
-PREFIX_STATE_SPAN = 3.0
 
 
 def sinusoidal_time(t_B: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
@@ -122,13 +120,6 @@ class Pi05ExpertHead(base.ActionHead):
         self.action_out_proj = nn.Linear(w, MAX_ACTION_DIM)
         self.time_mlp_in = nn.Linear(w, w)
         self.time_mlp_out = nn.Linear(w, w)
-
-    # -- the prompt's state -------------------------------------------------------
-    @torch.no_grad()
-    def prefix_state(self, state_B_S: torch.Tensor) -> torch.Tensor:
-        """The state as the shared prefix's prompt takes it: in [-1, 1], ``PREFIX_STATE_SPAN``
-        standard deviations of this tenant's data (its normaliser, as LeRobot's runs first)."""
-        return (self.norm_state(state_B_S) / PREFIX_STATE_SPAN).clamp(-1.0, 1.0)
 
     # -- the expert ------------------------------------------------------------------
     def _cache(self, feats_B_L_C: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
