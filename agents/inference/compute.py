@@ -20,7 +20,13 @@ import torch
 from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import TokenFeatures, concat_batches
-from joynexus.agents.models.grouped import ActRequest, features_for, for_base, needs_tokens, serial_forward
+from joynexus.agents.models.grouped import (
+    ActRequest,
+    features_for,
+    for_base,
+    needs_tokens,
+    serial_forward,
+)
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.stacked import arch_key, stackable, stacked_act
 from joynexus.schemas.inference import BatchInfo, InferResult, InferTimings, TensorBytes
