@@ -238,3 +238,34 @@ def test_base_family_is_chosen_per_deployment(capsys: pytest.CaptureFixture[str]
         build_base("pi05", "tiny", path="/tmp")
     with pytest.raises(InvalidSpec, match="choose one of"):
         build_base("smolvla", "tiny")
+
+
+def test_specs_name_pi05_expert_only_on_a_pi05_base() -> None:
+    """A workload may ask for ``pi05_expert`` on a π0.5 base; its fresh head attends to that
+    base's cache (``kv_layers``, ``feature_dim`` from the torch-free tables)."""
+    from joynexus.agents.featureschema import PI05_KV, feature_dim
+    from joynexus.agents.models.policyio import fresh_module
+    from joynexus.schemas.catalog import PI05_BASE_MODELS
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    for name, size in PI05_BASE_MODELS.items():  # the light tables agree with the configs
+        g = GEMMA_VARIANTS[size]
+        assert PI05_KV[size] == (g["depth"], g["num_kv_heads"] * g["head_dim"])
+        assert feature_dim(name) == g["depth"] * 2 * g["num_kv_heads"] * g["head_dim"]
+    spec = WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-tiny",
+                        action_module="pi05_expert", head_hidden=32, action_horizon=H)
+    schema = FeatureSchema(("front",), (56, 56), 5, 3, H, base_model="pi05-tiny")
+    m = fresh_module("acme", spec, schema, {})
+    assert isinstance(m.head, Pi05ExpertHead) and m.cfg.kv_layers == 2 and m.cfg.feature_dim == 32
+    base = Pi05Base.build(Pi05BaseConfig())
+    fb = canonicalize_request(schema, {"front": torch.zeros(1, 3, 56, 56, dtype=torch.uint8)}, "go", torch.zeros(1, 5))
+    assert serial_forward(base, [ActRequest(m, fb)])[0].shape == (1, H, 3)
+    # Another head on the π0.5 base is fine; pi05_expert on a Qwen base is refused at the door.
+    WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-tiny", action_module="gr00t_flow")
+    with pytest.raises(InvalidSpec, match="attends to a pi05 base"):
+        WorkloadSpec(name="w", task_type="sft", dataset="d", action_module="pi05_expert")
+    with pytest.raises(InvalidSpec, match="must be even"):
+        WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-tiny", action_module="pi05_expert",
+                     head_hidden=33)
+    with pytest.raises(InvalidSpec, match="not hosted"):
+        WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-huge")
