@@ -4,6 +4,8 @@ for forwards, train steps and weights; the cache's size bounded and reported."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -269,3 +271,33 @@ def test_specs_name_pi05_expert_only_on_a_pi05_base() -> None:
                      head_hidden=33)
     with pytest.raises(InvalidSpec, match="not hosted"):
         WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-huge")
+
+
+def test_a_lerobot_checkpoints_expert_becomes_a_tenants_head(base: Pi05Base, tmp_path: Any) -> None:
+    """LeRobot's own PI05Pytorch state dict, saved as LeRobot's ``model.safetensors`` names it,
+    loads into a fresh ``pi05_expert`` (strict: every expert weight, nothing else) and acts the same."""
+    from safetensors.torch import load_file, save_file
+
+    from joynexus.agents.models.heads.pi05 import expert_from_lerobot
+    from joynexus.agents.models.pi05_lerobot import lerobot_model, openpi_transformers
+
+    src = tenant(base, "a", 5, 3)
+    with torch.no_grad():
+        for p in src.head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 1)))
+    with openpi_transformers():
+        ref = lerobot_model(base, src.head, steps=3)
+    sd = {f"model.{k}": v.contiguous() for k, v in ref.state_dict().items()
+          if not k.startswith("paligemma_with_expert.paligemma.")}  # the base stays the resident one
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    dst = tenant(base, "b", 5, 99)
+    missing, unexpected = dst.head.load_state_dict(expert_from_lerobot(load_file(str(tmp_path / "model.safetensors"))),
+                                                   strict=False)
+    assert set(missing) == {"state_mean", "state_std", "action_mean", "action_std"}
+    assert unexpected == []
+    fb = batch(12, 2, 5)
+    noise = torch.randn(2, H, 32, generator=torch.Generator().manual_seed(1))
+    a, b = (serial_forward(base, [ActRequest(m, fb, noise)])[0] for m in (src, dst))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(InvalidSpec, match="no π0.5 action expert"):
+        expert_from_lerobot({"model.paligemma_with_expert.paligemma.x": torch.zeros(1)})

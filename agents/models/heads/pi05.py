@@ -28,7 +28,7 @@ from joynexus.agents.models.pi05_base import MASK_VALUE, apply_rope, rope_cos_si
 from joynexus.agents.models.pi05_config import MAX_ACTION_DIM
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
-__all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "pi05_lerobot_keys", "sinusoidal_time"]
+__all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "expert_from_lerobot", "pi05_lerobot_keys", "sinusoidal_time"]
 
 #: LeRobot's expert attention layout (its joint forward reshapes to 8 heads).
 EXPERT_HEADS = 8
@@ -214,4 +214,22 @@ def pi05_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch.Te
             out["model.paligemma_with_expert.gemma_expert.model." + k[len("expert."):]] = v
         elif k.split(".")[0] in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
             out["model." + k] = v
+    return out
+
+
+def expert_from_lerobot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The expert's weights of a LeRobot ``PI05Policy`` state dict (``model.safetensors`` as its
+    ``save_pretrained`` writes it) under this head's names: what a tenant's head loads to start
+    from a LeRobot checkpoint (the normalisation buffers stay the head's own)."""
+    expert = "model.paligemma_with_expert.gemma_expert.model."
+    out = {}
+    for k, v in state.items():
+        if k.startswith(expert) and not k.startswith(expert + "embed_tokens"):
+            out["expert." + k[len(expert):]] = v
+        elif k.startswith("model.") and k.split(".")[1] in ("action_in_proj", "action_out_proj", "time_mlp_in",
+                                                             "time_mlp_out"):
+            out[k[len("model."):]] = v
+    if not out:
+        raise InvalidSpec("no π0.5 action expert in this state dict: expected LeRobot PI05Policy names "
+                          "(model.paligemma_with_expert.gemma_expert.*, model.action_in_proj.*)")
     return out
