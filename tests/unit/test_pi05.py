@@ -299,5 +299,5 @@ def test_a_lerobot_checkpoints_expert_becomes_a_tenants_head(base: Pi05Base, tmp
     noise = torch.randn(2, H, 32, generator=torch.Generator().manual_seed(1))
     a, b = (serial_forward(base, [ActRequest(m, fb, noise)])[0] for m in (src, dst))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
-    with pytest.raises(InvalidSpec, match="no π0.5 action expert"):
+    with pytest.raises(InvalidSpec, match=r"no π0\.5 action expert"):
         expert_from_lerobot({"model.paligemma_with_expert.paligemma.x": torch.zeros(1)})
