@@ -22,7 +22,12 @@ import torch
 
 from joynexus.agents.inference.engine import InferenceEngine
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.families import build_base
+from joynexus.agents.models.families import (
+    KV_BUDGET_ENV,
+    build_base,
+    cache_row_cap,
+    kv_budget_bytes,
+)
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.quotas import QuotaBook
@@ -164,6 +169,11 @@ async def run_inference_agent(
     # torch's OpenMP keeps a thread count per thread.
     torch.set_num_threads(threads)
     backbone = await asyncio.to_thread(build_base, family, size, backbone_path, threads)
+    capped = cache_row_cap(backbone, max_rows, kv_budget_bytes())
+    if capped < max_rows:  # a π0.5 base: each row's prefix cache counts against the batch's memory
+        log.info("inference %s: max_rows %d -> %d (prefix caches within $%s)", instance, max_rows, capped,
+                 KV_BUDGET_ENV)
+        max_rows = capped
     pool = EnginePool(
         broker,
         backbone,

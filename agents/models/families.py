@@ -10,6 +10,7 @@ See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,9 +18,34 @@ import torch
 from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["FAMILY_SIZES", "build_base", "check_base", "describe"]
+__all__ = ["KV_BUDGET_ENV", "build_base", "cache_row_cap", "check_base", "describe", "kv_budget_bytes"]
 
 _INSTRUCTION = "push the cube to the goal region"
+
+
+#: The memory one engine batch's prefix caches may take, in MB (``$JOYNEXUS_KV_BUDGET_MB``,
+#: default 2048): a π0.5 engine's ``max_rows`` is cut so a full batch fits.
+KV_BUDGET_ENV = "JOYNEXUS_KV_BUDGET_MB"
+
+
+def kv_budget_bytes() -> int:
+    raw = os.environ.get(KV_BUDGET_ENV, "2048") or "2048"
+    try:
+        mb = float(raw)
+    except ValueError as e:
+        raise InvalidSpec(f"${KV_BUDGET_ENV}={raw!r}: a number of MB") from e
+    if not mb > 0:
+        raise InvalidSpec(f"${KV_BUDGET_ENV}={raw!r}: must be > 0")
+    return int(mb * 2**20)
+
+
+def cache_row_cap(base: Any, max_rows: int, budget_bytes: int) -> int:
+    """``max_rows`` cut so one batch's caches (each row at its largest prefix) fit in
+    ``budget_bytes``; unchanged for a base that hands heads no per-layer cache."""
+    if not getattr(base, "reads_state", False):
+        return max_rows
+    per_row = base.kv_bytes_per_row(base.max_prefix_tokens())
+    return max(1, min(max_rows, budget_bytes // per_row))
 
 
 def check_base(family: str, size: str, path: str | None = None) -> None:
@@ -104,7 +130,9 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
         head_type = "pi05_expert"
         hcfg = HeadConfig(kv_dim, state_dim, action_dim, action_horizon, hidden=width, kv_layers=g["depth"])
         row_bytes = tokens * (kv_dim + 1) * 4
+        worst = (4 * cfg.image_tokens + prompt.max_tokens) * (kv_dim + 1) * 4
         extra = {"feature": "per-layer prefix keys and values", "feature_dim": kv_dim, "kv_layers": g["depth"],
+                 "max_kv_bytes_per_row": worst, "rows_within_kv_budget": kv_budget_bytes() // worst,
                  "expert_variant": cfg.expert_variant, "image_size": cfg.image_size,
                  "max_state_dim": cfg.max_state_dim}
     with torch.device("meta"):

@@ -90,6 +90,13 @@ class Pi05Prompt:
         self._tok = TokenCache(enc, maxsize=4096)
         self._task, self._state, self._action = (enc([s])[0] for s in ("Task: ", ", State: ", ";\nAction: "))
 
+    @property
+    def max_tokens(self) -> int:
+        """An upper bound on a prompt's tokens: the fixed parts, the instruction's cut, and at
+        most 4 bytes (so 4 byte-level tokens) per state value ("255 ")."""
+        fixed = 1 + len(self._task) + len(self._state) + len(self._action)
+        return fixed + self.config.max_text_tokens + 4 * self.config.max_state_dim
+
     def tokenize(self, instructions: Sequence[str], prefix_state_B_S: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """π0.5 prompts (right-padded ids, real lengths): ``<bos>Task: <text>, State: <bins>;\\nAction: ``."""
         st = np.asarray(prefix_state_B_S, dtype=np.float32)
@@ -170,6 +177,10 @@ class Pi05Base:
         """Prefix length of one sample: image tokens plus its prompt's tokens."""
         s = np.zeros((1, state_dim or self.config.max_state_dim), dtype=np.float32)
         return n_cameras * self.config.image_tokens + int(self.tokenize([instruction], s)[1][0])
+
+    def max_prefix_tokens(self, n_cameras: int = 4) -> int:
+        """An upper bound on one sample's prefix (a spec names at most 4 cameras)."""
+        return n_cameras * self.config.image_tokens + self.prompt.max_tokens
 
     def kv_bytes_per_row(self, prefix_tokens: int) -> int:
         """Bytes of one row's cache as heads receive it (float32, plus its mask channel)."""

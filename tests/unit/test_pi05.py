@@ -301,3 +301,29 @@ def test_a_lerobot_checkpoints_expert_becomes_a_tenants_head(base: Pi05Base, tmp
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(InvalidSpec, match=r"no π0\.5 action expert"):
         expert_from_lerobot({"model.paligemma_with_expert.paligemma.x": torch.zeros(1)})
+
+
+def test_the_cache_counts_against_an_engines_rows(base: Pi05Base, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A π0.5 engine's max_rows is cut so a full batch's caches fit the budget; the bound on a
+    row's prefix holds for the longest prompt and four cameras."""
+    from joynexus.agents.models.families import (
+        KV_BUDGET_ENV,
+        cache_row_cap,
+        describe,
+        kv_budget_bytes,
+    )
+
+    four = FeatureSchema(("a", "b", "c", "d"), (56, 56), 8, 3, H, base_model="pi05-tiny")
+    fb = canonicalize_request(four, {c: torch.zeros(1, 3, 56, 56, dtype=torch.uint8) for c in four.camera_slots},
+                              "é" * 4000, torch.full((1, 8), -0.9))
+    feats = base.encode_tokens(for_base(base, fb, tenant(base, "a", 8, 0)))
+    assert feats.real_B_L is not None and int(feats.real_B_L.sum()) <= base.max_prefix_tokens(4)
+    per_row = base.kv_bytes_per_row(base.max_prefix_tokens())
+    assert cache_row_cap(base, 64, 10 * per_row) == 10 and cache_row_cap(base, 64, 10**12) == 64
+    assert cache_row_cap(base, 64, 1) == 1  # never below one row
+    monkeypatch.setenv(KV_BUDGET_ENV, "1024")
+    real = describe("pi05", "gemma_2b", cameras=2)
+    assert real["rows_within_kv_budget"] == kv_budget_bytes() // real["max_kv_bytes_per_row"] < 64
+    monkeypatch.setenv(KV_BUDGET_ENV, "-1")
+    with pytest.raises(InvalidSpec, match="must be > 0"):
+        kv_budget_bytes()
