@@ -327,3 +327,16 @@ def test_the_cache_counts_against_an_engines_rows(base: Pi05Base, monkeypatch: p
     monkeypatch.setenv(KV_BUDGET_ENV, "-1")
     with pytest.raises(InvalidSpec, match="must be > 0"):
         kv_budget_bytes()
+
+
+def test_bench_families_smoke() -> None:
+    """``joynexus bench families`` at its smallest: the grid's arms ran and their ratio is reported."""
+    from joynexus.ops.bench.families import bench_families
+
+    r = bench_families("pi05", "tiny", tenants=2, rows=(1, 2), repeats=2)
+    assert r["family"] == "pi05" and r["params"] > 0 and set(r["grid"]) == {"2x1", "2x2"}
+    for cell in r["grid"].values():
+        assert cell["rounds"] == 2 and cell["grouped_ms"] > 0 and cell["serial_ms"] > 0
+        lo, hi = cell["speedup_ci95"]
+        assert lo <= cell["speedup"] <= hi
+    assert "load1" in r["load"]
