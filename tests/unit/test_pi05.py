@@ -340,3 +340,11 @@ def test_bench_families_smoke() -> None:
         lo, hi = cell["speedup_ci95"]
         assert lo <= cell["speedup"] <= hi
     assert "load1" in r["load"]
+
+
+def test_the_learning_plan_runs_pi05_expert_on_a_pi05_deployment() -> None:
+    from joynexus.ops.bench.learning import plans_for
+
+    (plan,) = plans_for(False, ["PushCube-v1/pi05_expert"])
+    assert plan.base == "pi05" and plan.action_module == "pi05_expert" and plan.target == 0.8
+    assert plan.head_hidden % 2 == 0  # the expert's width
