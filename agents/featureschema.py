@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from joynexus.schemas.catalog import BASE_MODELS
+from joynexus.schemas.catalog import BASE_MODELS, PI05_BASE_MODELS
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
 
 __all__ = [
     "FEATURE_DIMS",
+    "PI05_KV",
     "FeatureSchema",
     "feature_dim",
     "feature_schema_of",
+    "kv_layers",
     "schema_from_spec",
     "schema_spec",
 ]
@@ -30,11 +32,26 @@ __all__ = [
 #: hidden size: ``agents.models.backbone_config.SIZES[size]["text"]["hidden_size"]``, which
 #: a test checks against this table).
 FEATURE_DIMS: dict[str, int] = {"tiny": 64, "bench": 384}
+#: A π0.5 base's cache per size: (layers, key/value heads x head dim), as
+#: ``agents.models.pi05_config.GEMMA_VARIANTS`` builds it (a test checks both agree).
+PI05_KV: dict[str, tuple[int, int]] = {"tiny": (2, 8), "gemma_300m": (18, 256), "gemma_2b": (18, 256)}
 
 
 def feature_dim(base_model: str) -> int:
-    """The feature width of a hosted base model (``schemas.catalog.BASE_MODELS``)."""
+    """The feature width of a hosted base model (``schemas.catalog.BASE_MODELS``; a π0.5
+    base's is its cache's, every layer's keys and values: ``PI05_BASE_MODELS``)."""
+    if base_model in PI05_BASE_MODELS:
+        layers, width = PI05_KV[PI05_BASE_MODELS[base_model]]
+        return layers * 2 * width
     return FEATURE_DIMS[BASE_MODELS[base_model]]
+
+
+def kv_layers(base_model: str, action_module: str) -> int:
+    """``HeadConfig.kv_layers`` of a head on this base: the π0.5 base's depth for its
+    ``pi05_expert``, 0 otherwise."""
+    if action_module != "pi05_expert" or base_model not in PI05_BASE_MODELS:
+        return 0
+    return PI05_KV[PI05_BASE_MODELS[base_model]][0]
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,14 @@ import msgspec
 from joynexus.schemas.base import WIRE_VERSION, Wire
 from joynexus.schemas.catalog import (
     ACTION_MODULES,
+    BASE_FAMILY_HEADS,
     BASE_IMAGE_SIDE,
     BASE_MODELS,
     MAX_IMAGE_SIZE,
     MIN_IMAGE_SIZE,
+    PI05_BASE_MODELS,
     RL_ENVS,
+    base_family,
     describe_envs,
     image_size_hint,
     libero_task,
@@ -139,14 +142,24 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         check_name("workload name", self.name)
         if self.task_type not in TASK_TYPES:
             raise InvalidSpec(f"task_type {self.task_type!r} is not one of {list(TASK_TYPES)}")
-        if self.base_model not in BASE_MODELS:
+        family = base_family(self.base_model)
+        if family is None:
             raise InvalidSpec(
-                f"base_model {self.base_model!r} is not hosted here; choose one of {sorted(BASE_MODELS)}"
+                f"base_model {self.base_model!r} is not hosted here; choose one of "
+                f"{sorted(BASE_MODELS) + sorted(PI05_BASE_MODELS)}"
             )
         if self.action_module not in ACTION_MODULES:
             raise InvalidSpec(
                 f"action_module {self.action_module!r} is unknown; choose one of {list(ACTION_MODULES)}"
             )
+        needs = BASE_FAMILY_HEADS.get(self.action_module)
+        if needs is not None and needs != family:
+            raise InvalidSpec(
+                f"action_module {self.action_module!r} attends to a {needs} base's prefix cache; "
+                f"base_model {self.base_model!r} is {family}: choose one of {sorted(PI05_BASE_MODELS)}"
+            )
+        if self.action_module == "pi05_expert" and self.head_hidden % 2:
+            raise InvalidSpec(f"pi05_expert: head_hidden={self.head_hidden} (the expert's width) must be even")
         if self.task_type in ("rl", "eval"):
             if self.env not in RL_ENVS and libero_task(self.env) is None:
                 raise InvalidSpec(

@@ -20,7 +20,13 @@ import torch
 from joynexus.agents.inference.batcher import Pending
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.features import TokenFeatures, concat_batches
-from joynexus.agents.models.grouped import ActRequest, features_for, needs_tokens, serial_forward
+from joynexus.agents.models.grouped import (
+    ActRequest,
+    features_for,
+    for_base,
+    needs_tokens,
+    serial_forward,
+)
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.stacked import arch_key, stackable, stacked_act
 from joynexus.schemas.inference import BatchInfo, InferResult, InferTimings, TensorBytes
@@ -147,7 +153,7 @@ def forward_grouped(backbone: Backbone, items: Sequence[Pending]) -> tuple[list[
     """ONE backbone forward over every request's rows, then each policy's head once on
     its requests' rows (pooled features, or token features for heads that read tokens)."""
     t0 = time.perf_counter()
-    shared = concat_batches([p.batch for p in items])
+    shared = concat_batches([for_base(backbone, p.batch, p.policy.module) for p in items])
     feats = backbone.encode_tokens(shared, tokens=needs_tokens([p.policy.module for p in items]))
     forward_ms = (time.perf_counter() - t0) * 1e3
     return decode_grouped(items, feats.split(shared.slices)), forward_ms

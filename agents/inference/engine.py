@@ -199,6 +199,8 @@ class InferenceEngine:
             metadata={
                 "instance": self.instance,
                 "base_model": self.base_model,
+                "base_family": str(getattr(self.backbone, "family", "qwen2_5_vl")),
+                "base_params": str(self.backbone.num_params()),
                 "max_batch": str(self.max_batch),
                 "max_rows": str(self.max_rows),
                 "max_wait_ms": f"{self.max_wait_s * 1e3:g}",

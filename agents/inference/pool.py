@@ -22,7 +22,12 @@ import torch
 
 from joynexus.agents.inference.engine import InferenceEngine
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.backbone_config import BackboneConfig
+from joynexus.agents.models.families import (
+    KV_BUDGET_ENV,
+    build_base,
+    cache_row_cap,
+    kv_budget_bytes,
+)
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.quotas import QuotaBook
@@ -150,10 +155,12 @@ async def run_inference_agent(
     backbone_path: str | None = None,
     threads: int | None = None,
     layout: LayoutOptions | None = None,
+    family: str = "qwen2_5_vl",
 ) -> None:
     """``joynexus agent inference``: build the backbone, serve until ``stop`` is set, then drain.
 
-    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``); ``threads``
+    ``family`` is the base family (``agents.models.families``: ``qwen2_5_vl``, ``pi05``);
+    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``, ``pi05-<size>``); ``threads``
     (torch's intra-op threads, for this process) to :func:`serving_threads`.
     """
     await ensure_layout(broker, layout)
@@ -161,8 +168,12 @@ async def run_inference_agent(
     # On this (the event loop's) thread too: a batch whose forward is short runs here, and
     # torch's OpenMP keeps a thread count per thread.
     torch.set_num_threads(threads)
-    cfg = BackboneConfig(size=size, path=backbone_path, threads=threads)  # type: ignore[arg-type]
-    backbone = await asyncio.to_thread(Backbone.build, cfg)
+    backbone = await asyncio.to_thread(build_base, family, size, backbone_path, threads)
+    capped = cache_row_cap(backbone, max_rows, kv_budget_bytes())
+    if capped < max_rows:  # a π0.5 base: each row's prefix cache counts against the batch's memory
+        log.info("inference %s: max_rows %d -> %d (prefix caches within $%s)", instance, max_rows, capped,
+                 KV_BUDGET_ENV)
+        max_rows = capped
     pool = EnginePool(
         broker,
         backbone,

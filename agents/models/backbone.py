@@ -78,6 +78,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Backbone:
     """The frozen, shared vision-language backbone. Build with ``Backbone.build``."""
 
+    #: The base family (``agents.models.families``); its prompt carries no state.
+    family = "qwen2_5_vl"
+    reads_state = False
+
     def __init__(
         self,
         model: Qwen2_5_VLModel,

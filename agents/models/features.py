@@ -57,6 +57,9 @@ class FeatureBatch:
     instructions: tuple[str, ...]  # len B
     state_B_S: torch.Tensor  # float32
     history_B_H_S: torch.Tensor | None = None  # float32, H == schema.history_len
+    #: The state as a base that reads it in its prompt takes it (π0.5: in [-1, 1], the
+    #: tenant's head normalises it: ``ActionHead.prefix_state``); None for other bases.
+    prefix_state_B_S: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +75,7 @@ class SharedBatch:
     images: Mapping[str, torch.Tensor]  # slot -> uint8 [N, C, H, W], N = sum of batch sizes
     instructions: tuple[str, ...]  # len N
     slices: tuple[slice, ...]  # rows of each input batch, in input order
+    prefix_state_N_S: torch.Tensor | None = None  # each batch's ``prefix_state_B_S`` (all or none), zero-padded
 
     @property
     def batch_size(self) -> int:
@@ -273,7 +277,12 @@ def concat_batches(batches: Sequence[FeatureBatch]) -> SharedBatch:
             s: torch.from_numpy(np.concatenate([b.images[s].numpy() for b in batches], axis=0)) for s in slots
         }
     instructions = tuple(s for b in batches for s in b.instructions)
-    return SharedBatch(key, slots, images, instructions, tuple(slices))
+    prefix = None
+    if all(b.prefix_state_B_S is not None for b in batches):
+        width = max(int(b.prefix_state_B_S.shape[1]) for b in batches if b.prefix_state_B_S is not None)
+        prefix = torch.cat([torch.nn.functional.pad(b.prefix_state_B_S, (0, width - b.prefix_state_B_S.shape[1]))
+                            for b in batches if b.prefix_state_B_S is not None])
+    return SharedBatch(key, slots, images, instructions, tuple(slices), prefix)
 
 
 def split_rows(x_N_rest: torch.Tensor, slices: Sequence[slice]) -> list[torch.Tensor]:

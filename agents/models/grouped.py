@@ -16,7 +16,7 @@ See docs/ARCHITECTURE.md, "Policies that learn" (``features_for``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ __all__ = [
     "TrainItem",
     "encode_for",
     "features_for",
+    "for_base",
     "grouped_forward",
     "grouped_train_step",
     "isolated_train_step",
@@ -89,9 +90,17 @@ def needs_tokens(heads: Sequence[ActionHead | TenantModule]) -> bool:
     return any(_head(h).reads == "tokens" for h in heads)
 
 
+def for_base(backbone: Backbone, batch: FeatureBatch, head: ActionHead | TenantModule) -> FeatureBatch:
+    """``batch`` with what ``backbone`` reads of the state in its prompt, if it reads it
+    (``reads_state``: the π0.5 base), from the tenant's own normaliser; else ``batch``."""
+    if not getattr(backbone, "reads_state", False) or batch.prefix_state_B_S is not None:
+        return batch
+    return replace(batch, prefix_state_B_S=_head(head).prefix_state(batch.state_B_S))
+
+
 def encode_for(backbone: Backbone, batch: FeatureBatch, head: ActionHead | TenantModule) -> torch.Tensor:
     """One forward of ``batch`` alone, as ``head`` reads it (the serial reference path)."""
-    return features_for(head, backbone.encode_tokens(batch, tokens=needs_tokens([head])))
+    return features_for(head, backbone.encode_tokens(for_base(backbone, batch, head), tokens=needs_tokens([head])))
 
 
 def _decode(req: ActRequest, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +120,7 @@ def grouped_forward(backbone: Backbone, requests: Sequence[ActRequest]) -> list[
     Raises ``IncompatibleBatches`` if the requests cannot share a forward (use
     ``plan_groups`` to split them first).
     """
-    shared = concat_batches([r.batch for r in requests])
+    shared = concat_batches([for_base(backbone, r.batch, r.tenant) for r in requests])
     feats = backbone.encode_tokens(shared, tokens=needs_tokens([r.tenant for r in requests]))
     return [
         _decode(r, features_for(r.tenant, f)) for r, f in zip(requests, feats.split(shared.slices), strict=True)
@@ -126,7 +135,7 @@ def serial_forward(backbone: Backbone, requests: Sequence[ActRequest]) -> list[t
 def grouped_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[float]:
     """One shared frozen forward, then each tenant's own loss/backward/step. Returns per-tenant losses."""
     _check_tenants([it.tenant for it in items])
-    shared = concat_batches([it.batch for it in items])
+    shared = concat_batches([for_base(backbone, it.batch, it.tenant) for it in items])
     # frozen: computed without grad
     feats = backbone.encode_tokens(shared, tokens=needs_tokens([it.tenant for it in items]))
     losses = []
@@ -177,7 +186,7 @@ def _features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tens
     or (if that fails) from a forward of its own; an item whose own forward fails gets
     the error."""
     try:
-        shared = concat_batches([it.batch for it in items])
+        shared = concat_batches([for_base(backbone, it.batch, it.tenant) for it in items])
         feats = backbone.encode_tokens(shared, tokens=needs_tokens([it.tenant for it in items]))
         return [features_for(it.tenant, f) for it, f in zip(items, feats.split(shared.slices), strict=True)]
     except Exception as e:  # find the item that spoils it, alone

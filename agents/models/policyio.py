@@ -14,7 +14,13 @@ import asyncio
 import json
 from dataclasses import asdict
 
-from joynexus.agents.featureschema import FeatureSchema, feature_dim, feature_schema_of, schema_spec
+from joynexus.agents.featureschema import (
+    FeatureSchema,
+    feature_dim,
+    feature_schema_of,
+    kv_layers,
+    schema_spec,
+)
 from joynexus.agents.models.heads.base import HeadConfig
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.broker.policy import PolicyRecords
@@ -62,6 +68,7 @@ def fresh_module(tenant: str, spec: WorkloadSpec, schema: FeatureSchema,
         action_horizon=schema.action_horizon,
         hidden=spec.head_hidden,
         seed=spec.seed,
+        kv_layers=kv_layers(spec.base_model, spec.action_module),
     )
     module = TenantModule(tenant, spec.action_module, cfg, lr=spec.learning_rate)
     module.set_normalization(stats)

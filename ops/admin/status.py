@@ -20,6 +20,7 @@ from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.natsapi import service_api
 from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS
+from joynexus.ops.admin.bases import base_line, base_of
 from joynexus.schemas.errors import Unavailable
 
 
@@ -54,9 +55,12 @@ async def collect(b: Broker) -> dict[str, Any]:
         out["scheduler"] = msgspec.to_builtins(snap)
     except Unavailable as e:
         out["scheduler"] = {"error": str(e)}
+    replies = await _gather_replies(b, service_api("STATS", b.names.inference_service))
+    out["base"] = base_of(replies)
     out["inference_engines"] = [
         {
             "instance": r.get("metadata", {}).get("instance") or r.get("id", ""),
+            "base_model": r.get("metadata", {}).get("base_model"),
             "endpoints": [
                 {
                     "subject": e.get("subject"),
@@ -66,7 +70,7 @@ async def collect(b: Broker) -> dict[str, Any]:
                 for e in r.get("endpoints", [])
             ],
         }
-        for r in await _gather_replies(b, service_api("STATS", b.names.inference_service))
+        for r in replies
     ]
     out["agents"] = await _heartbeats(b)
     out["env_workers"] = env_workers(out["agents"].get("managers", []))
@@ -353,7 +357,8 @@ def render(s: dict[str, Any]) -> str:
             for ep in e["endpoints"]
         ]
         parts.append(
-            "Inference engines\n" + table(erows, ["engine", "endpoint", "requests", "errors"])
+            f"Inference engines (base: {base_line(s.get('base') or {})})\n"
+            + table(erows, ["engine", "endpoint", "requests", "errors"])
         )
     else:
         parts.append("Inference engines: none answering")

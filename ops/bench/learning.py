@@ -64,9 +64,10 @@ class Plan:
     rl_critic_warmup: int | None = None
     rl_target_kl: float = 0.01
     rl_gamma: float = 0.95
-    #: The frozen base: "random" (built from config) or "pretrained" (``joynexus base
+    #: The frozen base: "random" (built from config), "pretrained" (``joynexus base
     #: pretrain`` on this task's renders, made first; ``extra`` may set ``renders`` and
-    #: ``pretrain_steps``). Plans of each base run on a fresh deployment of their own.
+    #: ``pretrain_steps``) or "pi05" (the tiny π0.5 base from config, its specs on
+    #: ``pi05-tiny``). Plans of each base run on a fresh deployment of their own.
     base: str = "random"
     #: The plan's name in the report (default: the task).
     key: str = ""
@@ -91,6 +92,9 @@ FULL: tuple[Plan, ...] = (
          key="PushCube-v1/oft_attn"),
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="gr00t_flow",
          key="PushCube-v1/gr00t_flow"),
+    # π0.5's action expert over the tiny π0.5 base's prefix cache (the state only in the prompt).
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="pi05_expert", base="pi05",
+         key="PushCube-v1/pi05_expert", target=0.8),
 )
 QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
@@ -126,6 +130,7 @@ async def train_sft(client: Any, plan: Plan, name: str, dataset: str, log: Any) 
         learning_rate=plan.learning_rate,
         head_hidden=plan.head_hidden,
         action_module=plan.action_module,
+        base_model="pi05-tiny" if plan.base == "pi05" else "qwen2.5-vl-tiny",
         scheduling=Scheduling(max_in_flight=4, completion_target=plan.updates),
     )
     t0 = time.perf_counter()
@@ -215,6 +220,7 @@ async def _train_rl(
         action_horizon=plan.action_horizon,
         head_hidden=plan.head_hidden,
         action_module=plan.action_module,
+        base_model="pi05-tiny" if plan.base == "pi05" else "qwen2.5-vl-tiny",
         num_envs=plan.rl_num_envs,
         horizon=plan.rl_horizon,
         learning_rate=plan.rl_learning_rate,
@@ -309,7 +315,8 @@ async def run_learning(
         out: dict[str, Any] = {"tasks": {}}
         rl = any(p.rl_budget_s > 0 for p in plans)
         epochs = max((p.rl_epochs for p in plans if p.rl_budget_s > 0), default=1)
-        async with Service(data, rl=rl, ppo_epochs=epochs, backbone_path=backbone_path) as svc:
+        family = "pi05" if plans[0].base == "pi05" else "qwen2_5_vl"
+        async with Service(data, rl=rl, ppo_epochs=epochs, backbone_path=backbone_path, family=family) as svc:
             client = await svc.tenant()
             for i, plan in enumerate(plans):
                 name = f"ds{i}-{plan.task.split('-')[0].lower()}"
@@ -396,7 +403,7 @@ async def _rl_phase(
 
 async def _base_for(plans: Sequence[Plan], data: Path, base_dir: str | Path | None, log: Any) -> str | None:
     """The saved base the plans' deployment serves (None: the random one from config)."""
-    if all(p.base == "random" for p in plans):
+    if all(p.base in ("random", "pi05") for p in plans):
         return None
     if base_dir is not None:
         return str(base_dir)
@@ -419,7 +426,7 @@ async def _base_for(plans: Sequence[Plan], data: Path, base_dir: str | Path | No
 def _base_row(plan: Plan, backbone_path: str | None) -> dict[str, Any]:
     """What the report says of a plan's base (the probe figures of a pre-trained one)."""
     if backbone_path is None:
-        return {"base": "random"}
+        return {"base": "pi05-tiny (random)" if plan.base == "pi05" else "random"}
     import json
 
     from joynexus.ops.admin.pretrain_base import REPORT_FILE

@@ -22,9 +22,11 @@ class Service:
     """The roles of a deployment, in this process, on a fresh embedded server."""
 
     def __init__(
-        self, data: Path, *, rl: bool = False, ppo_epochs: int = 1, backbone_path: str | None = None
+        self, data: Path, *, rl: bool = False, ppo_epochs: int = 1, backbone_path: str | None = None,
+        family: str = "qwen2_5_vl",
     ) -> None:
         self.data = data
+        self.family = family
         self.backbone_path = backbone_path
         self.rl = rl
         self.ppo_epochs = ppo_epochs
@@ -56,8 +58,7 @@ class Service:
         from joynexus.agents.control import ControlPlane
         from joynexus.agents.evaluator import Evaluator
         from joynexus.agents.inference import EnginePool
-        from joynexus.agents.models.backbone import Backbone
-        from joynexus.agents.models.backbone_config import BackboneConfig
+        from joynexus.agents.models.families import build_base
         from joynexus.agents.producers import PolicyInitializer, ProducerAgent
         from joynexus.agents.scheduler import SchedulerAgent
         from joynexus.broker.connection import Broker
@@ -77,7 +78,7 @@ class Service:
         )
         st.push_async_callback(control_b.close)
         torch.manual_seed(0)
-        backbone = Backbone.build(BackboneConfig(size="tiny", path=self.backbone_path))
+        backbone = build_base(self.family, "tiny", self.backbone_path)
         sched = SchedulerAgent(service, instance="sched", lease_ttl_s=60.0)
         await sched.start()
         st.push_async_callback(sched.stop)

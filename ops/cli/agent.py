@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from joynexus.ops.cli.common import common
 from joynexus.ops.runtime.roles import ROLES, RoleOptions, run_role
+from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 
@@ -42,10 +44,18 @@ def register(sub: Any) -> None:
         "is set), monitor data and ClearML offline sessions (default .jnx)",
     )
     p.add_argument(
+        "--base",
+        default="qwen2_5_vl",
+        choices=BASE_FAMILIES,
+        help="actor/actor-forward/inference: the resident base family (default qwen2_5_vl; "
+        "pi05: OpenPI's PaliGemma prefix whose per-layer cache pi05_expert heads attend to)",
+    )
+    p.add_argument(
         "--backbone",
         default="tiny",
-        choices=("tiny", "bench"),
-        help="actor/inference: backbone size built from its config (default tiny)",
+        choices=sorted({s for sizes in FAMILY_SIZES.values() for s in sizes}),
+        help="actor/inference: base size built from its config (default tiny; qwen2_5_vl: tiny, "
+        "bench; pi05: tiny, gemma_300m, gemma_2b)",
     )
     p.add_argument(
         "--backbone-path",
@@ -139,12 +149,17 @@ async def run_agent(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backbone not in FAMILY_SIZES[args.base]:
+        print(f"joynexus agent: --backbone {args.backbone} is not a {args.base} size; choose one of "
+              f"{list(FAMILY_SIZES[args.base])}", file=sys.stderr)
+        return 2
     opts = RoleOptions(
         instance=args.instance or f"{args.role}-{os.getpid()}",
         lease_ttl_s=args.lease_ttl,
         out_dir=Path(args.out),
         backbone_size=args.backbone,
         backbone_path=args.backbone_path,
+        base_family=args.base,
         max_batch=args.max_batch,
         max_rows=args.max_rows,
         max_wait_ms=args.max_wait_ms,

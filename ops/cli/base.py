@@ -1,5 +1,6 @@
 """``joynexus base pretrain``: the frozen base model the service serves to every
-tenant (``ops/admin/pretrain_base.py``)."""
+tenant (``ops/admin/pretrain_base.py``); ``joynexus base describe``: what a base family
+costs (``agents/models/families.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from typing import Any
 
 from joynexus.ops.admin.pretrain_base import LABELS, make_base
+from joynexus.schemas.catalog import BASE_FAMILIES
 
 
 def register(sub: Any) -> None:
@@ -43,6 +45,36 @@ def register(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=0, help="render and init seed (default 0)")
     g.add_argument("--json", action="store_true", help="print only the JSON report")
     g.set_defaults(run=run)
+    d = bsub.add_parser(
+        "describe",
+        help="a base family's parameters, prefix tokens per sample and bytes per row",
+        description=(
+            "Describe a resident base family without building its weights (parameters counted on "
+            "the meta device): parameters of the base and of one tenant's head (pi05: its action "
+            "expert), prefix tokens per sample and the bytes per row the shared forward hands a head "
+            "(pi05: the per-layer key/value cache)."
+        ),
+    )
+    d.add_argument("--base", default="qwen2_5_vl", choices=BASE_FAMILIES, help="base family (default qwen2_5_vl)")
+    d.add_argument("--size", default="tiny",
+                   help="qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b (paligemma_variant)")
+    d.add_argument("--cameras", type=int, default=1, help="camera images per sample (default 1)")
+    d.add_argument("--state-dim", type=int, default=8, help="state values per sample (default 8)")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(run=run_describe)
+
+
+def run_describe(args: argparse.Namespace) -> int:
+    from joynexus.agents.models.families import describe
+    from joynexus.schemas.errors import InvalidSpec
+
+    try:
+        report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim)
+    except InvalidSpec as e:
+        print(f"joynexus base describe: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

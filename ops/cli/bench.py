@@ -17,6 +17,7 @@ from joynexus.ops.bench.rr import DEFAULT_ARMS, ENGINE_ARMS
 from joynexus.ops.cli import learning
 from joynexus.ops.cli.common import common, embedded_opts
 from joynexus.ops.runtime.deploy import nats_url
+from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
 
 
 def register(sub: Any) -> None:
@@ -128,6 +129,20 @@ def register(sub: Any) -> None:
                 "gateway attacks (a fresh deployment starts its own)")
         bp.set_defaults(run=RUNNERS[name])
     learning.register_bench(bsub)  # `bench learning`
+    fp = bsub.add_parser(
+        "families",
+        help="a base family's shared forward, grouped vs serial at 8x1 and 8x4, base RSS",
+        description="One forward of the resident base over T tenants' rows vs one per tenant "
+        "(pi05: the per-layer prefix cache), interleaved: medians, the speedup's 95%% interval, "
+        "the base's RSS and the load. Random weights from the family's config.",
+    )
+    fp.add_argument("--base", default="pi05", choices=BASE_FAMILIES, help="base family (default pi05)")
+    fp.add_argument("--size", default="tiny", help="its size (pi05: tiny, gemma_300m, gemma_2b)")
+    fp.add_argument("--tenants", type=int, default=8, help="tenants T (default 8)")
+    fp.add_argument("--rows", default="1,4", help="rows per tenant B, comma-separated (default 1,4)")
+    fp.add_argument("--repeats", type=int, default=10, help="counted rounds (default 10)")
+    fp.add_argument("--json", action="store_true", help="print only the JSON object")
+    fp.set_defaults(run=_families)
 
 
 def _on_url(args: argparse.Namespace, bench: Callable[[str], dict[str, Any] | int]) -> int:
@@ -241,6 +256,20 @@ def _gateway(args: argparse.Namespace) -> int:
         return 0 if out["agree"] else 1
     print(json.dumps(asyncio.run(bench_gateway(repeats=args.repeats)),
                      indent=None if args.json else 2))
+    return 0
+
+
+def _families(args: argparse.Namespace) -> int:
+    """No server: the base alone, in this process."""
+    from joynexus.ops.bench.families import bench_families
+
+    if args.size not in FAMILY_SIZES[args.base] or args.tenants < 1 or args.repeats < 1:
+        print(f"joynexus bench families: sizes of {args.base} are {list(FAMILY_SIZES[args.base])}; "
+              "--tenants and --repeats must be >= 1", file=sys.stderr)
+        return 2
+    rows = tuple(int(r) for r in args.rows.split(",") if r.strip())
+    result = bench_families(args.base, args.size, tenants=args.tenants, rows=rows, repeats=args.repeats)
+    print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 

@@ -23,6 +23,7 @@ from joynexus.ops.cli.common import (
 )
 from joynexus.ops.runtime.deploy import nats_url
 from joynexus.ops.runtime.roles import DEPLOYMENT_ROLES
+from joynexus.schemas.catalog import BASE_FAMILIES
 
 #: The commands whose defaults ``--config FILE`` sets.
 LAUNCHERS = ("up", "server")
@@ -65,6 +66,11 @@ def register(sub: Any) -> None:
         "--nats <cluster> --host-id H --roles ...`): instances become <role>-H; a scheduler "
         "listed on several hosts is held by one lease, the others stand by",
     )
+    p.add_argument("--base", default="qwen2_5_vl", choices=BASE_FAMILIES,
+                   help="the resident base family the inference, actor and actor-forward roles build "
+                   "(default qwen2_5_vl; pi05: OpenPI's PaliGemma prefix for pi05_expert heads)")
+    p.add_argument("--backbone", default="tiny",
+                   help="the base's size (qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b)")
     p.set_defaults(run=run_up)
 
     p = sub.add_parser(
@@ -156,6 +162,7 @@ def run_up(args: argparse.Namespace) -> int:
             roles,
             out_dir=Path(args.data_dir) / "actor",
             host_id=args.host_id,
+            base=(args.base, args.backbone),
         )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from joynexus.broker.natsapi import service_api
 from joynexus.ops.runtime.roles import REGISTRY, ROLES, by_name
+from joynexus.schemas.catalog import FAMILY_SIZES
 
 
 def role_command(
@@ -97,6 +98,7 @@ async def supervise(
     out_dir: Path,
     stop: asyncio.Event,
     host_id: str | None = None,
+    extra: Mapping[str, list[str]] | None = None,
 ) -> None:
     from joynexus.agents.health import HealthManager, RoleSlot
     from joynexus.broker.connection import Broker
@@ -112,7 +114,7 @@ async def supervise(
         slots = [
             s
             for s in role_slots(
-                url, namespace, roles, out_dir=out_dir, env=env or None, host_id=host_id
+                url, namespace, roles, out_dir=out_dir, env=env or None, host_id=host_id, extra=extra
             )
         ]
         manager = HealthManager(
@@ -197,9 +199,22 @@ async def wait_answering(
     return None
 
 
+#: The roles that build the resident base (they take ``--base``/``--backbone``).
+BASE_ROLES = ("inference", "actor", "actor-forward")
+
+
+def base_args(family: str, size: str) -> dict[str, list[str]]:
+    """The extra arguments of each role that builds the base: this deployment's family and size."""
+    return {r: ["--base", family, "--backbone", size] for r in BASE_ROLES}
+
+
 def launch(
-    url: str, namespace: str, roles: list[str], *, out_dir: Path, host_id: str | None = None
+    url: str, namespace: str, roles: list[str], *, out_dir: Path, host_id: str | None = None,
+    base: tuple[str, str] = ("qwen2_5_vl", "tiny"),
 ) -> int:
+    if base[0] not in FAMILY_SIZES or base[1] not in FAMILY_SIZES[base[0]]:
+        print(f"joynexus up: --base {base[0]} --backbone {base[1]}: sizes are {FAMILY_SIZES}", file=sys.stderr)
+        return 2
     bad = [r for r in roles if r not in REGISTRY or not REGISTRY[r].supervised]
     if bad:
         print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
@@ -218,7 +233,8 @@ def launch(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        await supervise(url, namespace, roles, out_dir=out_dir, stop=stop, host_id=host_id)
+        await supervise(url, namespace, roles, out_dir=out_dir, stop=stop, host_id=host_id,
+                        extra=base_args(*base))
 
     asyncio.run(main())
     return 0

@@ -58,6 +58,9 @@ class RoleOptions:
     out_dir: Path = Path(".jnx/actor")
     backbone_size: str = "tiny"
     backbone_path: str | None = None
+    #: The resident base family (``agents.models.families``: qwen2_5_vl, pi05); actor,
+    #: actor-forward and inference build it at ``backbone_size``.
+    base_family: str = "qwen2_5_vl"
     max_batch: int = 16
     max_rows: int = DEFAULT_MAX_ROWS
     max_wait_ms: float = 5.0
@@ -181,6 +184,7 @@ async def _inference(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
             stop,
             size=o.backbone_size,
             backbone_path=o.backbone_path,
+            family=o.base_family,
             max_batch=o.max_batch,
             max_rows=o.max_rows,
             max_wait_ms=o.max_wait_ms,
@@ -251,27 +255,19 @@ async def _advantage(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
 
 async def _actor_forward(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.actor.forward import ActorForwardAgent
-    from joynexus.agents.models.backbone import Backbone
-    from joynexus.agents.models.backbone_config import BackboneConfig
+    from joynexus.agents.models.families import build_base
 
     # The resident frozen base (the same one the actor and the engine load).
-    backbone = await asyncio.to_thread(
-        Backbone.build,
-        BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
-    )
+    backbone = await asyncio.to_thread(build_base, o.base_family, o.backbone_size, o.backbone_path)
     o.ready()
     await ActorForwardAgent(b, backbone, instance=o.instance, ack_wait_s=o.ack_wait_s).run(stop)
 
 
 async def _actor(b: Broker, stop: asyncio.Event, o: RoleOptions) -> None:
     from joynexus.agents.actor.agent import Actor
-    from joynexus.agents.models.backbone import Backbone
-    from joynexus.agents.models.backbone_config import BackboneConfig
+    from joynexus.agents.models.families import build_base
 
-    backbone = await asyncio.to_thread(
-        Backbone.build,
-        BackboneConfig(size=o.backbone_size, path=o.backbone_path),  # type: ignore[arg-type]
-    )
+    backbone = await asyncio.to_thread(build_base, o.base_family, o.backbone_size, o.backbone_path)
     o.ready()
     await Actor(b, backbone, instance=o.instance, out_dir=o.out_dir).run(stop)
 

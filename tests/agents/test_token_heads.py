@@ -44,7 +44,7 @@ from joynexus.agents.models.heads.base import HEADS, HeadConfig, build_head
 from joynexus.agents.models.heads.ppo import PPOBatch
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.heads.token import GR00TFlowHead, OFTAttnHead
-from joynexus.schemas.catalog import ACTION_MODULES
+from joynexus.schemas.catalog import ACTION_MODULES, BASE_FAMILY_HEADS
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 from joynexus.schemas.workloads import WorkloadSpec
 
@@ -79,11 +79,11 @@ def mixed_group() -> list[tuple[str, FeatureBatch, int]]:
 
 
 def test_registry_is_the_list_of_action_modules() -> None:
-    assert set(ACTION_MODULES) == set(HEADS) - {"value"}
+    assert set(ACTION_MODULES) == set(HEADS) - {"value"} and set(BASE_FAMILY_HEADS) <= set(ACTION_MODULES)
     assert HEADS["oft_attn"] is OFTAttnHead and HEADS["gr00t_flow"] is GR00TFlowHead
     assert {n: HEADS[n].reads for n in HEADS} == {
         "oft_mlp": "pooled", "flow_matching": "pooled", "value": "pooled",
-        "oft_attn": "tokens", "gr00t_flow": "tokens"}
+        "oft_attn": "tokens", "gr00t_flow": "tokens", "pi05_expert": "tokens"}
     for name in ("oft_attn", "gr00t_flow"):
         assert WorkloadSpec(name="w", task_type="rl", env="PushCube-v1", action_module=name).action_module == name
     with pytest.raises(InvalidSpec, match="action_module 'qwen_fast'"):

@@ -33,6 +33,7 @@ from joynexus.agents.models.grouped import (
 from joynexus.agents.models.heads.base import HEADS, HeadConfig, build_head
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.tokenizer import SPECIAL_TOKENS, build_tokenizer, train_tokenizer
+from joynexus.schemas.catalog import BASE_FAMILY_HEADS
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)
@@ -258,7 +259,7 @@ def test_heads_registered_by_name_and_unknown_rejected() -> None:
 def test_head_is_tiny_next_to_bench_backbone() -> None:
     bench = Backbone.build(BackboneConfig(size="bench"))
     limit = 0.01 * bench.num_params()
-    for name in HEADS:
+    for name in set(HEADS) - set(BASE_FAMILY_HEADS):  # those size to their own base (test_pi05)
         n = sum(p.numel() for p in build_head(name, HeadConfig(bench.feature_dim, 8)).parameters())
         assert n < limit, (name, n, limit)
 

@@ -50,8 +50,13 @@ class HeadConfig:
     seed: int = 0  # init weights and the head's own noise generator
     #: Gaussian heads: initial policy std per action dimension, in normalised action units.
     init_std: float = 0.3
+    #: ``pi05_expert`` only: the base's cache layers the expert attends to (its own depth);
+    #: ``feature_dim`` is then the cache's width, ``kv_layers * 2 * kv_heads * head_dim``.
+    kv_layers: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_layers, int) or not 0 <= self.kv_layers <= 64:
+            raise InvalidSpec(f"HeadConfig.kv_layers={self.kv_layers!r}: an integer in [0, 64]")
         for name in ("feature_dim", "state_dim", "action_dim", "action_horizon", "hidden", "flow_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -91,6 +96,12 @@ class ActionHead(nn.Module, abc.ABC):
         """State in units of the training data's spread, clipped to +-NORM_CLIP."""
         z = (state_B_S - self.state_mean) / self.state_std
         return z.clamp(-NORM_CLIP, NORM_CLIP)
+
+    @torch.no_grad()
+    def prefix_state(self, state_B_S: torch.Tensor) -> torch.Tensor:
+        """The state as a base's prompt takes it (π0.5 discretises it into 256 bins of [-1, 1],
+        after LeRobot's normaliser): ``PREFIX_STATE_SPAN`` of this data's standard deviations."""
+        return (self.norm_state(state_B_S) / PREFIX_STATE_SPAN).clamp(-1.0, 1.0)
 
     def norm_action(self, action_B_H_A: torch.Tensor) -> torch.Tensor:
         return (action_B_H_A - self.action_mean) / self.action_std
@@ -134,6 +145,8 @@ class ActionHead(nn.Module, abc.ABC):
 HEADS: dict[str, type[ActionHead]] = {}
 #: Normalised states are clipped to this many standard deviations.
 NORM_CLIP = 10.0
+#: How many standard deviations of the training data a prompt's [-1, 1] state spans.
+PREFIX_STATE_SPAN = 3.0
 
 
 def register(type_name: str) -> Callable[[type[ActionHead]], type[ActionHead]]:

@@ -1,0 +1,149 @@
+"""The resident base families and what each costs: ``describe`` (``joynexus base describe``).
+
+``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``) and ``pi05`` (OpenPI's
+PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemma_300m``,
+``gemma_2b``). Parameters are counted on the meta device, so a real-size description
+allocates no weights; prefix tokens come from the family's own tokenizer and layout.
+
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
+from joynexus.schemas.errors import InvalidSpec
+
+__all__ = ["KV_BUDGET_ENV", "build_base", "cache_row_cap", "check_base", "describe", "kv_budget_bytes"]
+
+_INSTRUCTION = "push the cube to the goal region"
+
+
+#: The memory one engine batch's prefix caches may take, in MB (``$JOYNEXUS_KV_BUDGET_MB``,
+#: default 2048): a π0.5 engine's ``max_rows`` is cut so a full batch fits.
+KV_BUDGET_ENV = "JOYNEXUS_KV_BUDGET_MB"
+
+
+def kv_budget_bytes() -> int:
+    raw = os.environ.get(KV_BUDGET_ENV, "2048") or "2048"
+    try:
+        mb = float(raw)
+    except ValueError as e:
+        raise InvalidSpec(f"${KV_BUDGET_ENV}={raw!r}: a number of MB") from e
+    if not mb > 0:
+        raise InvalidSpec(f"${KV_BUDGET_ENV}={raw!r}: must be > 0")
+    return int(mb * 2**20)
+
+
+def cache_row_cap(base: Any, max_rows: int, budget_bytes: int) -> int:
+    """``max_rows`` cut so one batch's caches (each row at its largest prefix) fit in
+    ``budget_bytes``; unchanged for a base that hands heads no per-layer cache."""
+    if not getattr(base, "reads_state", False):
+        return max_rows
+    per_row = base.kv_bytes_per_row(base.max_prefix_tokens())
+    return max(1, min(max_rows, budget_bytes // per_row))
+
+
+def check_base(family: str, size: str, path: str | None = None) -> None:
+    """``InvalidSpec`` unless ``family`` at ``size`` (or from ``path``) can be built here."""
+    if family not in BASE_FAMILIES:
+        raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
+    if size not in FAMILY_SIZES[family]:
+        raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
+    if family == "pi05" and path is not None:
+        raise InvalidSpec("a π0.5 base is built from its config here; loading a LeRobot checkpoint "
+                          "directory (--backbone-path) is not supported yet")
+
+
+def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None = None,
+               threads: int | None = None) -> Any:
+    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl) or ``Pi05Base`` (pi05).
+    Both serve the one interface the roles use: ``encode_tokens``, ``feature_dim``,
+    ``config.base_model``, ``family``, ``num_params`` (and ``reads_state`` for pi05)."""
+    check_base(family, size, path)
+    if family == "pi05":
+        from joynexus.agents.models.pi05_base import Pi05Base
+        from joynexus.agents.models.pi05_config import Pi05BaseConfig
+
+        return Pi05Base.build(Pi05BaseConfig(paligemma_variant=size, threads=threads,  # type: ignore[arg-type]
+                                             image_size=56 if size == "tiny" else 224))
+    from joynexus.agents.models.backbone import Backbone
+    from joynexus.agents.models.backbone_config import BackboneConfig
+
+    return Backbone.build(BackboneConfig(size=size, path=path, threads=threads))  # type: ignore[arg-type]
+
+
+def _count(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int = 8, action_dim: int = 7,
+             action_horizon: int = 8) -> dict[str, Any]:
+    """Family, parameters of the base and of one tenant's default head, prefix tokens per
+    sample and the bytes per row a head receives from the shared forward (float32)."""
+    check_base(family, size)
+    if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
+        raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
+    from joynexus.agents.models.heads.base import HeadConfig, build_head
+
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLModel
+
+        from joynexus.agents.models.backbone_config import build_qwen_config
+        from joynexus.agents.models.tokenizer import train_tokenizer
+
+        tok = train_tokenizer()
+        qcfg = build_qwen_config(size, tok)
+        with torch.device("meta"):
+            base_params = _count(Qwen2_5_VLModel(qcfg))
+        width = int(qcfg.text_config.hidden_size)
+        tokens = 1 + cameras * (2 + (56 // 28) ** 2) + len(tok(_INSTRUCTION, add_special_tokens=False)["input_ids"]) + 1
+        head_type, hcfg = "gr00t_flow", HeadConfig(width, state_dim, action_dim, action_horizon)
+        row_bytes = tokens * (width + 1) * 4
+        extra: dict[str, Any] = {"feature": "last hidden states", "feature_dim": width, "image_size": 56}
+    else:
+        from transformers import PaliGemmaForConditionalGeneration
+
+        from joynexus.agents.models.pi05_base import Pi05Prompt
+        from joynexus.agents.models.pi05_config import (
+            GEMMA_VARIANTS,
+            Pi05BaseConfig,
+            build_paligemma_config,
+        )
+        from joynexus.agents.models.tokenizer import train_tokenizer
+
+        cfg = Pi05BaseConfig(paligemma_variant=size, image_size=56 if size == "tiny" else 224,  # type: ignore[arg-type]
+                             max_state_dim=max(32, state_dim) if size != "tiny" else max(8, state_dim))
+        tok = train_tokenizer()
+        with torch.device("meta"):
+            model = PaliGemmaForConditionalGeneration(build_paligemma_config(cfg, tok))
+        base_params = _count(model)
+        prompt = Pi05Prompt(tok, cfg)  # the prompt layout only: no weights are built
+        tokens = cameras * cfg.image_tokens + int(prompt.tokenize([_INSTRUCTION], _zeros(state_dim))[1][0])
+        g = cfg.gemma
+        kv_dim = g["depth"] * 2 * g["num_kv_heads"] * g["head_dim"]
+        width = GEMMA_VARIANTS[cfg.expert_variant]["width"]
+        head_type = "pi05_expert"
+        hcfg = HeadConfig(kv_dim, state_dim, action_dim, action_horizon, hidden=width, kv_layers=g["depth"])
+        row_bytes = tokens * (kv_dim + 1) * 4
+        worst = (4 * cfg.image_tokens + prompt.max_tokens) * (kv_dim + 1) * 4
+        extra = {"feature": "per-layer prefix keys and values", "feature_dim": kv_dim, "kv_layers": g["depth"],
+                 "max_kv_bytes_per_row": worst, "rows_within_kv_budget": kv_budget_bytes() // worst,
+                 "expert_variant": cfg.expert_variant, "image_size": cfg.image_size,
+                 "max_state_dim": cfg.max_state_dim}
+    with torch.device("meta"):
+        head_params = _count(build_head(head_type, hcfg))
+    return {"family": family, "size": size, "params": {"base": base_params, "head": head_params},
+            "head": head_type, "cameras": cameras, "state_dim": state_dim,
+            "prefix_tokens_per_sample": tokens, "kv_bytes_per_row": row_bytes, **extra}
+
+
+def _zeros(state_dim: int) -> Any:
+    import numpy as np
+
+    return np.zeros((1, state_dim), dtype=np.float32)
+

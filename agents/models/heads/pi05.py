@@ -1,0 +1,235 @@
+"""``pi05_expert``: π0.5's action expert as a tenant head over a shared prefix cache.
+
+The resident π0.5 base (``agents.models.pi05_base``) gives each row its prefix's
+per-layer keys and values once, under no grad, for every tenant of a group; this head
+is one tenant's own Gemma expert (as deep as the base, 8 query heads and 1 key/value
+head of the base's head size, adaptive RMSNorm conditioned on the flow time) whose
+action tokens attend to those keys and values and to each other. It is LeRobot's
+``PI05Pytorch`` expert path (``embed_suffix``, ``denoise_step``, ``sample_actions``,
+flow matching with ``x_t = t * noise + (1 - t) * actions`` and target ``noise - actions``,
+time ~ Beta(1.5, 1) scaled into [0.001, 1]), its parameters named as LeRobot's
+(``pi05_lerobot_keys``), actions padded to ``MAX_ACTION_DIM`` inside.
+
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from joynexus.agents.models.features import unpack_tokens
+from joynexus.agents.models.heads import base
+from joynexus.agents.models.pi05_base import MASK_VALUE, apply_rope, rope_cos_sin
+from joynexus.agents.models.pi05_config import MAX_ACTION_DIM
+from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+
+__all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "expert_from_lerobot", "pi05_lerobot_keys", "sinusoidal_time"]
+
+#: LeRobot's expert attention layout (its joint forward reshapes to 8 heads).
+EXPERT_HEADS = 8
+
+
+def sinusoidal_time(t_B: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """LeRobot's ``create_sinusoidal_pos_embedding`` (float64 on the CPU, as it computes it)."""
+    dtype = torch.float64 if t_B.device.type == "cpu" else torch.float32
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=dtype, device=t_B.device)
+    period = min_period * (max_period / min_period) ** fraction
+    sin_input = (1.0 / period * 2 * math.pi)[None, :] * t_B[:, None]
+    return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1).to(t_B.dtype)
+
+
+class AdaRMSNorm(nn.Module):
+    """openpi's adaptive RMSNorm: scale, shift and a residual gate from the time condition."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(width, 3 * width)
+        nn.init.zeros_(self.dense.weight)
+
+    def forward(self, x: torch.Tensor, cond_B_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        var = torch.mean(torch.square(x.float()), dim=-1, keepdim=True)
+        normed = x * torch.rsqrt(var + self.eps)
+        scale, shift, gate = self.dense(cond_B_W)[:, None, :].chunk(3, dim=-1)
+        return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+
+
+class ExpertAttention(nn.Module):
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(width, EXPERT_HEADS * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, head_dim, bias=False)
+        self.v_proj = nn.Linear(width, head_dim, bias=False)
+        self.o_proj = nn.Linear(EXPERT_HEADS * head_dim, width, bias=False)
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, 4 * width, bias=False)
+        self.up_proj = nn.Linear(width, 4 * width, bias=False)
+        self.down_proj = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class ExpertLayer(nn.Module):
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = AdaRMSNorm(width)
+        self.self_attn = ExpertAttention(width, head_dim)
+        self.post_attention_layernorm = AdaRMSNorm(width)
+        self.mlp = ExpertMLP(width)
+
+
+class Expert(nn.Module):
+    def __init__(self, width: int, depth: int, head_dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ExpertLayer(width, head_dim) for _ in range(depth))
+        self.norm = AdaRMSNorm(width)
+
+
+@base.register("pi05_expert")
+class Pi05ExpertHead(base.ActionHead):
+    """One tenant's π0.5 action expert; reads the prefix cache as packed token features."""
+
+    reads: ClassVar[Literal["pooled", "tokens"]] = "tokens"
+
+    def __init__(self, cfg: base.HeadConfig) -> None:
+        super().__init__(cfg)
+        if cfg.kv_layers < 1 or cfg.feature_dim % (2 * cfg.kv_layers):
+            raise InvalidSpec(
+                f"pi05_expert: feature_dim={cfg.feature_dim} must be the π0.5 base's cache width "
+                f"(kv_layers={cfg.kv_layers} x 2 x head_dim); build the head from the base's describe()"
+            )
+        if cfg.action_dim > MAX_ACTION_DIM:
+            raise InvalidSpec(f"pi05_expert: action_dim={cfg.action_dim} exceeds max_action_dim={MAX_ACTION_DIM}")
+        if cfg.hidden % 2:
+            raise InvalidSpec(f"pi05_expert: hidden={cfg.hidden} (the expert's width) must be even")
+        self.head_dim = cfg.feature_dim // (2 * cfg.kv_layers)
+        w = cfg.hidden
+        self.expert = Expert(w, cfg.kv_layers, self.head_dim)
+        self.action_in_proj = nn.Linear(MAX_ACTION_DIM, w)
+        self.action_out_proj = nn.Linear(w, MAX_ACTION_DIM)
+        self.time_mlp_in = nn.Linear(w, w)
+        self.time_mlp_out = nn.Linear(w, w)
+
+    # -- the expert ------------------------------------------------------------------
+    def _cache(self, feats_B_L_C: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per-layer (keys, values) ``[B, 1, L, hd]`` and the real-token mask of packed features."""
+        kv_B_L_C, real_B_L = unpack_tokens(feats_B_L_C, self.cfg.feature_dim, "pi05_expert")
+        b, L, _ = kv_B_L_C.shape
+        per = kv_B_L_C.view(b, L, self.cfg.kv_layers, 2, 1, self.head_dim).permute(2, 3, 0, 4, 1, 5)
+        return [(per[i, 0], per[i, 1]) for i in range(self.cfg.kv_layers)], real_B_L
+
+    def velocity(self, cache: list[tuple[torch.Tensor, torch.Tensor]], real_B_L: torch.Tensor,
+                 x_B_H_M: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
+        """LeRobot's ``denoise_step``: the expert's velocity ``[B, H, MAX_ACTION_DIM]`` at time ``t``."""
+        b, h, _ = x_B_H_M.shape
+        w = self.cfg.hidden
+        cond = sinusoidal_time(t_B, w)
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(cond))))
+        x = self.action_in_proj(x_B_H_M)
+        pos = real_B_L.sum(1, keepdim=True) + torch.arange(h, device=x.device)[None, :]
+        cos, sin = rope_cos_sin(pos, self.head_dim)
+        keep = torch.cat([real_B_L, torch.ones(b, h, dtype=torch.bool, device=x.device)], 1)
+        mask = torch.where(keep[:, None, None, :], 0.0, MASK_VALUE).to(x.dtype)
+        for layer, (pk, pv) in zip(self.expert.layers, cache, strict=True):
+            assert isinstance(layer, ExpertLayer)
+            att = layer.self_attn
+            hs, gate = layer.input_layernorm(x, cond)
+            q = apply_rope(att.q_proj(hs).view(b, h, EXPERT_HEADS, -1).transpose(1, 2), cos, sin)
+            k = apply_rope(att.k_proj(hs).view(b, h, 1, -1).transpose(1, 2), cos, sin)
+            v = att.v_proj(hs).view(b, h, 1, -1).transpose(1, 2)
+            keys = torch.cat([pk.to(k.dtype), k], 2).expand(-1, EXPERT_HEADS, -1, -1)
+            vals = torch.cat([pv.to(v.dtype), v], 2).expand(-1, EXPERT_HEADS, -1, -1)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.head_dim**-0.5)
+            x = x + att.o_proj(o.transpose(1, 2).reshape(b, h, -1)) * gate
+            hs, gate = layer.post_attention_layernorm(x, cond)
+            x = x + layer.mlp(hs) * gate
+        out, _ = self.expert.norm(x, cond)
+        return self.action_out_proj(out.float())
+
+    def _check_feats(self, feats: torch.Tensor, state_B_S: torch.Tensor) -> None:
+        if feats.ndim != 3 or state_B_S.shape != (feats.shape[0], self.cfg.state_dim):
+            raise ShapeMismatch(
+                f"pi05_expert: state must be [B={feats.shape[0]}, {self.cfg.state_dim}], got {list(state_B_S.shape)}"
+            )
+
+    def _pad(self, a_B_H_A: torch.Tensor) -> torch.Tensor:
+        return F.pad(a_B_H_A, (0, MAX_ACTION_DIM - a_B_H_A.shape[-1]))
+
+    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
+             weight_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow matching as ``PI05Pytorch.forward``: mean squared velocity error over real action dims."""
+        self._check_feats(feats_B_D, state_B_S)
+        c = self.cfg
+        b = feats_B_D.shape[0]
+        self._check_target(target, (b, c.action_horizon, c.action_dim))
+        cache, real = self._cache(feats_B_D)
+        actions = self._pad(self.norm_action(target))
+        # The head's own generator: the same draws grouped or alone. Beta(1.5, 1) is U ** (1 / 1.5).
+        noise = torch.randn(actions.shape, generator=self.generator).to(actions)
+        t_B = (torch.rand((b,), generator=self.generator) ** (1 / 1.5) * 0.999 + 0.001).to(actions)
+        te = t_B[:, None, None]
+        x_t = te * noise + (1 - te) * actions
+        v = self.velocity(cache, real, x_t, t_B)
+        err = ((noise - actions) - v)[..., : c.action_dim] ** 2
+        return base.weighted_mean(err.mean((1, 2)), weight_B)
+
+    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
+            steps: int | None = None, **kw: Any) -> torch.Tensor:
+        """LeRobot's ``sample_actions`` over the cache: Euler from t=1 (``noise``, ``[B, H, A]`` or
+        ``[B, H, MAX_ACTION_DIM]``) to t=0 in ``steps`` (default ``flow_steps``); actions ``[B, H, A]``."""
+        self._check_feats(feats_B_D, state_B_S)
+        c = self.cfg
+        b = feats_B_D.shape[0]
+        if noise is None:
+            noise = torch.randn((b, c.action_horizon, MAX_ACTION_DIM), generator=self.generator)
+        if noise.shape[-1] == c.action_dim and c.action_dim != MAX_ACTION_DIM:
+            noise = self._pad(noise)
+        self._check_target(noise, (b, c.action_horizon, MAX_ACTION_DIM))
+        cache, real = self._cache(feats_B_D)
+        x = noise.to(feats_B_D)
+        n = steps or c.flow_steps
+        dt = -1.0 / n
+        for k in range(n):
+            t_B = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
+            x = x + dt * self.velocity(cache, real, x, t_B)
+        return self.denorm_action(x[..., : c.action_dim])
+
+
+def pi05_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This head's weights under the names of LeRobot's ``PI05Policy`` state dict."""
+    out = {}
+    for k, v in head_state.items():
+        if k.startswith("expert."):
+            out["model.paligemma_with_expert.gemma_expert.model." + k[len("expert."):]] = v
+        elif k.split(".")[0] in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
+            out["model." + k] = v
+    return out
+
+
+def expert_from_lerobot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The expert's weights of a LeRobot ``PI05Policy`` state dict (``model.safetensors`` as its
+    ``save_pretrained`` writes it) under this head's names: what a tenant's head loads to start
+    from a LeRobot checkpoint (the normalisation buffers stay the head's own)."""
+    expert = "model.paligemma_with_expert.gemma_expert.model."
+    out = {}
+    for k, v in state.items():
+        if k.startswith(expert) and not k.startswith(expert + "embed_tokens"):
+            out["expert." + k[len(expert):]] = v
+        elif k.startswith("model.") and k.split(".")[1] in ("action_in_proj", "action_out_proj", "time_mlp_in",
+                                                             "time_mlp_out"):
+            out[k[len("model."):]] = v
+    if not out:
+        raise InvalidSpec("no π0.5 action expert in this state dict: expected LeRobot PI05Policy names "
+                          "(model.paligemma_with_expert.gemma_expert.*, model.action_in_proj.*)")
+    return out

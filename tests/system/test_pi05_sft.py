@@ -1,0 +1,93 @@
+"""SFT through the SDK with ``action_module="pi05_expert"`` on a deployment whose resident
+base is the tiny π0.5 (built offline): the roles in process on a real nats-server, a LeRobot
+dataset made by the scripted expert, each completed job one new version, and the trained
+policy acting through the Inference Queue as the same head does in process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from joynexus.agents.actor.agent import Actor
+from joynexus.agents.control import ControlPlane
+from joynexus.agents.inference import EnginePool
+from joynexus.agents.models.families import build_base
+from joynexus.agents.models.features import canonicalize_request
+from joynexus.agents.models.grouped import ActRequest, serial_forward
+from joynexus.agents.models.policyio import PolicyStore, feature_schema_of, module_from_weights
+from joynexus.agents.producers import PolicyInitializer, ProducerAgent
+from joynexus.agents.scheduler import SchedulerAgent
+from joynexus.broker.connection import Broker
+from joynexus.ops.runtime.natsserver import EmbeddedNats
+from joynexus.schemas.workloads import Scheduling, WorkloadSpec
+from joynexus.sdk import Client
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    from joynexus.agents.envs.lerobot_data import generate_dataset
+
+    generate_dataset("PushCube-v1", tmp_path / "datasets" / "cora" / "push", episodes=2, obs="rgb",
+                     image_size=64, seed=0)
+    base = build_base("pi05", "tiny")
+    stop, tasks = asyncio.Event(), []
+    sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
+    await sched.start()
+    control = ControlPlane(broker, init_policy=PolicyInitializer(broker), instance="control",
+                           datasets_root=tmp_path / "datasets")
+    await control.start()
+    pool = EnginePool(broker, base, max_batch=8, max_wait_ms=5)
+    await pool.scale_to(1)
+    actor = Actor(broker, base, instance="actor", out_dir=tmp_path / "actor", lease_wait_s=0.5)
+    tasks.append(asyncio.create_task(actor.run(stop)))
+    tasks.append(asyncio.create_task(ProducerAgent(broker, "sft", instance="prod-sft").run(stop)))
+    yield {"base": base, "sched": sched, "out": tmp_path / "actor"}
+    stop.set()
+    await asyncio.wait(tasks, timeout=30)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await pool.close()
+    await control.stop()
+    await sched.stop()
+
+
+async def test_sft_with_the_pi05_expert_through_the_sdk(
+    deployment: dict[str, Any], nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    target = 3
+    cora = await Client.connect(nats_server.url, tenant="cora", namespace=broker.names.namespace)
+    wl = await cora.create_workload(WorkloadSpec(
+        name="demo", task_type="sft", dataset="push", base_model="pi05-tiny", action_module="pi05_expert",
+        head_hidden=32, batch_size=8, action_horizon=2,
+        scheduling=Scheduling(max_in_flight=4, completion_target=target)))
+    async for _ in wl.events():  # returns once the workload has ended
+        pass
+    wl = await wl.refresh()
+    assert wl.record.state == "done", wl.record
+    store = PolicyStore(broker)
+    latest = await store.latest("cora", "demo")
+    assert latest.version == 1 + target and latest.head_type == "pi05_expert"
+    assert latest.head_config["kv_layers"] == 2
+    module = module_from_weights(latest, await store.load_weights(latest))
+    # The trained policy acts through the Inference Queue exactly as its head does in process.
+    base = deployment["base"]
+    g = np.random.default_rng(0)
+    fs = feature_schema_of(latest)
+    assert fs.base_model == "pi05-tiny"
+    images = {c: g.integers(0, 256, (2, 3, *fs.image_hw), dtype=np.uint8) for c in fs.camera_slots}
+    state = g.standard_normal((2, fs.state_dim)).astype(np.float32)
+    got = await cora.act("demo", images=images, state=state, instruction="push the cube")
+    # The engine's copy is as fresh as this one: its first draw of noise is this one's.
+    fb = canonicalize_request(fs, {c: torch.from_numpy(v) for c, v in images.items()}, "push the cube", state)
+    (want,) = serial_forward(base, [ActRequest(module, fb)])
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=0)
+    await cora.close()
