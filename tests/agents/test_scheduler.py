@@ -452,9 +452,10 @@ async def test_a_restarted_scheduler_has_every_tenants_policy_and_version_counte
 async def test_the_producers_admission_wait_against_the_scheduler(
     broker: Broker, sched: SchedulerAgent
 ) -> None:
-    """``reserve_until_admitted`` (the one back-off loop of the SFT, RL and synthetic
-    producers) on the scheduler's real refusals: an in-flight refusal is waited out
-    until a job completes, a met completion target ends the run, a stop ends the wait."""
+    """``reserve_until_admitted`` (the one admission loop of the SFT, RL and synthetic
+    producers) on the scheduler's real refusals: an in-flight refusal waits in the
+    scheduler's admission queue (one request, no polling) until a job completes, a
+    met completion target ends the run, a stop ends the wait."""
     from joynexus.agents.scheduler_client import Backoff, reserve_until_admitted
 
     c = SchedulerClient(broker, by="t")
@@ -480,10 +481,14 @@ async def test_the_producers_admission_wait_against_the_scheduler(
     # In flight: refused with "in_flight" and waited out until the first job ends.
     waiting = asyncio.create_task(reserve_until_admitted(c, attempt, stop, backoff=fast))
     await asyncio.sleep(0.3)
-    assert not waiting.done() and "in_flight" in tries
+    assert not waiting.done() and tries == [""]  # its one reserve waits at the scheduler
+    [w] = sched.core.queue.waiters.values()
+    assert (w.tenant, w.code) == ("acme", "in_flight")
     await finish(first.job_id)
     second = await asyncio.wait_for(waiting, 10)
     assert second is not None and second.job_id != first.job_id
+    assert tries == ["", ""] and c.last_position == 1  # admitted from the queue, first in it
+    assert not sched.core.queue.waiters
     # The target (2) is met once the second completes: the run ends, without waiting.
     await finish(second.job_id)
     assert await asyncio.wait_for(reserve_until_admitted(c, attempt, stop, backoff=fast), 5) is None
