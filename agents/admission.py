@@ -148,10 +148,20 @@ class FairBook(JobBook):
         return [
             TenantShare(tenant_id=t, weight=int(weights[t]), share=round(report[t][0], 4),
                         fair_share=round(report[t][1], 4),
-                        trainer_s=round(self.fair.served(t, now), 3),
+                        trainer_s=round(self.fair.trainer_s(t, now), 3),
                         queued=self.queue.by_tenant.get(t, 0))
             for t in sorted(tenants)
         ]
+
+    def _admitted(self, job: TrainingJob, now: float) -> None:
+        """A tenant's first job under way (it was idle): lift its virtual time to the
+        least of the tenants under way (``FairShare.lift``)."""
+        if self.open_jobs(job.tenant_id) > 1:
+            return
+        floor = min((self.fair.vt(t) for t in self.by_tenant_state
+                     if t != job.tenant_id and self.open_jobs(t)), default=None)
+        if floor is not None:
+            self.fair.lift(job.tenant_id, floor, now)
 
     def open_jobs(self, tenant_id: str) -> int:
         states = self.by_tenant_state.get(tenant_id)

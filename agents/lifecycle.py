@@ -143,12 +143,13 @@ class JobBook:
         default_factory=lambda: defaultdict(dict)
     )
     max_seq: int = 0
-    #: Trainer time charged per tenant (``agents.fairshare``), from lease to completion.
+    #: Training work charged per tenant at each completion (``agents.fairshare``).
     fair: FairShare = field(default_factory=FairShare)
     #: When (``now``) each job now leased to the actor was leased.
     leased_at: dict[str, float] = field(default_factory=dict)
-    #: Charges decided by ``apply`` and made by ``commit`` (dropped by ``revert``).
-    _charges: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    #: Charges decided by ``apply`` and made by ``commit`` (dropped by ``revert``):
+    #: (tenant, rows, now, lease seconds or None).
+    _charges: dict[str, tuple[str, int, float, float | None]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ bookkeeping
     def _account(self, job: TrainingJob, sign: int) -> None:
@@ -244,12 +245,16 @@ class JobBook:
             self.deadlines[new.job_id] = now + self.lease_ttl_s
         else:
             self.deadlines.pop(new.job_id, None)
+        if prev is None:
+            self._admitted(new, now)
         if new.state is S.LEASED:
             self.leased_at[new.job_id] = now
         elif prev is not None and prev.state is S.LEASED:
             at = self.leased_at.pop(new.job_id, None)
-            if new.state is S.COMPLETED and at is not None:
-                self._charges[new.job_id] = (new.tenant_id, now - at, now)
+            if new.state is S.COMPLETED:
+                self._charges[new.job_id] = (
+                    new.tenant_id, new.sample_count, now, None if at is None else now - at
+                )
         if new.state is S.COMPLETED and new.result_version is not None:
             key = f"{new.tenant_id}.{new.workload}"
             self.versions[key] = max(self.versions.get(key, 0), new.result_version)
@@ -261,7 +266,8 @@ class JobBook:
         charged = self._charges.pop(job_id, None)
         self.leased_at.pop(job_id, None)
         if prev is not None and prev.state is S.LEASED:
-            self.leased_at[job_id] = charged[2] - charged[1] if charged else now
+            held = charged[3] if charged else None
+            self.leased_at[job_id] = now if charged is None or held is None else charged[2] - held
         if prev is not None and prev.state in (S.LEASED, *COMPUTING):
             self.deadlines[job_id] = now + self.lease_ttl_s
         if prev is not None and prev.state is S.READY:
@@ -273,7 +279,9 @@ class JobBook:
         self.last_seq[job_id] = seq
         charge = self._charges.pop(job_id, None)
         if charge is not None:
-            self.fair.charge(*charge)
+            tenant, rows, at, seconds = charge
+            p = self.policies.get(f"{tenant}.{job.workload}")
+            self.fair.charge(tenant, rows, at, seconds, weight=p.weight if p else 1)
         self.max_seq = max(self.max_seq, seq)
         changes: dict[str, int] = {}
         if job.state is S.RESERVED and job.created_seq == 0:
@@ -300,6 +308,9 @@ class JobBook:
             key = f"{job.tenant_id}.{job.workload}"
             self.versions[key] = max(self.versions.get(key, 0), job.result_version)
         self.commit(job.job_id, seq)
+
+    def _admitted(self, job: TrainingJob, now: float) -> None:
+        """A job was admitted (``apply`` of its Reserved): the fair share's hook."""
 
     def _push_ready(self, job: TrainingJob) -> None:
         heap = self.ready[job.consumer_role].setdefault(job.tenant_id, [])

@@ -138,9 +138,10 @@ class ListJobsRequest(Wire, kw_only=True, omit_defaults=True):
 
 
 class TenantShare(Wire, kw_only=True, omit_defaults=True):
-    """One tenant's share of the trainer (last minutes, decayed) against its fair
-    share (its weight over the weights of the tenants with work under way), and
-    its reserves waiting in the admission queue."""
+    """One tenant's share of the trainer's work (rows trained, decayed over the last
+    minutes) against its fair share (its weight over the weights of the tenants
+    with work under way, waiting, or trained lately), the same in trainer seconds
+    (at the measured seconds per row), and its reserves waiting in the admission queue."""
 
     tenant_id: str
     weight: int = 1

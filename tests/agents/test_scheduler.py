@@ -500,3 +500,48 @@ async def test_the_producers_admission_wait_against_the_scheduler(
     assert not waiting.done()
     stop.set()
     assert await asyncio.wait_for(waiting, 2) is None
+
+
+async def test_a_free_rollout_slot_goes_to_the_waiting_tenant_furthest_behind_even_across_a_restart(
+    broker: Broker,
+) -> None:
+    """One global rollout slot, held by acme. acme and bolt both wait for it in the
+    admission queue (long polls); acme has a job under way, bolt none: the freed slot
+    goes to bolt, though acme asked first. Then the scheduler restarts while acme
+    still waits: its reserve is asked again (the client retries) and admitted once
+    the slot frees, exactly once."""
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t")
+    await c.set_limits(GlobalLimits(max_active_rollouts=1))
+    for t in ("acme", "bolt"):
+        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="rl", max_in_flight=8,
+                                          max_active_rollouts=8))
+    holder = await c.reserve("acme", "rl")
+    assert holder is not None
+    ca, cb = SchedulerClient(broker, by="a"), SchedulerClient(broker, by="b")
+    wait_a = asyncio.create_task(ca.reserve("acme", "rl", job_id="ja", wait_s=8.0))
+    await asyncio.sleep(0.2)
+    wait_b = asyncio.create_task(cb.reserve("bolt", "rl", job_id="jb", wait_s=8.0))
+    await asyncio.sleep(0.3)
+    assert not wait_a.done() and not wait_b.done()
+    assert agent.core.position("jb", now=0.0) == 1 and agent.core.position("ja", now=0.0) == 2
+    snap = await c.snapshot()
+    assert {s.tenant_id: s.queued for s in snap.shares} == {"acme": 1, "bolt": 1}
+    await c.mark(holder.job_id, S.READY)  # the slot frees
+    got_b = await asyncio.wait_for(wait_b, 5)
+    assert got_b is not None and got_b.job_id == "jb" and cb.last_position == 1
+    await asyncio.sleep(0.3)
+    assert not wait_a.done()  # bolt holds the slot now
+    await agent.stop()
+    agent = await start_scheduler(broker)  # acme's long poll is lost; its client asks again
+    try:
+        await asyncio.sleep(0.5)
+        assert not wait_a.done()
+        await c.mark("jb", S.READY)
+        got_a = await asyncio.wait_for(wait_a, 15)
+        assert got_a is not None and got_a.job_id == "ja"
+        listed = await c.list_jobs("acme")
+        assert sorted(j.job_id for j in listed) == sorted([holder.job_id, "ja"])
+        assert not agent.core.queue.waiters
+    finally:
+        await agent.stop()

@@ -38,20 +38,41 @@ def test_admission_key_order() -> None:
     assert admission_key(10, 1.0, 1.0) < admission_key(10, 1.0, 2.0)  # then arrival
 
 
-def test_charges_decay_with_the_half_life_and_weights_divide_the_lag() -> None:
+def test_charges_weights_and_the_decayed_display() -> None:
     f = FairShare(half_life_s=60.0)
-    f.charge("a", 4.0, now=0.0)
+    f.charge("a", 4, now=0.0, seconds=2.0)
+    # the displayed rows decay with the half-life; the order's virtual time does not
     assert f.served("a", 60.0) == pytest.approx(2.0)
     assert f.served("a", 120.0) == pytest.approx(1.0)
-    f.charge("b", 4.0, now=0.0)
-    # weight 2 halves the lag; jobs under way count at the tenant's mean cost
+    assert f.trainer_s("a", 0.0) == pytest.approx(2.0)  # 0.5 s per row measured
+    assert f.lag_key("a", 1, 0, 120.0) == pytest.approx(4.0)
+    f.charge("b", 4, now=0.0, weight=2)
+    # weight 2 halves the virtual time; jobs under way count at the mean rows per job
     assert f.lag_key("b", 2, 0, 0.0) == pytest.approx(2.0)
     assert f.lag_key("a", 1, 2, 0.0) == pytest.approx(4.0 + 2 * 4.0)
-    assert f.lag_key("new", 1, 1, 0.0) == pytest.approx(4.0)  # a new tenant: the mean cost
-    f.charge("a", -5.0, now=0.0)  # a clock going back charges nothing
-    assert f.served("a", 0.0) == pytest.approx(4.0)
+    assert f.lag_key("new", 1, 1, 0.0) == pytest.approx(4.0)  # a new tenant: the mean
+    f.lift("new", 3.0, now=0.0)  # back from idle: no credit banked
+    assert f.lag_key("new", 1, 0, 0.0) == pytest.approx(3.0)
+    f.lift("a", 1.0, now=0.0)  # a lift never lowers
+    assert f.vt("a") == pytest.approx(4.0)
+    f.charge("c", 0, now=0.0, seconds=-5.0)  # no rows counts as one; no negative time
+    assert f.served("c", 0.0) == pytest.approx(1.0) and f.seconds_per_row >= 0.0
     share = f.report({"a": 1.0, "b": 2.0}, 0.0)
     assert share["a"] == pytest.approx((0.5, 1 / 3)) and share["b"] == pytest.approx((0.5, 2 / 3))
+
+
+def test_a_tenant_back_from_idle_starts_level_with_the_others() -> None:
+    """a trained 20 jobs while b was idle; b's first job does not make it owed all
+    of a's past: the two alternate from there."""
+    t = Trainer(pol("a"), pol("b"))
+    for _ in range(20):
+        t.ready("a")
+        t.train_one()
+    for _ in range(10):
+        t.ready("a")
+        t.ready("b")
+    served = [t.train_one().tenant_id for _ in range(10)]
+    assert Counter(served) == {"a": 5, "b": 5}
 
 
 def test_jain() -> None:
@@ -76,13 +97,15 @@ class Trainer:
         self.core.apply(ev, self.now)
         return self.core.commit(ev.job.job_id, next(self.seq))
 
-    def reserve(self, tenant: str, task: str = "rl", job_id: str = "") -> TrainingJob | Refused:
+    def reserve(
+        self, tenant: str, task: str = "rl", job_id: str = "", rows: int = 8
+    ) -> TrainingJob | Refused:
         req = ReserveRequest(job_id=job_id or f"j{next(self.seq)}", tenant_id=tenant,
-                             task_type=task, workload=task)  # type: ignore[arg-type]
+                             task_type=task, workload=task, sample_count=rows)  # type: ignore[arg-type]
         return self.run(self.core.decide_reserve(req, at=0, by="p", now=self.now))
 
-    def ready(self, tenant: str, task: str = "rl") -> TrainingJob:
-        job = self.reserve(tenant, task)
+    def ready(self, tenant: str, task: str = "rl", rows: int = 8) -> TrainingJob:
+        job = self.reserve(tenant, task, rows=rows)
         assert isinstance(job, TrainingJob), job
         return self.run(self.core.decide_mark(job.job_id, S.READY, attempt=0, sample_count=None,
                                               at=0, by="p"))
@@ -115,23 +138,20 @@ def test_equal_tenants_get_equal_turns_whatever_they_have_ready() -> None:
     assert all(x != y for x, y in itertools.pairwise(served))  # strictly alternating
 
 
-def test_weights_divide_the_trainer_time() -> None:
-    """Weights 2 and 1, both always backlogged, b's jobs twice as long: a gets twice
-    b's trainer time (measured lease to completion), so four jobs to b's one."""
+def test_weights_divide_the_trainer_work() -> None:
+    """Weights 2 and 1, both always backlogged, b's jobs twice a's rows: a gets twice
+    b's rows trained, so four jobs to b's one, whatever the leases' wall times."""
     t = Trainer(pol("a", weight=2), pol("b"))
     for _ in range(60):
-        t.ready("a")
-        t.ready("b")
-    time_of: Counter[str] = Counter()
+        t.ready("a", rows=8)
+        t.ready("b", rows=16)
+    rows: Counter[str] = Counter()
     jobs: Counter[str] = Counter()
-    for _ in range(50):
-        nxt = t.core.next_ready("actor", now=t.now)
-        assert nxt is not None
-        cost = 2.0 if nxt.tenant_id == "b" else 1.0
-        job = t.train_one(cost=cost)
+    for i in range(50):
+        job = t.train_one(cost=0.1 + (i % 3))  # wall times that say nothing
         jobs[job.tenant_id] += 1
-        time_of[job.tenant_id] += cost
-    assert time_of["a"] / time_of["b"] == pytest.approx(2.0, rel=0.1)
+        rows[job.tenant_id] += job.sample_count
+    assert rows["a"] / rows["b"] == pytest.approx(2.0, rel=0.1)
     assert jobs["a"] / jobs["b"] == pytest.approx(4.0, rel=0.15)
 
 
@@ -157,16 +177,17 @@ def test_a_refused_completion_append_charges_nothing() -> None:
     prev = t.core.apply(ev, 5.0)
     t.core.revert(job.job_id, prev, 5.0)  # the append failed
     assert t.core.fair.served("a", 5.0) == 0.0
-    t.core.apply(ev, 7.0)  # the retry lands: charged from the lease, not from the revert
+    t.core.apply(ev, 7.0)  # the retry lands: its rows, its lease timed from the lease
     t.core.commit(job.job_id, 99)
-    assert t.core.fair.served("a", 7.0) == pytest.approx(7.0)
+    assert t.core.fair.served("a", 7.0) == pytest.approx(8.0)
+    assert t.core.fair.seconds_per_row == pytest.approx(7.0 / 8)
 
 
 def test_a_free_rollout_slot_goes_to_the_tenant_furthest_behind() -> None:
     """One global slot; a (served much) and b (served nothing) both wait: b gets the
     slot, and a fresh reserve of a cannot take it past b."""
     t = Trainer(pol("a"), pol("b"), limit=1)
-    t.core.fair.charge("a", 50.0, now=0.0)
+    t.core.fair.charge("a", 50, now=0.0)
     holder = t.reserve("a")
     assert isinstance(holder, TrainingJob)
     ra = ReserveRequest(job_id="wa", tenant_id="a", task_type="rl", workload="rl")
