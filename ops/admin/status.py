@@ -20,6 +20,7 @@ from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.natsapi import service_api
 from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS
+from joynexus.ops.admin import shares
 from joynexus.schemas.errors import Unavailable
 
 
@@ -340,6 +341,8 @@ def render(s: dict[str, Any]) -> str:
                 ],
             )
         )
+        if rows := shares.share_rows(sched):
+            parts.append(shares.TITLE + "\n" + table(rows, shares.HEADER))
         parts.append(
             f"active rollouts: {sched.get('active_rollouts', 0)} "
             f"(global max {sched.get('limits', {}).get('max_active_rollouts', 3)}), "

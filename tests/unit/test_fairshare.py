@@ -236,3 +236,16 @@ def test_weight_is_the_operators_and_bounded() -> None:
     with pytest.raises(InvalidSpec, match="share_weight"):
         Quota(share_weight=0)
     assert Quota(share_weight=2).share_weight == 2
+
+
+def test_status_shows_share_against_fair_share_and_queue_depth() -> None:
+    from joynexus.ops.admin import shares
+
+    rows = shares.share_rows({"shares": [
+        {"tenant_id": "acme", "weight": 2, "share": 0.5, "fair_share": 0.6667,
+         "trainer_s": 12.5, "queued": 3},
+        {"tenant_id": "bolt", "share": 0.5, "fair_share": 0.3333},
+    ]})
+    assert rows == [["acme", 2, "50.0%", "66.7%", "12.5", 3],
+                    ["bolt", 1, "50.0%", "33.3%", "0.0", 0]]
+    assert shares.share_rows({}) == []
