@@ -114,6 +114,13 @@ class AdmissionQueue:
         ws.sort(key=lambda w: admission_key(w.priority, lag(w), w.since))
         return [w.job_id for w in ws[:n]]
 
+    def of_workload(self, key: str) -> list[str]:
+        """The waiters of workload ``key`` for its own limits, in arrival order."""
+        ws = sorted((w for w in self.waiters.values()
+                     if w.workload_key == key and w.code != "global_rollouts"),
+                    key=lambda w: (w.since, w.job_id))
+        return [w.job_id for w in ws]
+
     def depth(self) -> dict[str, int]:
         """Waiting reserves per tenant."""
         return dict(self.by_tenant)

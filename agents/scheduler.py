@@ -277,7 +277,7 @@ class SchedulerAgent:
                 return None
         log.info("workload %s/%s generation %d %s: %s",
                  tenant_id, workload, end.generation, end.state, end.reason)
-        self.verbs.wake_admission(f"{tenant_id}.{workload}")  # its waiters: ended
+        self.verbs.wake_admission(f"{tenant_id}.{workload}", every=True)  # its waiters: ended
         return end
 
     async def _append_due_ends(self) -> int:

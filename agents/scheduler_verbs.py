@@ -97,8 +97,7 @@ class SchedulerVerbs:
         #: The tenants bucket (policies, limits, version counters): ``load_policies``.
         self.kv: Any = None
         self.ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        #: Waiting reserves' wake-ups: per workload key, and "*" for global rollout slots.
-        self.admission_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        #: Each waiting reserve's wake-up (``wake_admission`` sets the ones that may fit).
         self.waiter_events: dict[str, asyncio.Event] = {}
         self.lease_requests: dict[str, str] = {}
 
@@ -125,14 +124,18 @@ class SchedulerVerbs:
         if ev is not None:
             ev.set()
 
-    def wake_admission(self, key: str = "*") -> None:
-        """Capacity may have freed for workload ``key`` (its waiting reserves decide
-        again) or, with "*", a global rollout slot (the waiters first in fair order,
-        as many as slots are free, decide again: not all of them)."""
+    def wake_admission(self, key: str = "*", *, every: bool = False) -> None:
+        """Capacity may have freed for workload ``key`` (its first waiting reserve, or
+        ``every`` one: its end, a new policy, decides again) or, with "*", a global
+        rollout slot (the waiters first in fair order, as many as slots are free):
+        not all of them, each woken one decides again."""
         if key != "*":
-            ev = self.admission_events.pop(key, None)
-            if ev is not None:
-                ev.set()
+            for job_id in self.core.queue.of_workload(key):
+                ev = self.waiter_events.pop(job_id, None)  # None: woken already
+                if ev is not None:
+                    ev.set()
+                    if not every:
+                        return
             return
         free = self.core.limits.max_active_rollouts - self.core.active_rollouts["*"]
         for job_id in self.core.first_waiters(free, now=time.monotonic()):
@@ -162,18 +165,15 @@ class SchedulerVerbs:
                             self.wake_admission()  # the slot it took is free again
                             raise
                         return Reply(job=job, position=position, waited_s=round(now - t0, 3))
-                    if code == "global_rollouts" and decided.code != code:
-                        self.wake_admission()  # it was woken for a slot it cannot take
+                    if code and decided.code != code:  # woken for room it cannot take
+                        self.wake_admission(wake_key(code, req))
                     code = decided.code
                     place = self.core.wait(req, code, now=now) if now < deadline else 0
                 if not place:
                     return Reply(refused=decided.reason, refusal=decided.code,
                                  position=position, waited_s=round(now - t0, 3))
                 position = place
-                if code == "global_rollouts":
-                    ev = self.waiter_events[req.job_id] = asyncio.Event()
-                else:
-                    ev = self.admission_events[f"{req.tenant_id}.{req.workload}"]
+                ev = self.waiter_events[req.job_id] = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
                     async with slots.waiting():  # a long poll holds no working slot
                         await asyncio.wait_for(ev.wait(), deadline - now)
@@ -283,7 +283,7 @@ class SchedulerVerbs:
             return Reply()  # a late retry for a generation since replaced
         await self.kv.put(req.policy.key, encode(req.policy))
         self.core.set_policy(req.policy)
-        self.wake_admission(req.policy.key)
+        self.wake_admission(req.policy.key, every=True)
         return Reply()
 
     async def on_set_limits(self, req: SetLimitsRequest) -> Reply:
@@ -344,3 +344,8 @@ def snapshot(c: SchedulerCore) -> SchedulerSnapshot:
         last_seq=c.max_seq,
         shares=c.share_rows(time.monotonic()),
     )
+
+
+def wake_key(code: str, req: ReserveRequest) -> str:
+    """Whom a waiter's room belongs to: "*" (a global rollout slot) or its workload."""
+    return "*" if code == "global_rollouts" else f"{req.tenant_id}.{req.workload}"
