@@ -53,32 +53,57 @@ class Waiter:
     since: float
 
 
+GLOBAL = "global_rollouts"
+
+
 @dataclass
 class AdmissionQueue:
     per_tenant: int = MAX_WAITING_PER_TENANT
     waiters: dict[str, Waiter] = field(default_factory=dict)
     by_tenant: Counter[str] = field(default_factory=Counter)
+    #: Per workload key: its waiters for its own limits, in arrival order.
+    by_workload: dict[str, dict[str, Waiter]] = field(default_factory=dict)
+    #: Waiters for a global rollout slot.
+    n_global: int = 0
 
     def add(self, w: Waiter) -> bool:
         """Queue ``w`` (or update why it waits, if queued); False when its tenant's
         queue is full."""
         old = self.waiters.get(w.job_id)
         if old is not None:
+            if (old.code == GLOBAL) != (w.code == GLOBAL):  # else it keeps its place
+                self._index(old, -1)
+                old.code = w.code
+                self._index(old, +1)
             old.code = w.code
             return True
         if self.by_tenant[w.tenant] >= self.per_tenant:
             return False
         self.waiters[w.job_id] = w
         self.by_tenant[w.tenant] += 1
+        self._index(w, +1)
         return True
 
     def remove(self, job_id: str) -> Waiter | None:
         w = self.waiters.pop(job_id, None)
         if w is not None:
+            self._index(w, -1)
             self.by_tenant[w.tenant] -= 1
             if self.by_tenant[w.tenant] <= 0:
                 del self.by_tenant[w.tenant]
         return w
+
+    def _index(self, w: Waiter, sign: int) -> None:
+        if w.code == GLOBAL:
+            self.n_global += sign
+            return
+        own = self.by_workload.setdefault(w.workload_key, {})
+        if sign > 0:
+            own[w.job_id] = w
+        else:
+            own.pop(w.job_id, None)
+            if not own:
+                del self.by_workload[w.workload_key]
 
     def ahead(
         self, job_id: str, key: tuple[int, float, float], lag: Callable[[Waiter], float]
@@ -86,8 +111,10 @@ class AdmissionQueue:
         """Waiters for a global rollout slot, other than ``job_id``, whose admission
         key (``lag``: their tenant's) is lower than ``key``."""
         n = 0
+        if not self.n_global:
+            return 0
         for w in self.waiters.values():
-            if w.code == "global_rollouts" and w.job_id != job_id:
+            if w.code == GLOBAL and w.job_id != job_id:
                 if admission_key(w.priority, lag(w), w.since) < key:
                     n += 1
         return n
@@ -97,29 +124,21 @@ class AdmissionQueue:
         w = self.waiters.get(job_id)
         if w is None:
             return 0
-        if w.code == "global_rollouts":
+        if w.code == GLOBAL:
             return 1 + self.ahead(job_id, admission_key(w.priority, lag(w), w.since), lag)
-        return 1 + sum(
-            1
-            for o in self.waiters.values()
-            if o.workload_key == w.workload_key and o.code == w.code
-            and (o.since, o.job_id) < (w.since, w.job_id)
-        )
+        return 1 + list(self.by_workload[w.workload_key]).index(job_id)
 
     def first(self, n: int, lag: Callable[[Waiter], float]) -> list[str]:
         """The ``n`` waiters for a global rollout slot first in fair order."""
-        if n <= 0:
+        if n <= 0 or not self.n_global:
             return []
-        ws = [w for w in self.waiters.values() if w.code == "global_rollouts"]
+        ws = [w for w in self.waiters.values() if w.code == GLOBAL]
         ws.sort(key=lambda w: admission_key(w.priority, lag(w), w.since))
         return [w.job_id for w in ws[:n]]
 
     def of_workload(self, key: str) -> list[str]:
         """The waiters of workload ``key`` for its own limits, in arrival order."""
-        ws = sorted((w for w in self.waiters.values()
-                     if w.workload_key == key and w.code != "global_rollouts"),
-                    key=lambda w: (w.since, w.job_id))
-        return [w.job_id for w in ws]
+        return list(self.by_workload.get(key, ()))
 
     def depth(self) -> dict[str, int]:
         """Waiting reserves per tenant."""

@@ -250,7 +250,7 @@ class SchedulerAgent:
         if job.state not in ROLLOUT_STATES and self.core.queue.waiters:
             # Maybe a rollout slot, a job in flight or the completion target freed.
             self.verbs.wake_admission(f"{job.tenant_id}.{job.workload}")
-            if job.task_type == "rl":
+            if job.task_type == "rl" and self.core.queue.n_global:
                 self.verbs.wake_admission()
         for tenant, partition in self.core.effects_of(job).clear_partitions:
             self.rpc.spawn(self._clear_partition(tenant, partition))

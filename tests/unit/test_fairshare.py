@@ -217,7 +217,15 @@ def test_the_queue_is_bounded_per_tenant_and_final_refusals_do_not_wait() -> Non
     assert q.add(mk(1))  # already queued: updated, not counted twice
     assert q.depth() == {"a": 2, "b": 1}
     assert q.position("j2", lambda w: 0.0) == 2
+    q.add(Waiter(job_id="j1", tenant="a", workload_key="a.rl", priority=0, weight=1,
+                 code="rollouts", since=9.0))  # another own limit: it keeps its place
+    assert q.of_workload("a.rl") == ["j1", "j2"] and q.position("j2", lambda w: 0.0) == 2
+    q.add(Waiter(job_id="j1", tenant="a", workload_key="a.rl", priority=0, weight=1,
+                 code="global_rollouts", since=9.0))  # now waits for a global slot
+    assert q.n_global == 1 and q.of_workload("a.rl") == ["j2"]
+    assert q.position("j2", lambda w: 0.0) == 1 and q.first(5, lambda w: 0.0) == ["j1"]
     q.remove("j1")
+    assert q.n_global == 0 and q.first(5, lambda w: 0.0) == []
     assert q.add(mk(3)) and q.depth() == {"a": 2, "b": 1}
     t = Trainer(pol("a"))
     req = ReserveRequest(job_id="x", tenant_id="a", task_type="rl", workload="rl")
