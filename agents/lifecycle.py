@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from joynexus.agents.fairshare import FairShare
 from joynexus.schemas import jobs
 from joynexus.schemas.errors import IllegalTransition, UnknownJob
 from joynexus.schemas.jobs import (
@@ -104,7 +105,8 @@ def transition(job: TrainingJob | None, event: JobEvent) -> TrainingJob:
 
 
 def ready_key(job: TrainingJob) -> tuple[int, int, int]:
-    # Highest priority first; ready RL before SFT at equal priority; then FIFO.
+    # Within one tenant: highest priority first; RL before SFT; then FIFO (which
+    # tenant goes first is the fair share's: ``SchedulerCore.next_ready``).
     return (-job.priority, 0 if job.task_type == "rl" else 1, job.ready_seq)
 
 
@@ -135,11 +137,19 @@ class JobBook:
     by_tenant_state: defaultdict[str, Counter[str]] = field(
         default_factory=lambda: defaultdict(Counter)
     )
-    #: Per consumer role: heap of (key, job_id) of committed ready jobs (lazy deletion).
-    ready: defaultdict[str, list[tuple[tuple[int, int, int], str]]] = field(
-        default_factory=lambda: defaultdict(list)
+    #: Per consumer role, per tenant: heap of (key, job_id) of committed ready jobs
+    #: (lazy deletion); the lease picks a tenant (fair share), then its heap's top.
+    ready: defaultdict[str, dict[str, list[tuple[tuple[int, int, int], str]]]] = field(
+        default_factory=lambda: defaultdict(dict)
     )
     max_seq: int = 0
+    #: Training work charged per tenant at each completion (``agents.fairshare``).
+    fair: FairShare = field(default_factory=FairShare)
+    #: When (``now``) each job now leased to the actor was leased.
+    leased_at: dict[str, float] = field(default_factory=dict)
+    #: Charges decided by ``apply`` and made by ``commit`` (dropped by ``revert``):
+    #: (tenant, rows, now, lease seconds or None).
+    _charges: dict[str, tuple[str, int, float, float | None]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ bookkeeping
     def _account(self, job: TrainingJob, sign: int) -> None:
@@ -235,6 +245,16 @@ class JobBook:
             self.deadlines[new.job_id] = now + self.lease_ttl_s
         else:
             self.deadlines.pop(new.job_id, None)
+        if prev is None:
+            self._admitted(new, now)
+        if new.state is S.LEASED:
+            self.leased_at[new.job_id] = now
+        elif prev is not None and prev.state is S.LEASED:
+            at = self.leased_at.pop(new.job_id, None)
+            if new.state is S.COMPLETED:
+                self._charges[new.job_id] = (
+                    new.tenant_id, new.sample_count, now, None if at is None else now - at
+                )
         if new.state is S.COMPLETED and new.result_version is not None:
             key = f"{new.tenant_id}.{new.workload}"
             self.versions[key] = max(self.versions.get(key, 0), new.result_version)
@@ -243,6 +263,11 @@ class JobBook:
     def revert(self, job_id: str, prev: TrainingJob | None, now: float) -> None:
         """Undo an applied event whose append failed."""
         self._replace(prev, job_id)
+        charged = self._charges.pop(job_id, None)
+        self.leased_at.pop(job_id, None)
+        if prev is not None and prev.state is S.LEASED:
+            held = charged[3] if charged else None
+            self.leased_at[job_id] = now if charged is None or held is None else charged[2] - held
         if prev is not None and prev.state in (S.LEASED, *COMPUTING):
             self.deadlines[job_id] = now + self.lease_ttl_s
         if prev is not None and prev.state is S.READY:
@@ -252,6 +277,11 @@ class JobBook:
         """Record the stream sequence of an appended event (fills created/ready_seq)."""
         job = self.jobs[job_id]
         self.last_seq[job_id] = seq
+        charge = self._charges.pop(job_id, None)
+        if charge is not None:
+            tenant, rows, at, seconds = charge
+            p = self.policies.get(f"{tenant}.{job.workload}")
+            self.fair.charge(tenant, rows, at, seconds, weight=p.weight if p else 1)
         self.max_seq = max(self.max_seq, seq)
         changes: dict[str, int] = {}
         if job.state is S.RESERVED and job.created_seq == 0:
@@ -272,13 +302,19 @@ class JobBook:
         if job.state in (S.LEASED, *COMPUTING):
             # Deadlines do not survive a restart; give holders a full TTL to touch.
             self.deadlines[job.job_id] = now + self.lease_ttl_s
+        if job.state is S.LEASED:
+            self.leased_at[job.job_id] = now  # its time before the restart is not known
         if job.state is S.COMPLETED and job.result_version is not None:
             key = f"{job.tenant_id}.{job.workload}"
             self.versions[key] = max(self.versions.get(key, 0), job.result_version)
         self.commit(job.job_id, seq)
 
+    def _admitted(self, job: TrainingJob, now: float) -> None:
+        """A job was admitted (``apply`` of its Reserved): the fair share's hook."""
+
     def _push_ready(self, job: TrainingJob) -> None:
-        heapq.heappush(self.ready[job.consumer_role], (ready_key(job), job.job_id))
+        heap = self.ready[job.consumer_role].setdefault(job.tenant_id, [])
+        heapq.heappush(heap, (ready_key(job), job.job_id))
 
     def prune_terminal(self, keep: int) -> int:
         """Forget the oldest terminal jobs beyond ``keep`` (their events stay in the log)."""

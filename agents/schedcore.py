@@ -13,13 +13,14 @@ See docs/ARCHITECTURE.md, "The Training Scheduler: one decider, many callers".
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
-from joynexus.agents.lifecycle import COMPUTING, JobBook, ready_key, transition
+from joynexus.agents.admission import FairBook
+from joynexus.agents.fairshare import admission_key
+from joynexus.agents.lifecycle import COMPUTING, transition
 from joynexus.schemas.errors import (
     Conflict,
     IllegalTransition,
@@ -66,14 +67,15 @@ class Effects:
 
 
 @dataclass
-class SchedulerCore(JobBook):
+class SchedulerCore(FairBook):
     """All scheduler state, rebuilt from the event log, and every decision; pure."""
 
     # ------------------------------------------------------------ decisions
     def decide_reserve(
-        self, req: ReserveRequest, *, at: float, by: str
+        self, req: ReserveRequest, *, at: float, by: str, now: float | None = None
     ) -> Reserved | TrainingJob | Refused:
-        """A Reserved event, the existing job (a retried reserve), or why admission refused."""
+        """A Reserved event, the existing job (a retried reserve), or why admission
+        refused (``now``: the clock of lease times, for the fair order of waiters)."""
         check_name("job_id", req.job_id)
         check_name("tenant_id", req.tenant_id)
         existing = self.jobs.get(req.job_id)
@@ -93,7 +95,7 @@ class SchedulerCore(JobBook):
             raise InvalidSpec(
                 f"workload {key} is {policy.task_type}, not {req.task_type}: reserve its own task type"
             )
-        refused = self._refusal(policy, req)
+        refused = self._refusal(policy, req, self._now(now))
         if refused is not None:
             return refused
         job = TrainingJob(
@@ -115,7 +117,7 @@ class SchedulerCore(JobBook):
         )
         return Reserved(job=job, at=at, by=by)
 
-    def _refusal(self, policy: WorkloadPolicy, req: ReserveRequest) -> Refused | None:
+    def _refusal(self, policy: WorkloadPolicy, req: ReserveRequest, now: float) -> Refused | None:
         """Why ``req`` may not be admitted now under ``policy`` (None: it may)."""
         key = policy.key
         if req.generation != policy.generation:
@@ -147,11 +149,21 @@ class SchedulerCore(JobBook):
                     f"{key}: {self.active_rollouts[gk]} rollouts active "
                     f"(max {policy.max_active_rollouts})",
                 )
-            if self.active_rollouts["*"] >= self.limits.max_active_rollouts:
+            active, limit = self.active_rollouts["*"], self.limits.max_active_rollouts
+            ahead = 0
+            if active < limit and self.queue.waiters:
+                # A free slot goes to the tenant furthest behind its share first.
+                waiter = self.queue.waiters.get(req.job_id)
+                order = admission_key(policy.priority,
+                                    self.admission_lag(req.tenant_id, policy.weight, now),
+                                    waiter.since if waiter else now)
+                ahead = self.queue.ahead(req.job_id, order, self._waiter_lag(now))
+            if active + ahead >= limit:
                 return Refused(
                     "global_rollouts",
-                    f"global: {self.active_rollouts['*']} rollouts active "
-                    f"(max {self.limits.max_active_rollouts})",
+                    f"global: {active} rollouts active (max {limit})"
+                    + (f", {ahead} reserves of tenants further behind their share first"
+                       if ahead else ""),
                 )
         return None
 
@@ -265,37 +277,6 @@ class SchedulerCore(JobBook):
             f"stale: behaviour policy version {job.behavior_policy_version} lags current "
             f"version {cur} by {cur - job.behavior_policy_version} "
             f"(max_policy_staleness {job.max_policy_staleness})"
-        )
-
-    def next_ready(
-        self, consumer_role: str, skip: set[str] | frozenset[str] = frozenset()
-    ) -> TrainingJob | None:
-        """The job lease_next would take: priority, then RL before SFT, then ready order."""
-        heap = self.ready.get(consumer_role)
-        if not heap:
-            return None
-        skipped: list[tuple[tuple[int, int, int], str]] = []
-        found: TrainingJob | None = None
-        while heap:
-            key, job_id = heap[0]
-            job = self.jobs.get(job_id)
-            if job is None or job.state is not S.READY or ready_key(job) != key:
-                heapq.heappop(heap)  # lazily deleted entry
-                continue
-            if job_id in skip:
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = job
-            break
-        for item in skipped:
-            heapq.heappush(heap, item)
-        return found
-
-    def count_ready(self, consumer_role: str) -> int:
-        return sum(
-            1
-            for _, job_id in self.ready.get(consumer_role, ())
-            if (j := self.jobs.get(job_id)) is not None and j.state is S.READY
         )
 
     def decide_lease(self, job: TrainingJob, *, at: float, by: str) -> Leased | Dropped:

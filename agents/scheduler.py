@@ -31,6 +31,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 
 from joynexus.agents.leases import Deposed, RoleLease
+from joynexus.agents.lifecycle import ROLLOUT_STATES
 from joynexus.agents.schedcore import SchedulerCore
 from joynexus.agents.scheduler_verbs import LEASE_VERBS, REQUEST_TYPES, SchedulerVerbs, snapshot
 from joynexus.broker.connection import Broker, raise_if_cancelled
@@ -246,6 +247,11 @@ class SchedulerAgent:
         job = self.core.commit(job_id, appended.seq)
         if job.state is JobState.READY:
             self.verbs.wake(job.consumer_role)
+        if job.state not in ROLLOUT_STATES and self.core.queue.waiters:
+            # Maybe a rollout slot, a job in flight or the completion target freed.
+            self.verbs.wake_admission(f"{job.tenant_id}.{job.workload}")
+            if job.task_type == "rl" and self.core.queue.n_global:
+                self.verbs.wake_admission()
         for tenant, partition in self.core.effects_of(job).clear_partitions:
             self.rpc.spawn(self._clear_partition(tenant, partition))
         if job.state in TERMINAL_STATES:  # maybe the last job of its workload
@@ -271,6 +277,7 @@ class SchedulerAgent:
                 return None
         log.info("workload %s/%s generation %d %s: %s",
                  tenant_id, workload, end.generation, end.state, end.reason)
+        self.verbs.wake_admission(f"{tenant_id}.{workload}", every=True)  # its waiters: ended
         return end
 
     async def _append_due_ends(self) -> int:

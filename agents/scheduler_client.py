@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import secrets
 import time
@@ -25,6 +26,10 @@ from joynexus.broker.subjects import SCHEDULER_VERBS
 from joynexus.schemas import jobs, scheduler
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import IllegalTransition, Unavailable, UnknownJob
+
+#: How long a reserve made in this context waits in the admission queue when refused
+#: (``reserve_until_admitted`` sets it around its ``attempt()``; 0: answer at once).
+RESERVE_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("reserve_wait_s", default=0.0)
 
 
 def new_job_id() -> str:
@@ -52,6 +57,8 @@ class SchedulerClient:
         #: Why the last reserve was refused: in words, and as a ``Refusal`` code.
         self.last_refusal = ""
         self.last_refusal_code = ""
+        #: The place the last reserve had in the scheduler's admission queue (0: none).
+        self.last_position = 0
 
     async def _call(self, verb: str, req: Any, *, extra_wait: float = 0.0) -> scheduler.Reply:
         def unanswered(e: Unavailable) -> Unavailable:
@@ -103,10 +110,15 @@ class SchedulerClient:
         consumer_role: str = "actor",
         metadata: jobs.JobMetadata | None = None,
         job_id: str | None = None,
+        wait_s: float | None = None,
     ) -> jobs.TrainingJob | None:
         """Admit a new job, or None when admission refuses it: ``last_refusal`` then
         says why in words and ``last_refusal_code`` as a ``Refusal`` code (on the
-        codes in ``FINAL_REFUSALS`` a producer stops, on the others it waits)."""
+        codes in ``FINAL_REFUSALS`` a producer stops, on the others it waits). A
+        refusal that will lift first waits in the admission queue up to ``wait_s``
+        (default: :data:`RESERVE_WAIT`, which ``reserve_until_admitted`` sets for its
+        reserves); ``last_position`` is its place there."""
+        wait = RESERVE_WAIT.get() if wait_s is None else wait_s
         req = scheduler.ReserveRequest(
             job_id=job_id or new_job_id(),
             tenant_id=tenant_id,
@@ -120,10 +132,12 @@ class SchedulerClient:
             consumer_role=consumer_role,
             metadata=metadata or jobs.JobMetadata(),
             by=self.by,
+            wait_s=wait,
         )
         self.last_refusal = self.last_refusal_code = ""
-        r = await self._call("reserve", req)
+        r = await self._call("reserve", req, extra_wait=wait)
         self.last_refusal, self.last_refusal_code = r.refused, r.refusal
+        self.last_position = r.position
         return r.job
 
     async def mark(
@@ -256,6 +270,9 @@ T = TypeVar("T")
 
 #: A wait for admission at least this long is logged (with the refusal that began it).
 LOGGED_WAIT_S = 1.0
+#: How long one reserve of ``reserve_until_admitted`` waits in the admission queue
+#: (the longest a producer takes to see its stop while it waits there).
+QUEUE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -285,28 +302,38 @@ async def reserve_until_admitted(
     backoff: Backoff = Backoff(),
     until_done: bool = True,
     who: str = "",
+    queue_wait_s: float = QUEUE_WAIT_S,
 ) -> T | None:
     """``attempt()`` (one ``sched.reserve``, and whatever goes with it) until it
-    admits: a refusal is waited out, ``backoff`` apart, the wait cut short by
-    ``stop``. None when stopped, or when a refusal ends the run (:func:`ends_run`;
-    ``stop.is_set()`` tells the two apart). A wait of :data:`LOGGED_WAIT_S` or more
-    is logged once it is over, with the refusal that began it. The producers'
-    (SFT, RL, synthetic) one back-off loop."""
+    admits. Each reserve waits in the scheduler's admission queue (up to
+    ``queue_wait_s``, a long poll; admitted in fair order, :mod:`agents.admission`)
+    and is asked again at once after a wait there; a refusal that did not queue
+    (its tenant's queue full, a scheduler without one) is waited out ``backoff``
+    apart, the wait cut short by ``stop``. None when stopped, or when a refusal
+    ends the run (:func:`ends_run`; ``stop.is_set()`` tells the two apart). A wait
+    of :data:`LOGGED_WAIT_S` or more is logged once it is over, with the refusal
+    that began it. The producers' (SFT, RL, synthetic) one admission loop."""
     wait_s = backoff.first_s
     since: float | None = None
     first_refusal = ""
-    while not stop.is_set():
-        got = await attempt()
-        if got is not None:
-            if since is not None and (waited := time.perf_counter() - since) >= LOGGED_WAIT_S:
-                log.info("%s: admitted after waiting %.1f s (%s)", who, waited, first_refusal)
-            return got
-        if ends_run(sched.last_refusal_code, until_done):
-            log.info("%s: %s; its producer stops", who, sched.last_refusal)
-            return None
-        if since is None:
-            since, first_refusal = time.perf_counter(), sched.last_refusal
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait_s)
-        wait_s = backoff.next(wait_s)
+    token = RESERVE_WAIT.set(queue_wait_s)
+    try:
+        while not stop.is_set():
+            got = await attempt()
+            if got is not None:
+                if since is not None and (waited := time.perf_counter() - since) >= LOGGED_WAIT_S:
+                    log.info("%s: admitted after waiting %.1f s (%s)", who, waited, first_refusal)
+                return got
+            if ends_run(sched.last_refusal_code, until_done):
+                log.info("%s: %s; its producer stops", who, sched.last_refusal)
+                return None
+            if since is None:
+                since, first_refusal = time.perf_counter(), sched.last_refusal
+            if sched.last_position and queue_wait_s:
+                continue  # it waited in the queue: ask again at once, keeping its turn
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait_s)
+            wait_s = backoff.next(wait_s)
+    finally:
+        RESERVE_WAIT.reset(token)
     return None

@@ -21,7 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
 from joynexus.agents.schedcore import Refused, SchedulerCore
-from joynexus.broker import kvwatch
+from joynexus.broker import kvwatch, slots
 from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import Conflict
@@ -44,10 +44,13 @@ from joynexus.schemas.scheduler import (
     WaitReadyRequest,
 )
 
-__all__ = ["LEASE_VERBS", "MAX_WAIT_S", "REQUEST_TYPES", "Journal", "SchedulerVerbs", "snapshot"]
+__all__ = ["LEASE_VERBS", "MAX_RESERVE_WAIT_S", "MAX_WAIT_S", "REQUEST_TYPES", "Journal", "SchedulerVerbs", "snapshot"]
 
 #: The longest a long poll (``lease_next``, ``wait_for_ready``) waits.
 MAX_WAIT_S = 25.0
+#: The longest a reserve waits in the admission queue (one long poll; its producer
+#: asks again, and sees its stop, after each).
+MAX_RESERVE_WAIT_S = 10.0
 #: Verbs whose reply holds a lease, and so says its TTL.
 LEASE_VERBS = frozenset({"lease_stage", "lease_next", "touch"})
 
@@ -94,6 +97,8 @@ class SchedulerVerbs:
         #: The tenants bucket (policies, limits, version counters): ``load_policies``.
         self.kv: Any = None
         self.ready_events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        #: Each waiting reserve's wake-up (``wake_admission`` sets the ones that may fit).
+        self.waiter_events: dict[str, asyncio.Event] = {}
         self.lease_requests: dict[str, str] = {}
 
     async def load_policies(self, kv: Any) -> None:
@@ -119,14 +124,67 @@ class SchedulerVerbs:
         if ev is not None:
             ev.set()
 
+    def wake_admission(self, key: str = "*", *, every: bool = False) -> None:
+        """Capacity may have freed for workload ``key`` (its first waiting reserve, or
+        ``every`` one: its end, a new policy, decides again) or, with "*", a global
+        rollout slot (the waiters first in fair order, as many as slots are free):
+        not all of them, each woken one decides again."""
+        if key != "*":
+            for job_id in self.core.queue.of_workload(key):
+                ev = self.waiter_events.pop(job_id, None)  # None: woken already
+                if ev is not None:
+                    ev.set()
+                    if not every:
+                        return
+            return
+        free = self.core.limits.max_active_rollouts - self.core.active_rollouts["*"]
+        for job_id in self.core.first_waiters(free, now=time.monotonic()):
+            ev = self.waiter_events.pop(job_id, None)
+            if ev is not None:
+                ev.set()
+
     async def on_reserve(self, req: ReserveRequest) -> Reply:
-        async with self.journal.job_lock(req.job_id):
-            decided = self.core.decide_reserve(req, at=time.time(), by=req.by)
-            if isinstance(decided, Refused):
-                return Reply(refused=decided.reason, refusal=decided.code)
-            if isinstance(decided, TrainingJob):
-                return Reply(job=decided)
-            return Reply(job=await self.journal.append(decided))
+        """Admit, or refuse; with ``wait_s``, a refusal that will lift waits in the
+        admission queue (``agents.admission``) until admitted in fair order, or
+        until the wait ends (the refusal, with the place it had)."""
+        t0 = time.monotonic()
+        deadline = t0 + min(max(req.wait_s, 0.0), MAX_RESERVE_WAIT_S)
+        position, code = 0, ""
+        try:
+            while True:
+                async with self.journal.job_lock(req.job_id):
+                    now = time.monotonic()
+                    decided = self.core.decide_reserve(req, at=time.time(), by=req.by, now=now)
+                    if not isinstance(decided, Refused):
+                        self._leave_queue(req.job_id)  # before the append: no slot counted twice
+                        if isinstance(decided, TrainingJob):
+                            return Reply(job=decided)
+                        try:
+                            job = await self.journal.append(decided)
+                        except BaseException:
+                            self.wake_admission()  # the slot it took is free again
+                            raise
+                        return Reply(job=job, position=position, waited_s=round(now - t0, 3))
+                    if code and decided.code != code:  # woken for room it cannot take
+                        self.wake_admission(wake_key(code, req))
+                    code = decided.code
+                    place = self.core.wait(req, code, now=now) if now < deadline else 0
+                if not place:
+                    return Reply(refused=decided.reason, refusal=decided.code,
+                                 position=position, waited_s=round(now - t0, 3))
+                position = place
+                ev = self.waiter_events[req.job_id] = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    async with slots.waiting():  # a long poll holds no working slot
+                        await asyncio.wait_for(ev.wait(), deadline - now)
+        finally:
+            self.waiter_events.pop(req.job_id, None)
+            self._leave_queue(req.job_id)
+
+    def _leave_queue(self, job_id: str) -> None:
+        w = self.core.queue.remove(job_id)
+        if w is not None and w.code == "global_rollouts" and self.core.queue.waiters:
+            self.wake_admission()  # a place ahead of others is free
 
     async def on_mark(self, req: MarkRequest) -> Reply:
         async with self.journal.job_lock(req.job_id):
@@ -160,7 +218,7 @@ class SchedulerVerbs:
         deadline = time.monotonic() + min(max(req.wait_s, 0.0), MAX_WAIT_S)
         while True:
             busy = self.journal.busy_jobs()
-            job = self.core.next_ready(req.consumer_role, busy)
+            job = self.core.next_ready(req.consumer_role, busy, now=time.monotonic())
             if job is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -225,11 +283,13 @@ class SchedulerVerbs:
             return Reply()  # a late retry for a generation since replaced
         await self.kv.put(req.policy.key, encode(req.policy))
         self.core.set_policy(req.policy)
+        self.wake_admission(req.policy.key, every=True)
         return Reply()
 
     async def on_set_limits(self, req: SetLimitsRequest) -> Reply:
         await self.kv.put(GLOBAL_LIMITS_KEY, encode(req.limits))
         self.core.limits = req.limits
+        self.wake_admission()
         return Reply()
 
     async def on_set_version(self, req: SetVersionRequest) -> Reply:
@@ -282,4 +342,10 @@ def snapshot(c: SchedulerCore) -> SchedulerSnapshot:
         active_rollouts=c.active_rollouts["*"],
         leases=sum(1 for j in c.deadlines if j in c.jobs),
         last_seq=c.max_seq,
+        shares=c.share_rows(time.monotonic()),
     )
+
+
+def wake_key(code: str, req: ReserveRequest) -> str:
+    """Whom a waiter's room belongs to: "*" (a global rollout slot) or its workload."""
+    return "*" if code == "global_rollouts" else f"{req.tenant_id}.{req.workload}"

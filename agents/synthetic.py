@@ -179,6 +179,8 @@ class _TimedClient(SchedulerClient):
     async def _call(self, verb: str, req: object, *, extra_wait: float = 0.0):  # type: ignore[override]
         t0 = time.perf_counter()
         reply = await super()._call(verb, req, extra_wait=extra_wait)
-        if verb != "lease_next" or reply.job is not None:  # a long poll's wait is not latency
-            self._stats.timed(verb, t0)
+        # A long poll's wait is not latency: an empty lease_next, a reserve's time in
+        # the admission queue (the scheduler says how long it waited).
+        if verb != "lease_next" or reply.job is not None:
+            self._stats.timed(verb, t0 + reply.waited_s)
         return reply

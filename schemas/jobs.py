@@ -173,12 +173,19 @@ class WorkloadEnded(Wire, kw_only=True, tag_field="event", tag="workload_ended",
 LogEvent = JobEvent | WorkloadEnded
 
 
+#: The largest share weight (a tenant's weight over another's: at most this ratio).
+MAX_WEIGHT = 1000
+
+
 class Admission(Wire, kw_only=True, omit_defaults=True):
     """A workload's admission and ordering bounds: what a tenant asks for in its spec
     (``schemas.workloads.Scheduling``) and what the scheduler enforces per
     generation (:class:`WorkloadPolicy`)."""
 
     priority: int = 0
+    #: Weight of the tenant's share of the trainer among equal priorities (the
+    #: operator's: the quota's ``share_weight`` replaces the spec's, as for priority).
+    weight: int = 1
     #: Non-terminal jobs allowed at once.
     max_in_flight: int = 2
     #: Jobs in reserved/producing at once (rollouts under way) for this task.
@@ -191,6 +198,8 @@ class Admission(Wire, kw_only=True, omit_defaults=True):
     def check_bounds(self, prefix: str = "") -> None:
         """InvalidSpec naming the first bound out of range (``prefix``: before the
         field's name in the message, e.g. ``scheduling.``)."""
+        if not 1 <= self.weight <= MAX_WEIGHT:
+            raise InvalidSpec(f"{prefix}weight must be in 1..{MAX_WEIGHT}, got {self.weight}")
         for field in ("max_in_flight", "max_active_rollouts"):
             if getattr(self, field) < 1:
                 raise InvalidSpec(f"{prefix}{field} must be >= 1, got {getattr(self, field)}")

@@ -19,6 +19,7 @@ import msgspec
 
 from joynexus.schemas.base import Wire
 from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.jobs import MAX_WEIGHT
 
 #: Operator-assigned priority classes -> the scheduler's priority (higher first).
 PRIORITY_CLASSES: dict[str, int] = {"batch": 0, "standard": 10, "premium": 20}
@@ -31,6 +32,9 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
 
     #: Operator-assigned: the scheduler priority of all the tenant's workloads.
     priority_class: str = "standard"
+    #: Operator-assigned: the weight of the tenant's share of the trainer among
+    #: tenants of its priority (2: twice a weight-1 tenant's; 1..MAX_WEIGHT).
+    share_weight: int = 1
     #: Workloads in state ``active`` (all task types), and records kept in all.
     max_active_workloads: int = 6
     max_workloads: int = 64
@@ -75,6 +79,8 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
             raise InvalidSpec(
                 f"priority_class {self.priority_class!r} is not one of {sorted(PRIORITY_CLASSES)}"
             )
+        if not 1 <= self.share_weight <= MAX_WEIGHT:
+            raise InvalidSpec(f"share_weight must be in 1..{MAX_WEIGHT}, got {self.share_weight}")
         for name in _INT_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 40:

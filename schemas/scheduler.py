@@ -52,6 +52,10 @@ class ReserveRequest(Wire, kw_only=True, omit_defaults=True):
     consumer_role: str = "actor"
     metadata: JobMetadata = msgspec.field(default_factory=JobMetadata)
     by: str = ""
+    #: If refused for a limit that will lift (``in_flight``, ``rollouts``,
+    #: ``global_rollouts``, ``completion_target``), wait up to this long in the
+    #: admission queue (long poll; 0: answer at once).
+    wait_s: float = 0.0
 
 
 class MarkRequest(Wire, kw_only=True, omit_defaults=True):
@@ -133,6 +137,20 @@ class ListJobsRequest(Wire, kw_only=True, omit_defaults=True):
     states: list[JobState] = []
 
 
+class TenantShare(Wire, kw_only=True, omit_defaults=True):
+    """One tenant's share of the trainer's work (rows trained, decayed over the last
+    minutes) against its fair share (its weight over the weights of the tenants
+    with work under way, waiting, or trained lately), the same in trainer seconds
+    (at the measured seconds per row), and its reserves waiting in the admission queue."""
+
+    tenant_id: str
+    weight: int = 1
+    share: float = 0.0
+    fair_share: float = 0.0
+    trainer_s: float = 0.0
+    queued: int = 0
+
+
 class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
     """What ``status`` shows: counts, not every job."""
 
@@ -144,6 +162,8 @@ class SchedulerSnapshot(Wire, kw_only=True, omit_defaults=True):
     active_rollouts: int
     leases: int
     last_seq: int
+    #: Per tenant with jobs under way, waiting or recently trained: its share.
+    shares: list[TenantShare] = []
 
 
 class ErrorBody(Wire, kw_only=True):
@@ -164,6 +184,11 @@ class Reply(Wire, kw_only=True, omit_defaults=True):
     refused: str = ""
     #: The same as a code callers decide on (``Refusal``).
     refusal: str = ""
+    #: A reserve that waited in the admission queue: its place when it last waited
+    #: (1: next), and how long it waited (a refusal after waiting: still queued
+    #: when the wait ended; ask again, the place is the tenant's lag, not arrival).
+    position: int = 0
+    waited_s: float = 0.0
     count: int = 0
     error: ErrorBody | None = None
     snapshot: SchedulerSnapshot | None = None

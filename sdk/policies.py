@@ -36,8 +36,11 @@ class PolicyCalls(ClientBase):
     def usage(self, since: float = 0.0) -> asyncio.Future[dict[str, Any]]:
         """This tenant's metered usage (the control plane's meter, ``broker.usage``):
         ``{"tenants": {<me>: {"train_s", "infer_s", "env_s", "tq_byte_s",
-        "infer_requests", ...}}, "as_of", "since_effective"}``; ``since``: epoch
-        seconds (counted from the hour holding it)."""
+        "infer_requests", ...}}, "as_of", "since_effective", "trainer_share": {"share",
+        "fair_share", "weight", "trainer_s", "queued"}}``: ``since``: epoch seconds
+        (counted from the hour holding it); ``trainer_share``: its share of the
+        trainer's work over the last minutes against its weighted fair share, and its
+        reserves waiting for admission (empty when it has had no work lately)."""
 
         async def go() -> dict[str, Any]:
             reply = await self._api("usage", UsageQuery(since=float(since)))

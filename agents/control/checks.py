@@ -129,7 +129,8 @@ def bound_spec(tenant: str, spec: WorkloadSpec, q: Quota) -> WorkloadSpec:
         bound("video_frames", spec.video_frames, q.max_video_frames)
         # 0 = the camera's size: bounded here as the largest it may be.
         bound("video_size", spec.video_size or spec.image_size, q.max_video_size)
-    sched = msgspec.structs.replace(s, priority=q.priority)  # the class's, never the tenant's
+    # The class's priority and the operator's share weight, never the tenant's.
+    sched = msgspec.structs.replace(s, priority=q.priority, weight=q.share_weight)
     return msgspec.structs.replace(spec, scheduling=sched)
 
 

@@ -29,6 +29,7 @@ from joynexus.agents.control.checks import (
     video_slice,
     weights_slice,
 )
+from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics
 from joynexus.broker.direct import last_seq_of, read_subject
 from joynexus.broker.slots import waiting
@@ -134,7 +135,14 @@ class DataGateway(ControlBase):
         check_since(req.since)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.meter.ready.wait(), 10.0)
-        return ApiReply(data=orjson.dumps(self.meter.report(tenant=tenant, since=req.since)))
+        out = self.meter.report(tenant=tenant, since=req.since)
+        quick = SchedulerClient(self.b, by=self.sched.by, call_timeout_s=0.5, deadline_s=0.5)
+        with contextlib.suppress(JoyNexusError, TimeoutError):  # no scheduler: usage still
+            snap = await quick.snapshot()
+            # Its share of the trainer now against its weighted fair share, its queue depth.
+            out["trainer_share"] = next((msgspec.to_builtins(x) for x in snap.shares
+                                         if x.tenant_id == tenant), {})
+        return ApiReply(data=orjson.dumps(out))
 
     async def _get_video(self, tenant: str, req: VideoQuery) -> ApiReply:
         """A slice of one of the tenant's own evaluation videos: the record is looked

@@ -73,6 +73,7 @@ class WorkloadsAPI(ControlBase):
                     workload=spec.name,
                     generation=generation,
                     priority=s.priority,
+                    weight=s.weight,
                     max_in_flight=s.max_in_flight,
                     max_active_rollouts=s.max_active_rollouts,
                     completion_target=s.completion_target,

@@ -20,16 +20,10 @@ from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker
 from joynexus.broker.natsapi import service_api
 from joynexus.broker.subjects import HEARTBEAT_KEYS, SUPERVISOR_KEYS
+from joynexus.ops.admin import shares
 from joynexus.ops.admin.bases import base_line, base_of
+from joynexus.ops.admin.tables import table
 from joynexus.schemas.errors import Unavailable
-
-
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header, *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 async def collect(b: Broker) -> dict[str, Any]:
@@ -344,6 +338,8 @@ def render(s: dict[str, Any]) -> str:
                 ],
             )
         )
+        if rows := shares.share_rows(sched):
+            parts.append(shares.TITLE + "\n" + table(rows, shares.HEADER))
         parts.append(
             f"active rollouts: {sched.get('active_rollouts', 0)} "
             f"(global max {sched.get('limits', {}).get('max_active_rollouts', 3)}), "

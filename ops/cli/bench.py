@@ -29,6 +29,11 @@ def register(sub: Any) -> None:
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, text in (
         ("scheduler", "full job lifecycles/s and transition latency p50/p99"),
+        (
+            "fairness",
+            "12 RL tenants (rates 1x/3x/10x, share weights 1 and 2) on one scarce actor: "
+            "jain_equal_weight, class_share_ratio, updates_per_tenant",
+        ),
         ("tq", "Training Queue put/get MB/s for 1-8 MB partitions"),
         ("inference", "group-batching speedup grid, request-reply latency/throughput, RSS"),
         (
@@ -74,7 +79,9 @@ def register(sub: Any) -> None:
     ):
         bp = bsub.add_parser(name, help=text, description=text)
         common(bp, embedded=True)
-        bp.add_argument("--seconds", type=float, default=10.0, help="measuring time (default 10)")
+        secs = 30.0 if name == "fairness" else 10.0
+        bp.add_argument("--seconds", type=float, default=secs,
+                        help=f"measuring time (default {secs:.0f})")
         bp.add_argument("--json", action="store_true", help="print only the JSON object")
         if name == "inference":
             bp.add_argument(
@@ -154,6 +161,13 @@ def _on_url(args: argparse.Namespace, bench: Callable[[str], dict[str, Any] | in
         return result
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _fairness(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.fairness import bench_fairness
+
+    return _on_url(args, lambda url: asyncio.run(
+        bench_fairness(url, args.seconds, progress=not args.json)))
 
 
 def _scheduler(args: argparse.Namespace) -> int:
@@ -276,6 +290,7 @@ def _families(args: argparse.Namespace) -> int:
 #: Each benchmark's runner, by name.
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "scheduler": _scheduler,
+    "fairness": _fairness,
     "tq": _tq,
     "inference": _inference,
     "rr": _rr,

@@ -23,7 +23,8 @@ from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.agents.synthetic import SyntheticPipeline
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
-from joynexus.ops.admin.status import collect, render, table
+from joynexus.ops.admin.status import collect, render
+from joynexus.ops.admin.tables import table
 from joynexus.schemas.jobs import GlobalLimits, JobState, WorkloadPolicy
 
 TENANTS = [("acme", "rl"), ("bolt", "rl"), ("cora", "sft")]

@@ -21,6 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from joynexus.agents.fairshare import jain as fair_jain
 from joynexus.ops.plan.sim import Result, isolated, simulate
 from joynexus.ops.plan.world import Costs, DeploymentPlan, TenantSpec
 
@@ -44,8 +45,11 @@ TENANTS = (4, 16, 64, 256)
 ACCELERATORS = (8, 32, 128)
 
 
-def tenants(n: int, *, staleness: int = 128, updates: int = 10**6) -> list[TenantSpec]:
-    """A 3:1 mix of RL and SFT tenants (at least one SFT tenant from 4 on)."""
+def tenants(
+    n: int, *, staleness: int = 128, updates: int = 10**6, classes: bool = False
+) -> list[TenantSpec]:
+    """A 3:1 mix of RL and SFT tenants (at least one SFT tenant from 4 on); with
+    ``classes``, every other RL tenant has share weight 2 (the others 1)."""
     n_sft = max(1, n // 4) if n >= 4 else 0
     out = []
     for i in range(n):
@@ -55,11 +59,13 @@ def tenants(n: int, *, staleness: int = 128, updates: int = 10**6) -> list[Tenan
             max_in_flight=16 if sft else 2, max_active_rollouts=1,
             max_policy_staleness=None if sft else staleness,
             num_envs=32, horizon=64, action_horizon=8, sft_batch=256,
+            weight=2 if classes and not sft and i % 2 else 1,
         ))
     return out
 
 
 def layout(accelerators: int, n_tenants: int, **kw: Any) -> DeploymentPlan:
+    """The 2-2-4 proportions at ``accelerators`` for ``n_tenants`` (``tenants(**kw)``)."""
     q = max(1, accelerators // 4)
     env = max(1, accelerators // 2)
     return DeploymentPlan(
@@ -70,9 +76,25 @@ def layout(accelerators: int, n_tenants: int, **kw: Any) -> DeploymentPlan:
 
 
 def jain(xs: list[float]) -> float | None:
-    if not xs or not any(xs):
-        return None
-    return round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4)
+    j = fair_jain(xs)
+    return None if j is None else round(j, 4)
+
+
+def class_shares(dep: DeploymentPlan, rates: dict[str, float]) -> dict[str, Any]:
+    """Among RL tenants: Jain's index within each weight class, and each class's
+    share of the updates over its share of the weight (1.0: exactly its weight)."""
+    rl = [t for t in dep.tenants if t.task == "rl"]
+    weights = sorted({t.weight for t in rl})
+    total = sum(rates[t.name] for t in rl)
+    wsum = sum(t.weight for t in rl)
+    by_class: dict[str, Any] = {}
+    vs_weight: dict[str, float | None] = {}
+    for w in weights:
+        members = [t for t in rl if t.weight == w]
+        by_class[str(w)] = jain([rates[t.name] for t in members])
+        share = sum(rates[t.name] for t in members) / total if total else 0.0
+        vs_weight[str(w)] = round(share / (w * len(members) / wsum), 4) if total else None
+    return {"fairness_jain_rl_by_weight": by_class, "class_share_vs_weight": vs_weight}
 
 
 def point(dep: DeploymentPlan, costs: Costs, r: Result) -> dict[str, Any]:
@@ -97,7 +119,9 @@ def point(dep: DeploymentPlan, costs: Costs, r: Result) -> dict[str, Any]:
         "updates_per_s": round(sum(rates.values()), 3),
         "rl_update_rate_mean": round(statistics.fmean([rates[t] for t in rl]), 5) if rl else None,
         "sft_update_rate_mean": round(statistics.fmean([rates[t] for t in sft]), 5) if sft else None,
-        "fairness_jain_rl": jain([rates[t] for t in rl]),
+        # Weight-normalized: among equal weights, Jain's index of their update rates.
+        "fairness_jain_rl": jain([rates[t.name] / t.weight for t in dep.tenants if t.task == "rl"]),
+        **class_shares(dep, rates),
         "job_wait_p50_s": pct(0.5),
         "job_wait_p99_s": pct(0.99),
         "stale_drops": sum(r.drops.values()),
@@ -135,7 +159,7 @@ def scale_study(out: Path, *, sched_dps: float | None = None) -> dict[str, Any]:
     sweep: list[dict[str, Any]] = []
     for acc in ACCELERATORS:
         for n in TENANTS:
-            dep = layout(acc, n)
+            dep = layout(acc, n, classes=True)
             p = point(dep, costs, simulate(dep, costs))
             p["accelerators_total"] = acc
             sweep.append(p)
@@ -160,6 +184,7 @@ def scale_study(out: Path, *, sched_dps: float | None = None) -> dict[str, Any]:
         }
     plots = _plot(out / "plan_scale.png", sweep)
     return {
+        "fairness": fairness_study(costs),
         "costs": asdict(costs),
         "costs_note": "of the paper's order (assumed, not measured here); sched_decisions_per_s "
                       "from joynexus bench scheduler when given",
@@ -169,6 +194,51 @@ def scale_study(out: Path, *, sched_dps: float | None = None) -> dict[str, Any]:
         "plots": plots,
         "simulated_s_per_point": SIM_S,
     }
+
+
+#: Where the fairness targets are checked: (accelerators, tenants), the trainer scarce.
+FAIRNESS_POINTS = ((8, 64), (8, 256))
+#: Simulated seconds of a fairness point per 64 tenants: long enough for each RL
+#: tenant's ~10 updates (at 240 s an RL tenant of 64 is served ~2 times, of 256
+#: less than once, and the first round, served before any share is known, decides).
+FAIRNESS_S = 1200.0
+#: The fraction of a fairness point's window left out as warm-up.
+WARMUP = 0.5
+
+
+def fairness_study(
+    costs: Costs, points: tuple[tuple[int, int], ...] = FAIRNESS_POINTS
+) -> list[dict[str, Any]]:
+    """Each point with two weight classes among the RL tenants (1 and 2), simulated
+    long enough for every RL tenant to be served about ten times (``FAIRNESS_S`` per
+    64 tenants): with the admission queue (the service), and with producers polling
+    with backoff instead (before it; the lease order is the fair one in both)."""
+    out = []
+    for acc, n in points:
+        sim_s = FAIRNESS_S * max(1.0, n / 64)
+        row: dict[str, Any] = {"accelerators_total": acc, "tenants": n, "simulated_s": sim_s}
+        row["measured_from_s"] = sim_s * WARMUP
+        for name, queued in (("queued", True), ("polling", False)):
+            dep = replace(layout(acc, n, classes=True), horizon_s=sim_s, queued_admission=queued)
+            r = simulate(dep, costs)
+            p = point(dep, costs, r)
+            # Steady state: the updates after the warm-up (the first rounds are
+            # served in ready order, before any share is known).
+            t0 = sim_s * WARMUP
+            rates = {t.name: sum(1 for x in r.completed_at.get(t.name, []) if x >= t0)
+                     / (sim_s - t0) for t in dep.tenants}
+            rl = [t for t in dep.tenants if t.task == "rl"]
+            row[name] = {
+                "fairness_jain_rl": jain([rates[t.name] / t.weight for t in rl]),
+                **class_shares(dep, rates),
+                "whole_window": {k: p[k] for k in (
+                    "fairness_jain_rl", "class_share_vs_weight", "updates_per_s", "utilization")},
+                "rl_update_rate_mean": round(statistics.fmean(rates[t.name] for t in rl), 5),
+                "updates_per_s": round(sum(rates.values()), 3),
+                "job_wait_p99_s": p["job_wait_p99_s"],
+            }
+        out.append(row)
+    return out
 
 
 def _bottleneck(sweep: list[dict[str, Any]], costs: Costs) -> dict[str, Any]:

@@ -66,6 +66,8 @@ class Result:
     train_steps: int
     finished: bool
     usage: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Per tenant: the simulated times its jobs completed.
+    completed_at: dict[str, list[float]] = field(default_factory=dict)
 
 
 def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
@@ -97,6 +99,7 @@ def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
             completion_target=t.updates,
             max_policy_staleness=t.max_policy_staleness if t.task == "rl" else None,
             priority=t.priority,
+            weight=t.weight,
         ))
         versions[t.name] = 1
         sched.core.versions[f"{t.name}.{t.task}"] = 1
@@ -107,16 +110,25 @@ def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
     def producer(t: TenantSpec) -> Proc:
         yield t.startup_s
         backoff = RL_BACKOFF.first_s
+        job_id = sched.new_id()
         while completed[t.name] + sched.core.in_flight[f"{t.name}.{t.task}"] < t.updates or \
                 completed[t.name] < t.updates:
             yield sched.delay()
-            job = sched.reserve(t.name, t.task, versions[t.name], t.rows)
-            if job is None:
+            got = sched.reserve(t.name, t.task, versions[t.name], t.rows, job_id)
+            if not isinstance(got, TrainingJob):
                 if completed[t.name] >= t.updates:
+                    sched.leave(job_id)
                     return
+                # The service's producers wait in the admission queue (a long poll);
+                # without it (or past its bound) they poll with backoff.
+                sig = sched.wait(job_id, t.name, t.task, got.code) if dep.queued_admission else None
+                if sig is not None:
+                    yield sig
+                    continue
                 yield backoff
                 backoff = RL_BACKOFF.next(backoff)
                 continue
+            job, job_id = got, sched.new_id()
             backoff = RL_BACKOFF.first_s
             if t.task == "sft":
                 yield jit(costs.sft_produce_s)
@@ -139,6 +151,7 @@ def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
             stage_q.append(job)
             wake, stage_wake[0] = stage_wake[0], Signal(sim)
             wake.fire()
+        sched.leave(job_id)
 
     def advantages() -> Proc:
         while True:
@@ -208,7 +221,11 @@ def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
     finished = all_done()
     wall = math.ceil(done_s / dep.poll_s) * dep.poll_s if dep.poll_s and finished else done_s
     waits_by: dict[str, list[float]] = defaultdict(list)
+    completed_at: dict[str, list[float]] = defaultdict(list)
     for job_id, h in sched.history.items():
+        job = sched.core.jobs.get(job_id)
+        if job is not None and "completed" in h:
+            completed_at[job.tenant_id].append(h["completed"])
         if "ready" in h and "leased" in h:
             job = sched.core.jobs.get(job_id)
             if job is not None:
@@ -232,6 +249,7 @@ def simulate(dep: DeploymentPlan, costs: Costs) -> Result:
         decisions=sched.decisions, sched_busy_s=sched.busy_s, batcher_busy_s=infer.batcher_busy_s,
         batches=infer.batches, train_steps=train_steps[0], finished=finished,
         usage={name: dict(c) for name, c in usage.items()},
+        completed_at={t: sorted(ts) for t, ts in completed_at.items()},
     )
 
 

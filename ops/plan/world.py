@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from joynexus.agents.lifecycle import ROLLOUT_STATES
 from joynexus.agents.schedcore import Refused, SchedulerCore
 from joynexus.schemas.jobs import (
     Dropped,
@@ -76,6 +77,8 @@ class TenantSpec:
     sft_batch: int = 16
     startup_s: float = 0.0
     priority: int = 0
+    #: The tenant's share weight (its quota's ``share_weight``).
+    weight: int = 1
 
     @property
     def calls(self) -> int:
@@ -101,6 +104,9 @@ class DeploymentPlan:
     #: Stop at this simulated time even if tenants have not finished (0: no limit).
     horizon_s: float = 0.0
     seed: int = 0
+    #: Refused reserves wait in the scheduler's admission queue (the service's
+    #: producers); False: they poll with backoff (before issue 29).
+    queued_admission: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeploymentPlan:
@@ -192,6 +198,9 @@ class SimScheduler:
         self.drops: Counter[str] = Counter()
         self.refusals = 0
         self._ids = 0
+        #: Waiting reserves' wake-ups: per job (a global rollout slot), per workload.
+        self.slot_waits: dict[str, Signal] = {}
+        self.own_waits: dict[str, Signal] = {}
 
     def delay(self) -> float:
         """Time until a request sent now is decided (the scheduler decides one at a time)."""
@@ -212,20 +221,64 @@ class SimScheduler:
         if job.state is S.READY:
             ready, self.ready = self.ready, Signal(self.sim)
             ready.fire()
+        if job.state not in ROLLOUT_STATES and self.core.queue.waiters:
+            self._wake(f"{job.tenant_id}.{job.workload}")
         return job
+
+    def _wake(self, key: str) -> None:
+        """As the agent's ``wake_admission``: the workload's waiters, and the waiters
+        first in fair order for the free global rollout slots."""
+        sig = self.own_waits.pop(key, None)
+        if sig is not None:
+            sig.fire()
+        free = self.core.limits.max_active_rollouts - self.core.active_rollouts["*"]
+        for job_id in self.core.first_waiters(free, now=self.sim.now):
+            sig = self.slot_waits.pop(job_id, None)
+            if sig is not None:
+                sig.fire()
+
+    def wait(self, job_id: str, tenant: str, task: str, code: str) -> Signal | None:
+        """Queue a refused reserve (None: it may not wait); the signal it waits for."""
+        req = ReserveRequest(job_id=job_id, tenant_id=tenant, task_type=task,  # type: ignore[arg-type]
+                             workload=task)
+        old = self.core.queue.waiters.get(job_id)
+        queued = self.core.wait(req, code, now=self.sim.now)
+        if old is not None and old.code == "global_rollouts" and code != old.code:
+            self._wake("")  # it was woken for a slot it cannot take
+        if not queued:
+            return None
+        if code == "global_rollouts":
+            sig = self.slot_waits[job_id] = Signal(self.sim)
+            return sig
+        key = f"{tenant}.{task}"
+        if key not in self.own_waits:
+            self.own_waits[key] = Signal(self.sim)
+        return self.own_waits[key]
+
+    def leave(self, job_id: str) -> None:
+        self.slot_waits.pop(job_id, None)
+        if self.core.queue.remove(job_id) is not None and self.core.queue.waiters:
+            self._wake("")
 
     def set_policy(self, p: WorkloadPolicy) -> None:
         self.core.policies[p.key] = p
 
-    def reserve(self, tenant: str, task: str, version: int, rows: int) -> TrainingJob | None:
+    def new_id(self) -> str:
         self._ids += 1
-        req = ReserveRequest(job_id=f"j{self._ids}", tenant_id=tenant, task_type=task,  # type: ignore[arg-type]
-                             workload=task, sample_count=rows, behavior_policy_version=version)
-        decided = self.core.decide_reserve(req, at=self.sim.now, by="sim")
+        return f"j{self._ids}"
+
+    def reserve(
+        self, tenant: str, task: str, version: int, rows: int, job_id: str = ""
+    ) -> TrainingJob | Refused:
+        req = ReserveRequest(job_id=job_id or self.new_id(), tenant_id=tenant,
+                             task_type=task, workload=task,  # type: ignore[arg-type]
+                             sample_count=rows, behavior_policy_version=version)
+        decided = self.core.decide_reserve(req, at=self.sim.now, by="sim", now=self.sim.now)
         self.decisions += 1
         if isinstance(decided, Refused):
             self.refusals += 1
-            return None
+            return decided
+        self.leave(req.job_id)
         if isinstance(decided, TrainingJob):
             return decided
         return self._append(decided)
@@ -247,7 +300,7 @@ class SimScheduler:
     def lease_next(self, skip: set[str]) -> TrainingJob | None:
         """The next job in lease order (ready RL before SFT, then FIFO), dropping stale ones."""
         while True:
-            job = self.core.next_ready("actor", skip)
+            job = self.core.next_ready("actor", skip, now=self.sim.now)
             if job is None:
                 return None
             ev = self.core.decide_lease(job, at=self.sim.now, by="sim")

@@ -452,9 +452,10 @@ async def test_a_restarted_scheduler_has_every_tenants_policy_and_version_counte
 async def test_the_producers_admission_wait_against_the_scheduler(
     broker: Broker, sched: SchedulerAgent
 ) -> None:
-    """``reserve_until_admitted`` (the one back-off loop of the SFT, RL and synthetic
-    producers) on the scheduler's real refusals: an in-flight refusal is waited out
-    until a job completes, a met completion target ends the run, a stop ends the wait."""
+    """``reserve_until_admitted`` (the one admission loop of the SFT, RL and synthetic
+    producers) on the scheduler's real refusals: an in-flight refusal waits in the
+    scheduler's admission queue (one request, no polling) until a job completes, a
+    met completion target ends the run, a stop ends the wait."""
     from joynexus.agents.scheduler_client import Backoff, reserve_until_admitted
 
     c = SchedulerClient(broker, by="t")
@@ -480,10 +481,14 @@ async def test_the_producers_admission_wait_against_the_scheduler(
     # In flight: refused with "in_flight" and waited out until the first job ends.
     waiting = asyncio.create_task(reserve_until_admitted(c, attempt, stop, backoff=fast))
     await asyncio.sleep(0.3)
-    assert not waiting.done() and "in_flight" in tries
+    assert not waiting.done() and tries == [""]  # its one reserve waits at the scheduler
+    [w] = sched.core.queue.waiters.values()
+    assert (w.tenant, w.code) == ("acme", "in_flight")
     await finish(first.job_id)
     second = await asyncio.wait_for(waiting, 10)
     assert second is not None and second.job_id != first.job_id
+    assert tries == ["", ""] and c.last_position == 1  # admitted from the queue, first in it
+    assert not sched.core.queue.waiters
     # The target (2) is met once the second completes: the run ends, without waiting.
     await finish(second.job_id)
     assert await asyncio.wait_for(reserve_until_admitted(c, attempt, stop, backoff=fast), 5) is None
@@ -495,3 +500,48 @@ async def test_the_producers_admission_wait_against_the_scheduler(
     assert not waiting.done()
     stop.set()
     assert await asyncio.wait_for(waiting, 2) is None
+
+
+async def test_a_free_rollout_slot_goes_to_the_waiting_tenant_furthest_behind_even_across_a_restart(
+    broker: Broker,
+) -> None:
+    """One global rollout slot, held by acme. acme and bolt both wait for it in the
+    admission queue (long polls); acme has a job under way, bolt none: the freed slot
+    goes to bolt, though acme asked first. Then the scheduler restarts while acme
+    still waits: its reserve is asked again (the client retries) and admitted once
+    the slot frees, exactly once."""
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t")
+    await c.set_limits(GlobalLimits(max_active_rollouts=1))
+    for t in ("acme", "bolt"):
+        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="rl", max_in_flight=8,
+                                          max_active_rollouts=8))
+    holder = await c.reserve("acme", "rl")
+    assert holder is not None
+    ca, cb = SchedulerClient(broker, by="a"), SchedulerClient(broker, by="b")
+    wait_a = asyncio.create_task(ca.reserve("acme", "rl", job_id="ja", wait_s=8.0))
+    await asyncio.sleep(0.2)
+    wait_b = asyncio.create_task(cb.reserve("bolt", "rl", job_id="jb", wait_s=8.0))
+    await asyncio.sleep(0.3)
+    assert not wait_a.done() and not wait_b.done()
+    assert agent.core.position("jb", now=0.0) == 1 and agent.core.position("ja", now=0.0) == 2
+    snap = await c.snapshot()
+    assert {s.tenant_id: s.queued for s in snap.shares} == {"acme": 1, "bolt": 1}
+    await c.mark(holder.job_id, S.READY)  # the slot frees
+    got_b = await asyncio.wait_for(wait_b, 5)
+    assert got_b is not None and got_b.job_id == "jb" and cb.last_position == 1
+    await asyncio.sleep(0.3)
+    assert not wait_a.done()  # bolt holds the slot now
+    await agent.stop()
+    agent = await start_scheduler(broker)  # acme's long poll is lost; its client asks again
+    try:
+        await asyncio.sleep(0.5)
+        assert not wait_a.done()
+        await c.mark("jb", S.READY)
+        got_a = await asyncio.wait_for(wait_a, 15)
+        assert got_a is not None and got_a.job_id == "ja"
+        listed = await c.list_jobs("acme")
+        assert sorted(j.job_id for j in listed) == sorted([holder.job_id, "ja"])
+        assert not agent.core.queue.waiters
+    finally:
+        await agent.stop()
