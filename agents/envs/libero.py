@@ -48,6 +48,21 @@ if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
 #: Steps with the no-op action after a reset, before the episode starts (LeRobot's 10).
 SETTLE_STEPS = 10
 _NOOP = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
+#: robosuite places a task's fixtures again at every reset (LIBERO-spatial-0's cabinet and
+#: stove move by up to 1.5 cm) with numpy's global RNG, and the recorded initial states do
+#: not cover fixtures; so a reset seeds that RNG with the episode's seed (and restores it
+#: after): one seed, one scene, frame for frame. The lock: the RNG is the process's.
+_PLACEMENT_LOCK = threading.Lock()
+
+
+def _seeded_reset(env: Any, seed: int) -> None:
+    with _PLACEMENT_LOCK:
+        before = np.random.get_state()
+        np.random.seed(seed % (1 << 32))
+        try:
+            env.reset()
+        finally:
+            np.random.set_state(before)
 
 
 def _quat2axisangle(q_xyzw: np.ndarray) -> np.ndarray:
@@ -153,7 +168,8 @@ class LiberoEnv(BatchedEnv):
 
     def reset_one(self, index: int, seed: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Reset env ``index`` to the recorded initial state ``seed`` picks (seed mod 50,
-        0 for None), let it settle; returns its (state [S], {camera: image [3, H, W]})."""
+        0 for None), its fixtures placed by ``seed`` too, let it settle; returns its
+        (state [S], {camera: image [3, H, W]})."""
         self._check_open()
         return self._gl.run(self._reset_one, index, seed)  # type: ignore[no-any-return]
 
@@ -164,7 +180,7 @@ class LiberoEnv(BatchedEnv):
         # Neither the reset's own observation nor the settling steps' are used: not rendered.
         self._set_cameras(env, False)
         try:
-            env.reset()
+            _seeded_reset(env, seed or 0)
             _make_current(env)  # the first reset makes the context
             _apply_render_options(env, *self._render)
             env.set_init_state(state)

@@ -7,8 +7,11 @@ ways, all accepted (``<cam>`` one of the policy's cameras):
 
 - images: ``images[<cam>]`` (a map, as openpi's ALOHA examples),
   ``observation/images/<cam>``, ``observation.images.<cam>`` (LeRobot's names),
-  ``observation/<cam>``; for a one-camera policy also ``observation/image`` or
-  ``image``. Height x width x 3 (openpi's layout) or 3 x height x width, uint8,
+  ``observation/<cam>``; and openpi's LIBERO names: ``observation/image`` (or
+  ``image``) for the policy's main camera (its first camera that is not a wrist
+  camera, or its only one), ``observation/wrist_image`` (or ``wrist_image``) for
+  its wrist camera (the one camera named ``*wrist*`` or ``*eye_in_hand*``,
+  LIBERO's). Height x width x 3 (openpi's layout) or 3 x height x width, uint8,
   at the policy's image size.
 - state: ``state``, ``observation/state`` or ``observation.state``: the policy's
   state dimension, finite numbers.
@@ -31,6 +34,8 @@ from joynexus.schemas.inference import PolicyRecord
 
 STATE_KEYS = ("state", "observation/state", "observation.state")
 PROMPT_KEY = "prompt"
+#: camera names openpi's ``wrist_image`` may stand for (LIBERO's wrist camera is ``eye_in_hand``)
+WRIST_NAMES = ("wrist", "eye_in_hand")
 MAX_PROMPT_BYTES = 4096
 
 
@@ -49,10 +54,26 @@ class PolicyView:
     def cameras(self) -> list[str]:
         return list(self.record.feature_schema.camera_slots)
 
+    @property
+    def wrist_camera(self) -> str | None:
+        """The one camera named like a wrist camera (openpi's ``wrist_image``), if exactly one."""
+        wrists = [c for c in self.cameras if any(w in c.lower() for w in WRIST_NAMES)]
+        return wrists[0] if len(wrists) == 1 else None
+
+    @property
+    def main_camera(self) -> str | None:
+        """openpi's ``image``: the only camera, or the first that is not the wrist camera."""
+        cams = self.cameras
+        if len(cams) == 1:
+            return cams[0]
+        return next((c for c in cams if c != self.wrist_camera), None)
+
     def image_keys(self, cam: str) -> list[str]:
         keys = [f"observation/images/{cam}", f"observation.images.{cam}", f"observation/{cam}"]
-        if len(self.cameras) == 1:
+        if cam == self.main_camera:
             keys += ["observation/image", "image"]
+        elif cam == self.wrist_camera:
+            keys += ["observation/wrist_image", "wrist_image"]
         return keys
 
     def metadata(self) -> dict[str, Any]:

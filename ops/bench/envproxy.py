@@ -1,22 +1,27 @@
 """A simulator served to another virtualenv: the environment proxy between openpi's
-client (its own virtualenv, numpy < 2) and ManiSkill (the service's, numpy 2).
+client (its own virtualenv, numpy < 2) and ManiSkill or LIBERO (the service's, numpy 2).
 
 :class:`EnvProxy` owns one env built exactly as the evaluator builds it for an
 evaluation of one env (``agents.evalrun.evaluate_record``: ``make_env(task,
 obs="rgb", num_envs=1, image_size, seed, cameras, state_keys)``) and serves it on
-a unix socket to one client, ``examples/openpi_maniskill.py``, whose openpi
+a unix socket to one client, ``examples/openpi_sim.py``, whose openpi
 ``Environment`` forwards ``reset``, ``get_observation`` and ``apply_action`` to
 it. Episode k resets with ``episode_seed(seed, 0, k)`` and runs until the task
 terminates or truncates or ``max_episode_steps``, and counts as a success if the
 task reported success at any step: the evaluator's ``run_episodes`` with one
 env, so on the same seeds both see the same initial states. The outcomes are
-counted here, by the process that owns the simulator, not by the client.
+counted here, by the process that owns the simulator, not by the client, and
+with ``videos`` the first episodes' frames are kept as the evaluator keeps them
+(``agents.envs.video.EpisodeVideos``, the policy's first camera), so the two can
+be compared frame by frame.
 
 Wire: each message is a 4-byte big-endian length and a msgpack map, arrays in
 openpi's msgpack-numpy form. Requests ``{"op": "reset" | "observe" | "apply",
 "action": [A] float32}``; replies ``{"done": bool}``, the observation (openpi's
 keys: ``observation/images/<cam>`` H x W x 3 uint8, ``observation/state``,
-``prompt``, the task's instruction), or ``{"error": str}``.
+``prompt``, the task's instruction; with ``keys="libero"`` the names of openpi's
+LIBERO example instead: ``observation/image`` for the first camera and
+``observation/wrist_image`` for ``eye_in_hand``), or ``{"error": str}``.
 """
 
 from __future__ import annotations
@@ -56,10 +61,30 @@ class EnvProxy:
     image_size: int
     cameras: Sequence[str]
     state_keys: Sequence[str]
+    #: "openpi" (``observation/images/<cam>``) or "libero" (openpi's LIBERO example's names)
+    keys: str = "openpi"
+    #: the first ``videos`` episodes' frames kept, as the evaluator's ``eval_videos``
+    videos: int = 0
     outcomes: list[Episode] = field(default_factory=list)
     env: Any = None
     obs: Any = None
     done: bool = True
+    recorder: Any = None
+
+    def __post_init__(self) -> None:
+        import msgspec
+
+        from joynexus.agents.envs.video import EpisodeVideos
+        from joynexus.schemas.samples import OBS_IMAGES
+        from joynexus.schemas.workloads import WorkloadSpec
+
+        if self.keys not in ("openpi", "libero"):
+            raise ValueError(f"keys={self.keys!r}: 'openpi' or 'libero'")
+        if self.videos and self.cameras:  # as agents.evalrun records an SDK evaluation
+            spec = {f.name: f.default for f in msgspec.structs.fields(WorkloadSpec)}
+            self.recorder = EpisodeVideos(
+                self.videos, f"{OBS_IMAGES}.{self.cameras[0]}",
+                max_frames=spec["video_frames"], size=spec["video_size"])
 
     def _build(self) -> None:
         from joynexus.agents.envs.registry import make_env
@@ -79,8 +104,21 @@ class EnvProxy:
         ep = Episode(episode_seed(self.seed, 0, len(self.outcomes)))
         self.obs = self.env.reset([ep.seed])
         self.outcomes.append(ep)
+        self._record()
         self.done = False
         return {"done": False}
+
+    def _record(self) -> None:
+        if self.recorder is not None:
+            self.recorder.observe([len(self.outcomes) - 1], self.obs, np.ones(1, dtype=bool))
+
+    def image_key(self, i: int, cam: str) -> str:
+        if self.keys == "libero":  # openpi's examples/libero/main.py
+            if i == 0:
+                return "observation/image"
+            if cam == "eye_in_hand":
+                return "observation/wrist_image"
+        return f"observation/images/{cam}"
 
     def observe(self) -> dict[str, Any]:
         from joynexus.schemas.samples import OBS_IMAGES, OBS_STATE
@@ -88,9 +126,9 @@ class EnvProxy:
         if self.obs is None:
             raise RuntimeError("reset first")
         out: dict[str, Any] = {
-            f"observation/images/{c}": codec.pack_array(
+            self.image_key(i, c): codec.pack_array(
                 np.ascontiguousarray(self.obs[f"{OBS_IMAGES}.{c}"][0].transpose(1, 2, 0)))
-            for c in self.env.spec.cameras
+            for i, c in enumerate(self.env.spec.cameras)
         }
         out["observation/state"] = codec.pack_array(
             np.ascontiguousarray(self.obs[OBS_STATE][0], dtype=np.float32))
@@ -111,6 +149,7 @@ class EnvProxy:
         ep.ret += float(res.reward_N[0])
         ep.success |= bool(res.success_N[0])
         self.obs = res.obs
+        self._record()
         self.done = bool(res.terminated_N[0] or res.truncated_N[0]
                          or ep.length >= self.env.spec.max_episode_steps)
         ep.ended = self.done
@@ -124,6 +163,10 @@ class EnvProxy:
     def finished(self) -> list[Episode]:
         """The episodes that ran to their end."""
         return [e for e in self.outcomes if e.ended]
+
+    def videos_encoded(self) -> list[bytes]:
+        """The recorded episodes encoded as the evaluator encodes them, in episode order."""
+        return [data for _, data in self.recorder.encoded()] if self.recorder else []
 
     # ---------------------------------------------------------------- serving
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

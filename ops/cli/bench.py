@@ -107,10 +107,17 @@ def register(sub: Any) -> None:
             bp.add_argument("--repeats", type=int, default=200, help="counted rounds (default 200)")
             bp.add_argument(
                 "--success", action="store_true",
-                help="instead: train a PushCube SFT policy through the SDK and compare the "
-                "evaluator's success with openpi's own client's on the same seeds (~4 min)")
+                help="instead: compare the evaluator's episodes with openpi's own client's on "
+                "the same seeds: ManiSkill (an SFT policy trained through the SDK; success, "
+                "~4 min) or LIBERO (an RL workload's initial version; the episodes' videos "
+                "frame for frame, ~1-2 min)")
+            bp.add_argument("--task", default="PushCube-v1",
+                            help="with --success: a ManiSkill task or LIBERO-<suite>-<i> "
+                            "(default PushCube-v1)")
             bp.add_argument("--episodes", type=int, default=30, help="with --success (default 30)")
             bp.add_argument("--seed", type=int, default=2027, help="with --success (default 2027)")
+            bp.add_argument("--max-steps", type=int, default=20,
+                            help="with a LIBERO --task: steps per episode (default 20)")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -264,10 +271,10 @@ def _gateway(args: argparse.Namespace) -> int:
         from joynexus.ops.bench.gatewaysuccess import bench_success
 
         out = asyncio.run(bench_success(
-            episodes=args.episodes, seed=args.seed,
+            task=args.task, episodes=args.episodes, seed=args.seed, max_steps=args.max_steps,
             log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))))
         print(json.dumps(out, indent=None if args.json else 2))
-        return 0 if out["agree"] else 1
+        return 0 if out["agree"] and out.get("same_episodes", True) else 1
     print(json.dumps(asyncio.run(bench_gateway(repeats=args.repeats)),
                      indent=None if args.json else 2))
     return 0

@@ -4,6 +4,11 @@ success over 30 episodes agrees with the service's evaluator on the same seeds (
 issue's target: within the evaluator's Wilson 95% interval). The simulator lives in
 the service's virtualenv behind the environment proxy (``ops/bench/envproxy.py``),
 which is checked here against hostile requests too.
+
+On LIBERO (no scripted expert, no dataset: an RL workload's initial version,
+which never succeeds) success agreement would be trivial, so the episodes
+themselves are compared: the evaluator's saved videos against the client's
+frames, byte for byte, with openpi's LIBERO keys and two cameras.
 """
 
 from __future__ import annotations
@@ -41,6 +46,32 @@ async def test_openpis_client_agrees_with_the_evaluator_on_the_same_seeds(tmp_pa
     # ActionChunkBroker asks once per chunk of 4 steps (and afresh after each episode)
     assert out["openpi_steps"] == round(out["mean_length_openpi"] * 30)
     assert out["openpi_steps"] / 4 <= out["openpi_policy_calls"] <= out["openpi_steps"] / 4 + 30
+
+
+async def test_openpis_client_runs_the_evaluators_libero_episodes_frame_for_frame(
+        tmp_path: Path) -> None:
+    assert openpi_python() is not None, "no .venv-openpi: see the test above"
+    out = await bench_success(task="LIBERO-spatial-0", episodes=5, seed=2027, max_steps=20,
+                              data_dir=tmp_path)
+    meta = out["openpi_meta"]
+    assert out["openpi_numpy"].startswith("1."), out
+    assert (meta["workload"], meta["version"]) == ("rl", out["version"]), out
+    assert meta["cameras"] == ["agentview", "eye_in_hand"] and meta["action_dim"] == 7, out
+    assert out["episodes"] == out["openpi_episodes"] == 5, out
+    # an untrained policy: neither succeeds, every episode runs to the 20-step cap
+    assert out["evaluator_success"] == out["openpi_success"] == 0.0 and out["agree"], out
+    assert out["lengths_openpi"] == [20] * 5 and out["mean_length_evaluator"] == 20.0, out
+    assert out["mean_return_evaluator"] == out["mean_return_openpi"], out
+    # the same episodes: the first 4 (a tenant's video quota) identical frame for frame,
+    # 21 frames each (the reset and 20 steps); they could differ: the episodes start
+    # from different states, and the policy moves the robot within each
+    assert out["videos"] == out["videos_openpi"] == 4, out
+    assert out["video_frames_evaluator"] == out["video_frames_openpi"] == [21] * 4, out
+    assert out["evaluator_videos_distinct"] and all(out["frames_change"]), out
+    assert all(out["videos_identical"]) and out["video_max_abs_diff"] == [0] * 4, out
+    assert out["same_episodes"], out
+    # ActionChunkBroker: one call per chunk of 4 steps
+    assert out["openpi_steps"] == 100 and out["openpi_policy_calls"] == 25, out
 
 
 async def test_the_environment_proxy_refuses_what_a_client_should_not_send(tmp_path: Path) -> None:

@@ -94,8 +94,8 @@ def test_mis_shaped_and_non_finite_observations_name_the_problem() -> None:
     for obs, err, match in cases:
         with pytest.raises(err, match=match):
             v.inputs(codec.decode_observation(pack(obs)))
-    # two cameras: the one-camera aliases do not apply
-    with pytest.raises(InvalidMessage, match="no image for camera 'a'"):
+    # two cameras: openpi's "image" is the first one only; the second is still missing
+    with pytest.raises(InvalidMessage, match="no image for camera 'b'"):
         view(("a", "b")).inputs({"image": img, "state": np.zeros(12)})
 
 
@@ -107,3 +107,25 @@ def test_keys_are_stored_as_hashes_and_parsed_strictly() -> None:
     assert not hash_matches(digest, parse_key(new_key()[1])[1])  # type: ignore[index]
     for bad in ("", "jnxk_", key + "x", key.replace("jnxk_", "jnx_"), "Bearer " + key):
         assert parse_key(bad) is None
+
+
+def test_openpis_libero_keys_name_the_main_and_the_wrist_camera() -> None:
+    # openpi's LIBERO example: observation/image (third person), observation/wrist_image
+    agent = np.full((64, 64, 3), 7, np.uint8)
+    wrist = np.full((64, 64, 3), 9, np.uint8)
+    libero = view(("agentview", "eye_in_hand"))
+    assert (libero.main_camera, libero.wrist_camera) == ("agentview", "eye_in_hand")
+    obs = codec.decode_observation(pack({"observation/image": agent,
+                                         "observation/wrist_image": wrist,
+                                         "observation/state": np.ones(12, np.float32)}))
+    images, _, _ = libero.inputs(obs)
+    assert images["agentview"].max() == 7 and images["eye_in_hand"].max() == 9
+    assert "observation/wrist_image" in libero.metadata()["image_keys"]["eye_in_hand"]
+    # the wrist first: observation/image still names the other camera
+    flipped = view(("wrist", "front")).inputs(obs)[0]
+    assert flipped["front"].max() == 7 and flipped["wrist"].max() == 9
+    # no wrist camera among two: only the first is openpi's image; the second is missing
+    with pytest.raises(InvalidMessage, match="'side'"):
+        view(("front", "side")).inputs(obs)
+    # two wrist cameras: wrist_image is ambiguous, so it names neither
+    assert view(("left_wrist", "right_wrist")).wrist_camera is None

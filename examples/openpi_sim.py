@@ -1,15 +1,17 @@
-"""openpi's own client drives a ManiSkill task against a tenant's policy served by the
-JoyNexus policy gateway. Run it in openpi's virtualenv (``.venv-openpi``: openpi-client
+"""openpi's own client drives a ManiSkill or LIBERO task against a tenant's policy served
+by the JoyNexus policy gateway. Run it in openpi's virtualenv (``.venv-openpi``: openpi-client
 0.1.2, numpy < 2); it imports nothing of JoyNexus.
 
 The simulator lives in the service's virtualenv (numpy 2): ``EnvProxy``
-(``ops/bench/envproxy.py``) serves one ManiSkill env on a unix socket, and
+(``ops/bench/envproxy.py``) serves one ManiSkill or LIBERO env on a unix socket
+(for LIBERO with the observation keys of openpi's own LIBERO example:
+``observation/image``, ``observation/wrist_image``, ``observation/state``, ``prompt``), and
 :class:`ProxyEnvironment` here is an ordinary openpi ``Environment`` that forwards
 ``reset``, ``get_observation`` and ``apply_action`` to it, exactly as a robot's
 environment would talk to its hardware. The episodes run through openpi's own
 ``Runtime(env, PolicyAgent(ActionChunkBroker(WebsocketClientPolicy(...))))``.
 
-Usage: python openpi_maniskill.py WS_URL API_KEY SOCKET EPISODES
+Usage: python openpi_sim.py WS_URL API_KEY SOCKET EPISODES
 (``joynexus bench gateway --success`` starts the proxy and runs this.)
 Prints one JSON line: the server's metadata, steps, policy calls and numpy's version.
 """
@@ -90,7 +92,7 @@ def main() -> None:
         subscribers=[],
         num_episodes=episodes,
     ).run()
-    print(json.dumps({"meta": {k: meta[k] for k in ("tenant", "workload", "version",
+    print(json.dumps({"meta": {k: meta[k] for k in ("tenant", "workload", "version", "cameras",
                                                      "action_horizon", "action_dim")},
                       "steps": env.steps, "calls": Counting.calls, "numpy": np.__version__}))
 
