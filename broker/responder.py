@@ -6,32 +6,23 @@ Every request server (the scheduler, the control plane's tenant and operator
 APIs, the inference engines) answers through a :class:`Server`. See
 docs/ARCHITECTURE.md ("Request/reply: one layer"). What it guards:
 
-- **Replies go only to the requester's own inbox.** A tenant names the reply
-  subject of its request; the service must not publish where it says (a reply
-  to ``$JS.API.STREAM.PURGE.<stream>`` once purged every tenant's job log). A
-  request on a tenant's subject is answered only if its reply subject is under
-  that tenant's inbox (``_INBOX.<ns>.<tenant>.``); a request on an agent's or
-  the operator's subject only under the agents' or the operator's inbox
-  prefixes, which no tenant may subscribe to (:func:`reply_allowed`). Anything else is
-  dropped, unanswered, and reported as a ``security`` event (action
-  ``reply``). Behind the check, the answers travel on a connection of their
-  own, as the responder identity, which the broker lets publish to inboxes
-  only (:func:`joynexus.broker.permissions.responder_permissions`).
+- **Replies go only to the requester's own inbox** (a reply to
+  ``$JS.API.STREAM.PURGE.<stream>`` once purged every tenant's job log): on a
+  tenant's subject only under ``_INBOX.<ns>.<tenant>.``, on an agent's or the
+  operator's only under their inbox prefixes, which no tenant may subscribe to
+  (:func:`reply_allowed`); anything else is dropped and filed as a ``security``
+  event. Answers travel as the responder identity, which may publish to inboxes only.
 - **A bounded number of requests in flight**, per tenant (its quota's
   ``max_requests_in_flight``) and in all: past the bound a request is answered
   ``rate_limited`` (retryable) instead of being spawned; refusals are sent round
   robin between tenants, a few per turn of the event loop, so a burst of one
   tenant's refused requests does not queue ahead of another tenant's work.
 - **A fair share of the server's time** (``slots``): of a tenant's admitted
-  requests at most ``slots(tenant)`` do their work at once; the others wait, in
-  order, until one of its own ends. The event loop is the control plane's one
-  CPU: 32 concurrent handlers of one tenant made every other tenant's call 13-20x
-  slower (issue 24); now another tenant's request competes with a few of them,
-  and a verb that works longer holds its slot longer, so costs its tenant more
-  of its share; a verb known to be expensive (``cost``: reading weights or
-  videos, writing rows, creating a workload) takes several of its tenant's
-  slots at once (:class:`Budget`), so a tenant's expensive calls run one at a
-  time. A long poll gives its slots back while it waits (:func:`waiting`).
+  requests at most ``slots(tenant)`` work at once, the others wait in order (32
+  concurrent handlers of one tenant made every other tenant's call 13-20x slower);
+  a verb known to be expensive (``cost``) takes several slots (:class:`Budget`),
+  so a tenant's expensive calls run one at a time; a long poll gives its slots
+  back while it waits (:func:`waiting`).
 - **A handler that raises answers an error body** (the error's stable code,
   its message clipped; a bug answers ``error`` and is logged) with the
   micro-service error headers, and the server keeps serving.
@@ -67,8 +58,7 @@ MAX_IN_FLIGHT_TOTAL = 1024
 #: The longest error message a tenant-facing server echoes back.
 MAX_ERROR_CHARS = 600
 
-#: Refusals of one tenant waiting to be sent (past it, or past the bytes bound,
-#: a refused request is dropped unanswered: its sender is far past its bound).
+#: Refusals of one tenant waiting to be sent, in count and bytes (Server.defer_refusal).
 MAX_QUEUED_REFUSALS = 4096
 MAX_QUEUED_REFUSAL_BYTES = 16 << 20
 #: Refusals sent between two turns of the event loop (see Server._drain_refusals).
@@ -111,8 +101,7 @@ STATUS_BY_CODE = {PermissionDenied.code: "403"}
 def error_headers(code: str, message: str, headers: dict[str, str] | None = None) -> dict[str, str]:
     """The micro-service error headers of an error reply (added to ``headers``)."""
     headers = {} if headers is None else headers
-    headers[SERVICE_ERROR] = message[:200]
-    headers[SERVICE_ERROR_CODE] = STATUS_BY_CODE.get(code, "400")
+    headers.update({SERVICE_ERROR: message[:200], SERVICE_ERROR_CODE: STATUS_BY_CODE.get(code, "400")})
     return headers
 
 
@@ -182,17 +171,28 @@ class Responder:
         only) in; RateLimited past its bound."""
         key = tenant or ""
         n = self.in_flight.get(key, 0)
-        bound = self.limit(key) if tenant else self.total
-        if n >= bound or self._in_flight_total >= self.total:
-            self.rate_limited += 1
-            who = f"tenant {tenant!r} has" if tenant else "there are"
-            raise RateLimited(
-                f"{who} {n} requests being served by {self.source} "
-                f"(the bound is {min(bound, self.total)}); wait for answers before sending more, "
-                "or retry shortly"
-            )
+        if n >= self._bound(key) or self._in_flight_total >= self.total:
+            raise self.limited(key)
         self.in_flight[key] = n + 1
         self._in_flight_total += 1
+
+    def _bound(self, tenant: str) -> int:
+        return self.limit(tenant) if tenant else self.total
+
+    def busy(self, tenant: str) -> bool:
+        """Would a request of ``tenant`` be refused now? A dict lookup: a tenant with
+        nothing in flight (or a token that is no tenant) is not busy."""
+        n = self.in_flight.get(tenant)
+        return n is not None and (n >= self._bound(tenant) or self._in_flight_total >= self.total)
+
+    def limited(self, tenant: str) -> RateLimited:
+        """The refusal of a request of ``tenant`` ("": of none) past its bound (counted)."""
+        self.rate_limited += 1
+        who = f"tenant {tenant!r} has" if tenant else "there are"
+        return RateLimited(
+            f"{who} {self.in_flight.get(tenant, 0)} requests being served by {self.source} "
+            f"(the bound is {min(self._bound(tenant), self.total)}); wait for answers before "
+            "sending more, or retry shortly")
 
     def release(self, tenant: str | None) -> None:
         key = tenant or ""
@@ -254,8 +254,8 @@ class Server(Responder):
         #: The most requests of one tenant that ever worked at once (for tests).
         self.peak_working: dict[str, int] = {}
         self._working: dict[str, int] = {}
-        #: Refused requests not answered yet, per tenant, and their bytes (_defer_refusal).
-        self._to_refuse: dict[str, deque[tuple[Any, RateLimited, Any]]] = {}
+        #: Refused requests not answered yet, per tenant, and their bytes (defer_refusal).
+        self._to_refuse: dict[str, deque[tuple[Any, RateLimited | None, Any, bool]]] = {}
         self._to_refuse_bytes: dict[str, int] = {}
         self._refuser: asyncio.Task[None] | None = None
         #: Refused requests dropped unanswered (past MAX_QUEUED_REFUSALS or its bytes).
@@ -292,7 +292,7 @@ class Server(Responder):
         try:
             self.admit(tenant)
         except RateLimited as e:
-            self._defer_refusal(tenant or "", request, e, error_reply)
+            self.defer_refusal(tenant or "", request, e, error_reply)
             return
         slot = self._slot(tenant)
         work = handle if slot is None else self._in_slot(tenant or "", slot, cost, handle)
@@ -353,12 +353,13 @@ class Server(Responder):
             return
         await self.send(request, self.encode(reply))
 
-    def _defer_refusal(self, tenant: str, request: Any, e: RateLimited,
-                       error_reply: Callable[[str, str], Any] | None) -> None:
-        """Queue a refusal, sent round robin with other tenants' a few per turn of the
-        event loop (_drain_refusals): with a task each, an admitted request of another
-        tenant waited behind a whole burst's answers (issue 24's ``request_flood``).
-        Past the tenant's bound (count, bytes) a refused request is dropped unanswered."""
+    def defer_refusal(self, tenant: str, request: Any, e: RateLimited | None = None,
+                      error_reply: Callable[[str, str], Any] | None = None, *,
+                      service: bool = False) -> None:
+        """Queue a refusal, sent round robin with other tenants' a few per loop turn
+        (with a task each, another tenant's request waited behind a whole burst's
+        answers). ``e`` None: a :meth:`busy` tenant's request refused before any other
+        check, its reply subject checked in its turn. Past the bounds: dropped, unanswered."""
         size = len(getattr(request, "data", b"") or b"")
         q = self._to_refuse.get(tenant)
         used = self._to_refuse_bytes.get(tenant, 0)
@@ -370,7 +371,7 @@ class Server(Responder):
             return
         if q is None:
             q = self._to_refuse[tenant] = deque()
-        q.append((request, e, error_reply))
+        q.append((request, e, error_reply, service))
         self._to_refuse_bytes[tenant] = used + size
         if self._refuser is None:
             self._refuser = self.spawn(self._drain_refusals())
@@ -384,13 +385,17 @@ class Server(Responder):
                     q = self._to_refuse.get(tenant)
                     if not q:
                         continue
-                    request, e, error_reply = q.popleft()
+                    request, e, error_reply, service = q.popleft()
                     left = self._to_refuse_bytes.get(tenant, 0) - len(getattr(request, "data", b"") or b"")
                     if q:
                         self._to_refuse_bytes[tenant] = left
                     else:
                         del self._to_refuse[tenant]
                         self._to_refuse_bytes.pop(tenant, None)
+                    if e is None:  # refused at the door: its reply subject not checked yet
+                        if not self.allowed(request, tenant, service=service):
+                            continue
+                        e = self.limited(tenant)
                     await self._refuse(request, e, error_reply)
                     sent += 1
                     if sent % REFUSALS_PER_TURN == 0:
@@ -400,10 +405,8 @@ class Server(Responder):
 
     async def _refuse(self, request: Any, e: RateLimited,
                       error_reply: Callable[[str, str], Any] | None) -> None:
-        """Answer ``rate_limited``: a flood of refused requests is answered from a cache
-        of encoded refusals (the message repeats: same tenant, same bound), so each
-        costs a lookup and a publish, not an encoding (the victim's request waits
-        behind them in the subscription's queue)."""
+        """Answer ``rate_limited`` from a cache of encoded refusals (the message repeats:
+        same tenant, same bound): a lookup and a publish each, not an encoding."""
         key = (id(error_reply), str(e))
         hit = self._refusals.get(key)
         if hit is None:

@@ -171,6 +171,12 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
     async def _handle(self, request: Request) -> None:
         """Check the reply subject and the tenant's in-flight bound; never wait here
         (nats-py runs one callback at a time per subscription)."""
+        # A tenant at its bound is refused before any other check (a flood's cheapest
+        # path: the other tenants' requests wait behind it in this one subscription).
+        token = request.subject.split(".")[2] if request.subject.count(".") == 3 else ""
+        if token and self.rpc.busy(token):
+            self.rpc.defer_refusal(token, request)
+            return
         tenant = tenant_of_subject(request.subject)
         if not self.rpc.allowed(request, tenant):
             return
