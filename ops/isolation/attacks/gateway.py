@@ -23,7 +23,7 @@ import numpy as np
 
 from joynexus.agents.gateway.codec import encode, pack_array
 from joynexus.ops.isolation.deployment import VICTIM_WORKLOAD, SecuredDeployment, sft_spec
-from joynexus.ops.isolation.kit import AttackResult, Checks, short_error
+from joynexus.ops.isolation.kit import AttackResult, Checks, cancel_quietly, short_error
 from joynexus.schemas.errors import JoyNexusError
 
 #: The attacker's own workload the gateway serves it.
@@ -101,6 +101,21 @@ async def _served(url: str, key: str) -> tuple[bool, str]:
         return False, short_error(str(e), 120)
 
 
+def _ends_its_workload(attack: Any) -> Any:
+    """The attack, then the attacker's :data:`WORKLOAD` cancelled (a tenant runs one
+    active workload per task type: left active, it failed the next attack that
+    creates one)."""
+    async def run(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
+        try:
+            return await attack(dep, attacker, victim)  # type: ignore[no-any-return]
+        finally:
+            await cancel_quietly(await dep.client(attacker), WORKLOAD)
+
+    run.__doc__, run.__name__ = attack.__doc__, attack.__name__
+    return run
+
+
+@_ends_its_workload
 async def attack_gateway_keys(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """Wrong, missing and revoked keys; the victim's workload named in the key's place."""
     from websockets.exceptions import ConnectionClosed
@@ -296,17 +311,20 @@ async def _from_own_process(dep: SecuredDeployment, part: str, attacker: str,
     return ck.result()
 
 
+@_ends_its_workload
 async def attack_gateway_frames(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """A 100 MB frame, msgpack bombs, non-finite and mis-shaped arrays."""
     return await _from_own_process(dep, "frames", attacker, victim)
 
 
+@_ends_its_workload
 async def attack_gateway_never_reads(dep: SecuredDeployment, attacker: str,
                                      victim: str) -> AttackResult:
     """A client that never reads its replies: cut off; the victim served meanwhile."""
     return await _from_own_process(dep, "never_reads", attacker, victim)
 
 
+@_ends_its_workload
 async def attack_gateway_connections(dep: SecuredDeployment, attacker: str,
                                      victim: str) -> AttackResult:
     """1,000 connections from one tenant against its cap; the victim still served."""
