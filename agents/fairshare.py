@@ -162,12 +162,13 @@ def replay(past: list[Past], now: float, half_life_s: float = HALF_LIFE_S) -> Fa
         if kind == 0:
             under_way[p.tenant] = under_way.get(p.tenant, 0) + 1
             if under_way[p.tenant] == 1:
-                floor = min((fair.vt(t) for t, n in under_way.items() if n and t != p.tenant),
-                            default=None)
+                floor = min((fair.vt(t) for t in under_way if t != p.tenant), default=None)
                 if floor is not None:
                     fair.lift(p.tenant, floor, now)
             continue
         under_way[p.tenant] -= 1
+        if not under_way[p.tenant]:
+            del under_way[p.tenant]  # only tenants under way are scanned for a floor
         if p.rows is not None:
             fair.charge(p.tenant, p.rows, p.at, None, weight=p.weight)
     return fair
