@@ -140,18 +140,17 @@ class DataCalls(ClientBase):
                     raise InvalidSpec(f"workload {workload!r} takes no more jobs: {reply.refused}")
                 if wait >= 1.0 and reply.refusal and not reply.position:
                     raise QuotaExceeded(reply.refused)  # not queued: the tenant's queue is full
+                if reply.position and reply.position != place:
+                    place = reply.position  # its last place (a last short wait may not queue)
+                    log.info("open_job on %s waits for admission: %s (place %d)",
+                             workload, reply.refused, place)
                 left = deadline - loop.time()
                 if left <= 0:
                     raise Timeout(
                         f"open_job on {workload!r} not admitted within {wait_s:.0f}s: "
                         f"{reply.refused or 'admission refused it'}"
-                        + (f" (place {reply.position} in the admission queue)"
-                           if reply.position else "")
+                        + (f" (place {place} in the admission queue)" if place else "")
                     )
-                if reply.position != place:
-                    place = reply.position
-                    log.info("open_job on %s waits for admission: %s (place %d)",
-                             workload, reply.refused, place)
                 if not reply.position:  # it did not wait (a control plane without a queue)
                     await asyncio.sleep(min(delay, left))
                     delay = min(delay * 2, 1.0)
