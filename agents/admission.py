@@ -25,9 +25,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from joynexus.agents.fairshare import admission_key, lease_key
+from joynexus.agents.fairshare import Past, admission_key, lease_key, replay
 from joynexus.agents.lifecycle import JobBook, ready_key
-from joynexus.schemas.jobs import TERMINAL_STATES, JobState, TrainingJob
+from joynexus.schemas.jobs import TERMINAL_STATES, JobEvent, JobState, TrainingJob
 from joynexus.schemas.scheduler import Refusal, ReserveRequest, TenantShare
 
 S = JobState
@@ -188,6 +188,26 @@ class FairBook(JobBook):
                      if t != job.tenant_id and self.open_jobs(t)), default=None)
         if floor is not None:
             self.fair.lift(job.tenant_id, floor, now)
+
+    def replay_shares(self, latest: list[tuple[JobEvent, int]], *, now: float, wall: float) -> None:
+        """Rebuild the fair shares from the last event of every job in the log (with its
+        sequence), as the scheduler's rebuild reads them: the same charges, virtual
+        times and lifts as before the restart (``fairshare.replay``). ``now``: the
+        clock of lease times; ``wall``: the wall clock then (events carry wall time)."""
+        past = []
+        for event, seq in latest:
+            job = event.job
+            ended = job.state in TERMINAL_STATES
+            policy = self.policies.get(f"{job.tenant_id}.{job.workload}")
+            past.append(Past(
+                tenant=job.tenant_id,
+                admitted=job.created_seq or seq,  # a Reserved event: its own sequence
+                ended=seq if ended else 0,
+                rows=job.sample_count if job.state is S.COMPLETED else None,
+                weight=policy.weight if policy is not None else 1,
+                at=now - max(wall - event.at, 0.0),
+            ))
+        self.fair = replay(past, now, self.fair.half_life_s)
 
     def open_jobs(self, tenant_id: str) -> int:
         states = self.by_tenant_state.get(tenant_id)

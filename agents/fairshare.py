@@ -129,6 +129,51 @@ class FairShare:
         }
 
 
+@dataclass(frozen=True)
+class Past:
+    """One job as the log holds it at a (re)start: its tenant, the log sequence of its
+    admission and of its end (0: under way), its rows if it completed (None: it
+    failed, was dropped, or is under way), its tenant's weight, and when it ended
+    (``now``'s clock: the decayed display only)."""
+
+    tenant: str
+    admitted: int
+    ended: int = 0
+    rows: int | None = None
+    weight: float = 1.0
+    at: float = 0.0
+
+
+def replay(past: list[Past], now: float, half_life_s: float = HALF_LIFE_S) -> FairShare:
+    """The charges and virtual times the live scheduler made, rebuilt from the log
+    (a restart, a standby's takeover): admissions and ends in log order; each
+    completion charged as ``commit`` charged it, each tenant admitted while idle
+    lifted as ``_admitted`` lifted it. Lease seconds are not in the log: the
+    seconds per row (display) start again from the next completion."""
+    fair = FairShare(half_life_s=half_life_s)
+    steps: list[tuple[int, int, Past]] = []
+    for p in past:
+        steps.append((p.admitted, 0, p))
+        if p.ended:
+            steps.append((p.ended, 1, p))
+    steps.sort(key=lambda s: (s[0], s[1]))
+    under_way: dict[str, int] = {}
+    for _seq, kind, p in steps:
+        if kind == 0:
+            under_way[p.tenant] = under_way.get(p.tenant, 0) + 1
+            if under_way[p.tenant] == 1:
+                floor = min((fair.vt(t) for t in under_way if t != p.tenant), default=None)
+                if floor is not None:
+                    fair.lift(p.tenant, floor, now)
+            continue
+        under_way[p.tenant] -= 1
+        if not under_way[p.tenant]:
+            del under_way[p.tenant]  # only tenants under way are scanned for a floor
+        if p.rows is not None:
+            fair.charge(p.tenant, p.rows, p.at, None, weight=p.weight)
+    return fair
+
+
 def decay(dt: float, half_life_s: float) -> float:
     """The factor a charge keeps after ``dt`` seconds."""
     if dt <= 0 or half_life_s <= 0:
@@ -161,9 +206,11 @@ def jain(xs: list[float]) -> float | None:
 __all__ = [
     "HALF_LIFE_S",
     "FairShare",
+    "Past",
     "Share",
     "admission_key",
     "decay",
     "jain",
     "lease_key",
+    "replay",
 ]

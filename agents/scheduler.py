@@ -177,6 +177,8 @@ class SchedulerAgent:
         latest, bad = await self.log.latest_per_job()
         for stored in latest:
             self.core.load(stored.event, stored.seq, now)
+        # The fair order as it was: charges and lifts replayed in log order.
+        self.core.replay_shares([(s.event, s.seq) for s in latest], now=now, wall=time.time())
         ends = await self.log.workload_ends()
         for end in ends:
             self.core.note_ended(end)

@@ -118,6 +118,37 @@ class SchedulerClient:
         refusal that will lift first waits in the admission queue up to ``wait_s``
         (default: :data:`RESERVE_WAIT`, which ``reserve_until_admitted`` sets for its
         reserves); ``last_position`` is its place there."""
+        self.last_refusal = self.last_refusal_code = ""
+        self.last_position = 0
+        r = await self.reserve_reply(
+            tenant_id, task_type, workload=workload, generation=generation, domain=domain,
+            sample_count=sample_count, behavior_policy_version=behavior_policy_version,
+            producer_role=producer_role, consumer_role=consumer_role, metadata=metadata,
+            job_id=job_id, wait_s=wait_s,
+        )
+        self.last_refusal, self.last_refusal_code = r.refused, r.refusal
+        self.last_position = r.position
+        return r.job
+
+    async def reserve_reply(
+        self,
+        tenant_id: str,
+        task_type: jobs.TaskType,
+        *,
+        workload: str = "default",
+        generation: int = 1,
+        domain: str = "",
+        sample_count: int = 0,
+        behavior_policy_version: int = 0,
+        producer_role: str = "producer",
+        consumer_role: str = "actor",
+        metadata: jobs.JobMetadata | None = None,
+        job_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> scheduler.Reply:
+        """:meth:`reserve`'s whole reply (the job, or the refusal with its code, place
+        and wait), for callers that serve many reserves at once (the control plane):
+        ``last_refusal`` is not touched."""
         wait = RESERVE_WAIT.get() if wait_s is None else wait_s
         req = scheduler.ReserveRequest(
             job_id=job_id or new_job_id(),
@@ -134,11 +165,7 @@ class SchedulerClient:
             by=self.by,
             wait_s=wait,
         )
-        self.last_refusal = self.last_refusal_code = ""
-        r = await self._call("reserve", req, extra_wait=wait)
-        self.last_refusal, self.last_refusal_code = r.refused, r.refusal
-        self.last_position = r.position
-        return r.job
+        return await self._call("reserve", req, extra_wait=wait)
 
     async def mark(
         self, job_id: str, state: jobs.JobState, *, attempt: int = 0, sample_count: int | None = None

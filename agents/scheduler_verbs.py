@@ -20,6 +20,7 @@ from collections import defaultdict
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
+from joynexus.agents.admission import WAITABLE
 from joynexus.agents.schedcore import Refused, SchedulerCore
 from joynexus.broker import kvwatch, slots
 from joynexus.broker.subjects import GLOBAL_LIMITS_KEY, SCHEDULER_VERBS, VERSION_KEYS, Names
@@ -170,8 +171,9 @@ class SchedulerVerbs:
                     code = decided.code
                     place = self.core.wait(req, code, now=now) if now < deadline else 0
                 if not place:
-                    return Reply(refused=decided.reason, refusal=decided.code,
-                                 position=position, waited_s=round(now - t0, 3))
+                    return Reply(refused=self._not_queued(req, decided, now < deadline),
+                                 refusal=decided.code, position=position,
+                                 waited_s=round(now - t0, 3))
                 position = place
                 ev = self.waiter_events[req.job_id] = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
@@ -180,6 +182,17 @@ class SchedulerVerbs:
         finally:
             self.waiter_events.pop(req.job_id, None)
             self._leave_queue(req.job_id)
+
+    def _not_queued(self, req: ReserveRequest, decided: Refused, asked: bool) -> str:
+        """The refusal's words; a reserve that asked to wait and found its tenant's
+        queue full says so (it did not queue: ``position`` 0)."""
+        q = self.core.queue
+        if asked and decided.code in WAITABLE and req.job_id not in q.waiters:
+            n = q.by_tenant.get(req.tenant_id, 0)
+            if n >= q.per_tenant:
+                return (f"{decided.reason}; not queued: tenant {req.tenant_id!r} already has "
+                        f"{n} reserves waiting for admission (at most {q.per_tenant})")
+        return decided.reason
 
     def _leave_queue(self, job_id: str) -> None:
         w = self.core.queue.remove(job_id)

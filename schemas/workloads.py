@@ -364,6 +364,9 @@ class OpenJob(Wire, kw_only=True):
     workload: str
     sample_count: int
     behavior_policy_version: int = 0
+    #: If admission refuses it for a limit that will lift, wait up to this long
+    #: (seconds, at most 10) in the scheduler's admission queue (0: answer at once).
+    wait_s: float = 0.0
 
 
 class CloseJob(Wire, kw_only=True, omit_defaults=True):
@@ -436,6 +439,11 @@ class ApiReply(Wire, kw_only=True, omit_defaults=True):
     data: bytes = b""
     #: put_data: rows now in the partition.
     rows: int = 0
-    #: Why open_job got no job (admission: limits reached; retry later).
+    #: Why open_job got no job (admission: limits reached; retry later), in words
+    #: and as the scheduler's refusal code; ``position``: its place in the admission
+    #: queue when its wait ended (1: next; 0: it did not queue), ``waited_s``: how long.
     refused: str = ""
+    refusal: str = ""
+    position: int = 0
+    waited_s: float = 0.0
     error: ErrorBody | None = None

@@ -38,6 +38,9 @@ T = TypeVar("T")
 
 #: Each verb's reply decoder (an error reply raises its typed error).
 _REPLIES = {verb: rpc.checked(ApiReply, f"reply to {verb}") for verb in VERBS}
+#: Submissions of one client that wait for admission at once (the others wait in
+#: the client): the control plane lets half a tenant's requests in flight wait.
+OPEN_WAITS = 8
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
 
@@ -55,6 +58,8 @@ class ClientBase:
         self._revoked: PermissionDenied | None = None
         self._closing: asyncio.Future[None] | None = None
         self._closed = False
+        #: Submissions of this client waiting for admission at once (sdk/data.py).
+        self._open_slots = asyncio.Semaphore(OPEN_WAITS)
         broker.error_listeners.append(self._on_server_error)
 
     # ------------------------------------------------------------ plumbing

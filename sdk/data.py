@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from joynexus.schemas.errors import InvalidSpec
+from joynexus.schemas.errors import InvalidSpec, QuotaExceeded, Timeout
 from joynexus.schemas.inference import TensorBytes
 from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, REQUIRED, STATE_FIELD
+from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.workloads import CloseJob, OpenJob, PutData
 from joynexus.sdk.base import ClientBase
 
@@ -27,6 +29,12 @@ RL_FIELDS = REQUIRED["rl"]
 IMAGE_PREFIX = IMAGE_FIELD_PREFIX
 #: Raw bytes per put_data request at most (msgpack, under 3/4 of max_payload).
 PUT_CHUNK_BYTES = 6 * 1024 * 1024
+#: How long one open_job waits in the admission queue (the control plane's bound).
+OPEN_WAIT_S = 10.0
+#: How long a submission waits for admission in all, by default (then: Timeout).
+ADMISSION_WAIT_S = 600.0
+
+log = logging.getLogger(__name__)
 
 
 class DataCalls(ClientBase):
@@ -72,18 +80,24 @@ class DataCalls(ClientBase):
 
     # ------------------------------------------------------------ your own data
     def submit_sft_batch(
-        self, workload: str, batch: Mapping[str, Any]
+        self, workload: str, batch: Mapping[str, Any], *,
+        admission_wait_s: float = ADMISSION_WAIT_S,
     ) -> asyncio.Future[TrainingJob]:
         """Hand a batch of demonstrations to a ``source="tenant"`` SFT workload.
 
         ``batch``: ``obs_image_<camera>`` uint8 [B, 3, H, W] per camera slot,
         ``obs_state`` float32 [B, S], ``actions`` float32 [B, horizon, A]. Resolves once the job is
-        ready for training (admission may make it wait: see ``max_in_flight``).
+        ready for training. Admission may make it wait (``max_in_flight``, the
+        rollout slots), in the scheduler's admission queue, served fairly between
+        tenants, up to ``admission_wait_s`` (then :class:`Timeout`, saying why and
+        its place); past the tenant's queue bound: :class:`QuotaExceeded`.
         """
-        return self._future(self._submit(workload, batch, SFT_FIELDS, behavior_policy_version=0))
+        return self._future(self._submit(workload, batch, SFT_FIELDS, behavior_policy_version=0,
+                                         admission_wait_s=admission_wait_s))
 
     def submit_rollout(
-        self, workload: str, rollout: Mapping[str, Any], *, behavior_policy_version: int
+        self, workload: str, rollout: Mapping[str, Any], *, behavior_policy_version: int,
+        admission_wait_s: float = ADMISSION_WAIT_S,
     ) -> asyncio.Future[TrainingJob]:
         """Hand a rollout from an environment you run yourself to a ``source="tenant"``
         RL workload: the SFT fields plus ``env_id`` and ``step`` int64 [M], ``rewards``
@@ -91,12 +105,55 @@ class DataCalls(ClientBase):
         [M, horizon, A] as in an SFT batch, never the executed action [M, A] (send
         that, if at all, as ``action``); schemas/samples.py's FIELDS lists them all.
         ``behavior_policy_version`` is the version whose actions you executed
-        (staleness is judged by it)."""
+        (staleness is judged by it). Admission waits as in :meth:`submit_sft_batch`."""
         return self._future(
             self._submit(
-                workload, rollout, RL_FIELDS, behavior_policy_version=behavior_policy_version
+                workload, rollout, RL_FIELDS, behavior_policy_version=behavior_policy_version,
+                admission_wait_s=admission_wait_s,
             )
         )
+
+    async def _open(
+        self, workload: str, rows: int, behavior_policy_version: int, wait_s: float
+    ) -> TrainingJob:
+        """open_job, waiting for admission up to ``wait_s`` in all: each call waits in
+        the scheduler's admission queue (a long poll of up to :data:`OPEN_WAIT_S`,
+        admitted in fair order between tenants) and is asked again at once when its
+        wait ends. Raises :class:`Timeout` past ``wait_s`` (saying why it waits and
+        its place), :class:`QuotaExceeded` at once when the tenant's admission queue
+        is full, :class:`InvalidSpec` when the workload takes no more jobs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(wait_s, 0.0)
+        delay, place = 0.05, 0
+        async with self._open_slots:  # a few of this client's submissions wait at once
+            while True:
+                wait = min(OPEN_WAIT_S, max(0.0, deadline - loop.time()))
+                reply = await self._api(
+                    "open_job",
+                    OpenJob(workload=workload, sample_count=rows,
+                            behavior_policy_version=behavior_policy_version, wait_s=wait),
+                    timeout_s=self.timeout_s + wait,
+                )
+                if reply.job is not None:
+                    return reply.job
+                if reply.refusal in FINAL_REFUSALS:
+                    raise InvalidSpec(f"workload {workload!r} takes no more jobs: {reply.refused}")
+                if wait >= 1.0 and reply.refusal and not reply.position:
+                    raise QuotaExceeded(reply.refused)  # not queued: the tenant's queue is full
+                if reply.position and reply.position != place:
+                    place = reply.position  # its last place (a last short wait may not queue)
+                    log.info("open_job on %s waits for admission: %s (place %d)",
+                             workload, reply.refused, place)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise Timeout(
+                        f"open_job on {workload!r} not admitted within {wait_s:.0f}s: "
+                        f"{reply.refused or 'admission refused it'}"
+                        + (f" (place {place} in the admission queue)" if place else "")
+                    )
+                if not reply.position:  # it did not wait (a control plane without a queue)
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, 1.0)
 
     async def _submit(
         self,
@@ -105,6 +162,7 @@ class DataCalls(ClientBase):
         required: tuple[str, ...],
         *,
         behavior_policy_version: int,
+        admission_wait_s: float,
     ) -> TrainingJob:
         missing = [f for f in required if f not in data]
         if not any(k.startswith(IMAGE_PREFIX) for k in data):
@@ -114,21 +172,7 @@ class DataCalls(ClientBase):
                 f"batch lacks fields {missing}; it needs {IMAGE_PREFIX}<camera>, {', '.join(required)}"
             )
         rows = len(data[STATE_FIELD])
-        delay = 0.05
-        while True:
-            reply = await self._api(
-                "open_job",
-                OpenJob(
-                    workload=workload,
-                    sample_count=rows,
-                    behavior_policy_version=behavior_policy_version,
-                ),
-            )
-            if reply.job is not None:
-                break
-            await asyncio.sleep(delay)  # admission: this workload's jobs in flight are at the limit
-            delay = min(delay * 2, 1.0)
-        job = reply.job
+        job = await self._open(workload, rows, behavior_policy_version, admission_wait_s)
         arrays = {k: np.ascontiguousarray(v) for k, v in data.items()}
         row_bytes = sum(a[0].nbytes for a in arrays.values() if len(a)) or 1
         step = max(1, min(PUT_CHUNK_BYTES, self._b.max_payload * 3 // 4) // row_bytes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         self.open_job_ttl_s = open_job_ttl_s
         self._opened = {}
         self._opened_by = {}
+        self._open_waits = Counter()
         self.datasets_root = Path(datasets_root) if datasets_root else default_root()
         self.quotas = QuotaBook(broker)
         self.rpc = Server(

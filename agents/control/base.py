@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ class ControlBase:
     open_job_ttl_s: float
     _opened: dict[str, float]
     _opened_by: dict[str, str]
+    # open_job calls waiting for admission now, per tenant (at most half its in-flight bound).
+    _open_waits: Counter[str]
     #: Where tenants' datasets live (<root>/<tenant>/..., or the quota's own root).
     datasets_root: Path
     quotas: QuotaBook

@@ -24,46 +24,89 @@ from joynexus.agents.control.checks import (
     open_jobs_of,
     takes_tenant_data,
 )
+from joynexus.agents.scheduler_verbs import MAX_RESERVE_WAIT_S
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import raise_if_cancelled
+from joynexus.broker.slots import waiting
 from joynexus.schemas.base import decode
+from joynexus.schemas.errors import QuotaExceeded
 from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.quotas import Quota
 from joynexus.schemas.workloads import ApiReply, CloseJob, OpenJob, WorkloadRecord
 
 log = logging.getLogger(__name__)
 
+#: The longest one open_job waits in the admission queue (the scheduler's bound).
+MAX_OPEN_WAIT_S = MAX_RESERVE_WAIT_S
+
+
+def open_wait_s(asked: float) -> float:
+    """How long an open_job that asked to wait ``asked`` s waits (0..MAX_OPEN_WAIT_S;
+    a hostile NaN or negative: 0)."""
+    return min(asked, MAX_OPEN_WAIT_S) if asked > 0 else 0.0
+
+
+def max_open_waits(quota: Quota) -> int:
+    """open_job calls of one tenant that may wait at once: half its requests in flight."""
+    return max(1, quota.max_requests_in_flight // 2)
+
 
 class SubmissionsAPI(ControlBase):
     async def _open_job(self, tenant: str, req: OpenJob) -> ApiReply:
+        """Open a job on the tenant's own workload. Refused for a limit that will lift,
+        it may wait in the scheduler's admission queue (``req.wait_s``, at most
+        :data:`MAX_OPEN_WAIT_S`): a long poll that gives the tenant's working slots
+        back while it waits, one of at most half its ``max_requests_in_flight`` at
+        once (the rest stay for its other calls). The reply says why it waits and
+        its place (``refusal``, ``position``)."""
         rec = await self._get(tenant, req.workload)
         spec = rec.spec
+        quota = self.quotas.get(tenant)
         check_open_job(
-            tenant, req.workload, rec, req.sample_count, self.quotas.get(tenant),
+            tenant, req.workload, rec, req.sample_count, quota,
             open_jobs_of(self._opened_by, tenant),
         )
+        wait = open_wait_s(req.wait_s)
+        if wait and self._open_waits[tenant] >= max_open_waits(quota):
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {self._open_waits[tenant]} open_job calls waiting for "
+                f"admission (at most {max_open_waits(quota)}: half its max_requests_in_flight); "
+                "wait for one to be admitted"
+            )
         instruction = spec.instruction
         if not instruction:
             from joynexus.agents.producers import workload_schema
 
             instruction = (await asyncio.to_thread(workload_schema, spec))[1]
-        job = await self.sched.reserve(
-            tenant,
-            spec.task_type,
-            workload=spec.name,
-            generation=rec.generation,
-            domain=spec.env or Path(spec.dataset).name,  # no server path in job records
-            sample_count=req.sample_count,
-            behavior_policy_version=req.behavior_policy_version,
-            producer_role="tenant",
-            metadata=JobMetadata(
-                schema_signature=rec.schema_signature,
-                extra={"instruction": instruction, "advantage": spec.advantage},
-            ),
-        )
+        self._open_waits[tenant] += 1
+        try:
+            async with waiting():  # a long poll holds none of the tenant's working slots
+                r = await self.sched.reserve_reply(
+                    tenant,
+                    spec.task_type,
+                    workload=spec.name,
+                    generation=rec.generation,
+                    domain=spec.env or Path(spec.dataset).name,  # no server path in job records
+                    sample_count=req.sample_count,
+                    behavior_policy_version=req.behavior_policy_version,
+                    producer_role="tenant",
+                    metadata=JobMetadata(
+                        schema_signature=rec.schema_signature,
+                        extra={"instruction": instruction, "advantage": spec.advantage},
+                    ),
+                    wait_s=wait,
+                )
+        finally:
+            self._open_waits[tenant] -= 1
+            if self._open_waits[tenant] <= 0:
+                del self._open_waits[tenant]
+        job = r.job
         if job is not None:
             self._opened[job.job_id] = asyncio.get_running_loop().time()
             self._opened_by[job.job_id] = tenant
-        return ApiReply(job=job, refused="" if job else self.sched.last_refusal)
+            return ApiReply(job=job, position=r.position, waited_s=r.waited_s)
+        return ApiReply(refused=r.refused, refusal=r.refusal, position=r.position,
+                        waited_s=r.waited_s)
 
     async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
         job = await self._tenant_job(tenant, req.job_id, "close_job")

@@ -545,3 +545,73 @@ async def test_a_free_rollout_slot_goes_to_the_waiting_tenant_furthest_behind_ev
         assert not agent.core.queue.waiters
     finally:
         await agent.stop()
+
+
+def fair_state(core) -> dict:  # type: ignore[no-untyped-def]
+    """Each tenant's charges (virtual time, jobs, mean rows per job), and the order
+    the ready jobs would be leased in."""
+    skip: set[str] = set()
+    order = []
+    while (job := core.next_ready("actor", skip, now=0.0)) is not None:
+        order.append(job.job_id)
+        skip.add(job.job_id)
+    shares = {t: (round(s.vt, 9), s.jobs, round(s.cost, 9)) for t, s in core.fair.shares.items()}
+    return {"shares": shares, "mean": round(core.fair.mean_cost, 9), "order": order}
+
+
+async def test_the_fair_order_survives_a_restart_and_a_lease_takeover(broker: Broker) -> None:
+    """Charges made by real completions (three tenants, weights 1, 2, 1, unequal
+    rows; a failed job, a lease and a reserve open): a restarted scheduler, then a
+    standby that takes the lease over, rebuild the same charges and lease order."""
+    from joynexus.agents.leases import RoleLease
+
+    agent = await start_scheduler(broker)
+    c = SchedulerClient(broker, by="t", deadline_s=30)
+    await c.set_limits(GlobalLimits(max_active_rollouts=64))
+    rows = {"acme": 8, "bolt": 16, "cora": 4}
+    for t, w in (("acme", 1), ("bolt", 2), ("cora", 1)):
+        await c.set_policy(WorkloadPolicy(tenant_id=t, task_type="rl", max_in_flight=64,
+                                          max_active_rollouts=64, weight=w))
+    for i in range(4):
+        for t in ("acme", "bolt", "cora") if i % 2 else ("cora", "acme", "bolt"):
+            job = await c.reserve(t, "rl", sample_count=rows[t] + i)
+            assert job is not None
+            await c.mark(job.job_id, S.READY)
+    for _ in range(7):
+        leased = await c.lease_next(wait_s=1.0)
+        assert leased is not None
+        await c.complete(leased, result_version=1)
+    failed = await c.reserve("bolt", "rl", sample_count=99)
+    assert failed is not None
+    await c.fail(failed.job_id, "x")
+    assert await c.lease_next(wait_s=1.0) is not None  # open at the restart
+    assert await c.reserve("acme", "rl", sample_count=3) is not None
+    before = fair_state(agent.core)
+    assert len(before["shares"]) == 3 and len(before["order"]) == 4
+    assert len({v[0] for v in before["shares"].values()}) > 1  # not all level
+    await agent.stop()
+    agent = await start_scheduler(broker)
+    try:
+        assert fair_state(agent.core) == before
+    finally:
+        await agent.stop()
+    # A standby takes the lease over from a holder that froze: the same again.
+    stop = asyncio.Event()
+    a = SchedulerAgent(broker, instance="sched-a", expire_every_s=0.2,
+                       lease=RoleLease(broker, "scheduler", "host-a/sched", ttl_s=2))
+    b = SchedulerAgent(broker, instance="sched-b", expire_every_s=0.2,
+                       lease=RoleLease(broker, "scheduler", "host-b/sched", ttl_s=2))
+    try:
+        assert await a.stand_by(stop)
+        await a.start()
+        standby = asyncio.create_task(b.stand_by(stop))
+        for t in a._loops:
+            if t.get_name() == "sched-lease":
+                t.cancel()
+        assert await asyncio.wait_for(standby, 15)
+        await b.start()
+        assert fair_state(b.core) == before
+    finally:
+        stop.set()
+        await a.stop()
+        await b.stop()

@@ -503,3 +503,22 @@ def test_a_body_nested_too_deeply_is_a_clear_refusal() -> None:
         decode(b'{"a": ' + b"[" * 8000 + b"]" * 8000 + b"}", Free)
     with pytest.raises(InvalidMessage, match="nested too deeply"):
         decode_msgpack(b"\x81\xa1a" + b"\x91" * 8000 + b"\x90", Free)
+
+
+@pytest.mark.parametrize(("asked", "waits"), [
+    (0.0, 0.0), (-5.0, 0.0), (float("nan"), 0.0), (float("-inf"), 0.0),
+    (3.5, 3.5), (10.0, 10.0), (1e9, 10.0), (float("inf"), 10.0),
+])
+def test_an_open_job_waits_at_most_the_schedulers_bound(asked: float, waits: float) -> None:
+    from joynexus.agents.control.submissions import open_wait_s
+
+    assert open_wait_s(asked) == waits
+
+
+def test_half_a_tenants_requests_in_flight_may_wait_for_admission() -> None:
+    from joynexus.agents.control.submissions import max_open_waits
+    from joynexus.schemas.quotas import Quota
+
+    assert max_open_waits(Quota()) == 16
+    assert max_open_waits(Quota(max_requests_in_flight=1)) == 1
+    assert max_open_waits(Quota(max_requests_in_flight=5)) == 2
