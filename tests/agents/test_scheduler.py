@@ -502,6 +502,7 @@ async def test_the_producers_admission_wait_against_the_scheduler(
     assert await asyncio.wait_for(waiting, 2) is None
 
 
+@pytest.mark.slow  # ~13 s: the lost long poll is re-sent after the client's call timeout
 async def test_a_free_rollout_slot_goes_to_the_waiting_tenant_furthest_behind_even_across_a_restart(
     broker: Broker,
 ) -> None:
