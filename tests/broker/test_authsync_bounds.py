@@ -123,12 +123,20 @@ async def wait_events(admin: Broker, tenant: str, pred: Any, total: int, what: s
 
 
 async def wait_events_upto(admin: Broker, tenant: str, pred: Any, total: int,
-                           within: float) -> list[dict[str, Any]]:
-    """The matching events once their counts reach ``total``, or what arrived by ``within``."""
+                           within: float, settled_s: float = 3.0) -> list[dict[str, Any]]:
+    """The matching events once their counts reach ``total``, or once they stopped
+    growing for ``settled_s`` (a coalesced count may never reach it), or what
+    arrived by ``within``."""
     deadline = time.monotonic() + within
+    last, changed = -1, time.monotonic()
     while True:
         events = [e for e in await security_events(admin, tenant) if pred(e)]
-        if sum(e.get("count", 1) for e in events) >= total or time.monotonic() > deadline:
+        counted = sum(e.get("count", 1) for e in events)
+        now = time.monotonic()
+        if counted != last:
+            last, changed = counted, now
+        if (counted >= total or now > deadline
+                or (counted > 0 and now - changed > settled_s)):
             return events
         await asyncio.sleep(0.2)
 
