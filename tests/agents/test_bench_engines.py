@@ -23,6 +23,7 @@ def test_levels_and_builds_are_checked(tmp_path: Path) -> None:
     assert check_build(HERE) == str(Path(HERE).resolve())
 
 
+@pytest.mark.slow  # ~15 s: two builds of the engine, measured (a benchmark smoke run)
 async def test_a_short_run_reports_both_builds_and_their_ratio(nats_server: EmbeddedNats) -> None:
     out = await bench_engines(nats_server.url, HERE, HERE, concurrency=(4, 1), rounds=2)
     assert out["builds"] == {"a": HERE, "b": HERE}
