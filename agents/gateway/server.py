@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import ssl
 import time
 from collections import Counter
@@ -54,6 +55,9 @@ from joynexus.schemas.samples import ACTIONS_FIELD
 from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
+#: Each connection's kernel send buffer (loopback autotunes it to megabytes, so a
+#: client that never reads its small replies held its slot for minutes).
+SEND_BUFFER_BYTES = 64 * 1024
 
 #: openpi's reply key for the action chunk (the same word as the Training Queue's field).
 ACTIONS_KEY = ACTIONS_FIELD
@@ -225,6 +229,10 @@ class PolicyGateway:
             await conn.close(1008, "API key revoked")
             return
         self._by_key.setdefault(s.key.key_id, set()).add(conn)
+        sock = conn.transport.get_extra_info("socket")
+        if sock is not None:  # a small kernel send buffer: a client that never reads
+            with contextlib.suppress(OSError):  # fills it, and is cut off, in seconds
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         try:
             await self._send(conn, codec.encode(s.view.metadata()))
             while True:

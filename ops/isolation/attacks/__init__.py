@@ -78,7 +78,7 @@ CATALOGUE: list[Attack] = [
     Attack("gateway_keys", attack_gateway_keys, "27: gateway keys and scopes", 90),
     Attack("gateway_frames", attack_gateway_frames, "27: hostile gateway frames", 120),
     Attack("gateway_never_reads", attack_gateway_never_reads,
-           "27: a gateway client that never reads", 150),
+           "27: a gateway client that never reads", 200),
     Attack("gateway_connections", attack_gateway_connections,
            "27: 1,000 gateway connections from one tenant", 150),
     # Last: when it does not hold it purges the job log and deletes streams.
