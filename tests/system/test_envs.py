@@ -339,3 +339,27 @@ def test_decision_lengths_mark_where_the_policy_decided_and_how_long_its_chunk_r
     assert chunk_mask(expect, 4)[0].tolist() == [True] * 4
     assert chunk_mask(expect, 4)[4].tolist() == [True, True, False, False]
     assert not chunk_mask(expect, 4)[1].any()
+
+
+def test_concurrent_first_env_builds_in_a_fresh_process_all_succeed() -> None:
+    """Three threads build their first ManiSkill env at once in a new interpreter, as the
+    evaluator's concurrent evaluations do: every build succeeds (the first one holds
+    a lock; concurrent first imports once left matplotlib half initialised and broke
+    every later build in the process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import concurrent.futures as f\n"
+        "from joynexus.agents.envs.maniskill.env import make_env\n"
+        "def one(i):\n"
+        "    env = make_env('PushCube-v1', obs='rgb', image_size=64, seed=i)\n"
+        "    env.close()\n"
+        "    return i\n"
+        "with f.ThreadPoolExecutor(3) as ex:\n"
+        "    print(sorted(ex.map(one, range(3))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0, 1, 2]"
