@@ -344,7 +344,14 @@ def test_bench_families_smoke() -> None:
 
 def test_the_learning_plan_runs_pi05_expert_on_a_pi05_deployment() -> None:
     from joynexus.ops.bench.learning import plans_for
+    from joynexus.schemas.workloads import WorkloadSpec
 
     (plan,) = plans_for(False, ["PushCube-v1/pi05_expert"])
     assert plan.base == "pi05" and plan.action_module == "pi05_expert" and plan.target == 0.8
-    assert plan.head_hidden % 2 == 0  # the expert's width
+    assert plan.expert_state == "token" and plan.head_hidden == 128  # the state token; a step fast enough for 600
+    (prompt,) = plans_for(False, ["PushCube-v1/pi05_expert-prompt"])  # π0.5 as LeRobot has it, report only
+    assert (prompt.action_module, prompt.expert_state, prompt.target) == ("pi05_expert", "prompt", None)
+    assert prompt.head_hidden % 2 == 0  # the expert's width
+    for p in (plan, prompt):  # the specs the plan makes are valid
+        WorkloadSpec(name="w", task_type="sft", dataset="d", base_model="pi05-tiny", action_module=p.action_module,
+                     head_hidden=p.head_hidden, expert_state=p.expert_state)  # type: ignore[arg-type]
