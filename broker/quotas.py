@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from joynexus.broker.connection import Broker
 from joynexus.broker.kvmirror import KVMirror
-from joynexus.schemas.identities import TenantIdentity, is_applied_key
+from joynexus.schemas.identities import TenantIdentity, is_bookkeeping_key
 from joynexus.schemas.quotas import DEFAULT_QUOTA, Quota
 
 
@@ -20,7 +20,7 @@ class QuotaBook:
     def __init__(self, b: Broker) -> None:
         self._mirror = KVMirror(
             b, b.names.identities_bucket, TenantIdentity,
-            skip=is_applied_key, belongs=lambda key, ident: ident.tenant_id == key,
+            skip=is_bookkeeping_key, belongs=lambda key, ident: ident.tenant_id == key,
         )
 
     @property

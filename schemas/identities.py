@@ -30,6 +30,35 @@ def is_applied_key(key: str) -> bool:
     return key == APPLIED_KEY or key.startswith(APPLIED_KEY + ".")
 
 
+#: ``_penalty.<tenant>``: a tenant paused for flooding the control plane (``Penalty``).
+PENALTY_KEY = "_penalty"
+
+
+def penalty_key(tenant_id: str) -> str:
+    return f"{PENALTY_KEY}.{tenant_id}"
+
+
+def penalised_tenant(key: str) -> str | None:
+    """The tenant a penalty key names, or None for another key."""
+    return key[len(PENALTY_KEY) + 1:] if key.startswith(PENALTY_KEY + ".") else None
+
+
+def is_bookkeeping_key(key: str) -> bool:
+    """A key of the identities bucket that holds no tenant (``_applied.*``, ``_penalty.*``)."""
+    return is_applied_key(key) or penalised_tenant(key) is not None
+
+
+class Penalty(Wire, kw_only=True):
+    """A tenant's user is off the server until ``until`` (wall clock): the control plane
+    counted ``rate`` messages a second from it, over its ``max_requests_per_s``."""
+
+    tenant_id: str
+    until: float
+    rate: int
+    #: How many penalties in a row (each doubles the pause, up to 16x).
+    strikes: int = 1
+
+
 class TenantIdentity(Wire, kw_only=True, omit_defaults=True):
     tenant_id: str
     user: str

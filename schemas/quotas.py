@@ -67,6 +67,13 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     #: Of those, how many do their work at once on a control plane (the rest wait
     #: their turn, in order): the tenant's share of the control plane's time.
     max_requests_working: int = 2
+    #: Messages to the control plane per second (counted at its door, answered or
+    #: not): past it the tenant is paused, its user taken off the server for
+    #: ``penalty_s`` seconds (doubling while it goes on, up to 16x), so the server,
+    #: not the control plane's one connection, drops the flood (the penalty box,
+    #: ops/runtime/penaltybox.py). 0 turns it off.
+    max_requests_per_s: int = 5000
+    penalty_s: int = 15
     #: Connections to the server at once (all the tenant's clients together): past
     #: it the newest are closed (ops/runtime/conncap.py).
     max_connections: int = 32

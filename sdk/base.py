@@ -81,8 +81,9 @@ class ClientBase:
                     fut.set_exception(err)
         elif "authorization violation" in text.lower():
             self._revoked = PermissionDenied(
-                f"the server refused tenant {self.tenant!r}'s credentials (revoked or "
-                "rotated: ask the operator for new ones)"
+                f"the server refused tenant {self.tenant!r}'s credentials: revoked or rotated "
+                "(ask the operator for new ones), or paused for a while for sending the control "
+                "plane more than its max_requests_per_s quota (connect again after the pause)"
             )
             for futs in self._waiting.values():
                 for fut in futs:

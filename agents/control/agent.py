@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,13 @@ from joynexus.agents.control.checks import (
     tenant_of_subject,
 )
 from joynexus.agents.control.data import DataGateway
+from joynexus.agents.control.door import DoorCount
 from joynexus.agents.control.operator import OperatorAPI
 from joynexus.agents.control.submissions import SubmissionsAPI
 from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
+from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.eventlog import JobEventLog
 from joynexus.broker.fastpath import sync_server
@@ -47,8 +50,8 @@ from joynexus.broker.tq import TrainingQueue
 from joynexus.broker.usage import Meter
 from joynexus.schemas.api import VERB_COST
 from joynexus.schemas.apikeys import KEY_VERBS, KeyReply, KeyRequest
-from joynexus.schemas.base import decode
-from joynexus.schemas.identities import AdminReply, TenantRequest
+from joynexus.schemas.base import decode, encode
+from joynexus.schemas.identities import AdminReply, Penalty, TenantRequest, penalty_key
 from joynexus.schemas.inference import decode_msgpack
 from joynexus.schemas.jobs import check_name
 from joynexus.schemas.scheduler import ErrorBody
@@ -101,6 +104,8 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         self._open_waits = Counter()
         self.datasets_root = Path(datasets_root) if datasets_root else default_root()
         self.quotas = QuotaBook(broker)
+        # Each tenant's messages a second at the door, and who is paused (agents/control/door.py).
+        self.door = DoorCount()
         self.rpc = Server(
             broker,
             "control",
@@ -176,9 +181,18 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         # A tenant at its bound is refused before any other check (a flood's cheapest
         # path: the other tenants' requests wait behind it in this one subscription).
         token = request.subject.split(".")[2] if request.subject.count(".") == 3 else ""
-        if token and self.rpc.busy(token):
-            self.rpc.defer_refusal(token, request)
-            return
+        if token:
+            now = time.time()
+            if self.door.paused(token, now):
+                return  # dropped unanswered (a paused tenant's flood)
+            q = self.quotas.get(token)
+            pause = self.door.hit(token, now, q.max_requests_per_s, q.penalty_s)
+            if pause is not None:
+                self.rpc.spawn(self._pause(token, *pause, limit=q.max_requests_per_s))
+                return
+            if self.rpc.busy(token):
+                self.rpc.defer_refusal(token, request)
+                return
         tenant = tenant_of_subject(request.subject)
         if not self.rpc.allowed(request, tenant):
             return
@@ -203,6 +217,21 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
 
         self.rpc.serve(request, call, span=f"control.{verb}", tenant=tenant,
                        cost=VERB_COST.get(verb, 1))
+
+    async def _pause(self, tenant: str, until: float, rate: int, strikes: int, *, limit: int) -> None:
+        """Pause a flooding tenant: the ``Penalty`` record the auth syncs apply (its user
+        off the server until ``until``), and a security event for the operator."""
+        seconds = until - time.time()
+        log.warning("tenant %s sent over %d messages/s to the control plane (max_requests_per_s %d): "
+                    "paused %.0f s (strike %d)", metrics.clip(tenant, 64), rate, limit, seconds, strikes)
+        with contextlib.suppress(Exception):
+            check_name("tenant", tenant)
+            await self._ids.put(penalty_key(tenant), encode(
+                Penalty(tenant_id=tenant, until=until, rate=rate, strikes=strikes)))
+        with contextlib.suppress(Exception):
+            await metrics.security(self.b, tenant, action="flood", subject=self.n.api(tenant, "*"),
+                                   reason=f"over {limit} messages/s to the control plane: paused "
+                                          f"{seconds:.0f} s (strike {strikes})", source="control")
 
     async def _handle_admin(self, request: Request) -> None:
         if not self.rpc.allowed(request, None):

@@ -33,7 +33,7 @@ from joynexus.schemas.identities import (
     TenantIdentity,
     TenantInfo,
     TenantRequest,
-    is_applied_key,
+    is_bookkeeping_key,
 )
 from joynexus.schemas.jobs import check_name
 
@@ -147,4 +147,4 @@ class OperatorAPI(ControlBase):
 
     async def _identity_keys(self) -> list[str]:
         keys = await kvwatch.keys(self._ids)
-        return sorted(k for k in keys if not is_applied_key(k))
+        return sorted(k for k in keys if not is_bookkeeping_key(k))

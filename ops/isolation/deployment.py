@@ -401,6 +401,14 @@ class SecuredDeployment:
             c = self.clients[tenant] = await Client.connect(credentials=self.creds[tenant])
         return c
 
+    async def drop_client(self, tenant: str) -> None:
+        """Forget (and close) the tenant's kept client: the server closed its connection
+        (a pause, a revocation), so the next :meth:`client` connects afresh."""
+        c = self.clients.pop(tenant, None)
+        if c is not None:
+            with contextlib.suppress(Exception):
+                await c.close()
+
     async def raw(self, tenant: str) -> RawConn:
         """A bare nats-py connection with the tenant's credentials, collecting server errors."""
         creds = self.creds[tenant]

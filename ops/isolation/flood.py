@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -205,6 +206,50 @@ async def burst(creds: str, *, total: int = 2000, wait_s: float = 45.0) -> dict[
     return {**codes, "replies": sum(codes.values())}
 
 
+async def open_loop(creds: str, *, seconds: float) -> dict[str, Any]:
+    """``list_workloads`` requests published as fast as one connection can, never
+    waiting for (or reading) a reply, for ``seconds`` or until the server closes the
+    connection. Counts: ``sent``, ``closed_by_server`` (1 or 0), ``after_s`` (when it
+    was closed), ``authorization`` (the server's authorization violations seen)."""
+    import nats
+
+    from joynexus.broker.credentials import Credentials
+    from joynexus.broker.subjects import Names
+
+    c = Credentials.load(creds)
+    n = Names(c.namespace or "jnx")
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e).lower())
+
+    nc = await nats.connect(c.url or "", user=c.user, password=c.password, error_cb=on_error,
+                            inbox_prefix=n.inbox_prefix(c.tenant or ""), allow_reconnect=False,
+                            max_reconnect_attempts=0, connect_timeout=5)
+    subject, reply = n.api(c.tenant or "", "list_workloads"), f"{n.inbox_prefix(c.tenant or '')}.never"
+    sent, t0 = 0, time.monotonic()
+    closed_at = None
+    try:
+        while time.monotonic() - t0 < seconds:
+            if nc.is_closed or not nc.is_connected:
+                closed_at = time.monotonic() - t0
+                break
+            try:
+                for _ in range(200):
+                    await nc.publish(subject, b"{}", reply=reply)
+                sent += 200
+            except Exception:
+                closed_at = time.monotonic() - t0
+                break
+            await asyncio.sleep(0)  # let the client's flusher write
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return {"sent": sent, "closed_by_server": int(closed_at is not None),
+            "after_s": round(closed_at or 0.0, 2),
+            "authorization": sum("authorization violation" in e for e in errors)}
+
+
 async def oversize(creds: str, workload: str, *, signature: str) -> dict[str, Any]:
     """Inference requests past the tenant's bounds, each three at once: as many rows
     as fit in 90% of max_payload, and an instruction of max_payload less 64 KiB.
@@ -257,11 +302,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m joynexus.ops.isolation.flood",
                                  description="One tenant's flood within its quota (JSON counts).")
     ap.add_argument("--creds", required=True, help="the tenant's credentials file")
-    ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst", "oversize"),
+    ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst", "oversize",
+                                       "open_loop"),
                     required=True,
                     help="act: inference requests; get_policy: control-plane reads; tq: fill "
                     "the Training Queue up to --limit-mib (or the quota); strings: 1 MB "
                     "strings where names go; burst: 2,000 control-plane requests at once; "
+                    "open_loop: control-plane requests as fast as one connection sends, never "
+                    "reading a reply; "
                     "oversize: inference requests past the rows and instruction bounds")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
@@ -275,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     counts: dict[str, Any]
     if a.kind == "oversize":
         counts = asyncio.run(oversize(a.creds, a.workload, signature=a.signature))
+    elif a.kind == "open_loop":
+        counts = asyncio.run(open_loop(a.creds, seconds=a.seconds))
     elif a.kind == "burst":
         counts = asyncio.run(burst(a.creds))
     elif a.kind == "strings":

@@ -35,12 +35,14 @@ from joynexus.broker.tasks import cancel_and_wait
 from joynexus.ops.runtime.bootstrap import AUTH_FILE, credentials_path, write_auth
 from joynexus.ops.runtime.conncap import Capped, ConnectionCap
 from joynexus.ops.runtime.natsserver import EmbeddedNats
+from joynexus.ops.runtime.penaltybox import PenaltyBox
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.identities import (
     AuthApplied,
     TenantIdentity,
     applied_key,
     is_applied_key,
+    penalised_tenant,
 )
 from joynexus.schemas.jobs import check_name
 from joynexus.schemas.quotas import DEFAULT_QUOTA
@@ -91,6 +93,9 @@ class AuthSync:
         self.dropped = 0
         #: each tenant's connections capped (None: no system account on this server)
         self.conncap: ConnectionCap | None = None
+        #: tenants paused for flooding (their users off the server for a while)
+        self.penalties = PenaltyBox()
+        self._last_rev: dict[str, int] = {}
 
     # -- the server's log (called from its pump thread)
     def on_log_line(self, line: str) -> None:
@@ -308,7 +313,15 @@ class AuthSync:
                 key = entry.key
                 if not isinstance(key, str) or is_applied_key(key):
                     continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._last_rev[bucket] = last
+                gone = entry.operation in ("DEL", "PURGE") or not entry.value
+                paused = penalised_tenant(key)
+                if paused is not None:  # the penalty box: off the server until the pause ends
+                    until = self.penalties.update(bucket, paused, None if gone else entry.value)
+                    if until is not None:
+                        asyncio.get_running_loop().call_later(
+                            max(0.0, until - time.time()) + 0.05, self._pause_ended, bucket)
+                elif gone:
                     tenants.pop(key, None)
                     self.rejected.pop((bucket, key), None)
                 else:
@@ -372,6 +385,10 @@ class AuthSync:
                 revision=revision,
             )
 
+    def _pause_ended(self, bucket: str) -> None:
+        """Render again when a pause ends: the tenant's user is back on the server."""
+        self._mark(bucket, self._last_rev.get(bucket, 0))
+
     def _mark(self, bucket: str, revision: int) -> None:
         self._dirty[bucket] = max(self._dirty.get(bucket, 0), revision)
         self._changed.set()
@@ -402,8 +419,10 @@ class AuthSync:
     async def apply(self) -> None:
         """Render every namespace's tenants into auth.conf and reload the server."""
         conf = self.server.data_dir / AUTH_FILE
+        now = time.time()
         tenants = [(ident, _bucket_names(bucket)) for bucket, ts in self._tenants.items()
-                   for ident in ts.values()]
+                   for paused in [self.penalties.paused(bucket, now)]
+                   for ident in ts.values() if ident.tenant_id not in paused]
         spaces = [_bucket_names(bucket).namespace for bucket in self._tenants]
         await asyncio.to_thread(write_auth, conf, self.n, self.admin, self.service, tenants, spaces)
         await asyncio.to_thread(self.server.reload)

@@ -15,7 +15,11 @@ from joynexus.ops.isolation.attacks.data import (
     attack_nan_batch,
     attack_nan_in_step,
 )
-from joynexus.ops.isolation.attacks.floods import attack_long_strings, attack_request_flood
+from joynexus.ops.isolation.attacks.floods import (
+    attack_long_strings,
+    attack_open_loop_flood,
+    attack_request_flood,
+)
 from joynexus.ops.isolation.attacks.gateway import (
     attack_gateway_connections,
     attack_gateway_frames,
@@ -52,6 +56,8 @@ from joynexus.ops.isolation.kit import Attack
 
 CATALOGUE: list[Attack] = [
     Attack("request_flood", attack_request_flood, "3: per-call server resources", 120),
+    Attack("open_loop_flood", attack_open_loop_flood,
+           "24: a flood that never reads its replies (the penalty box)", 120),
     Attack("nan_batch", attack_nan_batch, "4: a bad batch takes the actor down", 60),
     Attack("nan_in_step", attack_nan_in_step, "4: a bad batch takes the actor down", 60,
            in_process=True),
@@ -108,6 +114,7 @@ __all__ = [
     "attack_nan_batch",
     "attack_nan_in_step",
     "attack_non_finite_wait",
+    "attack_open_loop_flood",
     "attack_periodic_evals",
     "attack_quotas",
     "attack_reply_subject",

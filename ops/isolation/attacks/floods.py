@@ -23,6 +23,7 @@ from joynexus.ops.isolation.kit import (
     short_error,
 )
 from joynexus.ops.isolation.victim import CALL_TIMEOUT_S
+from joynexus.sdk import Client
 
 
 # -- 3. per-call server resources ----------------------------------------------
@@ -63,6 +64,50 @@ async def attack_request_flood(dep: SecuredDeployment, attacker: str, victim: st
         ck.add("bolt's calls work after", True)
     except Exception as e:
         ck.add("bolt's calls work after", False, short_error(e))
+    return ck.result()
+
+
+async def attack_open_loop_flood(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
+    """Control-plane requests as fast as one connection sends, never reading a reply,
+    for 8 s: the control plane pauses the attacker (the penalty box), the server closes
+    its connection and drops the rest; the victim's calls go on; after the pause the
+    attacker connects again."""
+    ck = Checks()
+    seq0 = await dep.metrics_seq()
+    log0 = dep.server_log()
+    out = await run_flood(creds_file(dep, attacker), "open_loop", "", seconds=8)
+    ck.add("the attacker's connection closed by the server", out.get("closed_by_server") == 1,
+           f"{out}")
+    try:
+        ev = await dep.wait_security(attacker, lambda e: e.get("action") == "flood",
+                                     "the attacker paused", after_seq=seq0)
+        ck.add("paused, filed as the attacker's", True, str(ev.get("reason", ""))[:160])
+    except AssertionError as e:
+        ck.add("paused, filed as the attacker's", False, str(e))
+    vev = [e for e in await dep.security_events(victim, seq0) if e.get("action") == "flood"]
+    ck.add("the victim not paused", not vev, f"{len(vev)} events")
+    vclient = await dep.client(victim)
+    try:
+        await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
+        ck.add("bolt's calls work after", True)
+    except Exception as e:
+        ck.add("bolt's calls work after", False, short_error(e))
+    cut = dep.cut_connections(log0)
+    ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
+    # The pause ends (its length: the attacker's penalty_s), and the attacker works again.
+    back = False
+    deadline = asyncio.get_running_loop().time() + 60
+    while not back and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(1.0)
+        with contextlib.suppress(Exception):
+            fresh = await Client.connect(credentials=dep.creds[attacker])
+            try:
+                await asyncio.wait_for(fresh.list_workloads(), CALL_TIMEOUT_S)
+                back = True
+            finally:
+                await fresh.close()
+    ck.add("the attacker's calls work after its pause", back)
+    await dep.drop_client(attacker)  # its kept client was closed with its connections
     return ck.result()
 
 
