@@ -135,6 +135,8 @@ def read_checkpoint(path: str) -> LeRobotCheckpoint:
         with open(cfg_file, "rb") as f:
             config = json.loads(f.read())
         header = _header(path, weights)
+    except InvalidSpec:
+        raise
     except OSError as e:
         raise bad_checkpoint(path, f"cannot be read ({type(e).__name__})") from None
     except ValueError:
