@@ -127,12 +127,19 @@ def resolve_export(
     ``head.safetensors`` and ``manifest.json`` are regular files inside it too, of
     bounded size (:data:`EXPORT_FILES`). One generic :class:`InvalidSpec` otherwise."""
     fail = no_export(tenant, requested if isinstance(requested, str) else "")
+    return _dir_with_files(root, tenant, requested, override, EXPORT_FILES, fail)
+
+
+def _dir_with_files(root: Path | str, tenant: str, requested: str, override: str, files: dict[str, int],
+                    fail: InvalidSpec) -> str:
+    """``requested`` resolved to a directory inside ``tenant``'s space holding each of
+    ``files`` as a regular file inside the space of at most its bytes; ``fail`` otherwise."""
     if not isinstance(requested, str) or not requested.strip() or "\x00" in requested:
         raise fail
     try:
         base = os.path.realpath(tenant_root(root, tenant, override))
         real = _in_space(base, requested)
-        for name, most in EXPORT_FILES.items():
+        for name, most in files.items():
             _file_in_space(base, real, name, most)
     except (OSError, ValueError):
         raise fail from None
@@ -154,16 +161,7 @@ def resolve_checkpoint(root: Path | str, tenant: str, requested: str, override: 
         f"tenant {tenant!r} has no LeRobot checkpoint {shown!r} in its dataset space (a directory "
         "holding config.json and model.safetensors; name it by its path inside your dataset space)"
     )
-    if not isinstance(requested, str) or not requested.strip() or "\x00" in requested:
-        raise fail
-    try:
-        base = os.path.realpath(tenant_root(root, tenant, override))
-        real = _in_space(base, requested)
-        for name, most in CHECKPOINT_FILES.items():
-            _file_in_space(base, real, name, most)
-    except (OSError, ValueError, InvalidSpec):
-        raise fail from None
-    return real
+    return _dir_with_files(root, tenant, requested, override, CHECKPOINT_FILES, fail)
 
 
 __all__ = [
