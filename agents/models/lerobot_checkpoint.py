@@ -31,6 +31,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "WEIGHTS_FILE",
     "LeRobotCheckpoint",
+    "copy_tensors",
     "family_of",
     "load_tensors",
     "read_checkpoint",
@@ -171,3 +172,20 @@ def load_tensors(ckpt: LeRobotCheckpoint, prefixes: tuple[str, ...], strip: str 
     except (OSError, RuntimeError, ValueError) as e:
         raise ckpt.bad(f"model.safetensors cannot be read ({type(e).__name__})") from None
     return out
+
+
+def copy_tensors(ckpt: LeRobotCheckpoint, targets: list[tuple[str, torch.Tensor]]) -> None:
+    """Each (checkpoint tensor name, target) of ``targets``: the tensor copied into the target (shapes checked by the
+    caller), read one at a time so loading a base needs little memory beyond the base;
+    ``InvalidSpec`` if one holds NaN or inf."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(ckpt.weights, framework="pt") as f, torch.no_grad():  # type: ignore[no-untyped-call]
+            for name, dst in targets:
+                t = f.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise ckpt.bad(f"tensor {name!r} holds NaN or inf")
+                dst.copy_(t)
+    except (OSError, RuntimeError) as e:
+        raise ckpt.bad(f"model.safetensors cannot be read ({type(e).__name__})") from None

@@ -26,6 +26,7 @@ import torch
 
 from joynexus.agents.models.lerobot_checkpoint import (
     LeRobotCheckpoint,
+    copy_tensors,
     family_of,
     load_tensors,
     read_checkpoint,
@@ -139,22 +140,20 @@ def load_pi05_base(path: str, threads: int | None = None, dtype: str = "float32"
     pcfg.text_config._attn_implementation = pcfg.vision_config._attn_implementation = "eager"
     with no_init_weights():
         model = PaliGemmaForConditionalGeneration(pcfg)
-    sd = load_tensors(ckpt, (BASE_PREFIX,), strip=BASE_PREFIX)
-    want = set(model.state_dict())
+    own = model.state_dict()  # tied names share one tensor
+    src = {k[len(BASE_PREFIX):]: k for k in ckpt.shapes if k.startswith(BASE_PREFIX)}
     emb, head = "model.language_model.embed_tokens.weight", "lm_head.weight"
-    if (emb in sd) != (head in sd):  # tied (LeRobot writes them once, as lm_head): one holds both
-        sd[emb if head in sd else head] = sd[head if head in sd else emb]
-    missing, unexpected = sorted(want - set(sd)), sorted(set(sd) - want)
+    if (emb in src) != (head in src):  # tied (LeRobot writes them once, as lm_head): one holds both
+        src[emb if head in src else head] = src[head if head in src else emb]
+    missing, unexpected = sorted(set(own) - set(src)), sorted(set(src) - set(own))
     if missing or unexpected:
         raise ckpt.bad(f"its PaliGemma does not match the {cfg.base_model} base: missing {missing[:4]}, "
                        f"unexpected {unexpected[:4]}")
-    for k, t in sd.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ckpt.bad(f"tensor {BASE_PREFIX + k!r} holds NaN or inf")
-    try:
-        model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
-        raise ckpt.bad(f"its PaliGemma's shapes differ from the {cfg.base_model} base's ({str(e)[:300]})") from None
+    wrong = [f"{k} {list(ckpt.shapes[src[k]])} (want {list(t.shape)})" for k, t in own.items()
+             if ckpt.shapes[src[k]] != tuple(t.shape)]
+    if wrong:
+        raise ckpt.bad(f"its PaliGemma's shapes differ from the {cfg.base_model} base's: {wrong[:3]}")
+    copy_tensors(ckpt, [(src[k], t) for k, t in own.items()])  # one tensor in memory at a time
     model.tie_weights()
     return Pi05Base(model, tok, cfg)
 

@@ -299,3 +299,57 @@ def test_the_spec_says_where_a_checkpoint_applies() -> None:
         check_lerobot_head("pi05_expert", {"expert_state": "token"})
     with pytest.raises(InvalidSpec, match="holds a pi05_expert"):
         check_lerobot_head("oft_mlp", {})
+
+
+def _meta_shapes(variant: str, projector: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of a real-size LeRobot π0.5 checkpoint, from models on the meta device."""
+    from transformers import PaliGemmaForConditionalGeneration
+
+    from joynexus.agents.models.pi05_checkpoint import BASE_PREFIX, EXPERT_PREFIX
+    from joynexus.agents.models.pi05_config import (
+        EXPERT_OF,
+        GEMMA_VARIANTS,
+        Pi05BaseConfig,
+        build_paligemma_config,
+    )
+    from joynexus.agents.models.pi05_lerobot import LEROBOT_VOCAB, lerobot_expert
+    from joynexus.agents.models.tokenizer import train_tokenizer
+
+    pcfg = build_paligemma_config(Pi05BaseConfig(paligemma_variant=variant, image_size=224), train_tokenizer())
+    pcfg.text_config.vocab_size = pcfg.vocab_size = LEROBOT_VOCAB
+    if projector:
+        pcfg.vision_config.projection_dim = projector
+    e = GEMMA_VARIANTS[EXPERT_OF[variant]]
+    with torch.device("meta"):
+        base = PaliGemmaForConditionalGeneration(pcfg)
+        expert = lerobot_expert(e["width"], e["head_dim"], e["depth"])
+    shapes = {BASE_PREFIX + k: tuple(v.shape) for k, v in base.state_dict().items()}
+    shapes |= {EXPERT_PREFIX + k: tuple(v.shape) for k, v in expert.state_dict().items()}
+    return shapes | {"model.action_in_proj.weight": (e["width"], 32)}
+
+
+def test_real_sizes_are_read_from_the_shapes() -> None:
+    """A gemma_2b and a gemma_300m checkpoint (shapes only, nothing allocated) read as their
+    variants at 224 px; LeRobot's own gemma_300m layout (a 2048-wide image projector for a
+    1024-wide text model) is refused; a checkpoint's size never comes from its config's name."""
+    from joynexus.agents.models.lerobot_checkpoint import LeRobotCheckpoint
+    from joynexus.agents.models.pi05_checkpoint import checkpoint_geometry
+
+    for variant in ("gemma_2b", "gemma_300m"):
+        ck = LeRobotCheckpoint("ck", {"type": "pi05", "paligemma_variant": "gemma_2b"}, _meta_shapes(variant), {})
+        geo = checkpoint_geometry(ck)
+        assert (geo["paligemma_variant"], geo["image_size"], geo["vocab"]) == (variant, 224, 257_152)
+        assert geo["expert_width"] == 1024 and geo["max_state_dim"] == 32
+    with pytest.raises(InvalidSpec, match="image projector maps 1152 -> 2048"):
+        checkpoint_geometry(LeRobotCheckpoint("ck", {"type": "pi05"}, _meta_shapes("gemma_300m", 2048), {}))
+
+
+def test_the_agent_refuses_a_bad_checkpoint_before_its_role_starts(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from joynexus.ops.cli.app import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"type": "pi05"}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    assert main(["agent", "inference", "--base", "pi05", "--backbone-path", str(tmp_path),
+                 "--nats", "nats://127.0.0.1:1"]) == 2
+    assert "not safetensors" in capsys.readouterr().err
