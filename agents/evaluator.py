@@ -41,6 +41,7 @@ from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyRecords
 from joynexus.broker.quotas import QuotaBook
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import JoyNexusError
 from joynexus.schemas.workloads import (
@@ -122,9 +123,7 @@ class Evaluator:
                     self.running[key].control.cancel()
         finally:
             for t in (versions, admit):
-                t.cancel()
-                with contextlib.suppress(BaseException):
-                    await t
+                await cancel_and_wait(t)
             await self.quotas.stop()
             # Stopping (SIGTERM): every evaluation stops within a step; records stay active.
             for r in self.running.values():

@@ -43,6 +43,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.errcodes import WRONG_LAST_SEQUENCE
 from joynexus.broker.headers import EXPECTED_LAST_SUBJECT_SEQ, TTL
 from joynexus.broker.natsapi import kv_subject
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.errors import JoyNexusError, Unavailable
 from joynexus.schemas.jobs import TrainingJob
 
@@ -256,6 +257,4 @@ async def leases_kept(
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await cancel_and_wait(task)

@@ -40,6 +40,7 @@ from joynexus.broker.fastpath import sync_server
 from joynexus.broker.layout import LayoutOptions, ensure_layout
 from joynexus.broker.responder import Server
 from joynexus.broker.subjects import SCHEDULER_VERBS
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
@@ -167,7 +168,7 @@ class SchedulerAgent:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(*self._loops)
         await self.rpc.stop()
 
     async def rebuild(self) -> None:

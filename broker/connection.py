@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from joynexus.broker.credentials import Credentials, from_env_or_file
 from joynexus.broker.fastpath import FastPath, enabled_by_env
 from joynexus.broker.subjects import Names
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.errors import PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,7 @@ class Broker:
             first: set[asyncio.Future[Any]] = {task, refused}
             await asyncio.wait(first, timeout=initial_timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+                await cancel_and_wait(task)
                 with contextlib.suppress(Exception):  # stop its reconnect attempts
                     await client.close()
                 raise refused.result() if refused.done() else TimeoutError()

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker, raise_if_cancelled
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.base import decode
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,7 @@ class KVMirror(Generic[T]):
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     def put(self, key: str, value: T) -> None:

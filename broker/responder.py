@@ -34,7 +34,6 @@ own ``respond``, nats-py's): the transport is a seam.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections import deque
@@ -46,6 +45,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
 from joynexus.broker.slots import HELD, Budget, Held
 from joynexus.broker.subjects import Names
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.base import encode
 from joynexus.schemas.errors import JoyNexusError, PermissionDenied, RateLimited
 
@@ -210,10 +210,7 @@ class Responder:
         return task
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         await self.close()
 
 

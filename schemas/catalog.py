@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from joynexus.schemas.errors import InvalidSpec
+
 #: Qwen2.5-VL base models the service can host, and the backbone size each maps to
 #: (the π0.5 ones are ``PI05_BASE_MODELS``; ``base_family`` names a model's family).
 BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
@@ -22,6 +24,24 @@ BASE_FAMILY_HEADS: dict[str, str] = {"pi05_expert": "pi05"}
 #: π0.5 base models a deployment can host (``joynexus up --base pi05 --backbone SIZE``) and
 #: their sizes (LeRobot's ``paligemma_variant`` names, plus ``tiny``).
 PI05_BASE_MODELS: dict[str, str] = {"pi05-tiny": "tiny", "pi05-gemma_300m": "gemma_300m", "pi05-gemma_2b": "gemma_2b"}
+#: Heads that can read the robot state as a continuous suffix token (``WorkloadSpec.expert_state``).
+STATE_TOKEN_HEADS: tuple[str, ...] = ("pi05_expert",)
+
+
+def check_head_options(action_module: str, head_hidden: int, expert_state: str) -> None:
+    """The per-module knobs of a spec: ``pi05_expert``'s width is even (its rotary halves),
+    and only ``STATE_TOKEN_HEADS`` take ``expert_state="token"`` (InvalidSpec otherwise)."""
+    if action_module == "pi05_expert" and head_hidden % 2:
+        raise InvalidSpec(f"pi05_expert: head_hidden={head_hidden} (the expert's width) must be even")
+    if expert_state not in ("prompt", "token"):
+        raise InvalidSpec(f"expert_state must be 'prompt' or 'token', got {expert_state!r:.40}")
+    if expert_state == "token" and action_module not in STATE_TOKEN_HEADS:
+        raise InvalidSpec(
+            f"expert_state='token' (the state as a suffix token) is for {' and '.join(STATE_TOKEN_HEADS)} "
+            f"only; action_module {action_module!r} reads the state its own way: leave expert_state 'prompt'"
+        )
+
+
 def base_family(base_model: str) -> str | None:
     """The family of a hosted base model (``qwen2_5_vl``, ``pi05``), None if not hosted."""
     if base_model in BASE_MODELS:

@@ -31,6 +31,7 @@ from joynexus.schemas.catalog import (
     PI05_BASE_MODELS,
     RL_ENVS,
     base_family,
+    check_head_options,
     describe_envs,
     image_size_hint,
     libero_task,
@@ -101,6 +102,9 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     cameras: list[str] = []
     #: Width of the action module's hidden layers.
     head_hidden: int = 256
+    #: pi05_expert: the state as the prompt's digits only ("prompt", π0.5), or also as a
+    #: continuous suffix token before the actions ("token", π0's layout; no LeRobot export).
+    expert_state: Literal["prompt", "token"] = "prompt"
     batch_size: int = 32
     learning_rate: float = 1e-3
     #: eval: episodes to run (the version evaluated is init_from of init_from_workload).
@@ -163,8 +167,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 f"action_module {self.action_module!r} attends to a {needs} base's prefix cache; "
                 f"base_model {self.base_model!r} is {family}: choose one of {sorted(PI05_BASE_MODELS)}"
             )
-        if self.action_module == "pi05_expert" and self.head_hidden % 2:
-            raise InvalidSpec(f"pi05_expert: head_hidden={self.head_hidden} (the expert's width) must be even")
+        check_head_options(self.action_module, self.head_hidden, self.expert_state)
         if self.task_type in ("rl", "eval"):
             if self.env not in RL_ENVS and libero_task(self.env) is None:
                 raise InvalidSpec(

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.agents.envs.firstbuild import first_build_alone
 from joynexus.agents.envs.libero_tasks import (
     ACTION_DIM,
     CAMERAS,
@@ -287,6 +288,12 @@ def make_env(
     spec = task_spec(env, obs=obs, num_envs=num_envs, image_size=image_size,
                      control_mode=control_mode, cameras=cameras, state_keys=state_keys)
     info = task_info(env)
+    with first_build_alone("libero"):
+        return _build(env, spec, info, obs, num_envs, image_size, seed, shadows, reflections)
+
+
+def _build(env: str, spec: Any, info: Any, obs: ObsMode, num_envs: int, image_size: int,
+           seed: int | None, shadows: bool, reflections: bool) -> LiberoEnv:
     _quiet_robosuite_logs()
     from libero.libero.envs import OffScreenRenderEnv
 

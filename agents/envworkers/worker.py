@@ -24,6 +24,7 @@ from joynexus.agents.envworkers.assign import (
 from joynexus.agents.producers.rl import RLProducer
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.base import decode
 from joynexus.schemas.workloads import WorkloadRecord
 
@@ -207,6 +208,4 @@ class EnvWorker:
                 )
                 log.info("%s: %s is done", self.instance, key)
         finally:
-            relay_task.cancel()
-            with contextlib.suppress(BaseException):
-                await relay_task
+            await cancel_and_wait(relay_task)

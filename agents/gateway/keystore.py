@@ -24,6 +24,7 @@ from typing import Any
 from joynexus.broker import kvwatch
 from joynexus.broker.connection import Broker, raise_if_cancelled
 from joynexus.broker.subjects import APIKEY_KEYS, APIKEY_USED_KEYS
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.apikeys import ApiKeyRecord, ApiKeyUse, hash_matches, parse_key
 from joynexus.schemas.base import decode, encode
 
@@ -52,9 +53,7 @@ class KeyStore:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await cancel_and_wait(self._task)
 
     def check(self, presented: str) -> ApiKeyRecord | None:
         """The record of a valid, current key; None for anything else."""

@@ -28,6 +28,7 @@ from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import TTL
 from joynexus.broker.natsapi import kv_subject
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.health import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,7 @@ class Heartbeater:
             self.errors.last = f"{type(e).__name__}: {e}"[:500]
             raise
         finally:
-            tick.cancel()
-            with contextlib.suppress(BaseException):
-                await tick
+            await cancel_and_wait(tick)
             logging.getLogger().removeHandler(self.errors)
             self._done.set()
             await asyncio.to_thread(thread.join, 5.0)

@@ -35,6 +35,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.headers import TTL
 from joynexus.broker.natsapi import kv_subject
 from joynexus.broker.subjects import ALL_HEARTBEATS, HEALTH_KIND
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.health import HealthDecision, Heartbeat, SlotState, SupervisorState
 
 log = logging.getLogger(__name__)
@@ -362,9 +363,7 @@ class HealthManager:
                             timeout=1.0,
                         )
         finally:
-            watch.cancel()
-            with contextlib.suppress(BaseException):
-                await watch
+            await cancel_and_wait(watch)
             for s in self.core.slots.values():
                 if s.owned:
                     s.state = "stopped"

@@ -42,6 +42,7 @@ from joynexus.broker.fastpath import FastResponder, enabled_by_env, sync_server
 from joynexus.broker.quotas import QuotaBook
 from joynexus.broker.responder import Server
 from joynexus.broker.subjects import model_token
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.errors import InvalidSpec, Unavailable
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS, BatchInfo, InferError, encode_msgpack
 
@@ -242,9 +243,7 @@ class InferenceEngine:
     async def close(self) -> None:
         """Stop at once (rollback of a failed prepare; after ``stop()``'s drain)."""
         tasks = [t for t in (self._watcher, self._batcher) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()

@@ -69,6 +69,7 @@ def fresh_module(tenant: str, spec: WorkloadSpec, schema: FeatureSchema,
         hidden=spec.head_hidden,
         seed=spec.seed,
         kv_layers=kv_layers(spec.base_model, spec.action_module),
+        expert_state=spec.expert_state,
     )
     module = TenantModule(tenant, spec.action_module, cfg, lr=spec.learning_rate)
     module.set_normalization(stats)

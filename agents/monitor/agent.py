@@ -25,6 +25,7 @@ from joynexus.agents.monitor.clearml_sink import ClearMLSink
 from joynexus.agents.monitor.depths import poll_queue_depths
 from joynexus.agents.monitor.metric import decode_metric
 from joynexus.broker.connection import Broker
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.errors import InvalidMessage
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,7 @@ class MonitorAgent:
                 await sub.unsubscribe()
         finally:
             if poller is not None:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await poller
+                await cancel_and_wait(poller)
             self._file.close()
             self._file = None
             if self.clearml is not None:

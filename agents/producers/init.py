@@ -222,7 +222,7 @@ def copied_head_config(
     """The head config of a copy of a trained head (``what``: another workload's
     version, or an exported head) for ``spec``: its own, with the new workload's
     sizes and seed (InvalidSpec where the weights would not fit: another head,
-    sample layout or hidden width)."""
+    sample layout, hidden width or ``expert_state``)."""
     if signature != schema.signature() or head_type != spec.action_module:
         raise InvalidSpec(
             f"cannot start {spec.name!r} from {what}: its head "
@@ -235,8 +235,15 @@ def copied_head_config(
             f"cannot start {spec.name!r} from {what}: its head "
             f"is {str(hidden)[:16]} wide, this workload's head_hidden is {spec.head_hidden}; give the same"
         )
+    state = head_config.get("expert_state", "prompt")
+    if state != spec.expert_state:
+        raise InvalidSpec(
+            f"cannot start {spec.name!r} from {what}: its head reads the state as {str(state)[:16]!r}, "
+            f"this workload's expert_state is {spec.expert_state!r}; give the same"
+        )
     return {
         **head_config,
+        "expert_state": spec.expert_state,
         "feature_dim": feature_dim(spec.base_model),
         "state_dim": schema.state_dim,
         "action_dim": schema.action_dim,

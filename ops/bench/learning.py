@@ -25,9 +25,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from joynexus.ops.bench.learnservice import TENANT, Service
+from joynexus.ops.bench.rlcurve import RLCurve
 from joynexus.ops.measure.stats import wilson
 
 
@@ -45,8 +46,10 @@ class Plan:
     learning_rate: float = 1e-3
     head_hidden: int = 256
     image_size: int = 64
-    #: The tenant's head (``WorkloadSpec.action_module``) for SFT and RL.
+    #: The tenant's head (``WorkloadSpec.action_module``) for SFT and RL, and where a
+    #: ``pi05_expert`` reads the state (``WorkloadSpec.expert_state``).
     action_module: str = "oft_mlp"
+    expert_state: Literal["prompt", "token"] = "prompt"
     #: The target the issue sets (reported next to the result; None = report only).
     target: float | None = None
     #: RL from the SFT policy: training budget (0 = no RL phase), updates asked for,
@@ -92,9 +95,13 @@ FULL: tuple[Plan, ...] = (
          key="PushCube-v1/oft_attn"),
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="gr00t_flow",
          key="PushCube-v1/gr00t_flow"),
-    # π0.5's action expert over the tiny π0.5 base's prefix cache (the state only in the prompt).
+    # π0.5's action expert over the tiny π0.5 base's prefix cache, the state also as a suffix
+    # token (π0's layout: the frozen random base's prompt digits alone teach it nothing); width
+    # 128 so the budget holds its 600 updates. Then the prompt-only head, π0.5 as LeRobot has it.
     Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="pi05_expert", base="pi05",
-         key="PushCube-v1/pi05_expert", target=0.8),
+         key="PushCube-v1/pi05_expert", target=0.8, head_hidden=128, expert_state="token"),
+    Plan("PushCube-v1", demos=100, updates=600, budget_s=300.0, action_module="pi05_expert", base="pi05",
+         key="PushCube-v1/pi05_expert-prompt"),  # report only
 )
 QUICK: tuple[Plan, ...] = (
     Plan("PushCube-v1", demos=20, updates=150, budget_s=120.0, episodes=10,
@@ -130,6 +137,7 @@ async def train_sft(client: Any, plan: Plan, name: str, dataset: str, log: Any) 
         learning_rate=plan.learning_rate,
         head_hidden=plan.head_hidden,
         action_module=plan.action_module,
+        expert_state=plan.expert_state,
         base_model="pi05-tiny" if plan.base == "pi05" else "qwen2.5-vl-tiny",
         scheduling=Scheduling(max_in_flight=4, completion_target=plan.updates),
     )
@@ -158,49 +166,6 @@ async def train_sft(client: Any, plan: Plan, name: str, dataset: str, log: Any) 
     return {"updates": last_version - 1, "train_s": round(t_last - t0, 1), "version": last_version}
 
 
-class _RLCurve:
-    """What the tenant's RL run reports on the metrics subjects, every 10 updates: the
-    success of the episodes its rollouts ended (behaviour policy, with exploration) and the actor's PPO
-    statistics (losses, clip fraction, KL, the adaptive step's learning rate)."""
-
-    KEYS = ("policy_loss", "value_loss", "clip_frac", "approx_kl", "kl_after", "lr")
-
-    def __init__(self, workload: str, every: int = 10) -> None:
-        self.workload, self.every = workload, every
-        self.rows: list[dict[str, Any]] = []
-        self._ended = self._succeeded = 0
-        self._stats: dict[str, list[float]] = {k: [] for k in self.KEYS}
-        self._updates = 0
-
-    def take(self, m: dict[str, Any]) -> dict[str, Any] | None:
-        if m.get("workload") != self.workload:
-            return None
-        if "episodes_ended" in m:
-            self._ended += int(m["episodes_ended"])
-            self._succeeded += int(m.get("episodes_succeeded", 0))
-        if "loss" in m and "version" in m:
-            self._updates += 1
-            for k in self.KEYS:
-                if k in m:
-                    self._stats[k].append(float(m[k]))
-            if self._updates % self.every == 0:
-                return self._flush(int(m["version"]))
-        return None
-
-    def _flush(self, version: int) -> dict[str, Any]:
-        def mean(xs: list[float]) -> float | None:
-            return round(sum(xs) / len(xs), 6) if xs else None
-
-        # success of the episodes the rollouts ended (behaviour policy, with exploration)
-        rate = round(self._succeeded / self._ended, 4) if self._ended else None
-        row = {"version": version, "rollout_success": rate, "rollout_episodes": self._ended,
-               **{k: mean(v) for k, v in self._stats.items()}}
-        self.rows.append(row)
-        self._ended = self._succeeded = 0
-        self._stats = {k: [] for k in self.KEYS}
-        return row
-
-
 async def _train_rl(
     client: Any, plan: Plan, name: str, source: str, version: int, log: Any, admin: Any = None,
 ) -> dict[str, Any]:
@@ -220,6 +185,7 @@ async def _train_rl(
         action_horizon=plan.action_horizon,
         head_hidden=plan.head_hidden,
         action_module=plan.action_module,
+        expert_state=plan.expert_state,
         base_model="pi05-tiny" if plan.base == "pi05" else "qwen2.5-vl-tiny",
         num_envs=plan.rl_num_envs,
         horizon=plan.rl_horizon,
@@ -235,7 +201,7 @@ async def _train_rl(
             max_policy_staleness=plan.rl_staleness,
         ),
     )
-    curve = _RLCurve(name)
+    curve = RLCurve(name)
     sub = None
     if admin is not None:  # the operator's view of the run's learning metrics
         async def on_metric(msg: Any) -> None:
@@ -350,6 +316,7 @@ async def run_learning(
                     "batch_size": plan.batch_size,
                     "action_horizon": plan.action_horizon,
                     "head_hidden": plan.head_hidden,
+                    "expert_state": plan.expert_state,
                     "budget_s": plan.budget_s,
                     "target": plan.target,
                     "dataset_s": round(gen_s, 1),

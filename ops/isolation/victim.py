@@ -10,7 +10,6 @@ version advanced meanwhile. See docs/ARCHITECTURE.md ("Tenants fenced by the bro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import statistics
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.ops.isolation.deployment import (
     VICTIM,
     VICTIM_WORKLOAD,
@@ -103,9 +103,7 @@ class Victim:
 
     async def stop(self) -> None:
         if self._feeder is not None:
-            self._feeder.cancel()
-            with contextlib.suppress(BaseException):
-                await self._feeder
+            await cancel_and_wait(self._feeder)
 
     async def _feed(self) -> None:
         seed = 1000

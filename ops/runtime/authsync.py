@@ -31,6 +31,7 @@ from joynexus.broker.permissions import (
     parse_refusal,
 )
 from joynexus.broker.subjects import Names
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.ops.runtime.bootstrap import AUTH_FILE, credentials_path, write_auth
 from joynexus.ops.runtime.conncap import Capped, ConnectionCap
 from joynexus.ops.runtime.natsserver import EmbeddedNats
@@ -204,9 +205,7 @@ class AuthSync:
         finally:
             with contextlib.suppress(Exception):
                 await created.unsubscribe()
-            for t in [*tasks, *watchers.values()]:
-                t.cancel()
-            await asyncio.gather(*tasks, *watchers.values(), return_exceptions=True)
+            await cancel_and_wait(*tasks, *watchers.values())
             # This server stops applying: nobody should wait for it any more.
             for kv in self._kvs.values():
                 with contextlib.suppress(Exception):

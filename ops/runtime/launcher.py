@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from joynexus.broker.natsapi import service_api
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.ops.runtime.roles import REGISTRY, ROLES, by_name
 from joynexus.schemas.catalog import FAMILY_SIZES
 
@@ -140,9 +141,7 @@ async def supervise(
                 flush=True,
             )
         await run
-        ready.cancel()
-        with contextlib.suppress(BaseException):
-            await ready
+        await cancel_and_wait(ready)
     finally:
         await b.close()
 

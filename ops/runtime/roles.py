@@ -46,6 +46,7 @@ from joynexus.agents.datasets import default_root
 from joynexus.broker.connection import Broker
 from joynexus.broker.layout import ensure_layout
 from joynexus.broker.natsapi import service_api
+from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -463,9 +464,7 @@ async def run_role(name: str, b: Broker, stop: asyncio.Event, o: RoleOptions) ->
         try:
             await r.run(b, stop, o)
         finally:
-            announced.cancel()
-            with contextlib.suppress(BaseException):
-                await announced
+            await cancel_and_wait(announced)
 
 
 async def _ready_on_announce(sub: Any, o: RoleOptions) -> None:

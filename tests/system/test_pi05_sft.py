@@ -60,14 +60,17 @@ async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, 
     await sched.stop()
 
 
+@pytest.mark.parametrize("expert_state", ["prompt", "token"])
 async def test_sft_with_the_pi05_expert_through_the_sdk(
-    deployment: dict[str, Any], nats_server: EmbeddedNats, broker: Broker
+    deployment: dict[str, Any], nats_server: EmbeddedNats, broker: Broker, expert_state: str
 ) -> None:
+    """Either setting of ``expert_state`` travels from the spec to the actor's head, the
+    published version and the inference engine's copy (the token head's ``state_proj`` too)."""
     target = 3
     cora = await Client.connect(nats_server.url, tenant="cora", namespace=broker.names.namespace)
     wl = await cora.create_workload(WorkloadSpec(
         name="demo", task_type="sft", dataset="push", base_model="pi05-tiny", action_module="pi05_expert",
-        head_hidden=32, batch_size=8, action_horizon=2,
+        head_hidden=32, batch_size=8, action_horizon=2, expert_state=expert_state,  # type: ignore[arg-type]
         scheduling=Scheduling(max_in_flight=4, completion_target=target)))
     async for _ in wl.events():  # returns once the workload has ended
         pass
@@ -76,8 +79,9 @@ async def test_sft_with_the_pi05_expert_through_the_sdk(
     store = PolicyStore(broker)
     latest = await store.latest("cora", "demo")
     assert latest.version == 1 + target and latest.head_type == "pi05_expert"
-    assert latest.head_config["kv_layers"] == 2
+    assert latest.head_config["kv_layers"] == 2 and latest.head_config["expert_state"] == expert_state
     module = module_from_weights(latest, await store.load_weights(latest))
+    assert (getattr(module.head, "state_proj", None) is not None) == (expert_state == "token")
     # The trained policy acts through the Inference Queue exactly as its head does in process.
     base = deployment["base"]
     g = np.random.default_rng(0)

@@ -8,13 +8,12 @@ docs/ARCHITECTURE.md, "Simulators by name: ManiSkill and LIBERO" (ManiSkill on t
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from joynexus.agents.envs.firstbuild import first_build_alone
 from joynexus.agents.envs.maniskill.batched import BatchedEnv, StepResult, to_numpy
 from joynexus.agents.envs.maniskill.privileged import privileged_state
 from joynexus.agents.envs.maniskill.rendering import keep_renderer_alive, quiet_maniskill_logs
@@ -130,33 +129,12 @@ def make_env(
         cameras=cameras,
         state_keys=state_keys,
     )
-    with first_build_alone():
+    with first_build_alone("maniskill"):
         import gymnasium as gym
         import mani_skill.envs  # noqa: F401  (registers the tasks)
 
         quiet_maniskill_logs()
         return _build(task, spec, obs, num_envs, image_size, control_mode, reward_mode, seed, gym)
-
-
-#: The first env of a process is built alone (:func:`first_build_alone`).
-_FIRST_BUILD = threading.Lock()
-_built_one = False
-
-
-@contextlib.contextmanager
-def first_build_alone() -> Iterator[None]:
-    """The process's first env build under a lock. Its ``gym.make`` imports the rest
-    of ManiSkill (its controllers import pytorch_kinematics, which imports
-    matplotlib); two evaluations building their first env in two threads got a
-    partially initialised ``matplotlib`` from Python's import deadlock avoidance,
-    and every later build in that process failed (a CI run of the main job)."""
-    global _built_one
-    if _built_one:
-        yield
-        return
-    with _FIRST_BUILD:
-        yield
-        _built_one = True
 
 
 def _build(task: str, spec: Any, obs: str, num_envs: int, image_size: int, control_mode: str,

@@ -53,8 +53,14 @@ class HeadConfig:
     #: ``pi05_expert`` only: the base's cache layers the expert attends to (its own depth);
     #: ``feature_dim`` is then the cache's width, ``kv_layers * 2 * kv_heads * head_dim``.
     kv_layers: int = 0
+    #: ``pi05_expert`` only: where the expert reads the robot state. "prompt": only as the
+    #: base's discretised prompt digits (π0.5, LeRobot's PI05); "token": also as one
+    #: continuous suffix token before the actions (``state_proj``, LeRobot π0's layout).
+    expert_state: Literal["prompt", "token"] = "prompt"
 
     def __post_init__(self) -> None:
+        if self.expert_state not in ("prompt", "token"):
+            raise InvalidSpec(f"HeadConfig.expert_state={self.expert_state!r:.40}: choose 'prompt' or 'token'")
         if not isinstance(self.kv_layers, int) or not 0 <= self.kv_layers <= 64:
             raise InvalidSpec(f"HeadConfig.kv_layers={self.kv_layers!r}: an integer in [0, 64]")
         for name in ("feature_dim", "state_dim", "action_dim", "action_horizon", "hidden", "flow_steps"):
@@ -75,6 +81,8 @@ class ActionHead(nn.Module, abc.ABC):
     #: [B, D]) or "tokens" (the packed last hidden states and mask [B, L, D + 1],
     #: ``features.pack_tokens``); ``grouped.features_for`` hands each head its kind.
     reads: ClassVar[Literal["pooled", "tokens"]] = "pooled"
+    #: Whether the head can take the state as a suffix token (``HeadConfig.expert_state``).
+    state_token: ClassVar[bool] = False
     state_mean: torch.Tensor
     state_std: torch.Tensor
     action_mean: torch.Tensor
@@ -82,6 +90,8 @@ class ActionHead(nn.Module, abc.ABC):
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
+        if cfg.expert_state != "prompt" and not self.state_token:
+            raise InvalidSpec(f"{self.type_name}: expert_state={cfg.expert_state!r} is for pi05_expert only")
         self.cfg = cfg
         self.generator = torch.Generator().manual_seed(cfg.seed + 1)
         # Normalisation statistics (LeRobot's mean/std of the training data): buffers, so

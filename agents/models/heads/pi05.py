@@ -10,6 +10,14 @@ flow matching with ``x_t = t * noise + (1 - t) * actions`` and target ``noise - 
 time ~ Beta(1.5, 1) scaled into [0.001, 1]), its parameters named as LeRobot's
 (``pi05_lerobot_keys``), actions padded to ``MAX_ACTION_DIM`` inside.
 
+``HeadConfig.expert_state="token"`` adds LeRobot π0's state token (its ``embed_suffix``):
+``state_proj`` maps the normalised state to ONE suffix token before the action tokens,
+the state token attending to the prefix and itself, the actions to the prefix, the
+state token and each other. The prompt keeps its digits; the token gives the expert the
+continuous state, which a frozen random base's digits do not carry to it. LeRobot's
+``PI05Policy`` has no such input, so a token head has no LeRobot names (``pi05_lerobot_keys``
+refuses it).
+
 See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
 """
 
@@ -101,6 +109,7 @@ class Pi05ExpertHead(base.ActionHead):
     """One tenant's π0.5 action expert; reads the prefix cache as packed token features."""
 
     reads: ClassVar[Literal["pooled", "tokens"]] = "tokens"
+    state_token: ClassVar[bool] = True
 
     def __init__(self, cfg: base.HeadConfig) -> None:
         super().__init__(cfg)
@@ -120,6 +129,8 @@ class Pi05ExpertHead(base.ActionHead):
         self.action_out_proj = nn.Linear(w, MAX_ACTION_DIM)
         self.time_mlp_in = nn.Linear(w, w)
         self.time_mlp_out = nn.Linear(w, w)
+        # Built last: the other weights are the same draws with or without it (seeded builds).
+        self.state_proj = nn.Linear(cfg.state_dim, w) if cfg.expert_state == "token" else None
 
     # -- the expert ------------------------------------------------------------------
     def _cache(self, feats_B_L_C: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -129,32 +140,48 @@ class Pi05ExpertHead(base.ActionHead):
         per = kv_B_L_C.view(b, L, self.cfg.kv_layers, 2, 1, self.head_dim).permute(2, 3, 0, 4, 1, 5)
         return [(per[i, 0], per[i, 1]) for i in range(self.cfg.kv_layers)], real_B_L
 
+    def _suffix_state(self, state_B_S: torch.Tensor) -> torch.Tensor | None:
+        """The state the suffix token reads (normalised, as LeRobot's normaliser gives π0 its
+        state), or None for a prompt-only head."""
+        return None if self.state_proj is None else self.norm_state(state_B_S)
+
     def velocity(self, cache: list[tuple[torch.Tensor, torch.Tensor]], real_B_L: torch.Tensor,
-                 x_B_H_M: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
-        """LeRobot's ``denoise_step``: the expert's velocity ``[B, H, MAX_ACTION_DIM]`` at time ``t``."""
+                 x_B_H_M: torch.Tensor, t_B: torch.Tensor, state_B_S: torch.Tensor | None = None) -> torch.Tensor:
+        """LeRobot's ``denoise_step``: the expert's velocity ``[B, H, MAX_ACTION_DIM]`` at time ``t``;
+        with ``state_B_S`` (normalised; token heads) π0's state token leads the suffix."""
         b, h, _ = x_B_H_M.shape
         w = self.cfg.hidden
         cond = sinusoidal_time(t_B, w)
         cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(cond))))
         x = self.action_in_proj(x_B_H_M)
-        pos = real_B_L.sum(1, keepdim=True) + torch.arange(h, device=x.device)[None, :]
+        n = h
+        dev = x.device
+        if state_B_S is not None and self.state_proj is not None:
+            x = torch.cat([self.state_proj(state_B_S.to(x.dtype))[:, None, :], x], 1)
+            n = h + 1
+        pos = real_B_L.sum(1, keepdim=True) + torch.arange(n, device=dev)[None, :]
         cos, sin = rope_cos_sin(pos, self.head_dim)
-        keep = torch.cat([real_B_L, torch.ones(b, h, dtype=torch.bool, device=x.device)], 1)
-        mask = torch.where(keep[:, None, None, :], 0.0, MASK_VALUE).to(x.dtype)
+        if n == h:  # actions only: every suffix token sees the prefix and every action
+            keep = torch.cat([real_B_L, torch.ones(b, h, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
+        else:  # π0's blocks: the state token sees the prefix and itself, the actions see everything
+            suffix = torch.ones(n, n, dtype=torch.bool, device=dev)
+            suffix[0, 1:] = False
+            keep = torch.cat([real_B_L[:, None, :].expand(b, n, -1), suffix[None].expand(b, -1, -1)], 2)[:, None]
+        mask = torch.where(keep, 0.0, MASK_VALUE).to(x.dtype)
         for layer, (pk, pv) in zip(self.expert.layers, cache, strict=True):
             assert isinstance(layer, ExpertLayer)
             att = layer.self_attn
             hs, gate = layer.input_layernorm(x, cond)
-            q = apply_rope(att.q_proj(hs).view(b, h, EXPERT_HEADS, -1).transpose(1, 2), cos, sin)
-            k = apply_rope(att.k_proj(hs).view(b, h, 1, -1).transpose(1, 2), cos, sin)
-            v = att.v_proj(hs).view(b, h, 1, -1).transpose(1, 2)
+            q = apply_rope(att.q_proj(hs).view(b, n, EXPERT_HEADS, -1).transpose(1, 2), cos, sin)
+            k = apply_rope(att.k_proj(hs).view(b, n, 1, -1).transpose(1, 2), cos, sin)
+            v = att.v_proj(hs).view(b, n, 1, -1).transpose(1, 2)
             keys = torch.cat([pk.to(k.dtype), k], 2).expand(-1, EXPERT_HEADS, -1, -1)
             vals = torch.cat([pv.to(v.dtype), v], 2).expand(-1, EXPERT_HEADS, -1, -1)
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.head_dim**-0.5)
-            x = x + att.o_proj(o.transpose(1, 2).reshape(b, h, -1)) * gate
+            x = x + att.o_proj(o.transpose(1, 2).reshape(b, n, -1)) * gate
             hs, gate = layer.post_attention_layernorm(x, cond)
             x = x + layer.mlp(hs) * gate
-        out, _ = self.expert.norm(x, cond)
+        out, _ = self.expert.norm(x[:, n - h:], cond)
         return self.action_out_proj(out.float())
 
     def _check_feats(self, feats: torch.Tensor, state_B_S: torch.Tensor) -> None:
@@ -180,7 +207,7 @@ class Pi05ExpertHead(base.ActionHead):
         t_B = (torch.rand((b,), generator=self.generator) ** (1 / 1.5) * 0.999 + 0.001).to(actions)
         te = t_B[:, None, None]
         x_t = te * noise + (1 - te) * actions
-        v = self.velocity(cache, real, x_t, t_B)
+        v = self.velocity(cache, real, x_t, t_B, self._suffix_state(state_B_S))
         err = ((noise - actions) - v)[..., : c.action_dim] ** 2
         return base.weighted_mean(err.mean((1, 2)), weight_B)
 
@@ -200,14 +227,19 @@ class Pi05ExpertHead(base.ActionHead):
         x = noise.to(feats_B_D)
         n = steps or c.flow_steps
         dt = -1.0 / n
+        st = self._suffix_state(state_B_S.to(x.device))
         for k in range(n):
             t_B = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
-            x = x + dt * self.velocity(cache, real, x, t_B)
+            x = x + dt * self.velocity(cache, real, x, t_B, st)
         return self.denorm_action(x[..., : c.action_dim])
 
 
 def pi05_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This head's weights under the names of LeRobot's ``PI05Policy`` state dict."""
+    """This head's weights under the names of LeRobot's ``PI05Policy`` state dict (a token
+    head's have none: ``PI05Policy`` has no continuous state input, so it is refused)."""
+    if any(k.startswith("state_proj.") for k in head_state):
+        raise InvalidSpec("this pi05_expert reads the state as a suffix token (expert_state='token'): "
+                          "LeRobot's PI05Policy has no such input, so its weights have no PI05Policy names")
     out = {}
     for k, v in head_state.items():
         if k.startswith("expert."):
