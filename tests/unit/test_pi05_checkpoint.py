@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -274,7 +273,6 @@ def test_tenant_checkpoint_paths_are_confined_to_its_space(lerobot_ckpt: tuple[P
 
 def test_the_spec_says_where_a_checkpoint_applies() -> None:
     from joynexus.agents.models.pi05_checkpoint import check_lerobot_head
-    from joynexus.schemas.checkpoints import check_init_from_checkpoint
     from joynexus.schemas.workloads import WorkloadSpec
 
     kw: dict[str, Any] = dict(name="r", task_type="rl", env="PickCube-v1", base_model="pi05-tiny",
@@ -291,12 +289,13 @@ def test_the_spec_says_where_a_checkpoint_applies() -> None:
     with pytest.raises(InvalidSpec, match="applies to sft and rl"):
         WorkloadSpec(name="e", task_type="eval", env="PickCube-v1", init_from_workload="r",
                      init_from_checkpoint="ckpts/pi05")
-    token = SimpleNamespace(init_from_checkpoint="c", task_type="rl", init_from_workload="", init_from_export="",
-                            action_module="pi05_expert", expert_state="token")
-    with pytest.raises(InvalidSpec, match="continuous state"):
-        check_init_from_checkpoint(token)  # the hook for expert_state="token" (another helper's field)
-    with pytest.raises(InvalidSpec, match=r"no LeRobot π0\.5 form"):
-        check_lerobot_head("pi05_expert", {"expert_state": "token"})
+    with pytest.raises(InvalidSpec, match="continuous state"):  # LeRobot's PI05Pytorch has no state token
+        WorkloadSpec(**kw, expert_state="token", init_from_checkpoint="ckpts/pi05")
+    assert WorkloadSpec(**kw, expert_state="token").expert_state == "token"
+    for cfg in ({"expert_state": "token"}, HeadConfig(feature_dim=32, state_dim=S, kv_layers=2, expert_state="token")):
+        with pytest.raises(InvalidSpec, match=r"no LeRobot π0\.5 form"):
+            check_lerobot_head("pi05_expert", cfg)
+    check_lerobot_head("pi05_expert", HeadConfig(feature_dim=32, state_dim=S, kv_layers=2))
     with pytest.raises(InvalidSpec, match="holds a pi05_expert"):
         check_lerobot_head("oft_mlp", {})
 
@@ -353,3 +352,20 @@ def test_the_agent_refuses_a_bad_checkpoint_before_its_role_starts(tmp_path: Pat
     assert main(["agent", "inference", "--base", "pi05", "--backbone-path", str(tmp_path),
                  "--nats", "nats://127.0.0.1:1"]) == 2
     assert "not safetensors" in capsys.readouterr().err
+
+
+def test_a_state_token_expert_is_neither_exported_nor_started_from_a_checkpoint(
+        lerobot_ckpt: tuple[Path, Any], tmp_path: Path) -> None:
+    from joynexus.agents.models.families import build_base
+    from joynexus.agents.models.pi05_checkpoint import init_expert
+    from joynexus.agents.models.pi05_export import export_lerobot
+
+    base = build_base("pi05", "tiny")
+    cfg = HeadConfig(feature_dim=base.feature_dim, state_dim=S, action_dim=A, action_horizon=H, hidden=32,
+                     kv_layers=base.kv_layout[0], expert_state="token")
+    tm = TenantModule("acme", "pi05_expert", cfg)
+    with pytest.raises(InvalidSpec, match="expert_state='token'"):
+        export_lerobot(base, tm, tmp_path / "out", cameras=["front"])
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    with pytest.raises(InvalidSpec, match="expert_state='token'"):
+        init_expert(tm.head, str(lerobot_ckpt[0]))
