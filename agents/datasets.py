@@ -127,24 +127,51 @@ def resolve_export(
     ``head.safetensors`` and ``manifest.json`` are regular files inside it too, of
     bounded size (:data:`EXPORT_FILES`). One generic :class:`InvalidSpec` otherwise."""
     fail = no_export(tenant, requested if isinstance(requested, str) else "")
+    return _dir_with_files(root, tenant, requested, override, EXPORT_FILES, fail)
+
+
+def _dir_with_files(root: Path | str, tenant: str, requested: str, override: str, files: dict[str, int],
+                    fail: InvalidSpec) -> str:
+    """``requested`` resolved to a directory inside ``tenant``'s space holding each of
+    ``files`` as a regular file inside the space of at most its bytes; ``fail`` otherwise."""
     if not isinstance(requested, str) or not requested.strip() or "\x00" in requested:
         raise fail
     try:
         base = os.path.realpath(tenant_root(root, tenant, override))
         real = _in_space(base, requested)
-        for name, most in EXPORT_FILES.items():
+        for name, most in files.items():
             _file_in_space(base, real, name, most)
     except (OSError, ValueError):
         raise fail from None
     return real
 
 
+#: A LeRobot policy checkpoint's files (``WorkloadSpec.init_from_checkpoint``) and the largest
+#: of each accepted (π0.5 at gemma_2b in float32 is ~13 GB).
+CHECKPOINT_FILES: dict[str, int] = {"config.json": 1 << 20, "model.safetensors": 64 << 30}
+
+
+def resolve_checkpoint(root: Path | str, tenant: str, requested: str, override: str = "") -> str:
+    """The absolute, symlink-free path of a LeRobot checkpoint in ``tenant``'s dataset space
+    (``WorkloadSpec.init_from_checkpoint``): a directory inside the space whose ``config.json``
+    and ``model.safetensors`` are regular files inside it too, of bounded size
+    (:data:`CHECKPOINT_FILES`). One generic :class:`InvalidSpec` otherwise, whatever the cause."""
+    shown = requested if isinstance(requested, str) and len(requested) <= 200 else "..."
+    fail = InvalidSpec(
+        f"tenant {tenant!r} has no LeRobot checkpoint {shown!r} in its dataset space (a directory "
+        "holding config.json and model.safetensors; name it by its path inside your dataset space)"
+    )
+    return _dir_with_files(root, tenant, requested, override, CHECKPOINT_FILES, fail)
+
+
 __all__ = [
+    "CHECKPOINT_FILES",
     "DATASETS_ENV",
     "EXPORT_FILES",
     "default_root",
     "no_dataset",
     "no_export",
+    "resolve_checkpoint",
     "resolve_dataset",
     "resolve_export",
     "tenant_root",

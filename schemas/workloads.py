@@ -37,6 +37,7 @@ from joynexus.schemas.catalog import (
     libero_task,
     resized_side,
 )
+from joynexus.schemas.checkpoints import check_init_from_checkpoint
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord, TensorBytes
 from joynexus.schemas.jobs import TASK_TYPES, Admission, TaskType, TrainingJob, check_name
@@ -81,6 +82,10 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: tenant's dataset space like ``dataset``; the head type, width and sample
     #: layout must be this workload's. Not with ``init_from_workload``.
     init_from_export: str = ""
+    #: sft, rl with ``pi05_expert``: start from the action expert of a LeRobot ``PI05Policy``
+    #: checkpoint (``config.json`` + ``model.safetensors``), named by its path inside the
+    #: tenant's dataset space like ``dataset``; its expert's width must be ``head_hidden``.
+    init_from_checkpoint: str | None = None
     #: RL: parallel envs and steps per rollout job; SFT: samples per job.
     num_envs: int = 2
     horizon: int = 16
@@ -236,6 +241,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 )
             if len(self.init_from_export) > 1024 or "\x00" in self.init_from_export:
                 raise InvalidSpec("init_from_export must be a path of at most 1024 characters")
+        check_init_from_checkpoint(self)
         if self.exploration_std is not None and not (
             isinstance(self.exploration_std, (int, float))
             and math.isfinite(self.exploration_std)
@@ -271,7 +277,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         workload's or an exported one, else 0)."""
         if self.critic_warmup is not None:
             return self.critic_warmup
-        return 10 if self.init_from_workload or self.init_from_export else 0
+        return 10 if self.init_from_workload or self.init_from_export or self.init_from_checkpoint else 0
 
     def _check_eval_fields(self) -> None:
         for field, lo, hi in (

@@ -16,7 +16,7 @@ import msgspec
 
 from joynexus.agents.control.base import ControlBase
 from joynexus.agents.control.checks import bound_spec, check_create
-from joynexus.agents.datasets import resolve_dataset, resolve_export
+from joynexus.agents.datasets import resolve_checkpoint, resolve_dataset, resolve_export
 from joynexus.schemas.jobs import WorkloadPolicy
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.workloads import (
@@ -32,7 +32,7 @@ class WorkloadsAPI(ControlBase):
     def _bounded_spec(self, tenant: str, spec: WorkloadSpec, q: Quota) -> WorkloadSpec:
         """The spec as the service will run it: every number within the tenant's quota
         (else QuotaExceeded), the operator's priority, the dataset resolved in the
-        tenant's own space (and so the exported head it starts from)."""
+        tenant's own space (and so the exported head or LeRobot checkpoint it starts from)."""
         spec = bound_spec(tenant, spec, q)
         if spec.task_type == "sft" and spec.dataset:
             spec = msgspec.structs.replace(
@@ -43,6 +43,11 @@ class WorkloadsAPI(ControlBase):
             spec = msgspec.structs.replace(
                 spec, init_from_export=resolve_export(self.datasets_root, tenant,
                                                       spec.init_from_export, q.dataset_root)
+            )
+        if spec.init_from_checkpoint:
+            spec = msgspec.structs.replace(
+                spec, init_from_checkpoint=resolve_checkpoint(self.datasets_root, tenant,
+                                                              spec.init_from_checkpoint, q.dataset_root)
             )
         return spec
 

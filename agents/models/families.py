@@ -49,14 +49,16 @@ def cache_row_cap(base: Any, max_rows: int, budget_bytes: int) -> int:
 
 
 def check_base(family: str, size: str, path: str | None = None) -> None:
-    """``InvalidSpec`` unless ``family`` at ``size`` (or from ``path``) can be built here."""
+    """``InvalidSpec`` unless ``family`` at ``size`` (or from ``path``: pi05, a LeRobot ``PI05Policy``
+    checkpoint, ``pi05_checkpoint``) can be built here."""
     if family not in BASE_FAMILIES:
         raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
     if size not in FAMILY_SIZES[family]:
         raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
-    if family == "pi05" and path is not None:
-        raise InvalidSpec("a π0.5 base is built from its config here; loading a LeRobot checkpoint "
-                          "directory (--backbone-path) is not supported yet")
+    if family == "pi05" and path is not None:  # its size is read from the tensors' shapes, not ``size``
+        from joynexus.agents.models.pi05_checkpoint import read_pi05
+
+        read_pi05(path)  # config.json and the safetensors header only: cheap, before any role starts
 
 
 def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None = None,
@@ -65,6 +67,10 @@ def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None 
     Both serve the one interface the roles use: ``encode_tokens``, ``feature_dim``,
     ``config.base_model``, ``family``, ``num_params`` (and ``reads_state`` for pi05)."""
     check_base(family, size, path)
+    if family == "pi05" and path is not None:
+        from joynexus.agents.models.pi05_checkpoint import load_pi05_base
+
+        return load_pi05_base(path, threads=threads)
     if family == "pi05":
         from joynexus.agents.models.pi05_base import Pi05Base
         from joynexus.agents.models.pi05_config import Pi05BaseConfig

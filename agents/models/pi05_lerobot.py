@@ -31,7 +31,7 @@ from transformers.models.gemma import modeling_gemma as mg
 from joynexus.agents.models.heads.pi05 import Pi05ExpertHead, pi05_lerobot_keys
 from joynexus.agents.models.pi05_base import Pi05Base
 
-__all__ = ["lerobot_model", "openpi_transformers"]
+__all__ = ["LEROBOT_VOCAB", "lerobot_expert", "lerobot_model", "lerobot_tiny", "openpi_transformers"]
 
 
 def _rms(self: Any, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,28 +124,34 @@ def _adaptive(norm: nn.Module, width: int) -> None:
     norm.dense = nn.Linear(width, 3 * width)  # type: ignore[assignment]
 
 
+def lerobot_expert(width: int, head_dim: int, depth: int, vocab: int = 1) -> Any:
+    """LeRobot's expert (``GemmaForCausalLM`` without embeddings, adaptive norms) of these sizes."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    ecfg = GemmaConfig(head_dim=head_dim, hidden_size=width, intermediate_size=4 * width, num_attention_heads=8,
+                       num_hidden_layers=depth, num_key_value_heads=1, vocab_size=vocab,
+                       hidden_activation="gelu_pytorch_tanh", use_adarms=True, adarms_cond_dim=width)
+    ecfg._attn_implementation = "eager"
+    expert = GemmaForCausalLM(ecfg)
+    expert.model.embed_tokens = None
+    for layer in expert.model.layers:
+        _adaptive(layer.input_layernorm, width)
+        _adaptive(layer.post_attention_layernorm, width)
+    _adaptive(expert.model.norm, width)
+    return expert
+
+
 def lerobot_model(base: Pi05Base, head: Pi05ExpertHead, steps: int) -> Any:
     """LeRobot's ``PI05Pytorch`` with ``base``'s PaliGemma and ``head``'s expert weights
     (float32, eval). Call it inside ``openpi_transformers()``."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PaliGemmaWithExpertModel, PI05Pytorch
-    from transformers import GemmaConfig, GemmaForCausalLM
 
     c = head.cfg
     side = base.config.image_size
     cfg = PI05Config(chunk_size=c.action_horizon, n_action_steps=c.action_horizon, num_inference_steps=steps,
                      max_state_dim=base.config.max_state_dim, image_resolution=(side, side), device="cpu")
-    w = c.hidden
-    ecfg = GemmaConfig(head_dim=head.head_dim, hidden_size=w, intermediate_size=4 * w, num_attention_heads=8,
-                       num_hidden_layers=c.kv_layers, num_key_value_heads=1, vocab_size=1,
-                       hidden_activation="gelu_pytorch_tanh", use_adarms=True, adarms_cond_dim=w)
-    ecfg._attn_implementation = "eager"
-    expert = GemmaForCausalLM(ecfg)
-    expert.model.embed_tokens = None
-    for layer in expert.model.layers:
-        _adaptive(layer.input_layernorm, w)
-        _adaptive(layer.post_attention_layernorm, w)
-    _adaptive(expert.model.norm, w)
+    expert = lerobot_expert(c.hidden, head.head_dim, c.kv_layers)
     pwe = PaliGemmaWithExpertModel.__new__(PaliGemmaWithExpertModel)
     nn.Module.__init__(pwe)
     pwe.freeze_vision_encoder, pwe.train_expert_only = False, True
@@ -155,6 +161,7 @@ def lerobot_model(base: Pi05Base, head: Pi05ExpertHead, steps: int) -> Any:
     nn.Module.__init__(model)
     model.config, model.rtc_processor, model.gradient_checkpointing_enabled = cfg, None, False
     model.paligemma_with_expert = pwe
+    w = c.hidden
     model.action_in_proj = nn.Linear(32, w)
     model.action_out_proj = nn.Linear(w, 32)
     model.time_mlp_in = nn.Linear(w, w)
@@ -166,3 +173,53 @@ def lerobot_model(base: Pi05Base, head: Pi05ExpertHead, steps: int) -> Any:
     if left or unexpected:
         raise RuntimeError(f"pi05_expert -> LeRobot names: missing {left}, unexpected {unexpected}")
     return model.eval()
+
+
+#: The vocabulary LeRobot's ``PaliGemmaWithExpertModel`` hard-codes (PaliGemma's tokenizer);
+#: an export pads the embeddings to it so LeRobot's strict load sees its own shapes.
+LEROBOT_VOCAB = 257_152
+
+
+@contextmanager
+def lerobot_tiny() -> Iterator[None]:
+    """LeRobot's ``PI05Policy`` at the project's ``tiny`` size, for tests: its
+    ``paligemma_variant="gemma_2b"`` builds the tiny PaliGemma (SigLIP tiny tower, vocabulary
+    ``LEROBOT_VOCAB``) and ``action_expert_variant="gemma_300m"`` the tiny expert, where LeRobot
+    hard-codes the real sizes. Only the construction is replaced; ``save_pretrained``,
+    ``from_pretrained``, the processors and ``sample_actions`` are LeRobot's. Nest inside
+    ``openpi_transformers()`` (LeRobot's adaptive norms)."""
+    from lerobot.policies.pi05 import modeling_pi05 as lm
+
+    from joynexus.agents.models.pi05_config import (
+        GEMMA_VARIANTS,
+        Pi05BaseConfig,
+        build_paligemma_config,
+    )
+    from joynexus.agents.models.tokenizer import train_tokenizer
+
+    sizes = {"gemma_2b": GEMMA_VARIANTS["tiny"], "gemma_300m": GEMMA_VARIANTS["tiny_expert"]}
+
+    def gemma_config(variant: str) -> Any:
+        return lm.GemmaConfig(**{k: sizes[variant][k] for k in ("width", "depth", "mlp_dim", "num_heads",
+                                                                  "num_kv_heads", "head_dim")})
+
+    def build(self: Any, vlm_config: Any, action_expert_config: Any, use_adarms: Any = None,
+              precision: str = "float32", image_size: int = 224, freeze_vision_encoder: bool = False,
+              train_expert_only: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.freeze_vision_encoder, self.train_expert_only = freeze_vision_encoder, train_expert_only
+        pcfg = build_paligemma_config(Pi05BaseConfig(image_size=image_size), train_tokenizer())
+        pcfg.text_config.vocab_size = pcfg.vocab_size = pcfg.image_token_index = LEROBOT_VOCAB
+        pcfg.text_config._attn_implementation = pcfg.vision_config._attn_implementation = "eager"
+        self.paligemma = lm.PaliGemmaForConditionalGeneration(pcfg)
+        e = action_expert_config
+        self.gemma_expert = lerobot_expert(e.width, e.head_dim, e.depth, vocab=LEROBOT_VOCAB)
+        self.to_bfloat16_for_selected_params(precision)
+
+    saved = (lm.get_gemma_config, lm.PaliGemmaWithExpertModel.__init__)
+    lm.get_gemma_config = gemma_config
+    lm.PaliGemmaWithExpertModel.__init__ = build  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        lm.get_gemma_config, lm.PaliGemmaWithExpertModel.__init__ = saved  # type: ignore[method-assign]

@@ -9,7 +9,8 @@ lazily). The control role runs ``PolicyInitializer(b, remote=True)``, which asks
 for fresh weights at the actor role's endpoint (:class:`PolicyInitService`,
 ``<ns>.sched.init_policy``, served by the actor next to its training loop) with the
 workload's schema and normalisation statistics read here, so the actor's host
-needs no access to the tenant's dataset. In-process (tests, benches)
+needs no access to the tenant's dataset (except a workload's ``init_from_checkpoint``,
+a LeRobot checkpoint the actor reads to start the head's expert from). In-process (tests, benches)
 ``PolicyInitializer(b)`` builds them itself.
 
 See docs/ARCHITECTURE.md ("Workloads, from the SDK to a new policy version",
@@ -357,12 +358,17 @@ def retag_safetensors(data: bytes, metadata: dict[str, str], *, what: str = "wei
 
 # ---------------------------------------------------------------- fresh weights (torch)
 async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema, stats: Stats) -> None:
-    """Build ``record``'s head with fresh weights and ``stats`` and publish it as
-    version 1 (a version 1 there already is a retried create). Imports torch."""
+    """Build ``record``'s head with fresh weights and ``stats`` (its expert's from a LeRobot
+    checkpoint: ``init_from_checkpoint``) and publish it as version 1 (a version 1 there
+    already is a retried create). Imports torch."""
     from joynexus.agents.models.policyio import PolicyStore, fresh_module
 
     spec = record.spec
     module = fresh_module(record.tenant_id, spec, schema, stats)
+    if spec.init_from_checkpoint:  # resolved inside the tenant's space by the control plane
+        from joynexus.agents.models.pi05_checkpoint import init_expert
+
+        await asyncio.to_thread(init_expert, module.head, spec.init_from_checkpoint)
     with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create
         await PolicyStore(b).publish(
             record.tenant_id, spec.name, module, schema, spec.base_model, version=1

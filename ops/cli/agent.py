@@ -60,7 +60,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--backbone-path",
         default=None,
-        help="actor/inference: load the backbone from this local directory instead",
+        help="actor/inference: load the backbone from this local directory instead (pi05: a LeRobot "
+        "PI05Policy checkpoint, config.json + model.safetensors)",
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument(
@@ -153,6 +154,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"joynexus agent: --backbone {args.backbone} is not a {args.base} size; choose one of "
               f"{list(FAMILY_SIZES[args.base])}", file=sys.stderr)
         return 2
+    if args.backbone_path and args.role in ("inference", "actor", "actor-forward"):
+        from joynexus.agents.models.families import check_base
+        from joynexus.schemas.errors import InvalidSpec
+
+        try:  # a π0.5 checkpoint's config and tensor shapes, before the role starts
+            check_base(args.base, args.backbone, args.backbone_path)
+        except InvalidSpec as e:
+            print(f"joynexus agent: --backbone-path: {e}", file=sys.stderr)
+            return 2
     opts = RoleOptions(
         instance=args.instance or f"{args.role}-{os.getpid()}",
         lease_ttl_s=args.lease_ttl,

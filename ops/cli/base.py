@@ -1,6 +1,8 @@
 """``joynexus base pretrain``: the frozen base model the service serves to every
 tenant (``ops/admin/pretrain_base.py``); ``joynexus base describe``: what a base family
-costs (``agents/models/families.py``)."""
+costs (``agents/models/families.py``); ``joynexus base export-lerobot``: the base and a
+tenant's exported ``pi05_expert`` as a LeRobot ``PI05Policy`` checkpoint
+(``agents/models/pi05_export.py``)."""
 
 from __future__ import annotations
 
@@ -62,6 +64,25 @@ def register(sub: Any) -> None:
     d.add_argument("--state-dim", type=int, default=8, help="state values per sample (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(run=run_describe)
+    x = bsub.add_parser(
+        "export-lerobot",
+        help="write the base and a tenant's exported pi05_expert as a LeRobot PI05Policy checkpoint",
+        description=(
+            "Offline: the resident π0.5 base (built from its config as the service builds it, or "
+            "loaded from --backbone-path) and a head exported by Client.export (--head) written as a "
+            "directory LeRobot's PI05Policy.from_pretrained loads: config.json, model.safetensors, "
+            "policy_preprocessor.json/policy_postprocessor.json (LeRobot's processor factories, the "
+            "head's normalisation statistics, the project's tokenizer in tokenizer/)."
+        ),
+    )
+    x.add_argument("--base", default="pi05", choices=("pi05",), help="base family (pi05)")
+    x.add_argument("--backbone", default="tiny", help="base size built from its config (tiny, gemma_2b)")
+    x.add_argument("--backbone-path", default=None, metavar="DIR",
+                   help="the deployment's base was loaded from this LeRobot checkpoint instead")
+    x.add_argument("--head", required=True, metavar="DIR", help="a head exported by Client.export")
+    x.add_argument("--out", required=True, metavar="DIR", help="where to write (new or empty)")
+    x.add_argument("--json", action="store_true", help="print one JSON object")
+    x.set_defaults(run=run_export_lerobot)
 
 
 def run_describe(args: argparse.Namespace) -> int:
@@ -72,6 +93,27 @@ def run_describe(args: argparse.Namespace) -> int:
         report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim)
     except InvalidSpec as e:
         print(f"joynexus base describe: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def run_export_lerobot(args: argparse.Namespace) -> int:
+    from joynexus.agents.models.families import build_base
+    from joynexus.agents.models.pi05_export import export_lerobot, head_from_export
+    from joynexus.schemas.errors import InvalidSpec
+
+    try:
+        module, manifest = head_from_export(args.head)
+        base = build_base(args.base, args.backbone, args.backbone_path)
+        if manifest.get("base_model") != base.config.base_model:
+            raise InvalidSpec(f"the head was trained on {str(manifest.get('base_model'))[:64]!r}, this base is "
+                              f"{base.config.base_model}")
+        cameras = (manifest.get("feature_schema") or {}).get("camera_slots") or []
+        report = export_lerobot(base, module, args.out, cameras=cameras, extra={
+            k: manifest.get(k) for k in ("tenant_id", "workload", "version")})
+    except InvalidSpec as e:
+        print(f"joynexus base export-lerobot: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

@@ -71,6 +71,9 @@ def register(sub: Any) -> None:
                    "(default qwen2_5_vl; pi05: OpenPI's PaliGemma prefix for pi05_expert heads)")
     p.add_argument("--backbone", default="tiny",
                    help="the base's size (qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b)")
+    p.add_argument("--backbone-path", default=None, metavar="DIR",
+                   help="load the base from this local directory instead (pi05: a LeRobot PI05Policy "
+                   "checkpoint, config.json + model.safetensors; its size is read from the weights)")
     p.set_defaults(run=run_up)
 
     p = sub.add_parser(
@@ -163,6 +166,7 @@ def run_up(args: argparse.Namespace) -> int:
             out_dir=Path(args.data_dir) / "actor",
             host_id=args.host_id,
             base=(args.base, args.backbone),
+            base_path=os.path.abspath(args.backbone_path) if args.backbone_path else None,
         )
 
 

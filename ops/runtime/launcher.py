@@ -202,18 +202,29 @@ async def wait_answering(
 BASE_ROLES = ("inference", "actor", "actor-forward")
 
 
-def base_args(family: str, size: str) -> dict[str, list[str]]:
-    """The extra arguments of each role that builds the base: this deployment's family and size."""
-    return {r: ["--base", family, "--backbone", size] for r in BASE_ROLES}
+def base_args(family: str, size: str, path: str | None = None) -> dict[str, list[str]]:
+    """The extra arguments of each role that builds the base: this deployment's family and size
+    (or the local directory it is loaded from, ``--backbone-path``)."""
+    tail = ["--backbone-path", path] if path else []
+    return {r: ["--base", family, "--backbone", size, *tail] for r in BASE_ROLES}
 
 
 def launch(
     url: str, namespace: str, roles: list[str], *, out_dir: Path, host_id: str | None = None,
-    base: tuple[str, str] = ("qwen2_5_vl", "tiny"),
+    base: tuple[str, str] = ("qwen2_5_vl", "tiny"), base_path: str | None = None,
 ) -> int:
     if base[0] not in FAMILY_SIZES or base[1] not in FAMILY_SIZES[base[0]]:
         print(f"joynexus up: --base {base[0]} --backbone {base[1]}: sizes are {FAMILY_SIZES}", file=sys.stderr)
         return 2
+    if base_path:  # a π0.5 checkpoint's config and tensor shapes checked before any role starts
+        from joynexus.agents.models.families import check_base
+        from joynexus.schemas.errors import InvalidSpec
+
+        try:
+            check_base(base[0], base[1], base_path)
+        except InvalidSpec as e:
+            print(f"joynexus up: --backbone-path: {e}", file=sys.stderr)
+            return 2
     bad = [r for r in roles if r not in REGISTRY or not REGISTRY[r].supervised]
     if bad:
         print(f"joynexus up: unknown roles {bad}; roles are {', '.join(ROLES)}", file=sys.stderr)
@@ -233,7 +244,7 @@ def launch(
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         await supervise(url, namespace, roles, out_dir=out_dir, stop=stop, host_id=host_id,
-                        extra=base_args(*base))
+                        extra=base_args(*base, base_path))
 
     asyncio.run(main())
     return 0

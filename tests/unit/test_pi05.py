@@ -231,8 +231,8 @@ def test_base_family_is_chosen_per_deployment(capsys: pytest.CaptureFixture[str]
     assert "not a pi05 size" in capsys.readouterr().err
     from joynexus.agents.models.families import build_base
 
-    with pytest.raises(InvalidSpec, match="not supported yet"):
-        build_base("pi05", "tiny", path="/tmp")
+    with pytest.raises(InvalidSpec, match=r"config\.json or model\.safetensors is missing"):
+        build_base("pi05", "tiny", path="/tmp")  # a LeRobot checkpoint directory: test_pi05_checkpoint
     with pytest.raises(InvalidSpec, match="choose one of"):
         build_base("smolvla", "tiny")
 
