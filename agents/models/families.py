@@ -1,11 +1,12 @@
 """The resident base families and what each costs: ``describe`` (``joynexus base describe``).
 
-``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``) and ``pi05`` (OpenPI's
+``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``), ``pi05`` (OpenPI's
 PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemma_300m``,
-``gemma_2b``). Parameters are counted on the meta device, so a real-size description
+``gemma_2b``) and ``smolvla`` (LeRobot SmolVLA's SmolVLM prefix with a per-tenant action
+expert, ``SmolVLABase``: ``tiny``, ``smolvlm2_500m``). Parameters are counted on the meta device, so a real-size description
 allocates no weights; prefix tokens come from the family's own tokenizer and layout.
 
-See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and "... the SmolVLA base".
 """
 
 from __future__ import annotations
@@ -54,17 +55,23 @@ def check_base(family: str, size: str, path: str | None = None) -> None:
         raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
     if size not in FAMILY_SIZES[family]:
         raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
-    if family == "pi05" and path is not None:
-        raise InvalidSpec("a π0.5 base is built from its config here; loading a LeRobot checkpoint "
+    if family in ("pi05", "smolvla") and path is not None:
+        raise InvalidSpec(f"a {family} base is built from its config here; loading a LeRobot checkpoint "
                           "directory (--backbone-path) is not supported yet")
 
 
 def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None = None,
                threads: int | None = None) -> Any:
-    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl) or ``Pi05Base`` (pi05).
-    Both serve the one interface the roles use: ``encode_tokens``, ``feature_dim``,
-    ``config.base_model``, ``family``, ``num_params`` (and ``reads_state`` for pi05)."""
+    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl), ``Pi05Base`` (pi05) or
+    ``SmolVLABase`` (smolvla). All serve the one interface the roles use: ``encode_tokens``,
+    ``feature_dim``, ``config.base_model``, ``family``, ``num_params`` (and ``reads_state``,
+    ``kv_bytes_per_row``, ``max_prefix_tokens`` for the prefix-cache families)."""
     check_base(family, size, path)
+    if family == "smolvla":
+        from joynexus.agents.models.smolvla_base import SmolVLABase
+        from joynexus.agents.models.smolvla_config import SmolVLABaseConfig
+
+        return SmolVLABase.build(SmolVLABaseConfig(size=size, threads=threads))  # type: ignore[arg-type]
     if family == "pi05":
         from joynexus.agents.models.pi05_base import Pi05Base
         from joynexus.agents.models.pi05_config import Pi05BaseConfig
@@ -90,6 +97,10 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
         raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
     from joynexus.agents.models.heads.base import HeadConfig, build_head
 
+    if family == "smolvla":
+        from joynexus.agents.models.smolvla_describe import describe_smolvla
+
+        return describe_smolvla(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes())
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLModel
 
