@@ -6,7 +6,7 @@ PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemm
 expert, ``SmolVLABase``: ``tiny``, ``smolvlm2_500m``). Parameters are counted on the meta device, so a real-size description
 allocates no weights; prefix tokens come from the family's own tokenizer and layout.
 
-See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and "... the SmolVLA base".
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and "Model families: the SmolVLA base".
 """
 
 from __future__ import annotations

@@ -36,7 +36,11 @@ from transformers import PreTrainedTokenizerFast, SmolVLMModel
 
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
-from joynexus.agents.models.smolvla_config import SMOLVLA_DTYPES, SmolVLABaseConfig, build_smolvlm_config
+from joynexus.agents.models.smolvla_config import (
+    SMOLVLA_DTYPES,
+    SmolVLABaseConfig,
+    build_smolvlm_config,
+)
 from joynexus.agents.models.tokenizer import PAD_TOKEN, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
@@ -102,7 +106,7 @@ class SmolVLABase:
         self.model = model
         self.state_proj = state_proj
         for m in (self.model, self.state_proj):
-            m.to(device=self.device, dtype=self.dtype)
+            m.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
             m.eval()
             m.requires_grad_(False)
         self.tokenizer = tokenizer

@@ -147,7 +147,7 @@ def cache_geometry(feature_dim: int, kv_layers: int) -> dict[str, Any]:
     """The attention layout of the SmolVLA base whose prefix cache is ``feature_dim`` wide over
     ``kv_layers`` layers: query heads, key/value heads, head size, self-attention period and
     norm epsilon (what a ``smolvla_expert`` needs to attend to it)."""
-    for size, s in SMOLVLM_SIZES.items():
+    for s in SMOLVLM_SIZES.values():
         t = s["text"]
         if s["num_vlm_layers"] == kv_layers and kv_layers * 2 * t["num_key_value_heads"] * t["head_dim"] == feature_dim:
             return dict(heads=t["num_attention_heads"], kv_heads=t["num_key_value_heads"], head_dim=t["head_dim"],

@@ -102,7 +102,7 @@ def test_prefix_layout_and_cache_bytes_are_reported(base: SmolVLABase) -> None:
     longest = int(lengths.max())
     assert cache_bytes(feats) == 2 * longest * (base.feature_dim + 1) * 4
     assert d["kv_bytes_per_row"] == d["prefix_tokens_per_sample"] * (base.feature_dim + 1) * 4
-    ids, lens = base.tokenize(["pick up the cube"])
+    _, lens = base.tokenize(["pick up the cube"])
     assert d["prefix_tokens_per_sample"] == 2 * 4 + int(lens[0]) + 1
 
 

@@ -30,7 +30,11 @@ from joynexus.agents.models.features import unpack_tokens
 from joynexus.agents.models.heads import base
 from joynexus.agents.models.heads.pi05 import sinusoidal_time
 from joynexus.agents.models.smolvla_base import eager_attention, smolvla_rope
-from joynexus.agents.models.smolvla_config import MAX_ACTION_DIM, cache_geometry, expert_intermediate
+from joynexus.agents.models.smolvla_config import (
+    MAX_ACTION_DIM,
+    cache_geometry,
+    expert_intermediate,
+)
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = ["SmolVLAExpertHead", "smolvla_expert_from_lerobot", "smolvla_lerobot_keys"]
