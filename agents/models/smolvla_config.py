@@ -55,8 +55,6 @@ SMOLVLM_SIZES: dict[str, dict[str, Any]] = {
         scale_factor=4, num_vlm_layers=16, self_attn_every_n_layers=2, expert_width_multiplier=0.75,
     ),
 }
-#: Actions and states are padded to these widths, as LeRobot's ``max_action_dim``/``max_state_dim``.
-MAX_ACTION_DIM = 32
 SMOLVLA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -10,7 +10,7 @@ join the prefix's, causal among the actions; the other layers cross-attend: thei
 ``k_proj``/``v_proj`` map the prefix's cached keys and values (queries with RoPE from 0).
 It is LeRobot's ``VLAFlowMatching`` expert path (``embed_suffix``: the action and the
 flow time's sine embedding through ``action_time_mlp_in``/``_out``; ``denoise_step``;
-``sample_actions``), flow matching with ``x_t = t * noise + (1 - t) * actions`` and target
+``sample_actions``: ``CacheExpertHead``), flow matching with ``x_t = t * noise + (1 - t) * actions`` and target
 ``noise - actions``, time ~ Beta(1.5, 1) scaled into [0.001, 1]; the loss is the mean over
 the real action dims (LeRobot also averages its zero-padded ones). Parameters are named
 as LeRobot's (``smolvla_lerobot_keys``); actions are padded to ``MAX_ACTION_DIM`` inside.
@@ -20,7 +20,7 @@ See docs/ARCHITECTURE.md, "Model families: the SmolVLA base".
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +28,11 @@ from torch import nn
 
 from joynexus.agents.models.features import unpack_tokens
 from joynexus.agents.models.heads import base
+from joynexus.agents.models.heads.expert import MAX_ACTION_DIM, CacheExpertHead
 from joynexus.agents.models.heads.pi05 import sinusoidal_time
 from joynexus.agents.models.smolvla_base import eager_attention, smolvla_rope
-from joynexus.agents.models.smolvla_config import (
-    MAX_ACTION_DIM,
-    cache_geometry,
-    expert_intermediate,
-)
-from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+from joynexus.agents.models.smolvla_config import cache_geometry, expert_intermediate
+from joynexus.schemas.errors import InvalidSpec
 
 __all__ = ["SmolVLAExpertHead", "smolvla_expert_from_lerobot", "smolvla_lerobot_keys"]
 
@@ -98,10 +95,9 @@ class Expert(nn.Module):
 
 
 @base.register("smolvla_expert")
-class SmolVLAExpertHead(base.ActionHead):
-    """One tenant's SmolVLA action expert; reads the prefix cache as packed token features."""
-
-    reads: ClassVar[Literal["pooled", "tokens"]] = "tokens"
+class SmolVLAExpertHead(CacheExpertHead):
+    """One tenant's SmolVLA action expert; reads the prefix cache as packed token features
+    (``loss`` and ``act``: ``CacheExpertHead``'s flow matching)."""
 
     def __init__(self, cfg: base.HeadConfig) -> None:
         super().__init__(cfg)
@@ -164,54 +160,6 @@ class SmolVLAExpertHead(base.ActionHead):
             x = x + att.o_proj(o.to(att.o_proj.weight.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.action_out_proj(self.lm_expert.norm(x).to(torch.float32))
-
-    def _check_feats(self, feats: torch.Tensor, state_B_S: torch.Tensor) -> None:
-        if feats.ndim != 3 or state_B_S.shape != (feats.shape[0], self.cfg.state_dim):
-            raise ShapeMismatch(
-                f"smolvla_expert: state must be [B={feats.shape[0]}, {self.cfg.state_dim}], got {list(state_B_S.shape)}"
-            )
-
-    def _pad(self, a_B_H_A: torch.Tensor) -> torch.Tensor:
-        return F.pad(a_B_H_A, (0, MAX_ACTION_DIM - a_B_H_A.shape[-1]))
-
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
-             weight_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Flow matching as ``VLAFlowMatching.forward``: mean squared velocity error over real action dims."""
-        self._check_feats(feats_B_D, state_B_S)
-        c = self.cfg
-        b = feats_B_D.shape[0]
-        self._check_target(target, (b, c.action_horizon, c.action_dim))
-        cache, real = self._cache(feats_B_D)
-        actions = self._pad(self.norm_action(target))
-        # The head's own generator: the same draws grouped or alone. Beta(1.5, 1) is U ** (1 / 1.5).
-        noise = torch.randn(actions.shape, generator=self.generator).to(actions)
-        t_B = (torch.rand((b,), generator=self.generator) ** (1 / 1.5) * 0.999 + 0.001).to(actions)
-        te = t_B[:, None, None]
-        x_t = te * noise + (1 - te) * actions
-        v = self.velocity(cache, real, x_t, t_B)
-        err = ((noise - actions) - v)[..., : c.action_dim] ** 2
-        return base.weighted_mean(err.mean((1, 2)), weight_B)
-
-    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
-            steps: int | None = None, **kw: Any) -> torch.Tensor:
-        """LeRobot's ``sample_actions`` over the cache: Euler from t=1 (``noise``, ``[B, H, A]`` or
-        ``[B, H, MAX_ACTION_DIM]``) to t=0 in ``steps`` (default ``flow_steps``); actions ``[B, H, A]``."""
-        self._check_feats(feats_B_D, state_B_S)
-        c = self.cfg
-        b = feats_B_D.shape[0]
-        if noise is None:
-            noise = torch.randn((b, c.action_horizon, MAX_ACTION_DIM), generator=self.generator)
-        if noise.shape[-1] == c.action_dim and c.action_dim != MAX_ACTION_DIM:
-            noise = self._pad(noise)
-        self._check_target(noise, (b, c.action_horizon, MAX_ACTION_DIM))
-        cache, real = self._cache(feats_B_D)
-        x = noise.to(feats_B_D)
-        n = steps or c.flow_steps
-        dt = -1.0 / n
-        for k in range(n):
-            t_B = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
-            x = x + dt * self.velocity(cache, real, x, t_B)
-        return self.denorm_action(x[..., : c.action_dim])
 
 
 def smolvla_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
