@@ -3,8 +3,8 @@
 ``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``), ``pi05`` (OpenPI's
 PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemma_300m``,
 ``gemma_2b``) and ``smolvla`` (LeRobot SmolVLA's SmolVLM prefix with a per-tenant action
-expert, ``SmolVLABase``: ``tiny``, ``smolvlm2_500m``). Parameters are counted on the meta device, so a real-size description
-allocates no weights; prefix tokens come from the family's own tokenizer and layout.
+expert, ``SmolVLABase``: ``tiny``, ``smolvlm2_500m``, or a LeRobot policy directory).
+Parameters are counted on the meta device, so a real-size description allocates no weights; prefix tokens come from the family's own tokenizer and layout.
 
 See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and "Model families: the SmolVLA base".
 """
@@ -55,8 +55,8 @@ def check_base(family: str, size: str, path: str | None = None) -> None:
         raise InvalidSpec(f"base family {family!r}: choose one of {list(BASE_FAMILIES)}")
     if size not in FAMILY_SIZES[family]:
         raise InvalidSpec(f"{family} size {size!r}: choose one of {list(FAMILY_SIZES[family])}")
-    if family in ("pi05", "smolvla") and path is not None:
-        raise InvalidSpec(f"a {family} base is built from its config here; loading a LeRobot checkpoint "
+    if family == "pi05" and path is not None:
+        raise InvalidSpec("a π0.5 base is built from its config here; loading a LeRobot checkpoint "
                           "directory (--backbone-path) is not supported yet")
 
 
@@ -67,6 +67,10 @@ def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None 
     ``feature_dim``, ``config.base_model``, ``family``, ``num_params`` (and ``reads_state``,
     ``kv_bytes_per_row``, ``max_prefix_tokens`` for the prefix-cache families)."""
     check_base(family, size, path)
+    if family == "smolvla" and path is not None:  # a LeRobot policy directory: its shapes fix the size
+        from joynexus.agents.models.smolvla_checkpoint import load_smolvla_base
+
+        return load_smolvla_base(path, threads=threads)
     if family == "smolvla":
         from joynexus.agents.models.smolvla_base import SmolVLABase
         from joynexus.agents.models.smolvla_config import SmolVLABaseConfig

@@ -61,7 +61,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--backbone-path",
         default=None,
-        help="actor/inference: load the backbone from this local directory instead",
+        help="actor/inference: load the backbone from this local directory instead (smolvla: a LeRobot "
+        "SmolVLA policy directory, config.json + model.safetensors; its shapes fix the size)",
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument(

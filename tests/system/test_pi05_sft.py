@@ -1,6 +1,6 @@
-"""SFT through the SDK with ``action_module="pi05_expert"`` on a deployment whose resident
-base is the tiny π0.5 (built offline): the roles in process on a real nats-server, a LeRobot
-dataset made by the scripted expert, each completed job one new version, and the trained
+"""SFT through the SDK with ``action_module="pi05_expert"`` (``"smolvla_expert"``) on a
+deployment whose resident base is the tiny π0.5 (SmolVLA), built offline: the roles in
+process on a real nats-server, a LeRobot dataset made by the scripted expert, each completed job one new version, and the trained
 policy acting through the Inference Queue as the same head does in process."""
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ from joynexus.sdk import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+#: Each prefix-cache family: its tiny base model, its expert head, the head's width, the cache's layers.
+FAMILIES = {"pi05": ("pi05-tiny", "pi05_expert", 32, 2), "smolvla": ("smolvla-tiny", "smolvla_expert", 48, 4)}
+
 
 @pytest.fixture
-async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+async def deployment(broker: Broker, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
     from joynexus.agents.envs.lerobot_data import generate_dataset
 
     generate_dataset("PushCube-v1", tmp_path / "datasets" / "cora" / "push", episodes=2, obs="rgb",
                      image_size=64, seed=0)
-    base = build_base("pi05", "tiny")
+    family = getattr(request, "param", "pi05")
+    base = build_base(family, "tiny")
     stop, tasks = asyncio.Event(), []
     sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
     await sched.start()
@@ -49,7 +53,7 @@ async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, 
     actor = Actor(broker, base, instance="actor", out_dir=tmp_path / "actor", lease_wait_s=0.5)
     tasks.append(asyncio.create_task(actor.run(stop)))
     tasks.append(asyncio.create_task(ProducerAgent(broker, "sft", instance="prod-sft").run(stop)))
-    yield {"base": base, "sched": sched, "out": tmp_path / "actor"}
+    yield {"base": base, "sched": sched, "out": tmp_path / "actor", "family": family}
     stop.set()
     await asyncio.wait(tasks, timeout=30)
     for t in tasks:
@@ -60,14 +64,16 @@ async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, 
     await sched.stop()
 
 
+@pytest.mark.parametrize("deployment", list(FAMILIES), indirect=True)
 async def test_sft_with_the_pi05_expert_through_the_sdk(
     deployment: dict[str, Any], nats_server: EmbeddedNats, broker: Broker
 ) -> None:
+    base_model, head, hidden, kv_layers = FAMILIES[deployment["family"]]
     target = 3
     cora = await Client.connect(nats_server.url, tenant="cora", namespace=broker.names.namespace)
     wl = await cora.create_workload(WorkloadSpec(
-        name="demo", task_type="sft", dataset="push", base_model="pi05-tiny", action_module="pi05_expert",
-        head_hidden=32, batch_size=8, action_horizon=2,
+        name="demo", task_type="sft", dataset="push", base_model=base_model, action_module=head,
+        head_hidden=hidden, batch_size=8, action_horizon=2,
         scheduling=Scheduling(max_in_flight=4, completion_target=target)))
     async for _ in wl.events():  # returns once the workload has ended
         pass
@@ -75,14 +81,14 @@ async def test_sft_with_the_pi05_expert_through_the_sdk(
     assert wl.record.state == "done", wl.record
     store = PolicyStore(broker)
     latest = await store.latest("cora", "demo")
-    assert latest.version == 1 + target and latest.head_type == "pi05_expert"
-    assert latest.head_config["kv_layers"] == 2
+    assert latest.version == 1 + target and latest.head_type == head
+    assert latest.head_config["kv_layers"] == kv_layers
     module = module_from_weights(latest, await store.load_weights(latest))
     # The trained policy acts through the Inference Queue exactly as its head does in process.
     base = deployment["base"]
     g = np.random.default_rng(0)
     fs = feature_schema_of(latest)
-    assert fs.base_model == "pi05-tiny"
+    assert fs.base_model == base_model
     images = {c: g.integers(0, 256, (2, 3, *fs.image_hw), dtype=np.uint8) for c in fs.camera_slots}
     state = g.standard_normal((2, fs.state_dim)).astype(np.float32)
     got = await cora.act("demo", images=images, state=state, instruction="push the cube")

@@ -306,8 +306,8 @@ def test_base_family_is_chosen_per_deployment(capsys: pytest.CaptureFixture[str]
     assert "not a smolvla size" in capsys.readouterr().err
     b = build_base("smolvla", "tiny")
     assert isinstance(b, SmolVLABase) and b.family == "smolvla" and b.config.base_model == "smolvla-tiny"
-    with pytest.raises(InvalidSpec, match="not supported yet"):
-        build_base("smolvla", "tiny", path="/tmp")
+    with pytest.raises(InvalidSpec, match="expected a LeRobot policy directory"):
+        build_base("smolvla", "tiny", path="/nonexistent")
 
 
 def test_specs_name_smolvla_expert_only_on_a_smolvla_base() -> None:
@@ -391,3 +391,55 @@ def test_bench_families_smoke() -> None:
         assert cell["rounds"] == 2 and cell["grouped_ms"] > 0 and cell["serial_ms"] > 0
         lo, hi = cell["speedup_ci95"]
         assert lo <= cell["speedup"] <= hi
+
+
+def test_a_lerobot_policy_directory_becomes_the_resident_base(tmp_path: Any, offline: None) -> None:
+    """``--backbone-path DIR`` with what SmolVLAPolicy.save_pretrained writes: the size read from
+    the tensors' shapes, every VLM weight and state_proj loaded (the same cache as the source
+    base), the expert's weights in the same file becoming a tenant's head; hostile files refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from joynexus.agents.models.families import build_base
+    from joynexus.agents.models.smolvla_checkpoint import load_smolvla_base
+    from joynexus.agents.models.smolvla_lerobot import lerobot_smolvla
+
+    src = SmolVLABase.build(SmolVLABaseConfig(max_state_dim=6, seed=7))
+    tm = tenant(src, "a", 5, 3)
+    jitter(tm, 2)
+    policy = lerobot_smolvla(src, tm.head, steps=3)
+    save_file({f"model.{k}": v.contiguous() for k, v in policy.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"type": "smolvla", "tokenizer_max_length": 48,
+                                                      "vlm_model_name": "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"}))
+    loaded = build_base("smolvla", "smolvlm2_500m", path=str(tmp_path))  # the directory fixes the size
+    assert isinstance(loaded, SmolVLABase) and loaded.config.base_model == "smolvla-tiny"
+    assert loaded.config.max_state_dim == 6 and not any(p.requires_grad for p in loaded.model.parameters())
+    fb = batch(13, 2, 5)
+    state = tm.head.prefix_state(fb.state_B_S)
+    want = src.features(src.prepare(fb, state)).tokens()
+    torch.testing.assert_close(loaded.features(loaded.prepare(fb, state)).tokens(), want, atol=0, rtol=0)
+    fresh = SmolVLABase.build(SmolVLABaseConfig(max_state_dim=6))
+    assert not torch.equal(fresh.features(fresh.prepare(fb, state)).tokens(), want)
+    dst = tenant(loaded, "b", 5, 99)
+    dst.head.load_state_dict(smolvla_expert_from_lerobot(load_file(str(tmp_path / "model.safetensors"))), strict=False)
+    noise = torch.randn(2, H, 32, generator=torch.Generator().manual_seed(2))
+    a, b = (serial_forward(base_, [ActRequest(m, fb, noise)])[0] for base_, m in ((src, tm), (loaded, dst)))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Hostile directories: a VLM of no hosted size or misshapen, tensors missing, bytes that are
+    # not safetensors, a config that is not SmolVLA's.
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    for layer, match in ((0, "none of the hosted SmolVLM sizes"), (3, "do not load into smolvla-tiny")):
+        key = f"model.vlm_with_expert.vlm.model.text_model.layers.{layer}.mlp.up_proj.weight"
+        save_file({**sd, key: torch.zeros(7, 64)}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(InvalidSpec, match=match):
+            load_smolvla_base(str(tmp_path))
+    save_file({k: v for k, v in sd.items() if "connector" not in k}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidSpec, match="not a LeRobot SmolVLA checkpoint"):
+        load_smolvla_base(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(InvalidSpec, match="not a safetensors file"):
+        load_smolvla_base(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"type": "pi05"}))
+    with pytest.raises(InvalidSpec, match="not a SmolVLA policy config"):
+        load_smolvla_base(str(tmp_path))
