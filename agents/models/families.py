@@ -93,9 +93,12 @@ def _count(m: torch.nn.Module) -> int:
 
 
 def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int = 8, action_dim: int = 7,
-             action_horizon: int = 8) -> dict[str, Any]:
+             action_horizon: int = 8, path: str | None = None) -> dict[str, Any]:
     """Family, parameters of the base and of one tenant's default head, prefix tokens per
-    sample and the bytes per row a head receives from the shared forward (float32)."""
+    sample and the bytes per row a head receives from the shared forward (float32). ``path``
+    (smolvla only): a LeRobot policy directory, described from its config and shapes."""
+    if path is not None and family != "smolvla":
+        raise InvalidSpec(f"describe --path: only a smolvla base is described from a directory, not {family}")
     check_base(family, size)
     if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
         raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
@@ -104,7 +107,7 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
     if family == "smolvla":
         from joynexus.agents.models.smolvla_describe import describe_smolvla
 
-        return describe_smolvla(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes())
+        return describe_smolvla(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes(), path)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLModel
 

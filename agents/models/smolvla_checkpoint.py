@@ -27,7 +27,7 @@ from joynexus.agents.models.smolvla_base import SmolVLABase
 from joynexus.agents.models.smolvla_config import SMOLVLM_SIZES, SmolVLABaseConfig
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["VLM_PREFIX", "checkpoint_geometry", "load_smolvla_base", "size_geometry"]
+__all__ = ["VLM_PREFIX", "checkpoint_config", "checkpoint_geometry", "load_smolvla_base", "size_geometry"]
 
 #: Where LeRobot's SmolVLAPolicy state dict keeps the VLM (``SmolVLMModel``'s own names follow).
 VLM_PREFIX = "model.vlm_with_expert.vlm.model."
@@ -79,17 +79,14 @@ def size_geometry(size: str, vocab: int) -> dict[str, int]:
     }
 
 
-def load_smolvla_base(path: str, threads: int | None = None, seed: int = 0) -> SmolVLABase:
-    """The resident base of a LeRobot SmolVLA policy directory (see the module's doc)."""
+def checkpoint_config(path: str, threads: int | None = None, seed: int = 0) -> SmolVLABaseConfig:
+    """The base config of a LeRobot SmolVLA policy directory, from its config.json and its
+    tensors' shapes (no tensor is read): ``InvalidSpec`` unless it is one of the hosted sizes."""
     from safetensors import SafetensorError, safe_open
 
     from joynexus.agents.models.tokenizer import train_tokenizer
 
-    d = Path(path)
-    cfg_file, weights = d / "config.json", d / "model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise InvalidSpec(f"--backbone-path {path!r}: expected a LeRobot policy directory (config.json and "
-                          "model.safetensors, as SmolVLAPolicy.save_pretrained writes)")
+    cfg_file, weights = _files(path)
     if cfg_file.stat().st_size > _MAX_CONFIG_BYTES:
         raise InvalidSpec(f"{cfg_file}: larger than {_MAX_CONFIG_BYTES} bytes; not a policy config")
     try:
@@ -103,26 +100,44 @@ def load_smolvla_base(path: str, threads: int | None = None, seed: int = 0) -> S
         raise InvalidSpec(f"{cfg_file}: tokenizer_max_length={text_max!r} is not an integer")
     try:
         with safe_open(str(weights), "pt") as f:
-            keys = list(f.keys())
-            geo = checkpoint_geometry({k: tuple(f.get_slice(k).get_shape()) for k in keys})
-            tok = train_tokenizer()
-            size = next((s for s in SMOLVLM_SIZES if size_geometry(s, len(tok)) == {
-                k: v for k, v in geo.items() if k != "state_dim"}), None)
-            if size is None:
-                raise InvalidSpec(f"{weights}: its VLM ({geo}) is none of the hosted SmolVLM sizes "
-                                  f"{sorted(SMOLVLM_SIZES)}; specs could not name it")
-            cfg = SmolVLABaseConfig(size=size, max_state_dim=geo["state_dim"], max_text_tokens=text_max,  # type: ignore[arg-type]
-                                    threads=threads, seed=seed)
-            vlm = {k[len(VLM_PREFIX):]: f.get_tensor(k) for k in keys if k.startswith(VLM_PREFIX)}
-            proj = {k[len(_STATE_PROJ):]: f.get_tensor(k) for k in keys if k.startswith(_STATE_PROJ)}
+            geo = checkpoint_geometry({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     except SafetensorError as e:
         raise InvalidSpec(f"{weights}: not a safetensors file ({e})") from e
+    vocab = len(train_tokenizer())
+    size = next((s for s in SMOLVLM_SIZES
+                 if size_geometry(s, vocab) == {k: v for k, v in geo.items() if k != "state_dim"}), None)
+    if size is None:
+        raise InvalidSpec(f"{weights}: its VLM ({geo}) is none of the hosted SmolVLM sizes "
+                          f"{sorted(SMOLVLM_SIZES)}; specs could not name it")
+    return SmolVLABaseConfig(size=size, max_state_dim=geo["state_dim"], max_text_tokens=text_max,  # type: ignore[arg-type]
+                             threads=threads, seed=seed)
+
+
+def _files(path: str) -> tuple[Path, Path]:
+    d = Path(path)
+    cfg_file, weights = d / "config.json", d / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise InvalidSpec(f"--backbone-path {path!r}: expected a LeRobot policy directory (config.json and "
+                          "model.safetensors, as SmolVLAPolicy.save_pretrained writes)")
+    return cfg_file, weights
+
+
+def load_smolvla_base(path: str, threads: int | None = None, seed: int = 0) -> SmolVLABase:
+    """The resident base of a LeRobot SmolVLA policy directory (see the module's doc)."""
+    from safetensors import safe_open
+
+    cfg = checkpoint_config(path, threads, seed)
+    _, weights = _files(path)
+    with safe_open(str(weights), "pt") as f:
+        keys = list(f.keys())
+        vlm = {k[len(VLM_PREFIX):]: f.get_tensor(k) for k in keys if k.startswith(VLM_PREFIX)}
+        proj = {k[len(_STATE_PROJ):]: f.get_tensor(k) for k in keys if k.startswith(_STATE_PROJ)}
     base = SmolVLABase.build(cfg)
     try:
         base.model.load_state_dict({k: v.to(base.dtype) for k, v in vlm.items()}, strict=True)
         base.state_proj.load_state_dict({k: v.to(base.dtype) for k, v in proj.items()}, strict=True)
     except RuntimeError as e:
-        raise InvalidSpec(f"{weights}: the VLM's weights do not load into smolvla-{size} ({e})") from e
+        raise InvalidSpec(f"{weights}: the VLM's weights do not load into smolvla-{cfg.size} ({e})") from e
     base.model.requires_grad_(False)
     base.state_proj.requires_grad_(False)
     return base

@@ -59,6 +59,9 @@ def register(sub: Any) -> None:
     d.add_argument("--size", default="tiny",
                    help="qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b (paligemma_variant); "
                    "smolvla: tiny, smolvlm2_500m")
+    d.add_argument("--path", default=None, metavar="DIR",
+                   help="smolvla: describe a LeRobot SmolVLA policy directory (config.json + model.safetensors; "
+                   "its shapes fix the size)")
     d.add_argument("--cameras", type=int, default=1, help="camera images per sample (default 1)")
     d.add_argument("--state-dim", type=int, default=8, help="state values per sample (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,7 +73,7 @@ def run_describe(args: argparse.Namespace) -> int:
     from joynexus.schemas.errors import InvalidSpec
 
     try:
-        report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim)
+        report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim, path=args.path)
     except InvalidSpec as e:
         print(f"joynexus base describe: {e}", file=sys.stderr)
         return 2

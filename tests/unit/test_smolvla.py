@@ -393,7 +393,8 @@ def test_bench_families_smoke() -> None:
         assert lo <= cell["speedup"] <= hi
 
 
-def test_a_lerobot_policy_directory_becomes_the_resident_base(tmp_path: Any, offline: None) -> None:
+def test_a_lerobot_policy_directory_becomes_the_resident_base(tmp_path: Any, offline: None,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """``--backbone-path DIR`` with what SmolVLAPolicy.save_pretrained writes: the size read from
     the tensors' shapes, every VLM weight and state_proj loaded (the same cache as the source
     base), the expert's weights in the same file becoming a tenant's head; hostile files refused."""
@@ -421,6 +422,16 @@ def test_a_lerobot_policy_directory_becomes_the_resident_base(tmp_path: Any, off
     torch.testing.assert_close(loaded.features(loaded.prepare(fb, state)).tokens(), want, atol=0, rtol=0)
     fresh = SmolVLABase.build(SmolVLABaseConfig(max_state_dim=6))
     assert not torch.equal(fresh.features(fresh.prepare(fb, state)).tokens(), want)
+    # `joynexus base describe --base smolvla --path DIR`: the same figures, without loading a tensor.
+    from joynexus.ops.cli.app import main
+
+    capsys.readouterr()  # LeRobot's own prints so far
+    assert main(["base", "describe", "--base", "smolvla", "--path", str(tmp_path), "--state-dim", "5", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["size"] == "tiny" and d["max_state_dim"] == 6 and d["params"]["base"] == loaded.num_params()
+    assert d["prefix_tokens_per_sample"] == loaded.prefix_tokens(1) and d["path"] == str(tmp_path)
+    assert main(["base", "describe", "--base", "pi05", "--path", str(tmp_path)]) == 2
+    assert "only a smolvla base" in capsys.readouterr().err
     dst = tenant(loaded, "b", 5, 99)
     dst.head.load_state_dict(smolvla_expert_from_lerobot(load_file(str(tmp_path / "model.safetensors"))), strict=False)
     noise = torch.randn(2, H, 32, generator=torch.Generator().manual_seed(2))
