@@ -96,4 +96,9 @@ async def test_sft_with_the_pi05_expert_through_the_sdk(
     fb = canonicalize_request(fs, {c: torch.from_numpy(v) for c, v in images.items()}, "push the cube", state)
     (want,) = serial_forward(base, [ActRequest(module, fb)])
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=0)
+    # The deployment's base, as `joynexus status --json` shows it.
+    from joynexus.ops.admin.status import collect
+
+    status = await collect(broker)
+    assert status["base"] == {"family": deployment["family"], "params": base.num_params(), "base_model": base_model}
     await cora.close()
