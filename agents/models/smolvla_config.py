@@ -134,8 +134,9 @@ def build_smolvlm_config(cfg: SmolVLABaseConfig, vocab: int) -> SmolVLMConfig:
     if t["vocab_size"] < vocab:
         raise InvalidSpec(f"SmolVLM {cfg.size}: vocabulary {t['vocab_size']} < the tokenizer's {vocab}")
     text: dict[str, Any] = dict(t, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
-    # The image token is never in the ids: images are embedded and laid before the text, as
-    # LeRobot's ``embed_prefix`` does. The last id of the vocabulary keeps it out of the tokenizer's range.
+    # The image token id is never read: images go through the vision tower and connector
+    # directly and are laid before the text, as LeRobot's ``embed_prefix`` does (no ``forward``
+    # of the whole SmolVLM, which would look for it among the ids).
     return SmolVLMConfig(text_config=text, vision_config=dict(cfg.table["vision"]),
                          scale_factor=cfg.table["scale_factor"], image_token_id=t["vocab_size"] - 1,
                          vocab_size=t["vocab_size"], tie_word_embeddings=False)
