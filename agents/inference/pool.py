@@ -159,8 +159,8 @@ async def run_inference_agent(
 ) -> None:
     """``joynexus agent inference``: build the backbone, serve until ``stop`` is set, then drain.
 
-    ``family`` is the base family (``agents.models.families``: ``qwen2_5_vl``, ``pi05``);
-    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``, ``pi05-<size>``); ``threads``
+    ``family`` is the base family (``agents.models.families``: ``qwen2_5_vl``, ``pi05``, ``smolvla``);
+    ``base_model`` defaults to the backbone's name (``qwen2.5-vl-<size>``, ``pi05-<size>``, ``smolvla-<size>``); ``threads``
     (torch's intra-op threads, for this process) to :func:`serving_threads`.
     """
     await ensure_layout(broker, layout)

@@ -1,11 +1,12 @@
 """The resident base families and what each costs: ``describe`` (``joynexus base describe``).
 
-``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``) and ``pi05`` (OpenPI's
+``qwen2_5_vl`` (today's ``Backbone``: sizes ``tiny``, ``bench``), ``pi05`` (OpenPI's
 PaliGemma prefix with a per-tenant action expert, ``Pi05Base``: ``tiny``, ``gemma_300m``,
-``gemma_2b``). Parameters are counted on the meta device, so a real-size description
-allocates no weights; prefix tokens come from the family's own tokenizer and layout.
+``gemma_2b``) and ``smolvla`` (LeRobot SmolVLA's SmolVLM prefix with a per-tenant action
+expert, ``SmolVLABase``: ``tiny``, ``smolvlm2_500m``, or a LeRobot policy directory).
+Parameters are counted on the meta device, so a real-size description allocates no weights; prefix tokens come from the family's own tokenizer and layout.
 
-See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and "Model families: the SmolVLA base".
 """
 
 from __future__ import annotations
@@ -63,14 +64,24 @@ def check_base(family: str, size: str, path: str | None = None) -> None:
 
 def build_base(family: str = "qwen2_5_vl", size: str = "tiny", path: str | None = None,
                threads: int | None = None) -> Any:
-    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl) or ``Pi05Base`` (pi05).
-    Both serve the one interface the roles use: ``encode_tokens``, ``feature_dim``,
-    ``config.base_model``, ``family``, ``num_params`` (and ``reads_state`` for pi05)."""
+    """The resident base of a deployment: ``Backbone`` (qwen2_5_vl), ``Pi05Base`` (pi05) or
+    ``SmolVLABase`` (smolvla). All serve the one interface the roles use: ``encode_tokens``,
+    ``feature_dim``, ``config.base_model``, ``family``, ``num_params`` (and ``reads_state``,
+    ``kv_bytes_per_row``, ``max_prefix_tokens`` for the prefix-cache families)."""
     check_base(family, size, path)
     if family == "pi05" and path is not None:
         from joynexus.agents.models.pi05_checkpoint import load_pi05_base
 
         return load_pi05_base(path, threads=threads)
+    if family == "smolvla" and path is not None:  # a LeRobot policy directory: its shapes fix the size
+        from joynexus.agents.models.smolvla_checkpoint import load_smolvla_base
+
+        return load_smolvla_base(path, threads=threads)
+    if family == "smolvla":
+        from joynexus.agents.models.smolvla_base import SmolVLABase
+        from joynexus.agents.models.smolvla_config import SmolVLABaseConfig
+
+        return SmolVLABase.build(SmolVLABaseConfig(size=size, threads=threads))  # type: ignore[arg-type]
     if family == "pi05":
         from joynexus.agents.models.pi05_base import Pi05Base
         from joynexus.agents.models.pi05_config import Pi05BaseConfig
@@ -88,14 +99,21 @@ def _count(m: torch.nn.Module) -> int:
 
 
 def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int = 8, action_dim: int = 7,
-             action_horizon: int = 8) -> dict[str, Any]:
+             action_horizon: int = 8, path: str | None = None) -> dict[str, Any]:
     """Family, parameters of the base and of one tenant's default head, prefix tokens per
-    sample and the bytes per row a head receives from the shared forward (float32)."""
+    sample and the bytes per row a head receives from the shared forward (float32). ``path``
+    (smolvla only): a LeRobot policy directory, described from its config and shapes."""
+    if path is not None and family != "smolvla":
+        raise InvalidSpec(f"describe --path: only a smolvla base is described from a directory, not {family}")
     check_base(family, size)
     if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
         raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
     from joynexus.agents.models.heads.base import HeadConfig, build_head
 
+    if family == "smolvla":
+        from joynexus.agents.models.smolvla_describe import describe_smolvla
+
+        return describe_smolvla(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes(), path)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLModel
 

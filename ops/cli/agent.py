@@ -48,20 +48,22 @@ def register(sub: Any) -> None:
         default="qwen2_5_vl",
         choices=BASE_FAMILIES,
         help="actor/actor-forward/inference: the resident base family (default qwen2_5_vl; "
-        "pi05: OpenPI's PaliGemma prefix whose per-layer cache pi05_expert heads attend to)",
+        "pi05: OpenPI's PaliGemma prefix whose per-layer cache pi05_expert heads attend to; "
+        "smolvla: LeRobot SmolVLA's SmolVLM prefix for smolvla_expert heads)",
     )
     p.add_argument(
         "--backbone",
         default="tiny",
         choices=sorted({s for sizes in FAMILY_SIZES.values() for s in sizes}),
         help="actor/inference: base size built from its config (default tiny; qwen2_5_vl: tiny, "
-        "bench; pi05: tiny, gemma_300m, gemma_2b)",
+        "bench; pi05: tiny, gemma_300m, gemma_2b; smolvla: tiny, smolvlm2_500m)",
     )
     p.add_argument(
         "--backbone-path",
         default=None,
-        help="actor/inference: load the backbone from this local directory instead (pi05: a LeRobot "
-        "PI05Policy checkpoint, config.json + model.safetensors)",
+        help="actor/inference: load the backbone from this local directory instead (a LeRobot policy "
+        "directory, config.json + model.safetensors: pi05's PI05Policy or smolvla's SmolVLAPolicy; "
+        "its size is read from the weights)",
     )
     p.add_argument("--max-batch", type=int, default=16, help="inference: max batch size B")
     p.add_argument(

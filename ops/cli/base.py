@@ -52,14 +52,18 @@ def register(sub: Any) -> None:
         help="a base family's parameters, prefix tokens per sample and bytes per row",
         description=(
             "Describe a resident base family without building its weights (parameters counted on "
-            "the meta device): parameters of the base and of one tenant's head (pi05: its action "
+            "the meta device): parameters of the base and of one tenant's head (pi05, smolvla: its action "
             "expert), prefix tokens per sample and the bytes per row the shared forward hands a head "
-            "(pi05: the per-layer key/value cache)."
+            "(pi05, smolvla: the per-layer key/value cache)."
         ),
     )
     d.add_argument("--base", default="qwen2_5_vl", choices=BASE_FAMILIES, help="base family (default qwen2_5_vl)")
     d.add_argument("--size", default="tiny",
-                   help="qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b (paligemma_variant)")
+                   help="qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b (paligemma_variant); "
+                   "smolvla: tiny, smolvlm2_500m")
+    d.add_argument("--path", default=None, metavar="DIR",
+                   help="smolvla: describe a LeRobot SmolVLA policy directory (config.json + model.safetensors; "
+                   "its shapes fix the size)")
     d.add_argument("--cameras", type=int, default=1, help="camera images per sample (default 1)")
     d.add_argument("--state-dim", type=int, default=8, help="state values per sample (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -90,7 +94,7 @@ def run_describe(args: argparse.Namespace) -> int:
     from joynexus.schemas.errors import InvalidSpec
 
     try:
-        report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim)
+        report = describe(args.base, args.size, cameras=args.cameras, state_dim=args.state_dim, path=args.path)
     except InvalidSpec as e:
         print(f"joynexus base describe: {e}", file=sys.stderr)
         return 2

@@ -147,11 +147,11 @@ def register(sub: Any) -> None:
         "families",
         help="a base family's shared forward, grouped vs serial at 8x1 and 8x4, base RSS",
         description="One forward of the resident base over T tenants' rows vs one per tenant "
-        "(pi05: the per-layer prefix cache), interleaved: medians, the speedup's 95%% interval, "
+        "(pi05, smolvla: the per-layer prefix cache), interleaved: medians, the speedup's 95%% interval, "
         "the base's RSS and the load. Random weights from the family's config.",
     )
     fp.add_argument("--base", default="pi05", choices=BASE_FAMILIES, help="base family (default pi05)")
-    fp.add_argument("--size", default="tiny", help="its size (pi05: tiny, gemma_300m, gemma_2b)")
+    fp.add_argument("--size", default="tiny", help="its size (pi05: tiny, gemma_300m, gemma_2b; smolvla: tiny, smolvlm2_500m)")
     fp.add_argument("--tenants", type=int, default=8, help="tenants T (default 8)")
     fp.add_argument("--rows", default="1,4", help="rows per tenant B, comma-separated (default 1,4)")
     fp.add_argument("--repeats", type=int, default=10, help="counted rounds (default 10)")

@@ -68,12 +68,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--base", default="qwen2_5_vl", choices=BASE_FAMILIES,
                    help="the resident base family the inference, actor and actor-forward roles build "
-                   "(default qwen2_5_vl; pi05: OpenPI's PaliGemma prefix for pi05_expert heads)")
+                   "(default qwen2_5_vl; pi05: OpenPI's PaliGemma prefix for pi05_expert heads; "
+                   "smolvla: LeRobot SmolVLA's SmolVLM prefix for smolvla_expert heads)")
     p.add_argument("--backbone", default="tiny",
-                   help="the base's size (qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b)")
+                   help="the base's size (qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b; "
+                   "smolvla: tiny, smolvlm2_500m)")
     p.add_argument("--backbone-path", default=None, metavar="DIR",
-                   help="load the base from this local directory instead (pi05: a LeRobot PI05Policy "
-                   "checkpoint, config.json + model.safetensors; its size is read from the weights)")
+                   help="load the base from this local directory instead (pi05, smolvla: a LeRobot "
+                   "policy directory, config.json + model.safetensors; its size is read from the weights)")
     p.set_defaults(run=run_up)
 
     p = sub.add_parser(

@@ -59,7 +59,7 @@ class RoleOptions:
     out_dir: Path = Path(".jnx/actor")
     backbone_size: str = "tiny"
     backbone_path: str | None = None
-    #: The resident base family (``agents.models.families``: qwen2_5_vl, pi05); actor,
+    #: The resident base family (``agents.models.families``: qwen2_5_vl, pi05, smolvla); actor,
     #: actor-forward and inference build it at ``backbone_size``.
     base_family: str = "qwen2_5_vl"
     max_batch: int = 16

@@ -83,7 +83,8 @@ def test_registry_is_the_list_of_action_modules() -> None:
     assert HEADS["oft_attn"] is OFTAttnHead and HEADS["gr00t_flow"] is GR00TFlowHead
     assert {n: HEADS[n].reads for n in HEADS} == {
         "oft_mlp": "pooled", "flow_matching": "pooled", "value": "pooled",
-        "oft_attn": "tokens", "gr00t_flow": "tokens", "pi05_expert": "tokens"}
+        "oft_attn": "tokens", "gr00t_flow": "tokens", "pi05_expert": "tokens",
+        "smolvla_expert": "tokens"}
     for name in ("oft_attn", "gr00t_flow"):
         assert WorkloadSpec(name="w", task_type="rl", env="PushCube-v1", action_module=name).action_module == name
     with pytest.raises(InvalidSpec, match="action_module 'qwen_fast'"):

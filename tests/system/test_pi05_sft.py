@@ -1,6 +1,6 @@
-"""SFT through the SDK with ``action_module="pi05_expert"`` on a deployment whose resident
-base is the tiny π0.5 (built offline): the roles in process on a real nats-server, a LeRobot
-dataset made by the scripted expert, each completed job one new version, and the trained
+"""SFT through the SDK with ``action_module="pi05_expert"`` (``"smolvla_expert"``) on a
+deployment whose resident base is the tiny π0.5 (SmolVLA), built offline: the roles in
+process on a real nats-server, a LeRobot dataset made by the scripted expert, each completed job one new version, and the trained
 policy acting through the Inference Queue as the same head does in process."""
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ from joynexus.sdk import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+#: Each prefix-cache family: its tiny base model, its expert head, the head's width, the cache's layers.
+FAMILIES = {"pi05": ("pi05-tiny", "pi05_expert", 32, 2), "smolvla": ("smolvla-tiny", "smolvla_expert", 48, 4)}
+
 
 @pytest.fixture
-async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+async def deployment(broker: Broker, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
     from joynexus.agents.envs.lerobot_data import generate_dataset
 
     generate_dataset("PushCube-v1", tmp_path / "datasets" / "cora" / "push", episodes=2, obs="rgb",
                      image_size=64, seed=0)
-    base = build_base("pi05", "tiny")
+    family = getattr(request, "param", "pi05")
+    base = build_base(family, "tiny")
     stop, tasks = asyncio.Event(), []
     sched = SchedulerAgent(broker, instance="sched", lease_ttl_s=10, expire_every_s=0.2)
     await sched.start()
@@ -49,7 +53,7 @@ async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, 
     actor = Actor(broker, base, instance="actor", out_dir=tmp_path / "actor", lease_wait_s=0.5)
     tasks.append(asyncio.create_task(actor.run(stop)))
     tasks.append(asyncio.create_task(ProducerAgent(broker, "sft", instance="prod-sft").run(stop)))
-    yield {"base": base, "sched": sched, "out": tmp_path / "actor"}
+    yield {"base": base, "sched": sched, "out": tmp_path / "actor", "family": family}
     stop.set()
     await asyncio.wait(tasks, timeout=30)
     for t in tasks:
@@ -60,17 +64,21 @@ async def deployment(broker: Broker, tmp_path: Path) -> AsyncIterator[dict[str, 
     await sched.stop()
 
 
-@pytest.mark.parametrize("expert_state", ["prompt", "token"])
+@pytest.mark.parametrize(("deployment", "expert_state"),
+                         [("pi05", "prompt"), ("pi05", "token"), ("smolvla", "prompt")],
+                         indirect=["deployment"])
 async def test_sft_with_the_pi05_expert_through_the_sdk(
     deployment: dict[str, Any], nats_server: EmbeddedNats, broker: Broker, expert_state: str
 ) -> None:
-    """Either setting of ``expert_state`` travels from the spec to the actor's head, the
-    published version and the inference engine's copy (the token head's ``state_proj`` too)."""
+    """Each prefix-cache family's expert, and either setting of π0.5's ``expert_state``, travels
+    from the spec to the actor's head, the published version and the inference engine's copy
+    (the token head's ``state_proj`` too)."""
+    base_model, head, hidden, kv_layers = FAMILIES[deployment["family"]]
     target = 3
     cora = await Client.connect(nats_server.url, tenant="cora", namespace=broker.names.namespace)
     wl = await cora.create_workload(WorkloadSpec(
-        name="demo", task_type="sft", dataset="push", base_model="pi05-tiny", action_module="pi05_expert",
-        head_hidden=32, batch_size=8, action_horizon=2, expert_state=expert_state,  # type: ignore[arg-type]
+        name="demo", task_type="sft", dataset="push", base_model=base_model, action_module=head,
+        head_hidden=hidden, batch_size=8, action_horizon=2, expert_state=expert_state,  # type: ignore[arg-type]
         scheduling=Scheduling(max_in_flight=4, completion_target=target)))
     async for _ in wl.events():  # returns once the workload has ended
         pass
@@ -78,15 +86,16 @@ async def test_sft_with_the_pi05_expert_through_the_sdk(
     assert wl.record.state == "done", wl.record
     store = PolicyStore(broker)
     latest = await store.latest("cora", "demo")
-    assert latest.version == 1 + target and latest.head_type == "pi05_expert"
-    assert latest.head_config["kv_layers"] == 2 and latest.head_config["expert_state"] == expert_state
+    assert latest.version == 1 + target and latest.head_type == head
+    assert latest.head_config["kv_layers"] == kv_layers
+    assert latest.head_config.get("expert_state", "prompt") == expert_state
     module = module_from_weights(latest, await store.load_weights(latest))
     assert (getattr(module.head, "state_proj", None) is not None) == (expert_state == "token")
     # The trained policy acts through the Inference Queue exactly as its head does in process.
     base = deployment["base"]
     g = np.random.default_rng(0)
     fs = feature_schema_of(latest)
-    assert fs.base_model == "pi05-tiny"
+    assert fs.base_model == base_model
     images = {c: g.integers(0, 256, (2, 3, *fs.image_hw), dtype=np.uint8) for c in fs.camera_slots}
     state = g.standard_normal((2, fs.state_dim)).astype(np.float32)
     got = await cora.act("demo", images=images, state=state, instruction="push the cube")
@@ -94,4 +103,9 @@ async def test_sft_with_the_pi05_expert_through_the_sdk(
     fb = canonicalize_request(fs, {c: torch.from_numpy(v) for c, v in images.items()}, "push the cube", state)
     (want,) = serial_forward(base, [ActRequest(module, fb)])
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=0)
+    # The deployment's base, as `joynexus status --json` shows it.
+    from joynexus.ops.admin.status import collect
+
+    status = await collect(broker)
+    assert status["base"] == {"family": deployment["family"], "params": base.num_params(), "base_model": base_model}
     await cora.close()

@@ -234,7 +234,7 @@ def test_base_family_is_chosen_per_deployment(capsys: pytest.CaptureFixture[str]
     with pytest.raises(InvalidSpec, match=r"config\.json or model\.safetensors is missing"):
         build_base("pi05", "tiny", path="/tmp")  # a LeRobot checkpoint directory: test_pi05_checkpoint
     with pytest.raises(InvalidSpec, match="choose one of"):
-        build_base("smolvla", "tiny")
+        build_base("groot", "tiny")
 
 
 def test_specs_name_pi05_expert_only_on_a_pi05_base() -> None:

@@ -9,11 +9,13 @@ package (or any module in it) registers every family, so ``HEADS`` and
     gaussian  GaussianPolicy; ``oft_mlp`` (OFTMLPHead)
     flow      ``flow_matching`` (FlowMatchingHead), ``value`` (ValueHead)
     token     heads reading token features: ``oft_attn``, ``gr00t_flow``
+    expert    CacheExpertHead: flow matching over a base's prefix cache (SmolVLA's expert)
     pi05      ``pi05_expert``: π0.5's action expert over the π0.5 base's prefix cache
+    smolvla   ``smolvla_expert``: SmolVLA's action expert over the SmolVLA base's prefix cache
     tenant    TenantModule: one tenant's head, AdamW and version
 
 See docs/ARCHITECTURE.md, "Policies that learn".
 """
 
 # The families register themselves with ``base.register`` when imported.
-from joynexus.agents.models.heads import flow, gaussian, pi05, token  # noqa: F401
+from joynexus.agents.models.heads import flow, gaussian, pi05, smolvla, token  # noqa: F401
