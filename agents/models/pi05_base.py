@@ -33,6 +33,7 @@ from transformers import PaliGemmaForConditionalGeneration, PreTrainedTokenizerF
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
 from joynexus.agents.models.pi05_config import PI05_DTYPES, Pi05BaseConfig, build_paligemma_config
+from joynexus.agents.models.prefix import cache_features, camera_images, prefix_rows
 from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
@@ -206,16 +207,7 @@ class Pi05Base:
     def images(self, images: Mapping[str, torch.Tensor], camera_slots: Sequence[str]) -> torch.Tensor:
         """Each camera's images as SigLIP takes them: [-1, 1], ``image_size`` square ``[K, B, 3, S, S]``
         (LeRobot's ``_preprocess_images``, its resize-with-pad included)."""
-        side = self.config.image_size
-        out = []
-        for slot in camera_slots:
-            img = images[slot].to(torch.float32) / 255.0
-            if img.shape[1] == 1:
-                img = img.expand(-1, 3, -1, -1)
-            if tuple(img.shape[-2:]) != (side, side):
-                img = _resize_with_pad(img, side)
-            out.append(img * 2.0 - 1.0)
-        return torch.stack(out, 0)
+        return camera_images(images, camera_slots, self.config.image_size, _resize_with_pad)
 
     def prepare(self, batch: FeatureBatch, prefix_state_B_S: torch.Tensor) -> Pi05Inputs:
         ids, lengths = self.tokenize(batch.instructions, prefix_state_B_S.detach().cpu().numpy())
@@ -224,15 +216,7 @@ class Pi05Base:
     def encode_tokens(self, batch: FeatureBatch | SharedBatch, tokens: bool = True) -> TokenFeatures:
         """The resident-base interface (``Backbone.encode_tokens``): prepare and one frozen prefix
         forward. The batch must carry its rows' prompt state (``grouped.for_base`` attaches it)."""
-        if isinstance(batch, FeatureBatch):
-            state, slots = batch.prefix_state_B_S, batch.schema.camera_slots
-        else:
-            state, slots = batch.prefix_state_N_S, batch.camera_slots
-        if state is None:
-            raise InvalidSpec(
-                "the π0.5 base reads each row's state in its prompt: attach the tenant's prefix state "
-                "(agents.models.grouped.for_base) before its forward"
-            )
+        state, slots = prefix_rows(batch, "the π0.5 base reads each row's state in its prompt")
         ids, lengths = self.tokenize(batch.instructions, state.detach().cpu().numpy())
         feats = self.features(Pi05Inputs(self.images(batch.images, slots), ids, lengths))
         return feats if tokens else TokenFeatures(feats.pooled_B_D)
@@ -293,9 +277,7 @@ class Pi05Base:
         """One frozen prefix forward -> ``TokenFeatures`` of the cache (see the module's doc)."""
         with torch.inference_mode():
             kv_B_L_C, real_B_L = self.prefix_kv(inputs)
-            w = real_B_L[..., None].to(torch.float32)
-            pooled = (kv_B_L_C.float() * w).sum(1) / w.sum(1)
-        return TokenFeatures(pooled.clone(), kv_B_L_C, real_B_L)
+        return cache_features(kv_B_L_C, real_B_L)
 
 
 def cache_bytes(feats: TokenFeatures) -> int:

@@ -36,6 +36,7 @@ from transformers import PreTrainedTokenizerFast, SmolVLMModel
 
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
+from joynexus.agents.models.prefix import cache_features, camera_images, prefix_rows
 from joynexus.agents.models.smolvla_config import (
     SMOLVLA_DTYPES,
     SmolVLABaseConfig,
@@ -180,16 +181,7 @@ class SmolVLABase:
     def images(self, images: Mapping[str, torch.Tensor], camera_slots: Sequence[str]) -> torch.Tensor:
         """Each camera's images as SigLIP takes them: [-1, 1], ``image_size`` square ``[K, B, 3, S, S]``
         (LeRobot's ``prepare_images``: resized keeping the aspect, padded with 0 at the left and top)."""
-        side = self.config.image_size
-        out = []
-        for slot in camera_slots:
-            img = images[slot].to(torch.float32) / 255.0
-            if img.shape[1] == 1:
-                img = img.expand(-1, 3, -1, -1)
-            if tuple(img.shape[-2:]) != (side, side):
-                img = _resize_with_pad(img, side)
-            out.append(img * 2.0 - 1.0)
-        return torch.stack(out, 0)
+        return camera_images(images, camera_slots, self.config.image_size, _resize_with_pad)
 
     def state(self, prefix_state_B_S: torch.Tensor) -> torch.Tensor:
         """The normalised state padded to ``max_state_dim`` (LeRobot's ``prepare_state``)."""
@@ -211,15 +203,7 @@ class SmolVLABase:
     def encode_tokens(self, batch: FeatureBatch | SharedBatch, tokens: bool = True) -> TokenFeatures:
         """The resident-base interface (``Backbone.encode_tokens``): prepare and one frozen prefix
         forward. The batch must carry its rows' prefix state (``grouped.for_base`` attaches it)."""
-        if isinstance(batch, FeatureBatch):
-            state, slots = batch.prefix_state_B_S, batch.schema.camera_slots
-        else:
-            state, slots = batch.prefix_state_N_S, batch.camera_slots
-        if state is None:
-            raise InvalidSpec(
-                "the SmolVLA base reads each row's state in its prefix: attach the tenant's prefix state "
-                "(agents.models.grouped.for_base) before its forward"
-            )
+        state, slots = prefix_rows(batch, "the SmolVLA base reads each row's state in its prefix")
         ids, lengths = self.tokenize(batch.instructions)
         feats = self.features(SmolVLAInputs(self.images(batch.images, slots), ids, lengths, self.state(state)))
         return feats if tokens else TokenFeatures(feats.pooled_B_D)
@@ -278,9 +262,7 @@ class SmolVLABase:
         """One frozen prefix forward -> ``TokenFeatures`` of the cache (see the module's doc)."""
         with torch.inference_mode():
             kv_B_L_C, real_B_L = self.prefix_kv(inputs)
-            w = real_B_L[..., None].to(torch.float32)
-            pooled = (kv_B_L_C.float() * w).sum(1) / w.sum(1)
-        return TokenFeatures(pooled.clone(), kv_B_L_C, real_B_L)
+        return cache_features(kv_B_L_C, real_B_L)
 
 
 def _resize_with_pad(img_B_C_H_W: torch.Tensor, side: int) -> torch.Tensor:

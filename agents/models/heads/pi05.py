@@ -8,7 +8,8 @@ action tokens attend to those keys and values and to each other. It is LeRobot's
 ``PI05Pytorch`` expert path (``embed_suffix``, ``denoise_step``, ``sample_actions``,
 flow matching with ``x_t = t * noise + (1 - t) * actions`` and target ``noise - actions``,
 time ~ Beta(1.5, 1) scaled into [0.001, 1]), its parameters named as LeRobot's
-(``pi05_lerobot_keys``), actions padded to ``MAX_ACTION_DIM`` inside.
+(``pi05_lerobot_keys``), actions padded to ``MAX_ACTION_DIM`` inside; the loss and the
+sampling loop are ``heads/expert.CacheExpertHead``'s, shared with ``smolvla_expert``.
 
 ``HeadConfig.expert_state="token"`` adds LeRobot π0's state token (its ``embed_suffix``):
 ``state_proj`` maps the normalised state to ONE suffix token before the action tokens,
@@ -23,8 +24,7 @@ See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +32,14 @@ from torch import nn
 
 from joynexus.agents.models.features import unpack_tokens
 from joynexus.agents.models.heads import base
+from joynexus.agents.models.heads.expert import MAX_ACTION_DIM, CacheExpertHead, sinusoidal_time
 from joynexus.agents.models.pi05_base import MASK_VALUE, apply_rope, rope_cos_sin
-from joynexus.agents.models.pi05_config import MAX_ACTION_DIM
-from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
+from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "expert_from_lerobot", "pi05_lerobot_keys", "sinusoidal_time"]
+__all__ = ["EXPERT_HEADS", "Pi05ExpertHead", "expert_from_lerobot", "pi05_lerobot_keys"]
 
 #: LeRobot's expert attention layout (its joint forward reshapes to 8 heads).
 EXPERT_HEADS = 8
-
-
-def sinusoidal_time(t_B: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
-    """LeRobot's ``create_sinusoidal_pos_embedding`` (float64 on the CPU, as it computes it)."""
-    dtype = torch.float64 if t_B.device.type == "cpu" else torch.float32
-    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=dtype, device=t_B.device)
-    period = min_period * (max_period / min_period) ** fraction
-    sin_input = (1.0 / period * 2 * math.pi)[None, :] * t_B[:, None]
-    return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1).to(t_B.dtype)
 
 
 class AdaRMSNorm(nn.Module):
@@ -105,10 +96,10 @@ class Expert(nn.Module):
 
 
 @base.register("pi05_expert")
-class Pi05ExpertHead(base.ActionHead):
-    """One tenant's π0.5 action expert; reads the prefix cache as packed token features."""
+class Pi05ExpertHead(CacheExpertHead):
+    """One tenant's π0.5 action expert; reads the prefix cache as packed token features
+    (``loss`` and ``act``: ``CacheExpertHead``'s flow matching, as ``PI05Pytorch``'s)."""
 
-    reads: ClassVar[Literal["pooled", "tokens"]] = "tokens"
     state_token: ClassVar[bool] = True
 
     def __init__(self, cfg: base.HeadConfig) -> None:
@@ -118,10 +109,6 @@ class Pi05ExpertHead(base.ActionHead):
                 f"pi05_expert: feature_dim={cfg.feature_dim} must be the π0.5 base's cache width "
                 f"(kv_layers={cfg.kv_layers} x 2 x head_dim); build the head from the base's describe()"
             )
-        if cfg.action_dim > MAX_ACTION_DIM:
-            raise InvalidSpec(f"pi05_expert: action_dim={cfg.action_dim} exceeds max_action_dim={MAX_ACTION_DIM}")
-        if cfg.hidden % 2:
-            raise InvalidSpec(f"pi05_expert: hidden={cfg.hidden} (the expert's width) must be even")
         self.head_dim = cfg.feature_dim // (2 * cfg.kv_layers)
         w = cfg.hidden
         self.expert = Expert(w, cfg.kv_layers, self.head_dim)
@@ -183,55 +170,6 @@ class Pi05ExpertHead(base.ActionHead):
             x = x + layer.mlp(hs) * gate
         out, _ = self.expert.norm(x[:, n - h:], cond)
         return self.action_out_proj(out.float())
-
-    def _check_feats(self, feats: torch.Tensor, state_B_S: torch.Tensor) -> None:
-        if feats.ndim != 3 or state_B_S.shape != (feats.shape[0], self.cfg.state_dim):
-            raise ShapeMismatch(
-                f"pi05_expert: state must be [B={feats.shape[0]}, {self.cfg.state_dim}], got {list(state_B_S.shape)}"
-            )
-
-    def _pad(self, a_B_H_A: torch.Tensor) -> torch.Tensor:
-        return F.pad(a_B_H_A, (0, MAX_ACTION_DIM - a_B_H_A.shape[-1]))
-
-    def loss(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, target: torch.Tensor,
-             weight_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Flow matching as ``PI05Pytorch.forward``: mean squared velocity error over real action dims."""
-        self._check_feats(feats_B_D, state_B_S)
-        c = self.cfg
-        b = feats_B_D.shape[0]
-        self._check_target(target, (b, c.action_horizon, c.action_dim))
-        cache, real = self._cache(feats_B_D)
-        actions = self._pad(self.norm_action(target))
-        # The head's own generator: the same draws grouped or alone. Beta(1.5, 1) is U ** (1 / 1.5).
-        noise = torch.randn(actions.shape, generator=self.generator).to(actions)
-        t_B = (torch.rand((b,), generator=self.generator) ** (1 / 1.5) * 0.999 + 0.001).to(actions)
-        te = t_B[:, None, None]
-        x_t = te * noise + (1 - te) * actions
-        v = self.velocity(cache, real, x_t, t_B, self._suffix_state(state_B_S))
-        err = ((noise - actions) - v)[..., : c.action_dim] ** 2
-        return base.weighted_mean(err.mean((1, 2)), weight_B)
-
-    def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, noise: torch.Tensor | None = None,
-            steps: int | None = None, **kw: Any) -> torch.Tensor:
-        """LeRobot's ``sample_actions`` over the cache: Euler from t=1 (``noise``, ``[B, H, A]`` or
-        ``[B, H, MAX_ACTION_DIM]``) to t=0 in ``steps`` (default ``flow_steps``); actions ``[B, H, A]``."""
-        self._check_feats(feats_B_D, state_B_S)
-        c = self.cfg
-        b = feats_B_D.shape[0]
-        if noise is None:
-            noise = torch.randn((b, c.action_horizon, MAX_ACTION_DIM), generator=self.generator)
-        if noise.shape[-1] == c.action_dim and c.action_dim != MAX_ACTION_DIM:
-            noise = self._pad(noise)
-        self._check_target(noise, (b, c.action_horizon, MAX_ACTION_DIM))
-        cache, real = self._cache(feats_B_D)
-        x = noise.to(feats_B_D)
-        n = steps or c.flow_steps
-        dt = -1.0 / n
-        st = self._suffix_state(state_B_S.to(x.device))
-        for k in range(n):
-            t_B = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
-            x = x + dt * self.velocity(cache, real, x, t_B, st)
-        return self.denorm_action(x[..., : c.action_dim])
 
 
 def pi05_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

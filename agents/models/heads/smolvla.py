@@ -28,8 +28,7 @@ from torch import nn
 
 from joynexus.agents.models.features import unpack_tokens
 from joynexus.agents.models.heads import base
-from joynexus.agents.models.heads.expert import MAX_ACTION_DIM, CacheExpertHead
-from joynexus.agents.models.heads.pi05 import sinusoidal_time
+from joynexus.agents.models.heads.expert import MAX_ACTION_DIM, CacheExpertHead, sinusoidal_time
 from joynexus.agents.models.smolvla_base import eager_attention, smolvla_rope
 from joynexus.agents.models.smolvla_config import cache_geometry, expert_intermediate
 from joynexus.schemas.errors import InvalidSpec
@@ -102,10 +101,6 @@ class SmolVLAExpertHead(CacheExpertHead):
     def __init__(self, cfg: base.HeadConfig) -> None:
         super().__init__(cfg)
         self.geometry = cache_geometry(cfg.feature_dim, cfg.kv_layers)
-        if cfg.action_dim > MAX_ACTION_DIM:
-            raise InvalidSpec(f"smolvla_expert: action_dim={cfg.action_dim} exceeds max_action_dim={MAX_ACTION_DIM}")
-        if cfg.hidden % 2:
-            raise InvalidSpec(f"smolvla_expert: hidden={cfg.hidden} (the expert's width) must be even")
         w = cfg.hidden
         self.lm_expert = Expert(w, cfg.kv_layers, self.geometry)
         self.action_in_proj = nn.Linear(MAX_ACTION_DIM, w)
@@ -129,8 +124,9 @@ class SmolVLAExpertHead(CacheExpertHead):
         return [(per[i, 0], per[i, 1]) for i in range(self.cfg.kv_layers)], real_B_L
 
     def velocity(self, cache: list[tuple[torch.Tensor, torch.Tensor]], real_B_L: torch.Tensor,
-                 x_B_H_M: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
-        """LeRobot's ``denoise_step``: the expert's velocity ``[B, H, MAX_ACTION_DIM]`` at time ``t``."""
+                 x_B_H_M: torch.Tensor, t_B: torch.Tensor, state_B_S: torch.Tensor | None = None) -> torch.Tensor:
+        """LeRobot's ``denoise_step``: the expert's velocity ``[B, H, MAX_ACTION_DIM]`` at time ``t``
+        (``state_B_S`` is always None: SmolVLA's state is a prefix token, in the cache)."""
         b, h, _ = x_B_H_M.shape
         g = self.geometry
         emb = self.action_in_proj(x_B_H_M)
