@@ -1,8 +1,10 @@
 """``WorkloadSpec.init_from_checkpoint``: a tenant's head started from a LeRobot policy
 checkpoint in its own dataset space (``agents.datasets.resolve_checkpoint`` confines the
-path; ``agents.models.pi05_checkpoint`` reads it). Torch-free, checked on decode.
+path; ``agents.models.pi05_checkpoint`` or ``smolvla_checkpoint`` reads it, by the head's
+family). Torch-free, checked on decode.
 
-See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
+See docs/ARCHITECTURE.md, "Model families: the π0.5 base" and
+"Model families: the SmolVLA base".
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from joynexus.schemas.errors import InvalidSpec
 __all__ = ["CHECKPOINT_HEADS", "check_init_from_checkpoint"]
 
 #: The heads a LeRobot checkpoint can start (its policy's action expert).
-CHECKPOINT_HEADS = ("pi05_expert",)
+CHECKPOINT_HEADS = ("pi05_expert", "smolvla_expert")
 
 
 def check_init_from_checkpoint(spec: Any) -> None:
@@ -30,8 +32,8 @@ def check_init_from_checkpoint(spec: Any) -> None:
         raise InvalidSpec("give one of init_from_workload, init_from_export and init_from_checkpoint")
     if spec.action_module not in CHECKPOINT_HEADS:
         raise InvalidSpec(
-            f"init_from_checkpoint (a LeRobot PI05Policy checkpoint) starts a pi05_expert head, "
-            f"not {spec.action_module!r}"
+            f"init_from_checkpoint (a LeRobot PI05Policy or SmolVLAPolicy checkpoint) starts a pi05_expert "
+            f"or smolvla_expert head, not {spec.action_module!r}"
         )
     if getattr(spec, "expert_state", None) == "token":
         raise InvalidSpec("init_from_checkpoint: a LeRobot π0.5 checkpoint has no continuous state "

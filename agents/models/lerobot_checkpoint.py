@@ -8,7 +8,8 @@ exactly its shape's, spans that tile the file). The tensors' names and shapes ar
 what a family reads its sizes from (``pi05_checkpoint``: the PaliGemma variant), so a
 size is never taken from a hub name. ``load_tensors`` reads only the tensors asked for
 (memory-mapped by safetensors). ``FAMILY_OF`` dispatches on ``type``: a family that can
-be loaded from a LeRobot checkpoint registers there (π0.5 today; SmolVLA can follow).
+be loaded from a LeRobot checkpoint registers there (π0.5, SmolVLA). ``init_expert_head``
+starts a tenant's expert from a checkpoint of its own family (``init_from_checkpoint``).
 
 Every failure is an ``InvalidSpec`` naming the directory and what is wrong with it, raised
 before a role builds anything. See docs/ARCHITECTURE.md, "Model families: the π0.5 base".
@@ -33,6 +34,7 @@ __all__ = [
     "LeRobotCheckpoint",
     "copy_tensors",
     "family_of",
+    "init_expert_head",
     "load_tensors",
     "read_checkpoint",
 ]
@@ -44,7 +46,7 @@ MAX_CONFIG_BYTES = 1 << 20
 #: A safetensors header bigger than this is not a policy's (π0.5 at gemma_2b: ~100 KiB).
 MAX_HEADER_BYTES = 16 << 20
 #: LeRobot's policy ``type`` -> the base family loaded from it here.
-FAMILY_OF: dict[str, str] = {"pi05": "pi05"}
+FAMILY_OF: dict[str, str] = {"pi05": "pi05", "smolvla": "smolvla"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -189,3 +191,17 @@ def copy_tensors(ckpt: LeRobotCheckpoint, targets: list[tuple[str, torch.Tensor]
                 dst.copy_(t)
     except (OSError, RuntimeError) as e:
         raise ckpt.bad(f"model.safetensors cannot be read ({type(e).__name__})") from None
+
+
+def init_expert_head(head: torch.nn.Module, path: str) -> None:
+    """``head`` (a ``pi05_expert`` or a ``smolvla_expert``) starts from the action expert of the
+    LeRobot checkpoint at ``path``, read by its family's loader, which refuses a checkpoint of
+    another policy type, a base of another size, another width or a tensor with NaN/inf."""
+    if getattr(head, "type_name", "") == "smolvla_expert":
+        from joynexus.agents.models.smolvla_checkpoint import init_smolvla_expert
+
+        init_smolvla_expert(head, path)
+    else:  # pi05_expert; any other head is refused there (check_lerobot_head)
+        from joynexus.agents.models.pi05_checkpoint import init_expert
+
+        init_expert(head, path)

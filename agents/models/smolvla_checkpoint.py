@@ -7,8 +7,9 @@ vision tower's width, patch, positions, depth and MLP width; the connector's pix
 ``state_proj``'s state width. They must be one of ``SMOLVLM_SIZES`` (the sizes specs
 name: ``smolvla-tiny``, ``smolvla-smolvlm2_500m``), which also fixes what shapes cannot
 tell (heads, head size); the base is then built at that size and every VLM weight and
-``state_proj`` loaded strictly. The expert's weights stay in the file: a tenant's head takes
-them with ``heads.smolvla.smolvla_expert_from_lerobot``. The instruction is tokenized with
+``state_proj`` loaded strictly. The expert's weights stay in the file: a tenant's
+``smolvla_expert`` takes them (``init_smolvla_expert``: ``WorkloadSpec.init_from_checkpoint``,
+the policy type, the base's size, the expert's width and every tensor checked). The instruction is tokenized with
 the project's tokenizer, not the checkpoint's (nothing is downloaded), so a checkpoint
 trained elsewhere reads different text ids.
 
@@ -23,11 +24,21 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from joynexus.agents.models.heads.smolvla import (
+    EXPERT_PREFIX,
+    PROJECTIONS,
+    smolvla_expert_from_lerobot,
+)
+from joynexus.agents.models.lerobot_checkpoint import family_of, load_tensors, read_checkpoint
 from joynexus.agents.models.smolvla_base import SmolVLABase
 from joynexus.agents.models.smolvla_config import SMOLVLM_SIZES, SmolVLABaseConfig
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["VLM_PREFIX", "checkpoint_config", "checkpoint_geometry", "load_smolvla_base", "size_geometry"]
+__all__ = [
+    "VLM_PREFIX", "checkpoint_config", "checkpoint_geometry", "init_smolvla_expert", "load_smolvla_base", "size_geometry",
+]
 
 #: Where LeRobot's SmolVLAPolicy state dict keeps the VLM (``SmolVLMModel``'s own names follow).
 VLM_PREFIX = "model.vlm_with_expert.vlm.model."
@@ -141,3 +152,43 @@ def load_smolvla_base(path: str, threads: int | None = None, seed: int = 0) -> S
     base.model.requires_grad_(False)
     base.state_proj.requires_grad_(False)
     return base
+
+
+def init_smolvla_expert(head: Any, path: str) -> None:
+    """``head`` (a ``smolvla_expert``) starts from the expert of the LeRobot ``SmolVLAPolicy``
+    checkpoint at ``path``: its type ``smolvla``, its VLM's cache (kept layers, query and
+    key/value widths) the one this head attends to, its expert as wide as ``head_hidden``;
+    every expert weight loaded, finite, shapes equal. The normalisation buffers stay the head's."""
+    if getattr(head, "type_name", "") != "smolvla_expert":
+        raise InvalidSpec(f"a LeRobot SmolVLA checkpoint holds a smolvla_expert, not a "
+                          f"{str(getattr(head, 'type_name', '?'))[:40]!r} head")
+    ckpt = read_checkpoint(path)
+    family_of(ckpt, "smolvla")
+    try:
+        geo = checkpoint_geometry(ckpt.shapes)
+    except InvalidSpec as e:
+        raise ckpt.bad(str(e)) from None
+    g, c = head.geometry, head.cfg
+    ours = (c.kv_layers, g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"])
+    if (geo["layers"], geo["q_width"], geo["kv_width"]) != ours:
+        raise ckpt.bad(f"its VLM ({geo['layers']} layers, q {geo['q_width']}, kv {geo['kv_width']}) is not this "
+                       f"workload's base ({ours[0]} layers, q {ours[1]}, kv {ours[2]}): its expert cannot attend "
+                       "to it (base_model must be the checkpoint's)")
+    width = ckpt.shapes.get("model.action_in_proj.weight", (0, 0))[0]
+    if width != c.hidden:
+        raise ckpt.bad(f"its action expert is {width} wide, this workload's head_hidden is {c.hidden}; "
+                       "give the checkpoint's width")
+    sd = smolvla_expert_from_lerobot(load_tensors(ckpt, (EXPERT_PREFIX, *(f"model.{p}." for p in PROJECTIONS))))
+    for k, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ckpt.bad(f"expert tensor {k!r} holds NaN or inf")
+    own = head.state_dict()
+    sd = {k: t.to(own[k].dtype) if k in own else t for k, t in sd.items()}
+    try:
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+    except RuntimeError as e:
+        raise ckpt.bad(f"its action expert's shapes differ from this workload's head ({str(e)[:300]})") from None
+    left = [k for k in missing if k not in ("state_mean", "state_std", "action_mean", "action_std")]
+    if left or unexpected:
+        raise ckpt.bad(f"its action expert does not match a smolvla_expert: missing {left[:4]}, "
+                       f"unexpected {unexpected[:4]}")

@@ -33,11 +33,11 @@ from joynexus.agents.models.smolvla_base import eager_attention, smolvla_rope
 from joynexus.agents.models.smolvla_config import cache_geometry, expert_intermediate
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["SmolVLAExpertHead", "smolvla_expert_from_lerobot", "smolvla_lerobot_keys"]
+__all__ = ["EXPERT_PREFIX", "PROJECTIONS", "SmolVLAExpertHead", "smolvla_expert_from_lerobot", "smolvla_lerobot_keys"]
 
 #: LeRobot's names: the expert under ``model.vlm_with_expert.lm_expert``, the rest under ``model``.
-_EXPERT = "model.vlm_with_expert.lm_expert."
-_PROJ = ("action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
+EXPERT_PREFIX = "model.vlm_with_expert.lm_expert."
+PROJECTIONS = ("action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
 
 
 class RMSNorm(nn.Module):
@@ -163,8 +163,8 @@ def smolvla_lerobot_keys(head_state: dict[str, torch.Tensor]) -> dict[str, torch
     out = {}
     for k, v in head_state.items():
         if k.startswith("lm_expert."):
-            out[_EXPERT + k[len("lm_expert."):]] = v
-        elif k.split(".")[0] in _PROJ:
+            out[EXPERT_PREFIX + k[len("lm_expert."):]] = v
+        elif k.split(".")[0] in PROJECTIONS:
             out["model." + k] = v
     return out
 
@@ -175,9 +175,9 @@ def smolvla_expert_from_lerobot(state: dict[str, torch.Tensor]) -> dict[str, tor
     start from a LeRobot checkpoint (the normalisation buffers stay the head's own)."""
     out = {}
     for k, v in state.items():
-        if k.startswith(_EXPERT) and "lm_head" not in k and "embed_tokens" not in k:
-            out["lm_expert." + k[len(_EXPERT):]] = v
-        elif k.startswith("model.") and k.split(".")[1] in _PROJ:
+        if k.startswith(EXPERT_PREFIX) and "lm_head" not in k and "embed_tokens" not in k:
+            out["lm_expert." + k[len(EXPERT_PREFIX):]] = v
+        elif k.startswith("model.") and k.split(".")[1] in PROJECTIONS:
             out[k[len("model."):]] = v
     if not out:
         raise InvalidSpec("no SmolVLA action expert in this state dict: expected LeRobot SmolVLAPolicy names "
