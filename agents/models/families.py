@@ -102,9 +102,10 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
              action_horizon: int = 8, path: str | None = None) -> dict[str, Any]:
     """Family, parameters of the base and of one tenant's default head, prefix tokens per
     sample and the bytes per row a head receives from the shared forward (float32). ``path``
-    (smolvla only): a LeRobot policy directory, described from its config and shapes."""
-    if path is not None and family != "smolvla":
-        raise InvalidSpec(f"describe --path: only a smolvla base is described from a directory, not {family}")
+    (pi05, smolvla): a LeRobot policy directory, described from its config and shapes."""
+    if path is not None and family == "qwen2_5_vl":
+        raise InvalidSpec("describe --path: only a pi05 or smolvla base is described from a directory "
+                          "(a LeRobot policy's), not qwen2_5_vl")
     check_base(family, size)
     if not 1 <= cameras <= 8 or not 1 <= state_dim <= 256:
         raise InvalidSpec("cameras must be in [1, 8] and state_dim in [1, 256]")
@@ -114,60 +115,28 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
         from joynexus.agents.models.smolvla_describe import describe_smolvla
 
         return describe_smolvla(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes(), path)
-    if family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLModel
+    if family == "pi05":
+        from joynexus.agents.models.pi05_describe import describe_pi05
 
-        from joynexus.agents.models.backbone_config import build_qwen_config
-        from joynexus.agents.models.tokenizer import train_tokenizer
+        return describe_pi05(size, cameras, state_dim, action_dim, action_horizon, kv_budget_bytes(), path)
+    # qwen2_5_vl
+    from transformers import Qwen2_5_VLModel
 
-        tok = train_tokenizer()
-        qcfg = build_qwen_config(size, tok)
-        with torch.device("meta"):
-            base_params = _count(Qwen2_5_VLModel(qcfg))
-        width = int(qcfg.text_config.hidden_size)
-        tokens = 1 + cameras * (2 + (56 // 28) ** 2) + len(tok(_INSTRUCTION, add_special_tokens=False)["input_ids"]) + 1
-        head_type, hcfg = "gr00t_flow", HeadConfig(width, state_dim, action_dim, action_horizon)
-        row_bytes = tokens * (width + 1) * 4
-        extra: dict[str, Any] = {"feature": "last hidden states", "feature_dim": width, "image_size": 56}
-    else:
-        from transformers import PaliGemmaForConditionalGeneration
+    from joynexus.agents.models.backbone_config import build_qwen_config
+    from joynexus.agents.models.tokenizer import train_tokenizer
 
-        from joynexus.agents.models.pi05_base import Pi05Prompt
-        from joynexus.agents.models.pi05_config import (
-            GEMMA_VARIANTS,
-            Pi05BaseConfig,
-            build_paligemma_config,
-        )
-        from joynexus.agents.models.tokenizer import train_tokenizer
-
-        cfg = Pi05BaseConfig(paligemma_variant=size, image_size=56 if size == "tiny" else 224,  # type: ignore[arg-type]
-                             max_state_dim=max(32, state_dim) if size != "tiny" else max(8, state_dim))
-        tok = train_tokenizer()
-        with torch.device("meta"):
-            model = PaliGemmaForConditionalGeneration(build_paligemma_config(cfg, tok))
-        base_params = _count(model)
-        prompt = Pi05Prompt(tok, cfg)  # the prompt layout only: no weights are built
-        tokens = cameras * cfg.image_tokens + int(prompt.tokenize([_INSTRUCTION], _zeros(state_dim))[1][0])
-        g = cfg.gemma
-        kv_dim = g["depth"] * 2 * g["num_kv_heads"] * g["head_dim"]
-        width = GEMMA_VARIANTS[cfg.expert_variant]["width"]
-        head_type = "pi05_expert"
-        hcfg = HeadConfig(kv_dim, state_dim, action_dim, action_horizon, hidden=width, kv_layers=g["depth"])
-        row_bytes = tokens * (kv_dim + 1) * 4
-        worst = (4 * cfg.image_tokens + prompt.max_tokens) * (kv_dim + 1) * 4
-        extra = {"feature": "per-layer prefix keys and values", "feature_dim": kv_dim, "kv_layers": g["depth"],
-                 "max_kv_bytes_per_row": worst, "rows_within_kv_budget": kv_budget_bytes() // worst,
-                 "expert_variant": cfg.expert_variant, "image_size": cfg.image_size,
-                 "max_state_dim": cfg.max_state_dim}
+    tok = train_tokenizer()
+    qcfg = build_qwen_config(size, tok)
+    with torch.device("meta"):
+        base_params = _count(Qwen2_5_VLModel(qcfg))
+    width = int(qcfg.text_config.hidden_size)
+    tokens = 1 + cameras * (2 + (56 // 28) ** 2) + len(tok(_INSTRUCTION, add_special_tokens=False)["input_ids"]) + 1
+    head_type, hcfg = "gr00t_flow", HeadConfig(width, state_dim, action_dim, action_horizon)
+    row_bytes = tokens * (width + 1) * 4
+    extra: dict[str, Any] = {"feature": "last hidden states", "feature_dim": width, "image_size": 56}
     with torch.device("meta"):
         head_params = _count(build_head(head_type, hcfg))
     return {"family": family, "size": size, "params": {"base": base_params, "head": head_params},
             "head": head_type, "cameras": cameras, "state_dim": state_dim,
             "prefix_tokens_per_sample": tokens, "kv_bytes_per_row": row_bytes, **extra}
-
-
-def _zeros(state_dim: int) -> Any:
-    import numpy as np
-
-    return np.zeros((1, state_dim), dtype=np.float32)
 

@@ -62,8 +62,8 @@ def register(sub: Any) -> None:
                    help="qwen2_5_vl: tiny, bench; pi05: tiny, gemma_300m, gemma_2b (paligemma_variant); "
                    "smolvla: tiny, smolvlm2_500m")
     d.add_argument("--path", default=None, metavar="DIR",
-                   help="smolvla: describe a LeRobot SmolVLA policy directory (config.json + model.safetensors; "
-                   "its shapes fix the size)")
+                   help="pi05, smolvla: describe a LeRobot PI05Policy or SmolVLAPolicy directory (config.json + "
+                   "model.safetensors; its shapes fix the size, no tensor is read)")
     d.add_argument("--cameras", type=int, default=1, help="camera images per sample (default 1)")
     d.add_argument("--state-dim", type=int, default=8, help="state values per sample (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object")

@@ -369,3 +369,44 @@ def test_a_state_token_expert_is_neither_exported_nor_started_from_a_checkpoint(
     assert not (tmp_path / "out").exists()  # refused before anything is written
     with pytest.raises(InvalidSpec, match="expert_state='token'"):
         init_expert(tm.head, str(lerobot_ckpt[0]))
+
+
+def test_base_describe_reads_a_pi05_directory_without_its_tensors(lerobot_ckpt: tuple[Path, Any], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``joynexus base describe --base pi05 --path DIR``: the figures of the base ``--backbone-path``
+    loads and of the expert ``init_from_checkpoint`` starts, from config.json and the header alone."""
+    import safetensors
+
+    from joynexus.agents.models.families import build_base
+    from joynexus.ops.cli.app import main
+
+    path = str(lerobot_ckpt[0])
+    loaded = build_base("pi05", "tiny", path)
+    want_head = _head(loaded).num_params()
+
+    def no_tensor(*a: Any, **kw: Any) -> None:
+        raise AssertionError("describe read a tensor")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_tensor)
+    capsys.readouterr()
+    assert main(["base", "describe", "--base", "pi05", "--path", path, "--state-dim", str(S), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["family"], d["size"], d["path"], d["max_state_dim"], d["image_size"]) == ("pi05", "tiny", path, 8, 56)
+    assert d["params"]["base"] == loaded.num_params() and d["vocab"] == loaded.model.config.text_config.vocab_size
+    assert d["params"]["head"] == want_head and d["expert_width"] == 32
+    assert d["feature_dim"] == loaded.feature_dim and d["kv_layers"] == loaded.kv_layout[0]
+    tokens = loaded.prefix_tokens(1, "push the cube to the goal region", state_dim=S)
+    assert d["prefix_tokens_per_sample"] == tokens and d["kv_bytes_per_row"] == loaded.kv_bytes_per_row(tokens)
+    # The checkpoint bounds the state; a directory of another type, or none, is refused.
+    assert main(["base", "describe", "--base", "pi05", "--path", path, "--state-dim", "9"]) == 2
+    assert "at most max_state_dim=8" in capsys.readouterr().err
+    other = tmp_path / "smolvla"
+    shutil.copytree(path, other)
+    (other / "config.json").write_text(json.dumps({"type": "smolvla"}))
+    assert main(["base", "describe", "--base", "pi05", "--path", str(other)]) == 2
+    assert "a pi05 base loads type ['pi05']" in capsys.readouterr().err
+    assert main(["base", "describe", "--base", "pi05", "--path", str(tmp_path / "none")]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["base", "describe", "--base", "qwen2_5_vl", "--path", path]) == 2
+    assert "only a pi05 or smolvla base" in capsys.readouterr().err

@@ -431,7 +431,7 @@ def test_a_lerobot_policy_directory_becomes_the_resident_base(tmp_path: Any, off
     assert d["size"] == "tiny" and d["max_state_dim"] == 6 and d["params"]["base"] == loaded.num_params()
     assert d["prefix_tokens_per_sample"] == loaded.prefix_tokens(1) and d["path"] == str(tmp_path)
     assert main(["base", "describe", "--base", "pi05", "--path", str(tmp_path)]) == 2
-    assert "only a smolvla base" in capsys.readouterr().err
+    assert "its policy type is 'smolvla'; a pi05 base loads type ['pi05']" in capsys.readouterr().err
     dst = tenant(loaded, "b", 5, 99)
     dst.head.load_state_dict(smolvla_expert_from_lerobot(load_file(str(tmp_path / "model.safetensors"))), strict=False)
     noise = torch.randn(2, H, 32, generator=torch.Generator().manual_seed(2))
