@@ -19,7 +19,7 @@ import torch
 from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["KV_BUDGET_ENV", "build_base", "cache_row_cap", "check_base", "describe", "kv_budget_bytes"]
+__all__ = ["KV_BUDGET_ENV", "build_base", "cache_row_cap", "check_base", "describe", "init_expert_head", "kv_budget_bytes"]
 
 _INSTRUCTION = "push the cube to the goal region"
 
@@ -140,3 +140,16 @@ def describe(family: str, size: str = "tiny", cameras: int = 1, state_dim: int =
             "head": head_type, "cameras": cameras, "state_dim": state_dim,
             "prefix_tokens_per_sample": tokens, "kv_bytes_per_row": row_bytes, **extra}
 
+
+def init_expert_head(head: torch.nn.Module, path: str) -> None:
+    """``head`` (a ``pi05_expert`` or a ``smolvla_expert``) starts from the action expert of the
+    LeRobot checkpoint at ``path``, read by its family's loader, which refuses a checkpoint of
+    another policy type, a base of another size, another width or a tensor with NaN/inf."""
+    if getattr(head, "type_name", "") == "smolvla_expert":
+        from joynexus.agents.models.smolvla_checkpoint import init_smolvla_expert
+
+        init_smolvla_expert(head, path)
+    else:  # pi05_expert; any other head is refused there (check_lerobot_head)
+        from joynexus.agents.models.pi05_checkpoint import init_expert
+
+        init_expert(head, path)

@@ -8,7 +8,7 @@ exactly its shape's, spans that tile the file). The tensors' names and shapes ar
 what a family reads its sizes from (``pi05_checkpoint``: the PaliGemma variant), so a
 size is never taken from a hub name. ``load_tensors`` reads only the tensors asked for
 (memory-mapped by safetensors). ``FAMILY_OF`` dispatches on ``type``: a family that can
-be loaded from a LeRobot checkpoint registers there (π0.5, SmolVLA). ``init_expert_head``
+be loaded from a LeRobot checkpoint registers there (π0.5, SmolVLA); ``families.init_expert_head``
 starts a tenant's expert from a checkpoint of its own family (``init_from_checkpoint``).
 
 Every failure is an ``InvalidSpec`` naming the directory and what is wrong with it, raised
@@ -34,7 +34,7 @@ __all__ = [
     "LeRobotCheckpoint",
     "copy_tensors",
     "family_of",
-    "init_expert_head",
+    "load_expert",
     "load_tensors",
     "read_checkpoint",
 ]
@@ -193,15 +193,23 @@ def copy_tensors(ckpt: LeRobotCheckpoint, targets: list[tuple[str, torch.Tensor]
         raise ckpt.bad(f"model.safetensors cannot be read ({type(e).__name__})") from None
 
 
-def init_expert_head(head: torch.nn.Module, path: str) -> None:
-    """``head`` (a ``pi05_expert`` or a ``smolvla_expert``) starts from the action expert of the
-    LeRobot checkpoint at ``path``, read by its family's loader, which refuses a checkpoint of
-    another policy type, a base of another size, another width or a tensor with NaN/inf."""
-    if getattr(head, "type_name", "") == "smolvla_expert":
-        from joynexus.agents.models.smolvla_checkpoint import init_smolvla_expert
+#: A head's own buffers a checkpoint's expert never holds (its data's normalisation).
+_HEAD_OWN = ("state_mean", "state_std", "action_mean", "action_std")
 
-        init_smolvla_expert(head, path)
-    else:  # pi05_expert; any other head is refused there (check_lerobot_head)
-        from joynexus.agents.models.pi05_checkpoint import init_expert
 
-        init_expert(head, path)
+def load_expert(ckpt: LeRobotCheckpoint, head: torch.nn.Module, sd: dict[str, torch.Tensor], kind: str) -> None:
+    """A checkpoint's expert weights ``sd`` (under the head's names) into ``head``: every tensor
+    finite (checked before any is loaded), cast to the head's dtypes, every weight of the head
+    but its normalisation buffers present, none left over, shapes equal; else ``InvalidSpec``."""
+    for k, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ckpt.bad(f"expert tensor {k!r} holds NaN or inf")
+    own = head.state_dict()
+    sd = {k: t.to(own[k].dtype) if k in own else t for k, t in sd.items()}
+    try:
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+    except RuntimeError as e:
+        raise ckpt.bad(f"its action expert's shapes differ from this workload's head ({str(e)[:300]})") from None
+    left = [k for k in missing if k not in _HEAD_OWN]
+    if left or unexpected:
+        raise ckpt.bad(f"its action expert does not match a {kind}: missing {left[:4]}, unexpected {unexpected[:4]}")

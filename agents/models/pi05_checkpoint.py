@@ -28,6 +28,7 @@ from joynexus.agents.models.lerobot_checkpoint import (
     LeRobotCheckpoint,
     copy_tensors,
     family_of,
+    load_expert,
     load_tensors,
     read_checkpoint,
 )
@@ -189,15 +190,4 @@ def init_expert(head: torch.nn.Module, path: str) -> None:
     names = (EXPERT_PREFIX + "model.", "model.action_in_proj.", "model.action_out_proj.", "model.time_mlp_in.",
              "model.time_mlp_out.")
     sd = expert_from_lerobot(load_tensors(ckpt, names))
-    for k, t in sd.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ckpt.bad(f"expert tensor {k!r} holds NaN or inf")
-    own = head.state_dict()
-    sd = {k: t.to(own[k].dtype) if k in own else t for k, t in sd.items()}
-    try:
-        missing, unexpected = head.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
-        raise ckpt.bad(f"its action expert's shapes differ from this workload's head ({str(e)[:300]})") from None
-    left = [k for k in missing if k not in ("state_mean", "state_std", "action_mean", "action_std")]
-    if left or unexpected:
-        raise ckpt.bad(f"its action expert does not match a pi05_expert: missing {left[:4]}, unexpected {unexpected[:4]}")
+    load_expert(ckpt, head, sd, "pi05_expert")

@@ -24,14 +24,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from joynexus.agents.models.heads.smolvla import (
     EXPERT_PREFIX,
     PROJECTIONS,
     smolvla_expert_from_lerobot,
 )
-from joynexus.agents.models.lerobot_checkpoint import family_of, load_tensors, read_checkpoint
+from joynexus.agents.models.lerobot_checkpoint import (
+    family_of,
+    load_expert,
+    load_tensors,
+    read_checkpoint,
+)
 from joynexus.agents.models.smolvla_base import SmolVLABase
 from joynexus.agents.models.smolvla_config import SMOLVLM_SIZES, SmolVLABaseConfig
 from joynexus.schemas.errors import InvalidSpec
@@ -179,16 +182,4 @@ def init_smolvla_expert(head: Any, path: str) -> None:
         raise ckpt.bad(f"its action expert is {width} wide, this workload's head_hidden is {c.hidden}; "
                        "give the checkpoint's width")
     sd = smolvla_expert_from_lerobot(load_tensors(ckpt, (EXPERT_PREFIX, *(f"model.{p}." for p in PROJECTIONS))))
-    for k, t in sd.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ckpt.bad(f"expert tensor {k!r} holds NaN or inf")
-    own = head.state_dict()
-    sd = {k: t.to(own[k].dtype) if k in own else t for k, t in sd.items()}
-    try:
-        missing, unexpected = head.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
-        raise ckpt.bad(f"its action expert's shapes differ from this workload's head ({str(e)[:300]})") from None
-    left = [k for k in missing if k not in ("state_mean", "state_std", "action_mean", "action_std")]
-    if left or unexpected:
-        raise ckpt.bad(f"its action expert does not match a smolvla_expert: missing {left[:4]}, "
-                       f"unexpected {unexpected[:4]}")
+    load_expert(ckpt, head, sd, "smolvla_expert")

@@ -366,7 +366,7 @@ async def publish_fresh(b: Broker, record: WorkloadRecord, schema: FeatureSchema
     spec = record.spec
     module = fresh_module(record.tenant_id, spec, schema, stats)
     if spec.init_from_checkpoint:  # resolved inside the tenant's space by the control plane
-        from joynexus.agents.models.lerobot_checkpoint import init_expert_head
+        from joynexus.agents.models.families import init_expert_head
 
         await asyncio.to_thread(init_expert_head, module.head, spec.init_from_checkpoint)
     with contextlib.suppress(InvalidSpec):  # v1 exists: a retried create

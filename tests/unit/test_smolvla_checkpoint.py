@@ -70,7 +70,7 @@ def save_policy(base: SmolVLABase, tm: TenantModule, out: Path) -> dict[str, tor
 def test_a_smolvla_checkpoints_expert_starts_a_tenants_head(base: SmolVLABase, tmp_path: Path, offline: None) -> None:
     from safetensors.torch import save_file
 
-    from joynexus.agents.models.lerobot_checkpoint import init_expert_head
+    from joynexus.agents.models.families import init_expert_head
 
     src = tenant(base, 3)
     with torch.no_grad():
