@@ -173,3 +173,16 @@ def early_kv_marker(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(KeyValue, "watch", watch)
     return moved
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network: any connection attempt fails the test (LeRobot must not reach a hub)."""
+    import socket
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(*a: object, **kw: object) -> None:
+        raise AssertionError(f"network access attempted: {a}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)

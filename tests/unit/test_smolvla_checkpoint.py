@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,6 @@ S = 32
 def base() -> SmolVLABase:
     torch.set_num_threads(1)
     return SmolVLABase.build(SmolVLABaseConfig(max_state_dim=8))
-
-
-@pytest.fixture()
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No network: any connection attempt fails the test (LeRobot must not reach a hub)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(*a: Any, **kw: Any) -> None:
-        raise AssertionError(f"network access attempted: {a}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
 def tenant(base: SmolVLABase, seed: int, hidden: int = 48) -> TenantModule:
