@@ -37,7 +37,7 @@ from joynexus.agents.models.pi05_checkpoint import BASE_PREFIX, EXPERT_PREFIX, c
 from joynexus.agents.models.pi05_lerobot import LEROBOT_VOCAB
 from joynexus.schemas.errors import InvalidSpec
 
-__all__ = ["LEROBOT_VARIANT", "export_lerobot", "head_from_export"]
+__all__ = ["LEROBOT_VARIANT", "export_lerobot", "export_target", "head_from_export", "lerobot_stats"]
 
 #: The ``paligemma_variant`` LeRobot's config is given for each base size (None: refused).
 LEROBOT_VARIANT: dict[str, str | None] = {"tiny": "gemma_2b", "gemma_2b": "gemma_2b", "gemma_300m": None}
@@ -64,14 +64,30 @@ def head_from_export(path: str) -> tuple[Any, dict[str, Any]]:
     return module, manifest
 
 
-def _stats(head: Any) -> dict[str, dict[str, torch.Tensor]] | None:
+def lerobot_stats(head: Any, state_span: float = 1.0) -> dict[str, dict[str, torch.Tensor]] | None:
     """LeRobot's mean/std statistics of the head's normalisation (None: identity). The state's
-    std is scaled by ``PREFIX_STATE_SPAN``: LeRobot's normalised state is what the prompt bins."""
+    std is scaled by ``state_span`` (π0.5: ``PREFIX_STATE_SPAN``, as LeRobot's normalised state
+    is what the prompt bins; SmolVLA: 1)."""
     b = {k: head.get_buffer(k).detach().float() for k in ("state_mean", "state_std", "action_mean", "action_std")}
     if all(bool((b[k] == (1.0 if k.endswith("std") else 0.0)).all()) for k in b):
         return None
-    return {"observation.state": {"mean": b["state_mean"], "std": b["state_std"] * PREFIX_STATE_SPAN},
+    return {"observation.state": {"mean": b["state_mean"], "std": b["state_std"] * state_span},
             "action": {"mean": b["action_mean"], "std": b["action_std"]}}
+
+
+def export_target(base: Any, c: HeadConfig, cameras: Sequence[str], out: str | Path) -> Path:
+    """``out`` made, after checking that the head (config ``c``) reads ``base``'s cache, that
+    ``cameras`` are names and that ``out`` is a new or empty directory (``InvalidSpec``)."""
+    if c.feature_dim != base.feature_dim or c.kv_layers != base.kv_layout[0]:
+        raise InvalidSpec(f"the head reads a cache {c.feature_dim} wide over {c.kv_layers} layers; this "
+                          f"{base.config.base_model} base gives {base.feature_dim} over {base.kv_layout[0]}")
+    if not cameras or not all(isinstance(s, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", s) for s in cameras):
+        raise InvalidSpec(f"camera slots {list(cameras)[:8]} must be names")
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InvalidSpec(f"--out {str(target)[:200]!r} must be a new or empty directory")
+    target.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 def _state_dict(base: Any, head: Any) -> dict[str, torch.Tensor]:
@@ -105,17 +121,9 @@ def export_lerobot(base: Any, module: Any, out: str | Path, *, cameras: Sequence
         raise InvalidSpec("LeRobot 0.4.4 builds a gemma_300m PaliGemma with a 2048-wide image projector its 1024-wide "
                           "text model cannot read: export a tiny or gemma_2b base")
     c: HeadConfig = head.cfg
-    if c.feature_dim != base.feature_dim or c.kv_layers != base.kv_layout[0]:
-        raise InvalidSpec(f"the head reads a cache {c.feature_dim} wide over {c.kv_layers} layers; this "
-                          f"{base.config.base_model} base gives {base.feature_dim} over {base.kv_layout[0]}")
-    if not cameras or not all(isinstance(s, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", s) for s in cameras):
-        raise InvalidSpec(f"camera slots {list(cameras)[:8]} must be names")
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise InvalidSpec(f"--out {str(target)[:200]!r} must be a new or empty directory")
-    target.mkdir(parents=True, exist_ok=True)
+    target = export_target(base, c, cameras, out)
     side = base.config.image_size
-    stats = _stats(head)
+    stats = lerobot_stats(head, PREFIX_STATE_SPAN)
     norm = NormalizationMode.MEAN_STD if stats else NormalizationMode.IDENTITY
     cfg = PI05Config(
         paligemma_variant=variant, action_expert_variant="gemma_300m", chunk_size=c.action_horizon,

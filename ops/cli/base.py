@@ -1,8 +1,8 @@
 """``joynexus base pretrain``: the frozen base model the service serves to every
 tenant (``ops/admin/pretrain_base.py``); ``joynexus base describe``: what a base family
 costs (``agents/models/families.py``); ``joynexus base export-lerobot``: the base and a
-tenant's exported ``pi05_expert`` as a LeRobot ``PI05Policy`` checkpoint
-(``agents/models/pi05_export.py``)."""
+tenant's exported ``pi05_expert`` (``smolvla_expert``) as a LeRobot ``PI05Policy``
+(``SmolVLAPolicy``) checkpoint (``agents/models/pi05_export.py``, ``smolvla_export.py``)."""
 
 from __future__ import annotations
 
@@ -70,17 +70,21 @@ def register(sub: Any) -> None:
     d.set_defaults(run=run_describe)
     x = bsub.add_parser(
         "export-lerobot",
-        help="write the base and a tenant's exported pi05_expert as a LeRobot PI05Policy checkpoint",
+        help="write the base and a tenant's exported expert as a LeRobot PI05Policy (SmolVLAPolicy) checkpoint",
         description=(
             "Offline: the resident π0.5 base (built from its config as the service builds it, or "
             "loaded from --backbone-path) and a head exported by Client.export (--head) written as a "
             "directory LeRobot's PI05Policy.from_pretrained loads: config.json, model.safetensors, "
             "policy_preprocessor.json/policy_postprocessor.json (LeRobot's processor factories, the "
-            "head's normalisation statistics, the project's tokenizer in tokenizer/)."
+            "head's normalisation statistics, the project's tokenizer in tokenizer/). --base smolvla: "
+            "the SmolVLA base and a smolvla_expert as a SmolVLAPolicy directory (the VLM's config and "
+            "tokenizer in vlm/, named by vlm_model_name)."
         ),
     )
-    x.add_argument("--base", default="pi05", choices=("pi05",), help="base family (pi05)")
-    x.add_argument("--backbone", default="tiny", help="base size built from its config (tiny, gemma_2b)")
+    x.add_argument("--base", default="pi05", choices=("pi05", "smolvla"),
+                   help="base family: pi05 (a PI05Policy) or smolvla (a SmolVLAPolicy)")
+    x.add_argument("--backbone", default="tiny",
+                   help="base size built from its config (pi05: tiny, gemma_2b; smolvla: tiny, smolvlm2_500m)")
     x.add_argument("--backbone-path", default=None, metavar="DIR",
                    help="the deployment's base was loaded from this LeRobot checkpoint instead")
     x.add_argument("--head", required=True, metavar="DIR", help="a head exported by Client.export")
@@ -114,7 +118,10 @@ def run_export_lerobot(args: argparse.Namespace) -> int:
             raise InvalidSpec(f"the head was trained on {str(manifest.get('base_model'))[:64]!r}, this base is "
                               f"{base.config.base_model}")
         cameras = (manifest.get("feature_schema") or {}).get("camera_slots") or []
-        report = export_lerobot(base, module, args.out, cameras=cameras, extra={
+        export = export_lerobot
+        if args.base == "smolvla":
+            from joynexus.agents.models.smolvla_export import export_smolvla as export
+        report = export(base, module, args.out, cameras=cameras, extra={
             k: manifest.get(k) for k in ("tenant_id", "workload", "version")})
     except InvalidSpec as e:
         print(f"joynexus base export-lerobot: {e}", file=sys.stderr)
