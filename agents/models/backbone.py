@@ -52,6 +52,7 @@ from joynexus.agents.models.tokenizer import (
     build_tokenizer,
     train_tokenizer,
 )
+from joynexus.agents.models.seeding import seeded
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = ["Backbone"]
@@ -130,8 +131,7 @@ class Backbone:
             image_processor = build_image_processor(config.image_size)
             qcfg = build_qwen_config(config.size, tokenizer)
             qcfg._attn_implementation = "sdpa"
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed)
+            with seeded(config.seed):
                 model = Qwen2_5_VLModel(qcfg)
         return cls(model, tokenizer, image_processor, config)
 
