@@ -39,19 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from opentelemetry import trace
 
 from joynexus.agents.actor.batch import StepKnobs, train_item
+from joynexus.agents.actor.calls import CallLog
+from joynexus.agents.actor.custom import CustomCalls
 from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
@@ -67,74 +64,28 @@ from joynexus.agents.actor.forward import (
     uses_actor_forward,
     uses_decisions,
 )
+from joynexus.agents.actor.state import TenantState
 from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
 from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
-from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.trainercalls import CallStore
 from joynexus.broker.trainerstate import TrainerStateStore
 from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError, StaleLease
-from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import TrainingJob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TenantState:
-    module: TenantModule
-    record: PolicyRecord  # the latest version this actor knows (schema, base model)
-    applied: dict[str, int] = field(default_factory=dict)  # job_id -> version it produced
-    dir: Path = Path()
-    #: Revision of this tenant's record in the trainer KV this state was loaded or
-    #: committed at (None: no committed checkpoint yet): the compare-and-set token.
-    revision: int | None = None
-
-    def blob(self) -> bytes:
-        """The checkpoint's bytes: module (weights, optimizer, version) and applied jobs."""
-        buf = io.BytesIO()
-        torch.save({"module": self.module.state_dict(), "applied": self.applied}, buf)
-        return buf.getvalue()
-
-    @staticmethod
-    def unpack(data: bytes) -> tuple[TenantModule, dict[str, int]]:
-        saved = torch.load(io.BytesIO(data), weights_only=True)
-        return TenantModule.from_state_dict(saved["module"]), dict(saved["applied"])
-
-    def save(self, data: bytes | None = None) -> None:
-        """The local cache of the checkpoint, written atomically (the one in force is
-        the trainer KV's, see ``Actor._commit``)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / "checkpoint.pt.tmp"
-        tmp.write_bytes(self.blob() if data is None else data)
-        os.replace(tmp, self.dir / "checkpoint.pt")
-        manifest = {
-            "tenant_id": self.record.tenant_id,
-            "workload": self.record.workload,
-            "version": self.module.version,
-            "head_type": self.module.head_type,
-            "schema_signature": self.record.schema_signature,
-            "base_model": self.record.base_model,
-            # State/action statistics the head applies (also inside its weights).
-            "normalization": self.module.normalization(),
-            "jobs_applied": len(self.applied),
-            "last_job": next(reversed(self.applied), None),
-            "updated_at": time.time(),
-        }
-        tmp_m = self.dir / "manifest.json.tmp"
-        tmp_m.write_text(json.dumps(manifest, indent=2))
-        os.replace(tmp_m, self.dir / "manifest.json")
 
 
 #: A job of a group step: the job, its tenant's state, the item it trains on.
 Todo = tuple[TrainingJob, TenantState, TrainItem]
 
 
-class Actor:
+class Actor(CustomCalls):
     def __init__(
         self,
         broker: Broker,
@@ -164,6 +115,7 @@ class Actor:
         self.tq = TrainingQueue(broker)
         self.policies = PolicyStore(broker)
         self.trainer_state = TrainerStateStore(broker, instance=instance)
+        self.calls = CallStore(broker)
         self.tenants: dict[tuple[str, str], TenantState] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -171,8 +123,13 @@ class Actor:
     # ------------------------------------------------------------ tenant state
     async def tenant(self, tenant_id: str, workload: str) -> TenantState:
         key = (tenant_id, workload)
-        if key in self.tenants:
-            return self.tenants[key]
+        cached = self.tenants.get(key)
+        if cached is not None:
+            # Another actor may have committed this tenant since this copy was loaded
+            # or committed here: use the copy only while its revision is in force.
+            if await self.trainer_state.revision(tenant_id, workload) == cached.revision:
+                return cached
+            del self.tenants[key]
         d = self.out_dir / tenant_id / workload
         record = await self.policies.latest(tenant_id, workload)
         # The checkpoint in force is the cluster's (any host reads it); the local file
@@ -181,16 +138,17 @@ class Actor:
         ckpt = d / "checkpoint.pt"
         revision = None
         if loaded is not None:
-            module, applied = await asyncio.to_thread(TenantState.unpack, loaded.data)
+            module, applied, calls = await asyncio.to_thread(TenantState.unpack, loaded.data)
             revision = loaded.revision
         elif ckpt.exists():
-            module, applied = await asyncio.to_thread(TenantState.unpack, ckpt.read_bytes())
+            module, applied, calls = await asyncio.to_thread(TenantState.unpack, ckpt.read_bytes())
         else:
-            module, applied = await self.policies.load_module(record), {}
+            module, applied, calls = await self.policies.load_module(record), {}, CallLog()
         if module.version < record.version:
             # Someone published past the checkpoint: take theirs, fresh optimizer.
             module = await self.policies.load_module(record)
-        state = TenantState(module=module, record=record, applied=applied, dir=d, revision=revision)
+        state = TenantState(module=module, record=record, applied=applied, dir=d, revision=revision,
+                            calls=calls)
         self.tenants[key] = state
         return state
 
@@ -214,7 +172,11 @@ class Actor:
             if not pending:
                 continue
             group, pending = form_group(pending, lambda j: (j.tenant_id, j.workload))
-            await self.train_group(group)
+            for job in [j for j in group if j.task_type == "custom"]:  # a training client's call
+                await self.apply_call(job)
+            group = [j for j in group if j.task_type != "custom"]
+            if group:
+                await self.train_group(group)
 
     async def _lease(self, *, wait: bool, room: int) -> list[TrainingJob]:
         """What is ready now, up to ``room`` jobs; with ``wait`` (nothing pending) up to
@@ -335,6 +297,7 @@ class Actor:
                 expected_revision=st.revision,
                 jobs_applied=len(st.applied),
                 last_job=job.job_id,
+                last_call_seq=st.calls.last_seq,
             )
         except Conflict as e:
             log.warning("job %s: step not committed: %s", job.job_id, e)

@@ -46,13 +46,13 @@ from joynexus.agents.models.backbone_inputs import (
     right_pad,
 )
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
+from joynexus.agents.models.seeding import seeded
 from joynexus.agents.models.tokenizer import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
     build_tokenizer,
     train_tokenizer,
 )
-from joynexus.agents.models.seeding import seeded
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = ["Backbone"]

@@ -33,8 +33,8 @@ from transformers import PaliGemmaForConditionalGeneration, PreTrainedTokenizerF
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
 from joynexus.agents.models.pi05_config import PI05_DTYPES, Pi05BaseConfig, build_paligemma_config
-from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.agents.models.seeding import seeded
+from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = [

@@ -7,7 +7,9 @@ generator, forked and seeded for the build (``torch.random.fork_rng`` +
 draws on that one generator, and a head built from ``seed`` would no longer be
 the same weights every time. Every seeded build goes through this re-entrant
 lock (re-entrant: a base build may build a head inside), so a seed names its
-weights whatever else the process is doing (``tests/unit/test_seeding.py``).
+weights whatever other builds run meanwhile (``tests/unit/test_seeding.py``). A
+draw from the global generator outside any seeded block, on another thread,
+is not fenced by the lock: the service's own draws use each head's generator.
 """
 
 from __future__ import annotations
