@@ -172,10 +172,12 @@ def apply_rows(module: TenantModule, call: TrainCall, feats: torch.Tensor, state
             value: float | None = float(loss.detach())
         else:  # backward: the client's gradients of the outputs
             outs = outputs(module, feats, state, data)
-            pairs = [(outs[o], _t(data, g, feats.device)) for o, g in OUTPUT_GRADS.items() if o in outs and g in data]
-            if not pairs:
-                raise InvalidSpec("backward got no output gradient")
-            torch.autograd.backward([o for o, _ in pairs], [g.reshape(o.shape) for o, g in pairs])
+            # An all-zero gradient (an output the loss did not use) adds nothing: left out,
+            # so the parameters only it reaches keep no gradient (as a built-in loss's).
+            pairs = [(outs[o], grad) for o, g in OUTPUT_GRADS.items() if o in outs and g in data
+                     for grad in (_t(data, g, feats.device),) if bool(grad.any())]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g.reshape(o.shape) for o, g in pairs])
             value, stats = None, {}
         grads = [p.grad for p in head.parameters() if p.grad is not None]
         if not all_finite(grads):

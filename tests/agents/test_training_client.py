@@ -119,7 +119,9 @@ async def test_client_side_mse_ends_at_the_builtin_bc_weights(
     vb, wb = await weights(broker, "bolt", "bc-builtin")
     assert va == vb == 21  # one version per optim_step, from version 1
     assert float((wa - start).abs().max()) > 1e-3  # it trained
-    assert float((wa - wb).abs().max()) <= 1e-5
+    diff = float((wa - wb).abs().max())
+    print(f"custom vs bc_mse after 20 steps: max abs weight difference {diff:.3g}")
+    assert diff <= 1e-5
     assert np.allclose(la, lb, atol=1e-5) and la[-1] < la[0]
     await a.close()
     await b.close()
