@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from opentelemetry import trace
 
 from joynexus.agents.actor.batch import StepKnobs, train_item
 from joynexus.agents.actor.calls import CallLog
-from joynexus.agents.actor.custom import CustomCalls
+from joynexus.agents.actor.custom import CallTodo, CustomCalls, compute_call
 from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
@@ -67,7 +68,12 @@ from joynexus.agents.actor.forward import (
 from joynexus.agents.actor.state import TenantState
 from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
+from joynexus.agents.models.grouped import (
+    TrainItem,
+    isolated_train_step,
+    plan_groups,
+    shared_features,
+)
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
@@ -172,11 +178,7 @@ class Actor(CustomCalls):
             if not pending:
                 continue
             group, pending = form_group(pending, lambda j: (j.tenant_id, j.workload))
-            for job in [j for j in group if j.task_type == "custom"]:  # a training client's call
-                await self.apply_call(job)
-            group = [j for j in group if j.task_type != "custom"]
-            if group:
-                await self.train_group(group)
+            await self.train_group(group)
 
     async def _lease(self, *, wait: bool, room: int) -> list[TrainingJob]:
         """What is ready now, up to ``room`` jobs; with ``wait`` (nothing pending) up to
@@ -197,11 +199,15 @@ class Actor(CustomCalls):
     async def train_group(self, jobs: list[TrainingJob]) -> None:
         """Train on a group of leased jobs (distinct tenant policies) and complete them:
         load, one grouped step, metrics, then each tenant's commit on its own."""
-        todo = await self._load_group(jobs)
-        if not todo:
+        # A training client's calls (custom jobs): those with rows share the base forward.
+        calls = [c for j in jobs if j.task_type == "custom" and (c := await self.prepare_call(j))]
+        todo = await self._load_group([j for j in jobs if j.task_type != "custom"])
+        if not todo and not calls:
             return
-        losses, stats, busy = await self._step_group(todo)
-        await self._report_busy(todo, busy)
+        losses, stats, busy, results = await self._step_group(todo, calls)
+        await self._report_busy(todo, busy, calls)
+        for call, result in zip(calls, results, strict=True):
+            await self.settle_call(call, result)
         for (job, st, _), outcome, stat in zip(todo, step_outcomes(losses), stats, strict=True):
             if outcome.error is not None:
                 # This tenant's item went wrong inside the step: its module did not step
@@ -232,12 +238,13 @@ class Actor(CustomCalls):
         return todo
 
     async def _step_group(
-        self, todo: list[Todo]
-    ) -> tuple[list[float | JoyNexusError], list[dict[str, float]], tuple[float, float, float]]:
+        self, todo: list[Todo], calls: Sequence[CallTodo] = ()
+    ) -> tuple[list[float | JoyNexusError], list[dict[str, float]], tuple[float, float, float],
+               list[dict[str, Any] | JoyNexusError]]:
         """The grouped step on the worker thread, with the leases kept alive and one
         span per job in its own trace (the group's span links them). Returns each
         item's loss or error, each module's stats, and (wall start, wall end, CPU s)."""
-        hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo]))  # noqa: RUF006
+        hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo] + [c.job for c in calls]))  # noqa: RUF006
         t0 = time.perf_counter()
         wall_start = time.time()
         cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
@@ -253,7 +260,7 @@ class Actor(CustomCalls):
                 job_spans.append(job_span)
             with tracing.tracer.start_as_current_span("actor.train_group", links=links) as span:
                 span.set_attribute("jobs", len(todo))
-                losses = await asyncio.to_thread(self._step, [it for _, _, it in todo])
+                losses, results = await asyncio.to_thread(self._step, [it for _, _, it in todo], calls)
                 stats = [dict(st.module.last_stats) for _, st, _ in todo]
         finally:
             for _, st, _ in todo:  # a step that never ran leaves nothing staged
@@ -265,9 +272,10 @@ class Actor(CustomCalls):
                 await hb
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
-        return losses, stats, (wall_start, time.time(), time.process_time() - cpu_start)
+        return losses, stats, (wall_start, time.time(), time.process_time() - cpu_start), results
 
-    async def _report_busy(self, todo: list[Todo], busy: tuple[float, float, float]) -> None:
+    async def _report_busy(self, todo: list[Todo], busy: tuple[float, float, float],
+                           calls: Sequence[CallTodo] = ()) -> None:
         wall_start, wall_end, cpu_s = busy
         await metrics.busy(
             self.b,
@@ -277,9 +285,10 @@ class Actor(CustomCalls):
             cpu_s=cpu_s,
             instance=self.instance,
             jobs=len(todo),
-            tenants=sorted({j.tenant_id for j, _, _ in todo}),
+            tenants=sorted({j.tenant_id for j, _, _ in todo} | {c.job.tenant_id for c in calls}),
             # rows per tenant in this step (usage metering splits the step's time by them)
-            tenant_rows=tenant_rows((j.tenant_id, int(it.target.shape[0])) for j, _, it in todo),
+            tenant_rows=tenant_rows([(j.tenant_id, int(it.target.shape[0])) for j, _, it in todo]
+                                    + [(c.job.tenant_id, c.item.batch.batch_size) for c in calls if c.item]),
         )
 
     async def _commit(self, job: TrainingJob, st: TenantState) -> bool:
@@ -306,19 +315,27 @@ class Actor(CustomCalls):
         await asyncio.to_thread(st.save, data)
         return True
 
-    def _step(self, items: list[TrainItem]) -> list[float | JoyNexusError]:
-        """Compatible items share one backbone forward; others get their own.
+    def _step(self, items: list[TrainItem], calls: Sequence[CallTodo] = ()
+              ) -> tuple[list[float | JoyNexusError], list[dict[str, Any] | JoyNexusError]]:
+        """Compatible items (and calls' rows) share one backbone forward; others get
+        their own.
 
         Per item its loss, or the error that kept it from stepping (its module
-        unchanged): one tenant's bad item never stops the others' steps.
+        unchanged), and per call its result or error: one tenant's bad item never
+        stops the others' steps.
         """
-        losses: dict[int, float | JoyNexusError] = {}
-        for idx in plan_groups([it.batch for it in items]):
-            for i, loss in zip(
-                idx, isolated_train_step(self.backbone, [items[i] for i in idx]), strict=True
-            ):
-                losses[i] = loss
-        return [losses[i] for i in range(len(items))]
+        every = [*items, *[c.item for c in calls if c.item is not None]]
+        out: dict[int, Any] = {}
+        for idx in plan_groups([it.batch for it in every]):
+            feats = shared_features(self.backbone, [every[i] for i in idx])
+            train = [k for k, i in enumerate(idx) if i < len(items)]
+            for k, loss in zip(train, isolated_train_step(
+                    self.backbone, [every[idx[k]] for k in train], [feats[k] for k in train]), strict=True):
+                out[idx[k]] = loss
+            for k, i in enumerate(idx):
+                if i >= len(items):
+                    out[i] = compute_call(calls[i - len(items)], feats[k])
+        return [out[i] for i in range(len(items))], [out[len(items) + i] for i in range(len(calls))]
 
     @property
     def knobs(self) -> StepKnobs:

@@ -24,14 +24,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from joynexus.agents.actor.calls import apply_rows, optim_step, zero_grad
+from joynexus.agents.actor.decisions import infrastructure
 from joynexus.agents.models.features import canonicalize_request
-from joynexus.agents.models.grouped import encode_for
+from joynexus.agents.models.grouped import TrainItem, shared_features
 from joynexus.agents.models.heads.tenant import TenantModule
 from joynexus.agents.models.policyio import feature_schema_of
 from joynexus.broker import metrics
@@ -41,18 +43,14 @@ from joynexus.schemas.inference import TensorBytes, encode_msgpack
 from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.samples import STATE_FIELD, image_field
 from joynexus.schemas.scheduler import ErrorBody
-from joynexus.schemas.training import (
-    ROW_OPS,
-    TrainCall,
-    call_fields,
-)
+from joynexus.schemas.training import HEAD_FAMILIES, ROW_OPS, TrainCall, call_fields
 
 if TYPE_CHECKING:
     from joynexus.agents.actor.state import TenantState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CustomCalls"]
+__all__ = ["CallTodo", "CustomCalls", "compute_call"]
 
 
 class CustomCalls:
@@ -75,40 +73,54 @@ class CustomCalls:
         raise NotImplementedError
 
     async def apply_call(self, job: TrainingJob) -> None:
-        """Apply one call job exactly once, in order (see the module)."""
+        """Apply one call job exactly once, in order, alone (see the module)."""
+        todo = await self.prepare_call(job)
+        if todo is not None:
+            item = todo.item
+            feats = await asyncio.to_thread(shared_features, self.backbone, [item])
+            await self.settle_call(todo, await asyncio.to_thread(compute_call, todo, feats[0]))
+
+    async def prepare_call(self, job: TrainingJob) -> CallTodo | None:
+        """Take a call job in hand: a re-delivered or out-of-order call is answered
+        here, a call without rows is applied here; a row call comes back with its
+        item, to share a base forward with the group's other work (``compute_call``,
+        then ``settle_call``)."""
         try:
             st = await self.tenant(job.tenant_id, job.workload)
             call = TrainCall.from_extra(job.metadata.extra)
         except JoyNexusError as e:
             await self._fail_call(job, e)
-            return
+            return None
         stored = st.calls.results.get(job.job_id)
         if stored is not None:  # applied before a crash: answer it again, apply nothing
             await self.calls.put_result(job.tenant_id, job.workload, job.job_id, stored)
             await self._complete_call(job, st.module.version)
-            return
+            return None
         expected = st.calls.last_seq + 1
         if call.seq != expected:
             why = "was applied already" if call.seq < expected else f"comes before call {expected}"
             await self._fail_call(job, InvalidSpec(
                 f"call {call.seq} ({call.op}) {why}: calls apply in order, once; "
                 f"the workload's last applied call is {st.calls.last_seq}"))
-            return
+            return None
         try:
-            result = await self._run_call(job, st, call)
-            error = None
-        except JoyNexusError as e:
-            error = e
-            result = {"error": ErrorBody(code=e.code, message=str(e)[:2000])}
-        except Exception as e:  # the tenant's call must not stop the actor
-            from joynexus.agents.actor.decisions import infrastructure
+            if call.op in ROW_OPS:
+                return CallTodo(job, st, call, *await self._call_item(job, st, call))
+            result: dict[str, Any] | JoyNexusError = await self._run_call(job, st, call)
+        except Exception as e:
+            result = _as_call_error(e, call)
+        await self.settle_call(CallTodo(job, st, call, None, {}), result)
+        return None
 
-            if infrastructure(e):
-                raise
-            error = InvalidSpec(f"call {call.op} raised {type(e).__name__}: {e}")
-            result = {"error": ErrorBody(code=error.code, message=str(error)[:2000])}
+    async def settle_call(self, todo: CallTodo, result: dict[str, Any] | JoyNexusError) -> None:
+        """Record the call's result with the tenant's state (one commit), answer it,
+        publish if it made a version, and complete or fail its job."""
+        job, st, call = todo.job, todo.st, todo.call
+        error = result if isinstance(result, JoyNexusError) else None
+        fields = {"error": ErrorBody(code=error.code, message=str(error)[:2000])} if error else result
+        assert isinstance(fields, dict)
         data = encode_msgpack({"job_id": job.job_id, "seq": call.seq, "op": call.op,
-                               "version": st.module.version, **result})
+                               "version": st.module.version, **fields})
         gone = st.calls.record(job.job_id, call.seq, data)
         if not await self._commit(job, st):
             return  # another actor committed since: void; the job is retried on its state
@@ -121,19 +133,15 @@ class CustomCalls:
         if call.op in ("optim_step", "load_state"):
             await self._publish(job, st)
         await self._complete_call(job, st.module.version)
-        if result.get("loss") is not None:
+        if fields.get("loss") is not None:
             await metrics.emit(self.b, "learning", job.tenant_id, workload=job.workload,
                                job_id=job.job_id, task_type="custom", op=call.op,
-                               version=st.module.version, loss=result["loss"],
+                               version=st.module.version, loss=fields["loss"],
                                samples=job.sample_count)
 
     async def _run_call(self, job: TrainingJob, st: TenantState, call: TrainCall) -> dict[str, Any]:
-        """The call's effect on the tenant's state, and its result's fields."""
+        """A call without rows: its effect on the tenant's state, and its result's fields."""
         module = st.module
-        if call.op in ROW_OPS:
-            loss, stats, outs = await self._row_call(job, st, call)
-            return {"loss": loss, "metrics": stats,
-                    "outputs": {k: TensorBytes.from_array(v) for k, v in outs.items()}}
         if call.op == "optim_step":
             return {"metrics": await asyncio.to_thread(optim_step, module, call)}
         if call.op == "zero_grad":
@@ -160,10 +168,9 @@ class CustomCalls:
         zero_grad(module)
         return {}
 
-    async def _row_call(self, job: TrainingJob, st: TenantState, call: TrainCall
-                        ) -> tuple[float | None, dict[str, float], dict[str, np.ndarray]]:
-        from joynexus.schemas.training import HEAD_FAMILIES
-
+    async def _call_item(self, job: TrainingJob, st: TenantState, call: TrainCall
+                         ) -> tuple[TrainItem, dict[str, np.ndarray]]:
+        """A row call's rows (Training Queue) as an item of the group's base forward."""
         schema = feature_schema_of(st.record)
         family = HEAD_FAMILIES.get(st.module.head_type)
         if family is None:
@@ -178,18 +185,11 @@ class CustomCalls:
         if not meta.rows:
             raise InvalidSpec(f"call job {job.job_id}: its partition has no rows with fields {fields}")
         data = await self.tq.async_get_data(meta)
-        instruction = job.metadata.extra.get("instruction", "")
-        return await asyncio.to_thread(self._compute, st.module, schema, data, instruction, call)
-
-    def _compute(self, module: TenantModule, schema: Any, data: dict[str, np.ndarray],
-                 instruction: str, call: TrainCall
-                 ) -> tuple[float | None, dict[str, float], dict[str, np.ndarray]]:
-        """On the worker thread: the rows' base forward (frozen) and the call."""
         batch = canonicalize_request(
-            schema, {c: data[image_field(c)] for c in schema.camera_slots}, instruction, data[STATE_FIELD]
+            schema, {c: data[image_field(c)] for c in schema.camera_slots},
+            job.metadata.extra.get("instruction", ""), data[STATE_FIELD],
         )
-        feats = encode_for(self.backbone, batch, module).detach()
-        return apply_rows(module, call, feats, batch.state_B_S.to(feats.device), data)
+        return TrainItem(tenant=st.module, batch=batch, target=torch.empty(0)), data
 
     async def _publish(self, job: TrainingJob, st: TenantState) -> None:
         try:
@@ -227,3 +227,39 @@ def _module_from_blob(data: bytes) -> TenantModule:
     import io
 
     return TenantModule.from_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+
+@dataclass
+class CallTodo:
+    """A call in hand: its job, its tenant's state, the call, and for a row call the
+    item of the base forward and its rows."""
+
+    job: TrainingJob
+    st: TenantState
+    call: TrainCall
+    item: TrainItem | None
+    data: dict[str, np.ndarray]
+
+
+def compute_call(todo: CallTodo, feats: torch.Tensor | JoyNexusError) -> dict[str, Any] | JoyNexusError:
+    """On the worker thread: a row call on its rows' features (from a forward shared
+    with the group); the result's fields, or the error that left the module as it was."""
+    if isinstance(feats, JoyNexusError):
+        return feats
+    assert todo.item is not None
+    try:
+        loss, stats, outs = apply_rows(todo.st.module, todo.call, feats.detach(),
+                                       todo.item.batch.state_B_S.to(feats.device), todo.data)
+    except Exception as e:
+        return _as_call_error(e, todo.call)
+    return {"loss": loss, "metrics": stats,
+            "outputs": {k: TensorBytes.from_array(v) for k, v in outs.items()}}
+
+
+def _as_call_error(e: Exception, call: TrainCall) -> JoyNexusError:
+    """A call's own failure as its typed error; the machine's failures propagate."""
+    if isinstance(e, JoyNexusError):
+        return e
+    if infrastructure(e):
+        raise e
+    return InvalidSpec(f"call {call.op} raised {type(e).__name__}: {e}")
