@@ -319,3 +319,13 @@ def test_a_calls_rows_share_the_groups_base_forward(backbone: Backbone, tmp_path
     assert seen == [5]  # one forward over both tenants' rows
     assert isinstance(losses[0], float)
     assert isinstance(results[0], dict) and set(results[0]["outputs"]) == {"mean", "log_std", "value"}
+
+
+async def test_bench_primitives_smoke(nats_server: EmbeddedNats) -> None:
+    """`joynexus bench primitives` with tiny settings: its figures are there and sane."""
+    from joynexus.ops.bench.primitives import bench_primitives
+
+    out = await bench_primitives(nats_server.url, repeats=2, rows=2, progress=False)
+    for key in ("fwdbwd_p50_ms", "optim_step_p50_ms", "sft_step_p50_ms", "ratio"):
+        assert out[key] is not None and out[key] > 0, key
+    assert out["rounds"] == 2
