@@ -6,7 +6,8 @@ torch (``forward_backward_custom``: the service sends the head's outputs, this
 process computes the loss and its gradients with respect to those outputs, and
 sends back only the gradients), the other with the service's built-in
 ``bc_mse`` (``forward_backward``). After the same steps both end at the same
-weights, to float rounding (``tests/agents/test_training_client.py`` runs it).
+weights, to float rounding; an L1 written here ends where a ``sft`` workload's
+steps on the same batches do (``tests/agents/test_training_client.py`` runs both).
 
     python examples/custom_bc.py --nats nats://127.0.0.1:4222 --a acme.json --b bolt.json
 """
@@ -48,21 +49,39 @@ def mse(outputs: dict[str, Any], batch: dict[str, Any]) -> Any:
     return ((outputs["mean"] - batch["actions"]) ** 2).mean()
 
 
+def l1(outputs: dict[str, Any], batch: dict[str, Any]) -> Any:
+    """The ``sft`` workload's own loss (its heads' default), written on the client."""
+    return (outputs["mean"] - batch["actions"]).abs().mean()
+
+
 async def train(client: Client, workload: str, *, custom: bool, steps: int = 20,
-                lr: float = 1e-3, seed: int = 0) -> list[float]:
+                lr: float = 1e-3, seed: int = 0, loss: Any = mse) -> list[float]:
     """``steps`` BC steps on ``workload``; the losses. Calls are made without waiting
     (several in flight); they apply in the order made."""
     tc = await client.training_client(workload)
     futures = []
     for batch in batches(tc.schema, steps, seed=seed):
         if custom:
-            futures.append(tc.forward_backward_custom(batch, mse))
+            futures.append(tc.forward_backward_custom(batch, loss))
         else:
             futures.append(tc.forward_backward(batch, loss="bc_mse"))
         tc.optim_step(learning_rate=lr)
     losses = [r["loss"] for r in await asyncio.gather(*futures)]
     await tc.zero_grad()  # after every step: all applied
     return losses
+
+
+async def train_sft(client: Client, workload: str, schema: Any, *, steps: int = 20, seed: int = 0) -> int:
+    """The same batches as one-step jobs of a ``source="tenant"`` sft workload; its
+    last version once every step is applied."""
+    for batch in batches(schema, steps, seed=seed):
+        await client.submit_sft_batch(workload, batch)
+    done = 0
+    async for event in client.events(workload):  # its job events, from its start
+        done += event.job.state == "completed"
+        if done == steps:
+            break
+    return await client.latest_version(workload)
 
 
 async def main() -> None:

@@ -45,12 +45,12 @@ from joynexus.schemas.samples import (
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 
-__all__ = ["bench_primitives"]
+__all__ = ["bench_primitives", "write_layout"]
 
 CAMERA, STATE_DIM, ACTION_DIM, HORIZON, SIDE = "base_camera", 9, 4, 2, 64
 
 
-def _layout(root: Path) -> None:
+def write_layout(root: Path) -> None:
     """A dataset space holding only the layout an SFT workload reads (PushCube's)."""
     (root / "meta").mkdir(parents=True, exist_ok=True)
     feats = {f"{OBS_IMAGES}.{CAMERA}": {"shape": [SIDE, SIDE, 3]}, OBS_STATE: {"shape": [STATE_DIM]},
@@ -84,7 +84,7 @@ async def bench_primitives(url: str, *, repeats: int = 20, rows: int = 8,
     prim = await Client.connect(url, tenant="prim", namespace=ns)
     base = await Client.connect(url, tenant="base", namespace=ns)
     try:
-        _layout(tmp / "datasets" / "base" / "layout")
+        write_layout(tmp / "datasets" / "base" / "layout")
         common = {"action_horizon": HORIZON, "head_hidden": 32, "batch_size": rows}
         await prim.create_workload(WorkloadSpec(name="prim", task_type="custom", env="PushCube-v1", **common))
         await base.create_workload(WorkloadSpec(name="sft", task_type="sft", dataset="layout", source="tenant",

@@ -127,6 +127,31 @@ async def test_client_side_mse_ends_at_the_builtin_bc_weights(
     await b.close()
 
 
+async def test_client_side_l1_ends_at_the_sft_workloads_weights(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """The same batches, once as training-client steps with an L1 written on the client
+    and once as jobs of a tenant-fed sft workload (whose heads train with L1)."""
+    from joynexus.ops.bench.primitives import write_layout
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    write_layout(dep.out / "datasets" / "acme" / "layout")
+    a = await connect(nats_server, broker, "acme")
+    common = {"dataset": "layout", "action_horizon": 2, "head_hidden": 16, "instruction": "push"}
+    await a.create_workload(WorkloadSpec(name="cust", task_type="custom", **common))  # type: ignore[arg-type]
+    await a.create_workload(WorkloadSpec(name="demo", task_type="sft", source="tenant", **common))  # type: ignore[arg-type]
+    _, start = await weights(broker, "acme", "cust")
+    await bc.train(a, "cust", custom=True, steps=20, loss=bc.l1)
+    schema = (await a.training_client("cust")).schema
+    assert await bc.train_sft(a, "demo", schema, steps=20) == 21
+    (vc, wc), (vs, ws) = await weights(broker, "acme", "cust"), await weights(broker, "acme", "demo")
+    diff = float((wc - ws).abs().max())
+    print(f"custom L1 vs sft after 20 steps: max abs weight difference {diff:.3g}")
+    assert vc == vs == 21 and float((wc - start).abs().max()) > 1e-3
+    assert diff <= 1e-5
+    await a.close()
+
+
 async def test_calls_apply_in_order_and_once_across_an_actor_restart(
     dep: Deployment, nats_server: EmbeddedNats, broker: Broker
 ) -> None:
