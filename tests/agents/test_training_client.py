@@ -37,16 +37,17 @@ pytestmark = [pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("custom_bc", ROOT / "examples" / "custom_bc.py")
+def _example(name: str = "custom_bc") -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["custom_bc"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
 bc = _example()
+rf = _example("reinforce_pushcube")
 
 
 @pytest.fixture(scope="module")
@@ -354,3 +355,27 @@ async def test_bench_primitives_smoke(nats_server: EmbeddedNats) -> None:
     for key in ("fwdbwd_p50_ms", "optim_step_p50_ms", "sft_step_p50_ms", "ratio"):
         assert out[key] is not None and out[key] > 0, key
     assert out["rounds"] == 2
+
+
+async def test_reinforce_example_runs_its_iterations(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, backbone: Backbone
+) -> None:
+    """examples/reinforce_pushcube.py, tiny: act rollouts in a PushCube this process runs,
+    the client's REINFORCE loss, one version per iteration, success with intervals."""
+    from joynexus.agents.inference import EnginePool
+
+    pool = EnginePool(broker, backbone, max_batch=16, max_wait_ms=5)
+    await pool.scale_to(1)
+    try:
+        a = await connect(nats_server, broker, "acme")
+        await a.create_workload(rf.spec("pg"))
+        _, start = await weights(broker, "acme", "pg")
+        out = await rf.reinforce(a, "pg", iterations=2, envs=2, steps=4, rows_per_call=4)
+        assert [r["version"] for r in out["iterations"]] == [2, 3]
+        for r in out["iterations"]:
+            lo, hi = r["ci95"]
+            assert 0.0 <= lo <= r["success"] <= hi <= 1.0
+        assert float(((await weights(broker, "acme", "pg"))[1] - start).abs().max()) > 0
+        await a.close()
+    finally:
+        await pool.close()
