@@ -379,3 +379,23 @@ async def test_reinforce_example_runs_its_iterations(
         await a.close()
     finally:
         await pool.close()
+
+
+async def test_a_cached_state_is_reloaded_once_another_actor_committed(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, backbone: Backbone, tmp_path: Path
+) -> None:
+    a = await connect(nats_server, broker, "acme")
+    await a.create_workload(bc.spec("algo"))
+    tc = await a.training_client("algo")
+    await tc.optim_step()
+    mine = await dep.actor.tenant("acme", "algo")
+    assert await dep.actor.tenant("acme", "algo") is mine  # still the one in force: the cache
+    other = Actor(broker, backbone, instance="actor-2", out_dir=tmp_path / "actor-2")
+    theirs = await other.tenant("acme", "algo")
+    theirs.module.version += 1
+    job = next(j for j in dep.sched.core.jobs.values() if j.tenant_id == "acme")
+    assert await other._commit(job, theirs)  # another actor commits this tenant
+    again = await dep.actor.tenant("acme", "algo")
+    assert again is not mine and again.revision == theirs.revision
+    assert again.module.version == mine.module.version + 1
+    await a.close()
