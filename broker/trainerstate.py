@@ -98,14 +98,11 @@ class TrainerStateStore:
 
     async def load(self, tenant_id: str, workload: str) -> Loaded | None:
         """The checkpoint in force, or None if this tenant's policy never committed one."""
-        kv, obj = await self._stores()
-        try:
-            entry = await kv.get(self.key(tenant_id, workload))
-        except KeyNotFoundError:
+        _, obj = await self._stores()
+        head = await self.head(tenant_id, workload)
+        if head is None:
             return None
-        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-            return None
-        rec = decode(entry.value, CheckpointRecord, what="trainer checkpoint record")
+        rec, revision = head
         buf = io.BytesIO()
         try:
             await obj.get(rec.object_name, writeinto=buf)
@@ -122,7 +119,7 @@ class TrainerStateStore:
                 f"({len(data)} bytes, sha256 {digest[:12]}; record: {rec.size_bytes} bytes, "
                 f"{rec.sha256[:12]})"
             )
-        return Loaded(record=rec, data=data, revision=int(entry.revision or 0))
+        return Loaded(record=rec, data=data, revision=revision)
 
     async def head(self, tenant_id: str, workload: str) -> tuple[CheckpointRecord, int] | None:
         """The checkpoint record in force and its revision, without its bytes (None:

@@ -75,9 +75,8 @@ class CustomCalls:
     async def apply_call(self, job: TrainingJob) -> None:
         """Apply one call job exactly once, in order, alone (see the module)."""
         todo = await self.prepare_call(job)
-        if todo is not None:
-            item = todo.item
-            feats = await asyncio.to_thread(shared_features, self.backbone, [item])
+        if todo is not None and todo.item is not None:
+            feats = await asyncio.to_thread(shared_features, self.backbone, [todo.item])
             await self.settle_call(todo, await asyncio.to_thread(compute_call, todo, feats[0]))
 
     async def prepare_call(self, job: TrainingJob) -> CallTodo | None:

@@ -85,10 +85,11 @@ async def bench_primitives(url: str, *, repeats: int = 20, rows: int = 8,
     base = await Client.connect(url, tenant="base", namespace=ns)
     try:
         write_layout(tmp / "datasets" / "base" / "layout")
-        common = {"action_horizon": HORIZON, "head_hidden": 32, "batch_size": rows}
-        await prim.create_workload(WorkloadSpec(name="prim", task_type="custom", env="PushCube-v1", **common))
+        await prim.create_workload(WorkloadSpec(name="prim", task_type="custom", env="PushCube-v1",
+                                                action_horizon=HORIZON, head_hidden=32, batch_size=rows))
         await base.create_workload(WorkloadSpec(name="sft", task_type="sft", dataset="layout", source="tenant",
-                                                scheduling=Scheduling(max_in_flight=4), **common))
+                                                action_horizon=HORIZON, head_hidden=32, batch_size=rows,
+                                                scheduling=Scheduling(max_in_flight=4)))
         tc = await prim.training_client("prim")
         rng = np.random.default_rng(0)
         fwdbwd: list[float] = []

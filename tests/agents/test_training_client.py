@@ -99,6 +99,16 @@ async def connect(nats_server: EmbeddedNats, broker: Broker, tenant: str) -> Cli
     return await Client.connect(nats_server.url, tenant=tenant, namespace=broker.names.namespace)
 
 
+async def with_algo(nats_server: EmbeddedNats, broker: Broker, *tenants: str) -> list[Client]:
+    """Clients of ``tenants``, each with a custom workload ``algo``."""
+    out = []
+    for t in tenants:
+        c = await connect(nats_server, broker, t)
+        await c.create_workload(bc.spec("algo"))
+        out.append(c)
+    return out
+
+
 async def weights(broker: Broker, tenant: str, workload: str) -> tuple[int, torch.Tensor]:
     store = PolicyStore(broker)
     rec = await store.latest(tenant, workload)
@@ -198,10 +208,7 @@ async def test_calls_apply_in_order_and_once_across_an_actor_restart(
 async def test_named_states_save_load_list_delete(
     dep: Deployment, nats_server: EmbeddedNats, broker: Broker
 ) -> None:
-    a = await connect(nats_server, broker, "acme")
-    b = await connect(nats_server, broker, "bolt")
-    await a.create_workload(bc.spec("algo"))
-    await b.create_workload(bc.spec("algo"))
+    a, b = await with_algo(nats_server, broker, "acme", "bolt")
     tc = await a.training_client("algo")
     tb = await b.training_client("algo")
     batch = bc.batches(tc.schema, 1)[0]
@@ -232,10 +239,7 @@ async def _raw(client: Client, verb: str, body: bytes) -> ApiReply:
 async def test_hostile_calls_fail_at_the_door_and_another_tenant_goes_on(
     dep: Deployment, nats_server: EmbeddedNats, broker: Broker
 ) -> None:
-    a = await connect(nats_server, broker, "acme")
-    v = await connect(nats_server, broker, "vict")
-    await a.create_workload(bc.spec("algo"))
-    await v.create_workload(bc.spec("algo"))
+    a, v = await with_algo(nats_server, broker, "acme", "vict")
     tc = await a.training_client("algo")
     victim = asyncio.create_task(bc.train(v, "algo", custom=False, steps=6))
     batch = bc.batches(tc.schema, 1)[0]
