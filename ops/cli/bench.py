@@ -182,6 +182,9 @@ def _on_url(args: argparse.Namespace, bench: Callable[[str], dict[str, Any] | in
 def _primitives(args: argparse.Namespace) -> int:
     from joynexus.ops.bench.primitives import bench_primitives
 
+    # Its tenants connect in this process without issued credentials: an embedded
+    # server of its own runs without authorization (with --nats: one that allows it).
+    args.no_auth = True
     return _on_url(args, lambda url: asyncio.run(
         bench_primitives(url, repeats=args.repeats, rows=args.rows, progress=not args.json)))
 
