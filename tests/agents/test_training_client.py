@@ -403,3 +403,37 @@ async def test_a_cached_state_is_reloaded_once_another_actor_committed(
     assert again is not mine and again.revision == theirs.revision
     assert again.module.version == mine.module.version + 1
     await a.close()
+
+
+async def test_a_call_applied_before_a_crash_is_answered_not_applied_again(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """The actor dies after an optim_step's commit, before its job completes: the next
+    actor leases it again (its lease lapsed), answers the stored result, steps nothing."""
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    batch = bc.batches(tc.schema, 1)[0]
+    await tc.forward_backward(batch)
+    never = asyncio.Event()
+
+    async def die_here(job: Any, version: int) -> None:
+        await never.wait()
+
+    dep.actor._complete_call = die_here  # type: ignore[method-assign]
+    assert (await tc.optim_step(learning_rate=1e-2))["version"] == 2  # answered from its commit
+    _, w = await weights(broker, "acme", "algo")
+    assert dep.actor_task is not None
+    dep.actor_task.cancel()
+    await asyncio.gather(dep.actor_task, return_exceptions=True)
+    dep.start_actor()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while any(j.state != JobState.COMPLETED for j in dep.sched.core.jobs.values() if j.tenant_id == "acme"):
+        assert loop.time() < deadline, "the re-delivered call did not complete"
+        await asyncio.sleep(0.2)
+    version, w2 = await weights(broker, "acme", "algo")
+    assert version == 2 and torch.equal(w, w2)
+    st = await dep.actor.tenant("acme", "algo")
+    assert st.module.version == 2 and st.calls.last_seq == 2
+    assert (await tc.optim_step())["version"] == 3
+    await a.close()
