@@ -106,10 +106,8 @@ class TrainingAPI(ControlBase):
 
     async def _train_result(self, tenant: str, req: TrainResultQuery) -> ApiReply:
         check_name("workload", req.workload)
-        if not req.job_id:  # where a new training client starts: the last applied call
-            await self._get(tenant, req.workload)
-            head = await TrainerStateStore(self.b).head(tenant, req.workload)
-            return ApiReply(last_seq=0 if head is None else head[0].last_call_seq)
+        if not req.job_id:  # where a new training client starts
+            return ApiReply(last_seq=await self._last_call(tenant, req.workload))
         job = await self._tenant_job(tenant, req.job_id, "train_result")
         if job.workload != req.workload or job.task_type != "custom":
             raise UnknownJob(f"workload {req.workload!r} has no call {req.job_id!r}")
@@ -131,6 +129,17 @@ class TrainingAPI(ControlBase):
                 async with waiting():  # without the tenant's working slot
                     await asyncio.wait_for(self._wait_tick(tenant, tick), min(left, 1.0))
             job = await self.sched.get_job(job.job_id)
+
+    async def _last_call(self, tenant: str, workload: str) -> int:
+        """The last call a new client follows: the last applied, or a later one still
+        to apply (a previous client's calls in flight: handed in, ready or leased)."""
+        rec = await self._get(tenant, workload)
+        head = await TrainerStateStore(self.b).head(tenant, workload)
+        applied = 0 if head is None else head[0].last_call_seq
+        waiting = await self.sched.list_jobs(tenant, workload=workload, generation=rec.generation,
+                                             states=[JobState.READY, JobState.LEASED])
+        return max([applied, *(int(j.metadata.extra.get("seq", "0") or 0) for j in waiting
+                               if j.task_type == "custom")])
 
     async def _wait_tick(self, tenant: str, tick: int) -> None:  # the data gateway's
         raise NotImplementedError

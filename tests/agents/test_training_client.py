@@ -437,3 +437,25 @@ async def test_a_call_applied_before_a_crash_is_answered_not_applied_again(
     assert st.module.version == 2 and st.calls.last_seq == 2
     assert (await tc.optim_step())["version"] == 3
     await a.close()
+
+
+async def test_a_new_client_numbers_its_calls_after_those_still_in_flight(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    await tc.optim_step()
+    await dep.stop_actor()  # nothing applies for now
+    pending = [tc.zero_grad(), tc.optim_step()]  # handed in, ready, not applied
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while tc.seq < 3:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.05)
+    tc2 = await a.training_client("algo")
+    assert tc2.seq == 3
+    dep.start_actor()
+    step = tc2.optim_step()
+    await asyncio.gather(*pending)
+    assert (await step)["version"] == 4  # after the earlier client's: in order
+    await a.close()
