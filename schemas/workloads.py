@@ -177,14 +177,10 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         if self.episodes < 1:
             raise InvalidSpec(f"episodes must be >= 1, got {self.episodes}")
         self._check_eval_fields()
-        if self.task_type == "custom" and not (self.env or self.dataset):
-            raise InvalidSpec(
-                f"custom workload {self.name!r} needs env (a simulator task) or dataset (a "
-                "LeRobot dataset in your space): its sample layout (cameras, state, actions)"
-            )
-        if self.task_type == "custom" and self.env and self.env not in RL_ENVS \
-                and libero_task(self.env) is None:
+        if self.task_type == "custom" and not (self.env in RL_ENVS or libero_task(self.env) or not self.env):
             raise InvalidSpec(f"custom workload {self.name!r}: env must be one of: {describe_envs()}")
+        if self.task_type == "custom" and not (self.env or self.dataset):
+            raise InvalidSpec(f"custom workload {self.name!r} needs env or dataset: its sample layout")
         if self.task_type == "sft" and not self.dataset:
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
