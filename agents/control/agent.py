@@ -34,6 +34,7 @@ from joynexus.agents.control.data import DataGateway
 from joynexus.agents.control.door import DoorCount
 from joynexus.agents.control.operator import OperatorAPI
 from joynexus.agents.control.submissions import SubmissionsAPI
+from joynexus.agents.control.training import TrainingAPI
 from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
@@ -71,7 +72,7 @@ def _key_error(code: str, message: str) -> KeyReply:
 _NOT_RECORDS = (CURSOR_KEYS,)
 
 
-class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKeysAPI):
+class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKeysAPI, TrainingAPI):
     def __init__(
         self,
         broker: Broker,
