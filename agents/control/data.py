@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import msgspec
@@ -124,6 +125,9 @@ class DataGateway(ControlBase):
                 check_rows(data, fs, job.workload)
             check_values(data, fs, job.workload)
             held[job.job_id] = held.get(job.job_id, 0) + size
+            wait = self._tq_pace.delay(tenant, size, time.monotonic(), self.quotas.get(tenant).tq_bytes_per_s)
+            if wait > 0:
+                await asyncio.sleep(min(wait, 30.0))
             meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
         except (InvalidSpec, ShapeMismatch) as e:
             # Bad rows: the job will never be closed; end it now so it holds no slot.
