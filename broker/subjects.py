@@ -65,6 +65,11 @@ APIKEY_KEYS = "key."
 APIKEY_USED_KEYS = "used."
 #: The tenants bucket's global admission limits.
 GLOBAL_LIMITS_KEY = "_global.limits"
+#: The trainer bucket's training-client keys (call results, named checkpoints) and
+#: the named checkpoints' objects (apart from those the actor's commits sweep).
+CALL_RESULT_KEYS = "res."
+NAMED_STATE_KEYS = "state."
+NAMED_STATE_OBJECTS = "states"
 
 def any_namespace(token: str, tail: str = ">") -> str:
     """``*.<token>.<tail>``: a subject of this layout in every namespace."""
@@ -275,6 +280,21 @@ class Names:
     def weights_object(tenant_id: str, workload: str, version: int) -> str:
         """Object name in the weights store for one policy version."""
         return f"{tenant_id}/{workload}/v{version}.safetensors"
+
+    @staticmethod
+    def call_result_key(tenant_id: str, workload: str, job_id: str) -> str:
+        """Key in the trainer bucket of a training-client call's result."""
+        return f"{CALL_RESULT_KEYS}{tenant_id}.{workload}.{job_id}"
+
+    @staticmethod
+    def named_state_key(tenant_id: str, workload: str, name: str) -> str:
+        """Key in the trainer bucket of a named checkpoint (``*``: a filter of all)."""
+        return f"{NAMED_STATE_KEYS}{tenant_id}.{workload}.{name}"
+
+    @staticmethod
+    def named_state_object(tenant_id: str, workload: str, name: str, nonce: str) -> str:
+        """Object name in the checkpoints store of a named checkpoint's bytes."""
+        return f"{NAMED_STATE_OBJECTS}/{tenant_id}/{workload}/{name}-{nonce}.ckpt"
 
     # -- the job event log
     def job_subject(self, tenant_id: str, job_id: str, state: JobState | str) -> str:

@@ -52,6 +52,8 @@ class CheckpointRecord(Wire, kw_only=True, omit_defaults=True):
     sha256: str
     jobs_applied: int = 0
     last_job: str | None = None
+    #: A custom workload's last applied training-client call (its ``seq``).
+    last_call_seq: int = 0
     #: Which actor instance committed it, and when.
     written_by: str = ""
     written_at: float = 0.0
@@ -96,14 +98,11 @@ class TrainerStateStore:
 
     async def load(self, tenant_id: str, workload: str) -> Loaded | None:
         """The checkpoint in force, or None if this tenant's policy never committed one."""
-        kv, obj = await self._stores()
-        try:
-            entry = await kv.get(self.key(tenant_id, workload))
-        except KeyNotFoundError:
+        _, obj = await self._stores()
+        head = await self.head(tenant_id, workload)
+        if head is None:
             return None
-        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-            return None
-        rec = decode(entry.value, CheckpointRecord, what="trainer checkpoint record")
+        rec, revision = head
         buf = io.BytesIO()
         try:
             await obj.get(rec.object_name, writeinto=buf)
@@ -120,7 +119,24 @@ class TrainerStateStore:
                 f"({len(data)} bytes, sha256 {digest[:12]}; record: {rec.size_bytes} bytes, "
                 f"{rec.sha256[:12]})"
             )
-        return Loaded(record=rec, data=data, revision=int(entry.revision or 0))
+        return Loaded(record=rec, data=data, revision=revision)
+
+    async def head(self, tenant_id: str, workload: str) -> tuple[CheckpointRecord, int] | None:
+        """The checkpoint record in force and its revision, without its bytes (None:
+        none): a holder of a cached state checks it is still the one committed."""
+        kv, _ = await self._stores()
+        try:
+            entry = await kv.get(self.key(tenant_id, workload))
+        except KeyNotFoundError:
+            return None
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            return None
+        return decode(entry.value, CheckpointRecord, what="trainer checkpoint record"), int(entry.revision or 0)
+
+    async def revision(self, tenant_id: str, workload: str) -> int | None:
+        """The revision of the checkpoint record in force (None: none)."""
+        head = await self.head(tenant_id, workload)
+        return None if head is None else head[1]
 
     async def save(
         self,
@@ -132,6 +148,7 @@ class TrainerStateStore:
         expected_revision: int | None,
         jobs_applied: int = 0,
         last_job: str | None = None,
+        last_call_seq: int = 0,
     ) -> int:
         """Commit ``data`` as the checkpoint in force; returns the new KV revision.
 
@@ -152,6 +169,7 @@ class TrainerStateStore:
             sha256=hashlib.sha256(data).hexdigest(),
             jobs_applied=jobs_applied,
             last_job=last_job,
+            last_call_seq=last_call_seq,
             written_by=self.instance,
             written_at=time.time(),
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from joynexus.schemas import training as t
 from joynexus.schemas import workloads as w
 from joynexus.schemas.apikeys import KEY_VERBS
 from joynexus.schemas.base import Wire
@@ -35,6 +36,9 @@ VERBS: dict[str, type[Any]] = {
     "get_policy": w.PolicyQuery,
     "get_video": w.VideoQuery,
     "usage": UsageQuery,
+    # The training client (schemas/training.py): a call becomes a job; its result.
+    "train_call": t.TrainCall,
+    "train_result": t.TrainResultQuery,
 }
 
 #: The operator API's verbs (each takes a ``TenantRequest``; the key verbs a ``KeyRequest``).

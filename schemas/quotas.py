@@ -43,6 +43,9 @@ class Quota(Wire, kw_only=True, omit_defaults=True):
     max_active_rollouts: int = 4
     #: Bytes of the tenant's rows in the Training Queue at once (all its partitions).
     tq_bytes: int = 256 * MiB
+    #: Bytes a second into the Training Queue (put_data waits past it; a burst of one
+    #: second's bytes goes at once). 0 turns the pacing off.
+    tq_bytes_per_s: int = 16 * MiB
     #: Tenant-opened jobs (open_job) not yet closed.
     max_open_jobs: int = 16
     #: Evaluation: episodes of one evaluation, evaluations running at once.

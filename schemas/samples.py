@@ -49,6 +49,14 @@ OLD_LOGP_FIELD = "old_logp"
 VALUES_FIELD = "values"
 ADVANTAGES_FIELD = "advantages"
 RETURNS_FIELD = "returns"
+#: A training client's rows (schemas/training.py): a flow head's point and time of
+#: ``forward``, and the gradients of a custom loss with respect to the outputs.
+FLOW_XT_FIELD = "flow_xt"
+FLOW_T_FIELD = "flow_t"
+GRAD_MEAN_FIELD = "grad_mean"
+GRAD_LOG_STD_FIELD = "grad_log_std"
+GRAD_VALUE_FIELD = "grad_value"
+GRAD_VELOCITY_FIELD = "grad_velocity"
 #: The synthetic role's rows (agents/synthetic.py: load without a simulator) are
 #: whole fake trajectories [B, T, ...], not the shapes above: names of their own.
 SYN_OBS_FIELD = "syn_obs"
@@ -82,7 +90,8 @@ DIMS = ("H", "A", "S", "C", "IH", "IW", "T", "O")
 #: the env workers, the synthetic role and the advantage stage read it. ``by``:
 #: "sample" (every job's producer: the service's or a tenant's), "rollout" (RL
 #: rows; the SDK requires those a tenant's rollout needs, see REQUIRED),
-#: "actor_forward" and "advantages" (the stages that add columns), "synthetic"
+#: "actor_forward" and "advantages" (the stages that add columns), "custom" (a
+#: training client's calls, schemas/training.py), "synthetic"
 #: (the synthetic role's own rows, read by nothing else).
 FIELDS: dict[str, Field] = {
     f.name: f
@@ -113,6 +122,13 @@ FIELDS: dict[str, Field] = {
         Field(VALUES_FIELD, "float32", (), "actor_forward", "critic value estimate"),
         Field(ADVANTAGES_FIELD, "float32", (), "advantages", "advantage of the row"),
         Field(RETURNS_FIELD, "float32", (), "advantages", "return of the row (GAE)"),
+        Field(FLOW_XT_FIELD, "float32", ("H", "A"), "custom",
+              "a flow head's point x_t (normalised action units) for forward"),
+        Field(FLOW_T_FIELD, "float32", (), "custom", "a flow head's time t in [0, 1] for forward"),
+        Field(GRAD_MEAN_FIELD, "float32", ("H", "A"), "custom", "d(loss)/d(mean chunk)"),
+        Field(GRAD_LOG_STD_FIELD, "float32", ("A",), "custom", "d(loss)/d(log_std) per row"),
+        Field(GRAD_VALUE_FIELD, "float32", (), "custom", "d(loss)/d(value)"),
+        Field(GRAD_VELOCITY_FIELD, "float32", ("H", "A"), "custom", "d(loss)/d(velocity)"),
         Field(SYN_OBS_FIELD, "float32", ("T", "O"), "synthetic", "fake observations"),
         Field(SYN_ACTIONS_FIELD, "float32", ("T", "A"), "synthetic", "fake actions"),
         Field(SYN_REWARDS_FIELD, "float32", ("T",), "synthetic", "fake rewards"),
@@ -187,7 +203,13 @@ __all__ = [
     "EPISODE_SEED_FIELD",
     "EXECUTED_ACTION_FIELD",
     "FIELDS",
+    "FLOW_T_FIELD",
+    "FLOW_XT_FIELD",
     "FRAME_INDEX_FIELD",
+    "GRAD_LOG_STD_FIELD",
+    "GRAD_MEAN_FIELD",
+    "GRAD_VALUE_FIELD",
+    "GRAD_VELOCITY_FIELD",
     "IMAGE_FIELD_PREFIX",
     "OBS_IMAGES",
     "OBS_STATE",

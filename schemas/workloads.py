@@ -185,6 +185,10 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         if self.episodes < 1:
             raise InvalidSpec(f"episodes must be >= 1, got {self.episodes}")
         self._check_eval_fields()
+        if self.task_type == "custom" and not (self.env in RL_ENVS or libero_task(self.env) or not self.env):
+            raise InvalidSpec(f"custom workload {self.name!r}: env must be one of: {describe_envs()}")
+        if self.task_type == "custom" and not (self.env or self.dataset):
+            raise InvalidSpec(f"custom workload {self.name!r} needs env or dataset: its sample layout")
         if self.task_type == "sft" and not self.dataset:
             raise InvalidSpec(
                 f"sft workload {self.name!r} needs dataset: the root directory of a LeRobot dataset"
@@ -229,9 +233,9 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
         if self.init_from is not None and self.init_from < 0:
             raise InvalidSpec(f"init_from must be a version >= 0, got {self.init_from}")
         if self.init_from_export:
-            if self.task_type not in ("sft", "rl"):
+            if self.task_type not in ("sft", "rl", "custom"):
                 raise InvalidSpec(
-                    f"init_from_export applies to sft and rl workloads (the heads they train), "
+                    f"init_from_export applies to sft, rl and custom workloads (the heads they train), "
                     f"not {self.task_type}"
                 )
             if self.init_from_workload:

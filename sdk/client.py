@@ -15,6 +15,7 @@ This module needs only the base install (no torch).
 
 The verbs are grouped by family: workloads and their events here, your own
 data and actions in sdk/data.py, policies and evaluations in sdk/policies.py,
+the training client of a custom workload in sdk/training.py,
 on the request plumbing of sdk/base.py.
 """
 
@@ -40,6 +41,7 @@ from joynexus.schemas.workloads import (
 )
 from joynexus.sdk.data import DataCalls
 from joynexus.sdk.policies import PolicyCalls
+from joynexus.sdk.training import TrainingCalls
 
 #: How long one read_events request waits for new events.
 EVENTS_WAIT_S = 5.0
@@ -78,7 +80,7 @@ class Workload:
         )
 
 
-class Client(DataCalls, PolicyCalls):
+class Client(DataCalls, PolicyCalls, TrainingCalls):
     """The async client of one tenant. Create it with :meth:`connect`."""
 
     @classmethod

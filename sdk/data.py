@@ -173,6 +173,12 @@ class DataCalls(ClientBase):
             )
         rows = len(data[STATE_FIELD])
         job = await self._open(workload, rows, behavior_policy_version, admission_wait_s)
+        return await self._send_rows(job, data)
+
+    async def _send_rows(self, job: TrainingJob, data: Mapping[str, Any]) -> TrainingJob:
+        """Put ``data``'s rows into the open ``job`` (requests under the payload
+        limit) and close it; on any failure the job is aborted (it holds no slot)."""
+        rows = len(data[STATE_FIELD])
         arrays = {k: np.ascontiguousarray(v) for k, v in data.items()}
         row_bytes = sum(a[0].nbytes for a in arrays.values() if len(a)) or 1
         step = max(1, min(PUT_CHUNK_BYTES, self._b.max_payload * 3 // 4) // row_bytes)

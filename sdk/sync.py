@@ -96,6 +96,12 @@ class SyncClient:
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *FUTURE_METHODS})
 
+    def training_client(self, workload: str) -> SyncTrainingClient:
+        """A blocking-future facade over ``Client.training_client(workload)``: each
+        call returns a ``concurrent.futures.Future`` at once (``.result()``), in order."""
+        tc = self._run(lambda: self._client.training_client(workload)).result()
+        return SyncTrainingClient(self, tc)
+
     def events(
         self, workload: str | None = None, *, timeout_s: float | None = None
     ) -> Iterator[JobEvent]:
@@ -136,3 +142,30 @@ class SyncClient:
 
 async def _awaitable(x: Awaitable[T]) -> T:
     return await x
+
+
+class SyncTrainingClient:
+    """The training client's calls as blocking futures (see ``SyncClient.training_client``)."""
+
+    CALLS = frozenset({"forward", "forward_backward", "forward_backward_custom", "optim_step",
+                       "zero_grad", "save_state", "load_state", "list_states", "delete_state"})
+
+    def __init__(self, sync: SyncClient, tc: Any) -> None:
+        self._sync = sync
+        self._tc = tc
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.CALLS:
+            raise AttributeError(f"SyncTrainingClient has no attribute {name!r}")
+        fn = getattr(self._tc, name)
+
+        def call(*args: Any, **kw: Any) -> concurrent.futures.Future[Any]:
+            # Made on the client's loop in call order (the calls apply in that order).
+            return self._sync._run(lambda: _awaitable(fn(*args, **kw)))
+
+        call.__doc__ = fn.__doc__
+        return call
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self.CALLS})
+

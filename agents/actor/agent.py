@@ -39,19 +39,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from opentelemetry import trace
 
 from joynexus.agents.actor.batch import StepKnobs, train_item
+from joynexus.agents.actor.calls import CallLog
+from joynexus.agents.actor.custom import CallTodo, CustomCalls, compute_call
 from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
@@ -67,74 +65,33 @@ from joynexus.agents.actor.forward import (
     uses_actor_forward,
     uses_decisions,
 )
+from joynexus.agents.actor.state import TenantState
 from joynexus.agents.leases import keep_leases
 from joynexus.agents.models.backbone import Backbone
-from joynexus.agents.models.grouped import TrainItem, isolated_train_step, plan_groups
-from joynexus.agents.models.heads.tenant import TenantModule
+from joynexus.agents.models.grouped import (
+    TrainItem,
+    isolated_train_step,
+    plan_groups,
+    shared_features,
+)
 from joynexus.agents.models.policyio import PolicyStore, feature_schema_of
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
+from joynexus.broker.trainercalls import CallStore
 from joynexus.broker.trainerstate import TrainerStateStore
 from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError, StaleLease
-from joynexus.schemas.inference import PolicyRecord
 from joynexus.schemas.jobs import TrainingJob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TenantState:
-    module: TenantModule
-    record: PolicyRecord  # the latest version this actor knows (schema, base model)
-    applied: dict[str, int] = field(default_factory=dict)  # job_id -> version it produced
-    dir: Path = Path()
-    #: Revision of this tenant's record in the trainer KV this state was loaded or
-    #: committed at (None: no committed checkpoint yet): the compare-and-set token.
-    revision: int | None = None
-
-    def blob(self) -> bytes:
-        """The checkpoint's bytes: module (weights, optimizer, version) and applied jobs."""
-        buf = io.BytesIO()
-        torch.save({"module": self.module.state_dict(), "applied": self.applied}, buf)
-        return buf.getvalue()
-
-    @staticmethod
-    def unpack(data: bytes) -> tuple[TenantModule, dict[str, int]]:
-        saved = torch.load(io.BytesIO(data), weights_only=True)
-        return TenantModule.from_state_dict(saved["module"]), dict(saved["applied"])
-
-    def save(self, data: bytes | None = None) -> None:
-        """The local cache of the checkpoint, written atomically (the one in force is
-        the trainer KV's, see ``Actor._commit``)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / "checkpoint.pt.tmp"
-        tmp.write_bytes(self.blob() if data is None else data)
-        os.replace(tmp, self.dir / "checkpoint.pt")
-        manifest = {
-            "tenant_id": self.record.tenant_id,
-            "workload": self.record.workload,
-            "version": self.module.version,
-            "head_type": self.module.head_type,
-            "schema_signature": self.record.schema_signature,
-            "base_model": self.record.base_model,
-            # State/action statistics the head applies (also inside its weights).
-            "normalization": self.module.normalization(),
-            "jobs_applied": len(self.applied),
-            "last_job": next(reversed(self.applied), None),
-            "updated_at": time.time(),
-        }
-        tmp_m = self.dir / "manifest.json.tmp"
-        tmp_m.write_text(json.dumps(manifest, indent=2))
-        os.replace(tmp_m, self.dir / "manifest.json")
 
 
 #: A job of a group step: the job, its tenant's state, the item it trains on.
 Todo = tuple[TrainingJob, TenantState, TrainItem]
 
 
-class Actor:
+class Actor(CustomCalls):
     def __init__(
         self,
         broker: Broker,
@@ -164,6 +121,7 @@ class Actor:
         self.tq = TrainingQueue(broker)
         self.policies = PolicyStore(broker)
         self.trainer_state = TrainerStateStore(broker, instance=instance)
+        self.calls = CallStore(broker)
         self.tenants: dict[tuple[str, str], TenantState] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -171,8 +129,13 @@ class Actor:
     # ------------------------------------------------------------ tenant state
     async def tenant(self, tenant_id: str, workload: str) -> TenantState:
         key = (tenant_id, workload)
-        if key in self.tenants:
-            return self.tenants[key]
+        cached = self.tenants.get(key)
+        if cached is not None:
+            # Another actor may have committed this tenant since this copy was loaded
+            # or committed here: use the copy only while its revision is in force.
+            if await self.trainer_state.revision(tenant_id, workload) == cached.revision:
+                return cached
+            del self.tenants[key]
         d = self.out_dir / tenant_id / workload
         record = await self.policies.latest(tenant_id, workload)
         # The checkpoint in force is the cluster's (any host reads it); the local file
@@ -181,16 +144,17 @@ class Actor:
         ckpt = d / "checkpoint.pt"
         revision = None
         if loaded is not None:
-            module, applied = await asyncio.to_thread(TenantState.unpack, loaded.data)
+            module, applied, calls = await asyncio.to_thread(TenantState.unpack, loaded.data)
             revision = loaded.revision
         elif ckpt.exists():
-            module, applied = await asyncio.to_thread(TenantState.unpack, ckpt.read_bytes())
+            module, applied, calls = await asyncio.to_thread(TenantState.unpack, ckpt.read_bytes())
         else:
-            module, applied = await self.policies.load_module(record), {}
+            module, applied, calls = await self.policies.load_module(record), {}, CallLog()
         if module.version < record.version:
             # Someone published past the checkpoint: take theirs, fresh optimizer.
             module = await self.policies.load_module(record)
-        state = TenantState(module=module, record=record, applied=applied, dir=d, revision=revision)
+        state = TenantState(module=module, record=record, applied=applied, dir=d, revision=revision,
+                            calls=calls)
         self.tenants[key] = state
         return state
 
@@ -235,11 +199,15 @@ class Actor:
     async def train_group(self, jobs: list[TrainingJob]) -> None:
         """Train on a group of leased jobs (distinct tenant policies) and complete them:
         load, one grouped step, metrics, then each tenant's commit on its own."""
-        todo = await self._load_group(jobs)
-        if not todo:
+        # A training client's calls (custom jobs): those with rows share the base forward.
+        calls = [c for j in jobs if j.task_type == "custom" and (c := await self.prepare_call(j))]
+        todo = await self._load_group([j for j in jobs if j.task_type != "custom"])
+        if not todo and not calls:
             return
-        losses, stats, busy = await self._step_group(todo)
-        await self._report_busy(todo, busy)
+        losses, stats, busy, results = await self._step_group(todo, calls)
+        await self._report_busy(todo, busy, calls)
+        for call, result in zip(calls, results, strict=True):
+            await self.settle_call(call, result)
         for (job, st, _), outcome, stat in zip(todo, step_outcomes(losses), stats, strict=True):
             if outcome.error is not None:
                 # This tenant's item went wrong inside the step: its module did not step
@@ -270,12 +238,13 @@ class Actor:
         return todo
 
     async def _step_group(
-        self, todo: list[Todo]
-    ) -> tuple[list[float | JoyNexusError], list[dict[str, float]], tuple[float, float, float]]:
+        self, todo: list[Todo], calls: Sequence[CallTodo] = ()
+    ) -> tuple[list[float | JoyNexusError], list[dict[str, float]], tuple[float, float, float],
+               list[dict[str, Any] | JoyNexusError]]:
         """The grouped step on the worker thread, with the leases kept alive and one
         span per job in its own trace (the group's span links them). Returns each
         item's loss or error, each module's stats, and (wall start, wall end, CPU s)."""
-        hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo]))  # noqa: RUF006
+        hb = asyncio.create_task(keep_leases(self.sched, [j for j, _, _ in todo] + [c.job for c in calls]))  # noqa: RUF006
         t0 = time.perf_counter()
         wall_start = time.time()
         cpu_start = time.process_time()  # CPU seconds of this process: compute, not waiting
@@ -291,7 +260,7 @@ class Actor:
                 job_spans.append(job_span)
             with tracing.tracer.start_as_current_span("actor.train_group", links=links) as span:
                 span.set_attribute("jobs", len(todo))
-                losses = await asyncio.to_thread(self._step, [it for _, _, it in todo])
+                losses, results = await asyncio.to_thread(self._step, [it for _, _, it in todo], calls)
                 stats = [dict(st.module.last_stats) for _, st, _ in todo]
         finally:
             for _, st, _ in todo:  # a step that never ran leaves nothing staged
@@ -303,9 +272,10 @@ class Actor:
                 await hb
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
-        return losses, stats, (wall_start, time.time(), time.process_time() - cpu_start)
+        return losses, stats, (wall_start, time.time(), time.process_time() - cpu_start), results
 
-    async def _report_busy(self, todo: list[Todo], busy: tuple[float, float, float]) -> None:
+    async def _report_busy(self, todo: list[Todo], busy: tuple[float, float, float],
+                           calls: Sequence[CallTodo] = ()) -> None:
         wall_start, wall_end, cpu_s = busy
         await metrics.busy(
             self.b,
@@ -315,9 +285,10 @@ class Actor:
             cpu_s=cpu_s,
             instance=self.instance,
             jobs=len(todo),
-            tenants=sorted({j.tenant_id for j, _, _ in todo}),
+            tenants=sorted({j.tenant_id for j, _, _ in todo} | {c.job.tenant_id for c in calls}),
             # rows per tenant in this step (usage metering splits the step's time by them)
-            tenant_rows=tenant_rows((j.tenant_id, int(it.target.shape[0])) for j, _, it in todo),
+            tenant_rows=tenant_rows([(j.tenant_id, int(it.target.shape[0])) for j, _, it in todo]
+                                    + [(c.job.tenant_id, c.item.batch.batch_size) for c in calls if c.item]),
         )
 
     async def _commit(self, job: TrainingJob, st: TenantState) -> bool:
@@ -335,6 +306,7 @@ class Actor:
                 expected_revision=st.revision,
                 jobs_applied=len(st.applied),
                 last_job=job.job_id,
+                last_call_seq=st.calls.last_seq,
             )
         except Conflict as e:
             log.warning("job %s: step not committed: %s", job.job_id, e)
@@ -343,19 +315,27 @@ class Actor:
         await asyncio.to_thread(st.save, data)
         return True
 
-    def _step(self, items: list[TrainItem]) -> list[float | JoyNexusError]:
-        """Compatible items share one backbone forward; others get their own.
+    def _step(self, items: list[TrainItem], calls: Sequence[CallTodo] = ()
+              ) -> tuple[list[float | JoyNexusError], list[dict[str, Any] | JoyNexusError]]:
+        """Compatible items (and calls' rows) share one backbone forward; others get
+        their own.
 
         Per item its loss, or the error that kept it from stepping (its module
-        unchanged): one tenant's bad item never stops the others' steps.
+        unchanged), and per call its result or error: one tenant's bad item never
+        stops the others' steps.
         """
-        losses: dict[int, float | JoyNexusError] = {}
-        for idx in plan_groups([it.batch for it in items]):
-            for i, loss in zip(
-                idx, isolated_train_step(self.backbone, [items[i] for i in idx]), strict=True
-            ):
-                losses[i] = loss
-        return [losses[i] for i in range(len(items))]
+        every = [*items, *[c.item for c in calls if c.item is not None]]
+        out: dict[int, Any] = {}
+        for idx in plan_groups([it.batch for it in every]):
+            feats = shared_features(self.backbone, [every[i] for i in idx])
+            train = [k for k, i in enumerate(idx) if i < len(items)]
+            for k, loss in zip(train, isolated_train_step(
+                    self.backbone, [every[idx[k]] for k in train], [feats[k] for k in train]), strict=True):
+                out[idx[k]] = loss
+            for k, i in enumerate(idx):
+                if i >= len(items):
+                    out[i] = compute_call(calls[i - len(items)], feats[k])
+        return [out[i] for i in range(len(items))], [out[len(items) + i] for i in range(len(calls))]
 
     @property
     def knobs(self) -> StepKnobs:

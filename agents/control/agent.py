@@ -31,9 +31,10 @@ from joynexus.agents.control.checks import (
     tenant_of_subject,
 )
 from joynexus.agents.control.data import DataGateway
-from joynexus.agents.control.door import DoorCount
+from joynexus.agents.control.door import DoorCount, IngressPace
 from joynexus.agents.control.operator import OperatorAPI
 from joynexus.agents.control.submissions import SubmissionsAPI
+from joynexus.agents.control.training import TrainingAPI
 from joynexus.agents.control.workloads import WorkloadsAPI
 from joynexus.agents.datasets import default_root
 from joynexus.agents.scheduler_client import SchedulerClient
@@ -71,7 +72,7 @@ def _key_error(code: str, message: str) -> KeyReply:
 _NOT_RECORDS = (CURSOR_KEYS,)
 
 
-class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKeysAPI):
+class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKeysAPI, TrainingAPI):
     def __init__(
         self,
         broker: Broker,
@@ -122,6 +123,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         )
         self._records_by_key = self._records_mirror.values
         self._tq_bytes = {}
+        self._tq_pace = IngressPace()
         self._log = JobEventLog(broker)
         # Usage metering (broker.usage): folds busy intervals, queue puts and job ends
         # into a checkpoint; answers the usage verb (the tenant's own figures only).

@@ -19,6 +19,7 @@ from typing import Any
 from nats.js.errors import KeyNotFoundError
 
 from joynexus.agents.control.checks import cancelled, ended, open_jobs_of
+from joynexus.agents.control.door import IngressPace
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
@@ -69,6 +70,7 @@ class ControlBase:
     _records_by_key: dict[str, WorkloadRecord]
     # Training Queue bytes a tenant put, per open job (released when the job ends).
     _tq_bytes: dict[str, dict[str, int]]
+    _tq_pace: IngressPace  # each tenant's Training Queue bytes a second
     meter: Meter
 
     async def revoke_tenant_keys(self, tenant: str) -> list[str]:

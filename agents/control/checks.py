@@ -243,8 +243,8 @@ def ended(rec: WorkloadRecord, end: WorkloadEnded) -> WorkloadRecord | None:
 
 # ------------------------------------------------------------ submissions
 def takes_tenant_data(spec: WorkloadSpec) -> bool:
-    """A workload the tenant feeds itself (open_job, put_data, close_job)."""
-    return spec.source == "tenant" and spec.task_type in ("rl", "sft")
+    """A workload the tenant feeds itself (open_job or train_call, put_data, close_job)."""
+    return spec.task_type == "custom" or (spec.source == "tenant" and spec.task_type in ("rl", "sft"))
 
 
 def check_open_job(
@@ -253,6 +253,11 @@ def check_open_job(
     """May ``tenant``, with ``opened`` jobs open, open a job of ``sample_count``
     samples on its workload ``rec`` (named ``name`` in the request)?"""
     spec = rec.spec
+    if spec.task_type == "custom":
+        raise InvalidSpec(
+            f"workload {name!r} is custom: its rows come with training-client calls "
+            "(client.training_client), not open_job"
+        )
     if not takes_tenant_data(spec):
         raise InvalidSpec(
             f"workload {name!r} is fed by the service ({spec.task_type}, source "

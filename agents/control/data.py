@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import msgspec
@@ -39,6 +40,8 @@ from joynexus.schemas.base import decode
 from joynexus.schemas.errors import InvalidSpec, JoyNexusError, ShapeMismatch, UnknownTenant
 from joynexus.schemas.jobs import WorkloadEnded, check_name
 from joynexus.schemas.rows import check_values
+from joynexus.schemas.samples import dims_of
+from joynexus.schemas.training import HEAD_FAMILIES, TrainCall, check_call_rows
 from joynexus.schemas.workloads import (
     ApiReply,
     EventEntry,
@@ -109,10 +112,22 @@ class DataGateway(ControlBase):
         check_tq_room(tenant, sum(held.values()), size, self.quotas.get(tenant))
         try:
             data = {metrics.clip(name, 64): t.to_array(name) for name, t in req.fields.items()}
-            fs = (await self._policies.latest(tenant, job.workload)).feature_schema
-            check_rows(data, fs, job.workload)
+            policy = await self._policies.latest(tenant, job.workload)
+            fs = policy.feature_schema
+            if job.task_type == "custom":  # a training client's call: the fields it reads
+                check_call_rows(
+                    TrainCall.from_extra(job.metadata.extra), HEAD_FAMILIES.get(policy.head_type, ""),
+                    {k: tuple(a.shape[1:]) for k, a in data.items()},
+                    dims_of(fs.action_horizon, fs.action_dim, fs.state_dim, fs.channels, fs.image_hw),
+                    fs.camera_slots,
+                )
+            else:
+                check_rows(data, fs, job.workload)
             check_values(data, fs, job.workload)
             held[job.job_id] = held.get(job.job_id, 0) + size
+            wait = self._tq_pace.delay(tenant, size, time.monotonic(), self.quotas.get(tenant).tq_bytes_per_s)
+            if wait > 0:
+                await asyncio.sleep(min(wait, 30.0))
             meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
         except (InvalidSpec, ShapeMismatch) as e:
             # Bad rows: the job will never be closed; end it now so it holds no slot.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_STRIKES", "DoorCount"]
+__all__ = ["MAX_STRIKES", "DoorCount", "IngressPace"]
 
 #: Pauses in a row double up to 2^(MAX_STRIKES - 1) times ``penalty_s``.
 MAX_STRIKES = 5
@@ -65,3 +65,23 @@ class DoorCount:
         t.last_pause_s = penalty_s * 2 ** (t.strikes - 1)
         t.paused_until = now + t.last_pause_s
         return t.paused_until, t.count, t.strikes
+
+
+@dataclass
+class IngressPace:
+    """Each tenant's Training Queue bytes paced to its ``tq_bytes_per_s``: a token
+    bucket holding at most one second's bytes. ``delay`` reserves a put's bytes and
+    says how long to wait before storing them (0: at once). A push of a whole quota
+    at once (the stream persists every byte) is spread over seconds, so the other
+    tenants' calls do not all land in the same moment of storage work; the wait
+    holds only the pushing tenant's own working slots."""
+
+    tenants: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def delay(self, tenant: str, size: int, now: float, rate: int) -> float:
+        if rate <= 0:
+            return 0.0
+        tokens, last = self.tenants.get(tenant, (float(rate), now))
+        tokens = min(float(rate), tokens + (now - last) * rate) - size
+        self.tenants[tenant] = (tokens, now)
+        return 0.0 if tokens >= 0 else -tokens / rate

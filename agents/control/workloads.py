@@ -34,7 +34,7 @@ class WorkloadsAPI(ControlBase):
         (else QuotaExceeded), the operator's priority, the dataset resolved in the
         tenant's own space (and so the exported head or LeRobot checkpoint it starts from)."""
         spec = bound_spec(tenant, spec, q)
-        if spec.task_type == "sft" and spec.dataset:
+        if spec.task_type in ("sft", "custom") and spec.dataset:
             spec = msgspec.structs.replace(
                 spec, dataset=resolve_dataset(self.datasets_root, tenant, spec.dataset,
                                               q.dataset_root)

@@ -56,8 +56,12 @@ from joynexus.schemas.workloads import WorkloadRecord
 
 log = logging.getLogger(__name__)
 #: Each connection's kernel send buffer (loopback autotunes it to megabytes, so a
-#: client that never reads its small replies held its slot for minutes).
-SEND_BUFFER_BYTES = 64 * 1024
+#: client that never reads its small replies held its slot for minutes), and the
+#: websocket's own write buffer before a send waits (its default: 32 KiB). Together
+#: they bound what a client that never reads holds before it is cut off: about 250
+#: answers, 6-10 s (at 64 KiB and the default: about 870 answers, 15-20 s).
+SEND_BUFFER_BYTES = 16 * 1024
+WRITE_LIMIT_BYTES = 8 * 1024
 
 #: openpi's reply key for the action chunk (the same word as the Training Queue's field).
 ACTIONS_KEY = ACTIONS_FIELD
@@ -120,6 +124,7 @@ class PolicyGateway:
             self._handler, self.o.host, self.o.port, ssl=ctx,
             process_request=self._process_request, compression=None,
             max_size=self.o.max_frame_bytes or self.b.max_payload, max_queue=1,
+            write_limit=WRITE_LIMIT_BYTES,
             server_header="joynexus-gateway", logger=logging.getLogger(__name__ + ".ws"),
         )
         self.port = int(self._server.sockets[0].getsockname()[1])

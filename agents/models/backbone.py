@@ -46,6 +46,7 @@ from joynexus.agents.models.backbone_inputs import (
     right_pad,
 )
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
+from joynexus.agents.models.seeding import seeded
 from joynexus.agents.models.tokenizer import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -130,8 +131,7 @@ class Backbone:
             image_processor = build_image_processor(config.image_size)
             qcfg = build_qwen_config(config.size, tokenizer)
             qcfg._attn_implementation = "sdpa"
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed)
+            with seeded(config.seed):
                 model = Qwen2_5_VLModel(qcfg)
         return cls(model, tokenizer, image_processor, config)
 

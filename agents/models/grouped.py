@@ -39,6 +39,7 @@ __all__ = [
     "plan_groups",
     "serial_forward",
     "serial_train_step",
+    "shared_features",
 ]
 
 
@@ -148,7 +149,10 @@ def grouped_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[f
     return losses
 
 
-def isolated_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[float | JoyNexusError]:
+def isolated_train_step(
+    backbone: Backbone, items: Sequence[TrainItem],
+    features: Sequence[torch.Tensor | JoyNexusError] | None = None,
+) -> list[float | JoyNexusError]:
     """``grouped_train_step`` that never lets one item stop the others.
 
     Per item: its loss, or the ``JoyNexusError`` (``InvalidSpec`` for anything
@@ -156,10 +160,13 @@ def isolated_train_step(backbone: Backbone, items: Sequence[TrainItem]) -> list[
     module, optimizer and version are unchanged (``TenantModule.train_step`` is
     all or nothing). If the shared backbone forward fails, each item gets a
     forward of its own, so only the items whose own forward fails are lost.
+    ``features``: the items' features from a forward the caller shared with
+    other work (``shared_features``; a training client's calls).
     """
     _check_tenants([it.tenant for it in items])
     out: list[float | JoyNexusError] = []
-    for it, f in zip(items, _features(backbone, items), strict=True):
+    feats = shared_features(backbone, items) if features is None else features
+    for it, f in zip(items, feats, strict=True):
         if isinstance(f, JoyNexusError):
             out.append(f)
             continue
@@ -181,7 +188,7 @@ def _as_error(e: Exception, it: TrainItem, what: str) -> JoyNexusError:
     )
 
 
-def _features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tensor | JoyNexusError]:
+def shared_features(backbone: Backbone, items: Sequence[TrainItem]) -> list[torch.Tensor | JoyNexusError]:
     """Each item's backbone features (as its head reads them) from one shared forward,
     or (if that fails) from a forward of its own; an item whose own forward fails gets
     the error."""

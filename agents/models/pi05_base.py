@@ -34,6 +34,7 @@ from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
 from joynexus.agents.models.pi05_config import PI05_DTYPES, Pi05BaseConfig, build_paligemma_config
 from joynexus.agents.models.prefix import cache_features, camera_images, prefix_rows
+from joynexus.agents.models.seeding import seeded
 from joynexus.agents.models.tokenizer import PAD_TOKEN, build_tokenizer, train_tokenizer
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
@@ -153,8 +154,7 @@ class Pi05Base:
         pcfg = build_paligemma_config(config, tokenizer)
         pcfg.text_config._attn_implementation = "eager"
         pcfg.vision_config._attn_implementation = "eager"
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
+        with seeded(config.seed):
             model = PaliGemmaForConditionalGeneration(pcfg)
         return cls(model, tokenizer, config)
 

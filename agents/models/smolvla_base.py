@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerFast, SmolVLMModel
 from joynexus.agents.models.backbone_inputs import TokenCache, right_pad
 from joynexus.agents.models.features import FeatureBatch, SharedBatch, TokenFeatures
 from joynexus.agents.models.prefix import cache_features, camera_images, prefix_rows
+from joynexus.agents.models.seeding import seeded
 from joynexus.agents.models.smolvla_config import (
     SMOLVLA_DTYPES,
     SmolVLABaseConfig,
@@ -125,8 +126,7 @@ class SmolVLABase:
         scfg = build_smolvlm_config(config, len(tokenizer))
         scfg.text_config._attn_implementation = "eager"
         scfg.vision_config._attn_implementation = "eager"
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
+        with seeded(config.seed):
             model = SmolVLMModel(scfg)
             state_proj = nn.Linear(config.max_state_dim, scfg.text_config.hidden_size)
         return cls(model, state_proj, tokenizer, config)

@@ -81,7 +81,7 @@ def _dataset_layout(root: Path) -> tuple[list[str], tuple[int, int], int, int]:
 
 def workload_schema(spec: WorkloadSpec) -> tuple[FeatureSchema, str]:
     """(schema, instruction) of a workload; a clear error if its env or dataset is unusable."""
-    if spec.task_type in ("rl", "eval"):
+    if spec.task_type in ("rl", "eval") or (spec.task_type == "custom" and spec.env):
         from joynexus.agents.envs.registry import task_spec
 
         env = task_spec(

@@ -223,7 +223,7 @@ async def trainer_continuity(b: Broker, tenants: tuple[tuple[str, str], ...]) ->
     """Per tenant from the job log and the trainer checkpoint in JetStream: the
     versions the completed jobs produced (each once: none stepped twice), and
     whether the optimizer's step count matches the updates (no reset)."""
-    from joynexus.agents.actor.agent import TenantState
+    from joynexus.agents.actor.state import TenantState
     from joynexus.broker.trainerstate import TrainerStateStore
 
     out: dict[str, Any] = {}
@@ -237,7 +237,7 @@ async def trainer_continuity(b: Broker, tenants: tuple[tuple[str, str], ...]) ->
         steps: list[int] = []
         version = None
         if loaded is not None:
-            module, _ = await asyncio.to_thread(TenantState.unpack, loaded.data)
+            module, _, _ = await asyncio.to_thread(TenantState.unpack, loaded.data)
             version = module.version
             steps = sorted(
                 {int(v["step"]) for v in module.optimizer.state_dict()["state"].values()}

@@ -72,6 +72,12 @@ def register(sub: Any) -> None:
             "interleaved: p50/p99 of each and the overhead's paired interval",
         ),
         (
+            "primitives",
+            "a training client's forward_backward + optim_step round trip vs the built-in sft "
+            "step at the same batch size, interleaved: fwdbwd_p50_ms, optim_step_p50_ms, "
+            "sft_step_p50_ms, ratio (target <= 2)",
+        ),
+        (
             "isolation",
             "the attack catalogue (the adversarial suite's) against a fresh secured deployment: "
             "per attack held or not and the victim tenant's p50/p99 ratio to its baseline",
@@ -118,6 +124,9 @@ def register(sub: Any) -> None:
             bp.add_argument("--seed", type=int, default=2027, help="with --success (default 2027)")
             bp.add_argument("--max-steps", type=int, default=20,
                             help="with a LIBERO --task: steps per episode (default 20)")
+        if name == "primitives":
+            bp.add_argument("--repeats", type=int, default=20, help="counted rounds (default 20)")
+            bp.add_argument("--rows", type=int, default=8, help="rows per step (default 8)")
         if name == "isolation":
             bp.add_argument(
                 "--datasets-root", metavar="DIR", default=None,
@@ -168,6 +177,16 @@ def _on_url(args: argparse.Namespace, bench: Callable[[str], dict[str, Any] | in
         return result
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _primitives(args: argparse.Namespace) -> int:
+    from joynexus.ops.bench.primitives import bench_primitives
+
+    # Its tenants connect in this process without issued credentials: an embedded
+    # server of its own runs without authorization (with --nats: one that allows it).
+    args.no_auth = True
+    return _on_url(args, lambda url: asyncio.run(
+        bench_primitives(url, repeats=args.repeats, rows=args.rows, progress=not args.json)))
 
 
 def _fairness(args: argparse.Namespace) -> int:
@@ -298,6 +317,7 @@ def _families(args: argparse.Namespace) -> int:
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "scheduler": _scheduler,
     "fairness": _fairness,
+    "primitives": _primitives,
     "tq": _tq,
     "inference": _inference,
     "rr": _rr,

@@ -38,9 +38,10 @@ import pytest
 import torch
 from workload_specs import spec as make_spec
 
-from joynexus.agents.actor.agent import Actor, TenantState
+from joynexus.agents.actor.agent import Actor
 from joynexus.agents.actor.batch import StepKnobs
 from joynexus.agents.actor.forward import gaussian_head
+from joynexus.agents.actor.state import TenantState
 from joynexus.agents.advantage import AdvantageAgent, gae
 from joynexus.agents.control.checks import bound_spec
 from joynexus.agents.envs.maniskill.rollout import episode_seed

@@ -66,3 +66,18 @@ def test_penalty_keys_are_bookkeeping_not_tenants() -> None:
     assert penalised_tenant(penalty_key("mallory")) == "mallory"
     assert is_bookkeeping_key(penalty_key("mallory")) and is_bookkeeping_key("_applied.n1")
     assert not is_bookkeeping_key("mallory") and penalised_tenant("mallory") is None
+
+
+def test_training_queue_bytes_are_paced_to_the_tenants_rate() -> None:
+    from joynexus.agents.control.door import IngressPace
+
+    pace = IngressPace()
+    mib = 1 << 20
+    # One second's bytes go at once; the rest waits its turn, per tenant.
+    assert pace.delay("mallory", 16 * mib, 0.0, 16 * mib) == 0.0
+    assert pace.delay("mallory", 8 * mib, 0.0, 16 * mib) == 0.5
+    assert pace.delay("mallory", 8 * mib, 0.0, 16 * mib) == 1.0
+    assert pace.delay("vera", 4 * mib, 0.0, 16 * mib) == 0.0
+    # Two seconds later the debt is paid and one second's bytes are back, no more.
+    assert pace.delay("mallory", 16 * mib, 3.0, 16 * mib) == 0.0
+    assert pace.delay("mallory", 1, 3.0, 0) == 0.0  # 0: no pacing

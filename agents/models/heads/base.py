@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from joynexus.agents.models.seeding import seeded
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
 __all__ = [
@@ -177,8 +178,7 @@ def build_head(type_name: str, cfg: HeadConfig) -> ActionHead:
     cls = HEADS.get(type_name)
     if cls is None:
         raise InvalidSpec(f"unknown action module {type_name!r}: choose one of {sorted(HEADS)}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+    with seeded(cfg.seed):
         return cls(cfg)
 
 

@@ -25,7 +25,7 @@ from joynexus.agents.models.heads.gaussian import GaussianPolicy
 from joynexus.agents.models.heads.ppo import MAX_LOG_RATIO, PPOBatch
 from joynexus.schemas.errors import InvalidSpec, ShapeMismatch
 
-__all__ = ["CRITIC_LR", "MAX_LR_FACTOR", "MIN_LR_FACTOR", "MIN_STD", "TenantModule"]
+__all__ = ["CRITIC_LR", "MAX_LR_FACTOR", "MIN_LR_FACTOR", "MIN_STD", "TenantModule", "all_finite"]
 
 #: The critic's smallest learning rate (its own optimizer group).
 CRITIC_LR = 1e-3
@@ -35,7 +35,7 @@ MIN_LR_FACTOR, MAX_LR_FACTOR = 1e-3, 10.0
 MIN_STD = 1e-2
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
+def all_finite(tensors: list[torch.Tensor]) -> bool:
     """One sync per device (AdamW keeps its ``step`` counters on the CPU)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -191,7 +191,7 @@ class TenantModule:
                     )
                 loss.backward()
                 grads = [p.grad for p in self.head.parameters() if p.grad is not None]
-                if not _all_finite(grads):
+                if not all_finite(grads):
                     raise InvalidSpec(
                         f"tenant {self.tenant}: non-finite gradients (loss {float(loss.detach()):.4g}): "
                         f"{_non_finite_inputs(feats_B_D, state_B_S, target, weight_B)}; no step taken"
@@ -258,7 +258,7 @@ class TenantModule:
 
     def finite(self) -> bool:
         """Every weight and optimizer moment is finite."""
-        return _all_finite(list(self.head.parameters())) and _all_finite(_moments(self.optimizer))
+        return all_finite(list(self.head.parameters())) and all_finite(_moments(self.optimizer))
 
     @torch.no_grad()
     def act(self, feats_B_D: torch.Tensor, state_B_S: torch.Tensor, **kw: Any) -> torch.Tensor:
