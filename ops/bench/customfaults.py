@@ -37,6 +37,7 @@ import numpy as np
 
 from joynexus.ops.bench.faultrig import Fault, FaultRig, wait_until
 from joynexus.schemas.jobs import JobState, TrainingJob
+from joynexus.schemas.samples import ACTIONS_FIELD, STATE_FIELD, image_field
 from joynexus.schemas.workloads import Scheduling, WorkloadSpec
 from joynexus.sdk import Client
 
@@ -59,17 +60,17 @@ def batches(schema: Any, rounds: int, rows: int = 4, seed: int = 0) -> list[dict
     h, w = schema.image_hw
     out = []
     for _ in range(rounds):
-        b = {f"obs_image_{c}": rng.integers(0, 256, (rows, 3, h, w), dtype=np.uint8)
+        b = {image_field(c): rng.integers(0, 256, (rows, 3, h, w), dtype=np.uint8)
              for c in schema.camera_slots}
-        b["obs_state"] = rng.normal(size=(rows, schema.state_dim)).astype(np.float32)
-        b["actions"] = rng.uniform(-1, 1, (rows, schema.action_horizon, schema.action_dim)).astype(np.float32)
+        b[STATE_FIELD] = rng.normal(size=(rows, schema.state_dim)).astype(np.float32)
+        b[ACTIONS_FIELD] = rng.uniform(-1, 1, (rows, schema.action_horizon, schema.action_dim)).astype(np.float32)
         out.append(b)
     return out
 
 
 def mse(outputs: dict[str, Any], batch: dict[str, Any]) -> Any:
     """The client's own loss (runs here, never on the service)."""
-    return ((outputs["mean"] - batch["actions"]) ** 2).mean()
+    return ((outputs["mean"] - batch[ACTIONS_FIELD]) ** 2).mean()
 
 
 async def program(client: Client, rounds: int = ROUNDS, between: Any = None) -> list[Any]:
@@ -176,9 +177,9 @@ async def catch_holding(rig: FaultRig, tenant: str, caught: dict[str, dict[str, 
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
 
-        async def restarted() -> bool:
+        async def restarted(old: int = pid) -> bool:
             s = rig.manager.core.slots[instance]
-            return s.state == "running" and s.pid not in (None, pid)
+            return s.state == "running" and s.pid not in (None, old)
 
         await wait_until(restarted, within, f"{instance} restarted", every=0.05)
         r = {"job_id": job.job_id, "seq": int(job.metadata.extra.get("seq", "0")),
@@ -262,7 +263,7 @@ async def host_lost_custom(work: Path, rounds: int = 8) -> dict[str, Any]:
     """Two hosts (scheduler, control, actor each) on a 3-node cluster; a training client
     runs the program; host a (supervisor, roles and its node) is killed at once
     mid-program, with calls in flight; each call applied once, in order."""
-    from joynexus.ops.bench.faults import HOSTS_ENV, HostsRig
+    from joynexus.ops.bench.hostsrig import HOSTS_ENV, HostsRig
     from joynexus.ops.runtime.natsserver import local_cluster
 
     roles = ["scheduler", "control", "actor"]
