@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFER_POLL_S", "CallTodo", "CustomCalls", "compute_call"]
 
 #: How often a call held for an earlier one is tried again (when nothing else is pending).
-DEFER_POLL_S = 0.1
+DEFER_POLL_S = 0.25
 
 
 class CustomCalls:
