@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
+from nats.errors import NoRespondersError
 
-from joynexus.schemas.errors import InvalidSpec, error_from_code
+from joynexus.schemas.errors import InvalidSpec, Unavailable, error_from_code
 from joynexus.schemas.inference import FeatureSchemaSpec, decode_msgpack
 from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, STATE_FIELD
 from joynexus.schemas.scheduler import FINAL_REFUSALS
@@ -46,6 +47,9 @@ __all__ = ["TrainingCalls", "TrainingClient"]
 RESULT_WAIT_S = 10.0
 #: How long a call waits for admission in all (then: the future fails).
 ADMISSION_WAIT_S = 600.0
+#: How long a result is asked for again while the control plane does not answer
+#: (restarting, or its host lost and another host's taking over).
+OUTAGE_WAIT_S = 120.0
 
 LossFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -67,6 +71,8 @@ class TrainingClient:
         self.seq = last_seq
         self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
+        #: When the control plane stopped answering train_result (None: it answers).
+        self._outage_since: float | None = None
 
     # ------------------------------------------------------------ the calls
     def forward(self, batch: Mapping[str, Any]) -> asyncio.Future[dict[str, np.ndarray]]:
@@ -166,12 +172,21 @@ class TrainingClient:
         return job.job_id
 
     async def _admitted(self, call: TrainCall) -> Any:
+        """The call's job. Nobody serving ``train_call`` (the control plane restarting)
+        is asked again: nobody got the request, so asking again reserves nothing
+        twice; a request that got no reply is not (it may have reserved a job)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADMISSION_WAIT_S
         while True:
             wait = min(10.0, max(0.0, deadline - loop.time()))
-            reply = await self.client._api("train_call", TrainCall(**{**_fields(call), "wait_s": wait}),
-                                           timeout_s=self.client.timeout_s + wait)
+            try:
+                reply = await self.client._api("train_call", TrainCall(**{**_fields(call), "wait_s": wait}),
+                                               timeout_s=self.client.timeout_s + wait)
+            except Unavailable as e:
+                if not isinstance(e.__cause__, NoRespondersError) or loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             if reply.job is not None:
                 return reply.job
             if reply.refusal in FINAL_REFUSALS or loop.time() >= deadline:
@@ -180,11 +195,23 @@ class TrainingClient:
                 await asyncio.sleep(0.05)
 
     async def _result(self, job_id: str) -> TrainResult:
+        """The call's result. A read: asked again while the control plane does not
+        answer (for ``OUTAGE_WAIT_S``), so a call in flight outlives its restart."""
+        loop = asyncio.get_running_loop()
         while True:
-            reply = await self.client._api(
-                "train_result", TrainResultQuery(workload=self.workload, job_id=job_id, wait_s=RESULT_WAIT_S),
-                timeout_s=self.client.timeout_s + RESULT_WAIT_S,
-            )
+            try:
+                reply = await self.client._api(
+                    "train_result", TrainResultQuery(workload=self.workload, job_id=job_id, wait_s=RESULT_WAIT_S),
+                    timeout_s=self.client.timeout_s + RESULT_WAIT_S,
+                )
+            except Unavailable:
+                outage = self._outage_since or loop.time()
+                self._outage_since = outage
+                if loop.time() - outage > OUTAGE_WAIT_S:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
+            self._outage_since = None
             if reply.data:
                 result: TrainResult = decode_msgpack(reply.data, TrainResult, what="training call result")
                 if result.error is not None:

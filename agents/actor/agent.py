@@ -49,7 +49,7 @@ from opentelemetry import trace
 
 from joynexus.agents.actor.batch import StepKnobs, train_item
 from joynexus.agents.actor.calls import CallLog
-from joynexus.agents.actor.custom import CallTodo, CustomCalls, compute_call
+from joynexus.agents.actor.custom import DEFER_POLL_S, CallTodo, CustomCalls, compute_call
 from joynexus.agents.actor.decisions import (
     fields_to_read,
     form_group,
@@ -122,6 +122,7 @@ class Actor(CustomCalls):
         self.policies = PolicyStore(broker)
         self.trainer_state = TrainerStateStore(broker, instance=instance)
         self.calls = CallStore(broker)
+        self.deferred_calls: list[TrainingJob] = []
         self.tenants: dict[tuple[str, str], TenantState] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -179,6 +180,11 @@ class Actor(CustomCalls):
                 continue
             group, pending = form_group(pending, lambda j: (j.tenant_id, j.workload))
             await self.train_group(group)
+            if self.deferred_calls:  # calls waiting for an earlier one: held, tried again
+                back, self.deferred_calls = self.deferred_calls, []
+                if not pending:
+                    await asyncio.sleep(DEFER_POLL_S)
+                pending += back
 
     async def _lease(self, *, wait: bool, room: int) -> list[TrainingJob]:
         """What is ready now, up to ``room`` jobs; with ``wait`` (nothing pending) up to

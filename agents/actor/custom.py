@@ -7,8 +7,11 @@ the module, its optimizer and the gradients accumulated since the last
 ``optim_step`` by the same compare-and-set as a training step
 (``broker.trainerstate``). A call re-delivered after a crash (its job id in
 the log) answers its stored result and completes without applying again; a
-call whose ``seq`` was applied already, or that comes before the one it follows
-(a gap), fails with a reason and changes nothing. A call that fails on its
+call whose ``seq`` was applied already fails with a reason and changes nothing.
+A call leased before an earlier one applied (another actor holds that one, or
+an actor that died holding it: its lease lapses and it is leased again) is
+held, its lease renewed, and tried again once the earlier calls applied; only a
+gap no open call can fill fails. A call that fails on its
 own data (non-finite gradients, wrong loss for the head) is recorded as
 failed, so the calls after it still apply in order.
 
@@ -40,7 +43,7 @@ from joynexus.broker import metrics
 from joynexus.broker.trainercalls import CallStore
 from joynexus.schemas.errors import Conflict, InvalidSpec, JoyNexusError
 from joynexus.schemas.inference import TensorBytes, encode_msgpack
-from joynexus.schemas.jobs import TrainingJob
+from joynexus.schemas.jobs import TERMINAL_STATES, JobState, TrainingJob
 from joynexus.schemas.samples import STATE_FIELD, image_field
 from joynexus.schemas.scheduler import ErrorBody
 from joynexus.schemas.training import HEAD_FAMILIES, ROW_OPS, TrainCall, call_fields
@@ -50,7 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallTodo", "CustomCalls", "compute_call"]
+__all__ = ["DEFER_POLL_S", "CallTodo", "CustomCalls", "compute_call"]
+
+#: How often a call held for an earlier one is tried again (when nothing else is pending).
+DEFER_POLL_S = 0.25
 
 
 class CustomCalls:
@@ -65,6 +71,8 @@ class CustomCalls:
     tenants: dict[tuple[str, str], Any]
     #: Call results and named checkpoints (``broker.trainercalls``).
     calls: CallStore
+    #: Calls held until the calls before them applied (the actor's loop retries them).
+    deferred_calls: list[TrainingJob]
 
     async def tenant(self, tenant_id: str, workload: str) -> TenantState:  # the Actor's
         raise NotImplementedError
@@ -96,6 +104,9 @@ class CustomCalls:
             await self._complete_call(job, st.module.version)
             return None
         expected = st.calls.last_seq + 1
+        if call.seq > expected and await self._earlier_open(job, expected, call.seq):
+            await self._defer_call(job)  # an earlier call is still to apply (maybe elsewhere)
+            return None
         if call.seq != expected:
             why = "was applied already" if call.seq < expected else f"comes before call {expected}"
             await self._fail_call(job, InvalidSpec(
@@ -200,6 +211,25 @@ class CustomCalls:
             pass  # published before a crash
         except Conflict:
             st.record = await self.policies.latest(job.tenant_id, job.workload)
+
+    async def _earlier_open(self, job: TrainingJob, first: int, seq: int) -> bool:
+        """Is a call of ``job``'s workload numbered ``first`` .. ``seq - 1`` still open
+        (ready, or leased: by another actor, or by one that died holding it)?"""
+        open_states = [s for s in JobState if s not in TERMINAL_STATES]
+        for j in await self.sched.list_jobs(job.tenant_id, workload=job.workload,
+                                            generation=job.generation, states=open_states):
+            if j.job_id != job.job_id and j.task_type == "custom" and \
+                    first <= int(j.metadata.extra.get("seq", "0") or 0) < seq:
+                return True
+        return False
+
+    async def _defer_call(self, job: TrainingJob) -> None:
+        """Keep holding ``job`` (its lease renewed) until the calls before it applied;
+        the loop tries it again (``deferred_calls``). A lease already lapsed: let go."""
+        try:
+            self.deferred_calls.append(await self.sched.touch(job))
+        except JoyNexusError as e:
+            log.info("call job %s: %s (let go; it is leased again)", job.job_id, e)
 
     async def _complete_call(self, job: TrainingJob, version: int) -> None:
         try:

@@ -48,7 +48,8 @@ def register(sub: Any) -> None:
         ),
         (
             "faults",
-            "kill/stop roles and the server: detect_s, restart_s, jobs lost/doubled, partitions leaked",
+            "kill/stop roles and the server (also under a training client): detect_s, restart_s, "
+            "jobs lost/doubled, partitions leaked",
         ),
         (
             "fencing",

@@ -403,3 +403,30 @@ async def test_a_new_client_numbers_its_calls_after_those_still_in_flight(
     await asyncio.gather(*pending)
     assert (await step)["version"] == 4  # after the earlier client's: in order
     await a.close()
+
+
+async def test_a_call_leased_before_an_earlier_open_one_is_held_not_failed(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """Call 2 in hand while call 1 is still open (another actor's, or a dead one's whose
+    lease has not lapsed): held with its lease renewed, then applied after call 1;
+    before this, call 2 failed ('comes before call 1') and so did the client's future."""
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    await dep.stop_actor()  # nothing applies for now
+    batch = bc.batches(tc.schema, 1)[0]
+    fb, step = tc.forward_backward(batch), tc.optim_step(learning_rate=1e-2)
+    first = await dep.actor.sched.lease_next("actor", wait_s=30)
+    second = await dep.actor.sched.lease_next("actor", wait_s=30)
+    assert first is not None and second is not None
+    assert [first.metadata.extra["seq"], second.metadata.extra["seq"]] == ["1", "2"]
+    assert await dep.actor.prepare_call(second) is None
+    assert [j.job_id for j in dep.actor.deferred_calls] == [second.job_id]
+    assert (await dep.actor.sched.get_job(second.job_id)).state is JobState.LEASED  # held, not failed
+    await dep.actor.apply_call(first)
+    await dep.actor.apply_call(dep.actor.deferred_calls.pop())
+    assert (await fb)["loss"] > 0 and (await step)["version"] == 2
+    st = await dep.actor.tenant("acme", "algo")
+    assert st.calls.last_seq == 2 and st.module.version == 2
+    dep.start_actor()
+    await a.close()

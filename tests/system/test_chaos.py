@@ -353,3 +353,36 @@ async def _env_worker_killed_mid_rollout(rig: FaultRig) -> None:
 
     await wait_until(failed, 60, "the killed worker's job failed by its successor")
     await rig.progressed(before, within=150)
+
+
+# ---------------------------------------------------------------- a training client
+
+
+async def test_training_client_calls_apply_once_in_order_across_kills(
+    nats_server: EmbeddedNats, namespace: str, tmp_path: Path
+) -> None:
+    """A training client's program (forward, forward_backward, forward_backward_custom,
+    optim_step; 12 rounds, two in flight) under faults: the actor SIGKILLed while it
+    holds a call of each kind, the control plane once; every result and the final
+    weights equal the fault-free run's, every call applied once, in order."""
+    from joynexus.ops.bench.customfaults import KINDS, custom_call_faults
+
+    r = await custom_call_faults(nats_server.url, namespace, tmp_path)
+    print({k: r[k] for k in ("reference_s", "drill_s", "max_abs_diff", "weights_max_abs_diff",
+                             "actor_kills", "control_kill")})
+    # the actor was killed holding each of the four kinds of call, once each
+    assert sorted(r["kinds_caught"]) == sorted(KINDS.values()), r
+    assert r["restarts"]["actor-0"] == 4 and r["restarts"]["control-0"] == 1, r
+    assert r["control_kill"]["calls_in_flight"] > 0, r  # calls were in flight at the kill
+    # the same results and weights as without faults
+    assert r["versions_equal"] and r["final_versions"] == [13, 13], r
+    assert all(v <= 1e-6 for v in r["max_abs_diff"].values()), r
+    assert r["weights_max_abs_diff"] <= 1e-6, r
+    # the job log: nothing lost, completed twice or leaked; no call failed
+    assert r["jobs_lost"] == 0 and r["jobs_doubled"] == 0 and r["partitions_leaked"] == 0, r
+    assert r["final_states"] == {"completed": r["jobs"]}, r
+    # the committed call log: every seq once, in order; each killed call redone (leased again)
+    c = r["calls"]
+    assert c["applied_once_in_order"] and c["results_by_job"] and not c["errors"], c
+    assert c["call_jobs"] == 60 and c["last_seq"] == 60 and c["version"] == 13, c
+    assert r["releases"] >= 4, r
