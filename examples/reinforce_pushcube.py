@@ -201,6 +201,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--gamma", type=float, default=0.95)
     p.add_argument("--head-hidden", type=int, default=256, help="the head's width (an SFT start's own)")
+    p.add_argument("--state", default="", help="the policy's state keys or preset, comma-separated "
+                   "(an SFT start's own, e.g. privileged; default: the task's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-episodes", type=int, default=100, help="0: no evaluation")
     p.add_argument("--eval-seed", type=int, default=12345)
@@ -226,7 +228,8 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         client = await Client.connect(args.nats, credentials=args.creds)
         try:
-            out = await run(client, args, init_from=args.init_from, log=log)
+            state = tuple(k for k in args.state.split(",") if k)
+            out = await run(client, args, init_from=args.init_from, state=state, log=log)
         finally:
             await client.close()
     out.update(wall_s=round(time.perf_counter() - t0, 1), load_before=load0, load_after=load())
