@@ -5,8 +5,10 @@ The tenant runs ManiSkill's PushCube itself (``source="tenant"`` style): each
 step asks the workload's policy for its mean action through the Inference
 Queue (``client.act``), samples around it with the policy's own std (one
 ``forward`` call per iteration: a Gaussian head's std does not depend on the
-observation), and keeps the rows. After each rollout the returns-to-go minus
-a per-step baseline (their mean over the envs, computed here) weigh the
+observation), and keeps the rows. The envs run in groups of ``--group`` that
+start from the same initial state (one reset seed per group); after each
+rollout the returns-to-go minus a per-step baseline (their mean over the
+group, computed here: GRPO's group baseline, per step) weigh the
 log-probabilities of the taken actions in a loss written here
 (``forward_backward_custom``: only d(loss)/d(outputs) goes to the service),
 then ``optim_step`` publishes the next version, which the next rollout acts
@@ -77,11 +79,15 @@ def returns_to_go(rewards_T_N: np.ndarray, gamma: float) -> np.ndarray:
 
 
 async def reinforce(client: Client, workload: str, *, iterations: int = 10, envs: int = 4,
-                    steps: int = 50, lr: float = 3e-4, gamma: float = 0.95, seed: int = 0,
+                    group: int = 2, steps: int = 50, lr: float = 3e-4, gamma: float = 0.95, seed: int = 0,
                     rows_per_call: int = 256, log: Any = None) -> dict[str, Any]:
     """Train ``workload`` by REINFORCE in a PushCube the client runs; per-iteration
-    success rates (an episode succeeds if any of its steps does) with intervals."""
+    success rates (an episode succeeds if any of its steps does) with intervals.
+    ``envs`` is a multiple of ``group`` (at least 2): each group shares its start."""
     from joynexus.agents.envs.registry import make_env
+
+    if group < 2 or envs % group:
+        raise ValueError(f"envs={envs} must be a multiple of group={group} >= 2")
 
     tc = await client.training_client(workload)
     sch = tc.schema
@@ -91,7 +97,7 @@ async def reinforce(client: Client, workload: str, *, iterations: int = 10, envs
     with make_env(ENV, obs="rgb", num_envs=envs, image_size=sch.image_hw[0], seed=seed,
                   cameras=list(sch.camera_slots), state_keys=list(sch.state_keys) or None) as env:
         for it in range(iterations):
-            obs = env.reset(seed=seed + it * envs)
+            obs = env.reset(seed=[seed + it * envs + i // group for i in range(envs)])
             rows: dict[str, list[np.ndarray]] = {image_field(cam): [], STATE_FIELD: [], ACTIONS_FIELD: []}
             rewards, success = [], np.zeros(envs, dtype=bool)
             images, state = obs[f"{OBS_IMAGES}.{cam}"], obs[OBS_STATE]
@@ -107,7 +113,9 @@ async def reinforce(client: Client, workload: str, *, iterations: int = 10, envs
                 success |= np.asarray(res.success_N, dtype=bool)
                 obs = res.obs
             g = returns_to_go(np.stack(rewards), gamma)  # [T, N]
-            adv = g - g.mean(axis=1, keepdims=True)  # the client's baseline: the envs' mean per step
+            g_T_G_g = g.reshape(len(g), envs // group, group)
+            # the client's baseline: per step, the mean of the envs that started alike
+            adv = (g_T_G_g - g_T_G_g.mean(axis=2, keepdims=True)).reshape(g.shape)
             adv = adv / (adv.std() + 1e-6)
             batch = {k: np.concatenate(v) for k, v in rows.items()}
             batch[ADV] = adv.reshape(-1).astype(np.float32)
@@ -150,10 +158,11 @@ async def run(client: Client, args: argparse.Namespace, *, init_from: str = "", 
     await client.create_workload(spec(args.name, init_from=init_from, init_version=init_version,
                                       head_hidden=args.head_hidden, state=state, image_size=image_size))
     t0 = time.perf_counter()
-    out = await reinforce(client, args.name, iterations=args.iterations, envs=args.envs, steps=args.steps,
+    out = await reinforce(client, args.name, iterations=args.iterations, envs=args.envs, group=args.group,
+                          steps=args.steps,
                           lr=args.lr, gamma=args.gamma, seed=args.seed, log=log)
     out["reinforce_s"] = round(time.perf_counter() - t0, 1)
-    out["settings"] = {k: getattr(args, k) for k in ("iterations", "envs", "steps", "lr", "gamma", "head_hidden")}
+    out["settings"] = {k: getattr(args, k) for k in ("iterations", "envs", "group", "steps", "lr", "gamma", "head_hidden")}
     if args.eval_episodes > 0:
         t1 = time.perf_counter()
         out["evaluation"] = await evaluate_pair(client, args.name, 1, out["last"]["version"],
@@ -197,6 +206,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default="", help="an SFT workload of yours to start from")
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--envs", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="envs per shared start (the baseline's group)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--gamma", type=float, default=0.95)
@@ -216,6 +226,8 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
     for k in ("iterations", "envs", "steps", "head_hidden", "demos", "sft_updates"):
         if getattr(args, k) < 1:
             raise SystemExit(f"--{k.replace('_', '-')} must be at least 1")
+    if args.group < 2 or args.envs % args.group:
+        raise SystemExit(f"--envs {args.envs} must be a multiple of --group {args.group} (at least 2)")
     if args.local == bool(args.creds):
         raise SystemExit("give either --local or --creds")
 
