@@ -204,11 +204,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--creds", default=None, help="your credentials file (not with --local)")
     p.add_argument("--name", default="reinforce")
     p.add_argument("--init-from", default="", help="an SFT workload of yours to start from")
-    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--envs", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="envs per shared start (the baseline's group)")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--gamma", type=float, default=0.95)
     p.add_argument("--head-hidden", type=int, default=256, help="the head's width (an SFT start's own)")
     p.add_argument("--state", default="", help="the policy's state keys or preset, comma-separated "
@@ -216,8 +216,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-episodes", type=int, default=100, help="0: no evaluation")
     p.add_argument("--eval-seed", type=int, default=12345)
-    p.add_argument("--demos", type=int, default=20, help="--local: scripted demos for the SFT start")
-    p.add_argument("--sft-updates", type=int, default=100, help="--local: the SFT start's updates")
+    p.add_argument("--demos", type=int, default=10, help="--local: scripted demos for the SFT start")
+    p.add_argument("--sft-updates", type=int, default=15, help="--local: the SFT start's updates")
     return p
 
 
