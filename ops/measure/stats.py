@@ -27,6 +27,7 @@ __all__ = [
     "interleaved_async",
     "load",
     "median_ci",
+    "newcombe",
     "percentile",
     "ratio_ci",
     "round_order",
@@ -177,10 +178,31 @@ def summarize(xs: Sequence[float]) -> dict[str, Any]:
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (95% with z = 1.96)."""
+    lo, hi = _wilson(successes, n, z)
+    return (round(lo, 4), round(hi, 4))
+
+
+def _wilson(successes: int, n: int, z: float) -> tuple[float, float]:
     if n <= 0:
         return (0.0, 1.0)
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def newcombe(k1: int, n1: int, k0: int, n0: int, z: float = 1.96) -> tuple[float, float, float]:
+    """(p1 - p0, low, high): Newcombe's hybrid score interval (his method 10, from the
+    two Wilson intervals) of a difference of two proportions, k1/n1 minus k0/n0
+    (95% with z = 1.96). It treats the two samples as independent, which for the
+    same seeds evaluated twice is conservative when their outcomes correlate."""
+    if n1 <= 0 or n0 <= 0:
+        raise ValueError(f"need episodes on both sides: n1={n1}, n0={n0}")
+    p1, p0 = k1 / n1, k0 / n0
+    l1, u1 = _wilson(k1, n1, z)
+    l0, u0 = _wilson(k0, n0, z)
+    d = p1 - p0
+    lo = d - math.sqrt((p1 - l1) ** 2 + (u0 - p0) ** 2)
+    hi = d + math.sqrt((u1 - p1) ** 2 + (p0 - l0) ** 2)
+    return (round(d, 4), round(max(-1.0, lo), 4), round(min(1.0, hi), 4))

@@ -309,11 +309,16 @@ async def test_reinforce_example_runs_its_iterations(
     dep: Deployment, nats_server: EmbeddedNats, broker: Broker, backbone: Backbone
 ) -> None:
     """examples/reinforce_pushcube.py, tiny: act rollouts in a PushCube this process runs,
-    the client's REINFORCE loss, one version per iteration, success with intervals."""
+    the client's REINFORCE loss, one version per iteration, success with intervals; then
+    the service evaluates the start and the last version on the same seeds, and the
+    report carries both rates' Wilson intervals and the difference's Newcombe one."""
+    from joynexus.agents.evaluator import Evaluator
     from joynexus.agents.inference import EnginePool
 
     pool = EnginePool(broker, backbone, max_batch=16, max_wait_ms=5)
     await pool.scale_to(1)
+    stop = asyncio.Event()
+    evaluator = asyncio.create_task(Evaluator(broker, instance="eval").run(stop))
     try:
         a = await connect(nats_server, broker, "acme")
         await a.create_workload(rf.spec("pg"))
@@ -324,8 +329,18 @@ async def test_reinforce_example_runs_its_iterations(
             lo, hi = r["ci95"]
             assert 0.0 <= lo <= r["success"] <= hi <= 1.0
         assert float(((await weights(broker, "acme", "pg"))[1] - start).abs().max()) > 0
+        ev = await rf.evaluate_pair(a, "pg", 1, 3, episodes=2, num_envs=2)
+        assert (ev["start"]["version"], ev["end"]["version"]) == (1, 3)
+        for side in (ev["start"], ev["end"]):
+            lo, hi = side["ci95"]
+            assert side["episodes"] == 2 and 0.0 <= lo <= side["success"] <= hi <= 1.0
+        d, (lo, hi) = ev["difference"]["end_minus_start"], ev["difference"]["ci95"]
+        assert d == round(ev["end"]["success"] - ev["start"]["success"], 4)
+        assert -1.0 <= lo <= d <= hi <= 1.0 and hi - lo > 0.5  # two episodes a side: wide
         await a.close()
     finally:
+        stop.set()
+        await asyncio.wait_for(evaluator, 30)
         await pool.close()
 
 

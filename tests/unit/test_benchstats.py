@@ -60,3 +60,18 @@ def test_unpaired_samples_are_refused() -> None:
 def test_load_records_the_machine() -> None:
     got = stats.load()
     assert set(got) == {"load1", "load5", "load15", "cpus"} and got["cpus"] >= 1
+
+
+def test_newcombe_matches_the_published_example_and_mirrors() -> None:
+    # Newcombe (1998), Statistics in Medicine 17:873, example (a): 56/70 vs 48/80,
+    # method 10 (hybrid score): 0.0524 to 0.3339.
+    d, lo, hi = stats.newcombe(56, 70, 48, 80)
+    assert d == 0.2 and (lo, hi) == pytest.approx((0.0524, 0.3339), abs=1e-4)
+    # swapping the arms negates the difference and mirrors the interval
+    assert stats.newcombe(48, 80, 56, 70) == (-0.2, -hi, -lo)
+    # both from the two Wilson intervals: the interval holds the point, within [-1, 1]
+    for k1, k0 in ((0, 0), (100, 0), (49, 30), (100, 100)):
+        d, lo, hi = stats.newcombe(k1, 100, k0, 100)
+        assert -1.0 <= lo <= d <= hi <= 1.0
+    with pytest.raises(ValueError):
+        stats.newcombe(1, 0, 1, 10)
