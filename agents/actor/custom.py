@@ -96,6 +96,8 @@ class CustomCalls:
             st = await self.tenant(job.tenant_id, job.workload)
             call = TrainCall.from_extra(job.metadata.extra)
         except JoyNexusError as e:
+            if infrastructure(e):  # the machine, not the call: applied by the next lease
+                raise
             await self._fail_call(job, e)
             return None
         stored = st.calls.results.get(job.job_id)
@@ -286,9 +288,12 @@ def compute_call(todo: CallTodo, feats: torch.Tensor | JoyNexusError) -> dict[st
 
 
 def _as_call_error(e: Exception, call: TrainCall) -> JoyNexusError:
-    """A call's own failure as its typed error; the machine's failures propagate."""
-    if isinstance(e, JoyNexusError):
-        return e
+    """A call's own failure as its typed error; the machine's failures propagate,
+    ``Unavailable`` and ``Timeout`` included (a Training Queue read that timed out while
+    a host was lost is no answer to the tenant's call: the actor stops, its lease
+    lapses, and the call is applied by whoever leases it next)."""
     if infrastructure(e):
         raise e
+    if isinstance(e, JoyNexusError):
+        return e
     return InvalidSpec(f"call {call.op} raised {type(e).__name__}: {e}")

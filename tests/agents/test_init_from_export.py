@@ -22,7 +22,7 @@ from joynexus.schemas.workloads import WorkloadSpec
 
 
 def test_the_spec_says_where_an_exported_head_applies() -> None:
-    with pytest.raises(InvalidSpec, match="applies to sft and rl"):
+    with pytest.raises(InvalidSpec, match="applies to sft, rl and custom"):
         WorkloadSpec(name="e", task_type="eval", env="PickCube-v1", init_from_workload="rl",
                      init_from_export="heads/x")
     with pytest.raises(InvalidSpec, match="not both"):

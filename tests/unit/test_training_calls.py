@@ -177,3 +177,20 @@ def test_a_failed_call_leaves_the_accumulated_gradients_as_they_were() -> None:
         assert (p.grad is None and b is None) or torch.equal(p.grad, b)
     with pytest.raises(InvalidSpec, match="not driven"):
         outputs(TenantModule("acme", "value", HeadConfig(feature_dim=16, state_dim=9)), feats, state, {})
+
+
+def test_a_call_fails_for_its_own_errors_but_not_for_the_machines() -> None:
+    """A Training Queue read that timed out while a host was lost (``Unavailable``) is no
+    answer to the tenant's call: it propagates (the actor stops, the call is leased again);
+    the call's own errors become its result."""
+    from joynexus.agents.actor.custom import _as_call_error
+    from joynexus.schemas.errors import InvalidSpec, Timeout, Unavailable
+    from joynexus.schemas.training import TrainCall
+
+    call = TrainCall(workload="w", op="zero_grad", seq=1)
+    for machine in (Unavailable("reading chunk 95 of JNX_TQ timed out"), Timeout("t"), OSError("o")):
+        with pytest.raises(type(machine)):
+            _as_call_error(machine, call)
+    own = InvalidSpec("bad rows")
+    assert _as_call_error(own, call) is own
+    assert isinstance(_as_call_error(ValueError("nan"), call), InvalidSpec)
