@@ -26,6 +26,16 @@ from joynexus.ops.isolation.victim import CALL_TIMEOUT_S
 from joynexus.sdk import Client
 
 
+async def victim_calls_work(dep: SecuredDeployment, victim: str, ck: Checks) -> None:
+    """The victim's next call is answered in time (a check of ``ck``)."""
+    vclient = await dep.client(victim)
+    try:
+        await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
+        ck.add("bolt's calls work after", True)
+    except Exception as e:
+        ck.add("bolt's calls work after", False, short_error(e))
+
+
 # -- 3. per-call server resources ----------------------------------------------
 async def attack_request_flood(dep: SecuredDeployment, attacker: str, victim: str) -> AttackResult:
     """2,000 fire-and-forget list_workloads / failing create_workload requests."""
@@ -58,12 +68,7 @@ async def attack_request_flood(dep: SecuredDeployment, attacker: str, victim: st
     ck.add("no other errors", not other, str(other))
     cut = dep.cut_connections(log0)
     ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
-    vclient = await dep.client(victim)
-    try:
-        await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
-        ck.add("bolt's calls work after", True)
-    except Exception as e:
-        ck.add("bolt's calls work after", False, short_error(e))
+    await victim_calls_work(dep, victim, ck)
     return ck.result()
 
 
@@ -86,12 +91,7 @@ async def attack_open_loop_flood(dep: SecuredDeployment, attacker: str, victim: 
         ck.add("paused, filed as the attacker's", False, str(e))
     vev = [e for e in await dep.security_events(victim, seq0) if e.get("action") == "flood"]
     ck.add("the victim not paused", not vev, f"{len(vev)} events")
-    vclient = await dep.client(victim)
-    try:
-        await asyncio.wait_for(vclient.list_workloads(), CALL_TIMEOUT_S)
-        ck.add("bolt's calls work after", True)
-    except Exception as e:
-        ck.add("bolt's calls work after", False, short_error(e))
+    await victim_calls_work(dep, victim, ck)
     cut = dep.cut_connections(log0)
     ck.add("no agent connection cut off", not cut, " | ".join(c[-160:] for c in cut[:2]))
     # The pause ends (its length: the attacker's penalty_s), and the attacker works again.
