@@ -51,6 +51,11 @@ from joynexus.schemas.scheduler import Refusal, ReserveRequest
 S = JobState
 
 
+#: Actor leases of one job that may lapse before the job fails instead of being leased
+#: again (:meth:`SchedulerCore.decide_expiries`).
+MAX_LAPSED_LEASES = 5
+
+
 @dataclass(frozen=True)
 class Refused:
     """Why admission refused a job: a code to decide on and the words to show."""
@@ -359,20 +364,29 @@ class SchedulerCore(FairBook):
         new = msgspec.structs.replace(job, state=target, holder="", reason=reason or kind)
         return Dropped(job=new, at=at, by=by) if kind == "drop" else Failed(job=new, at=at, by=by)
 
-    def decide_expiries(self, *, now: float, at: float, by: str) -> list[LeaseExpired]:
+    def decide_expiries(self, *, now: float, at: float, by: str) -> list[LeaseExpired | Failed]:
         """Actor leases past their deadline go back to ready (stage leases are
-        re-taken on redelivery instead: their durable consumer resends the work)."""
-        out = []
+        re-taken on redelivery instead: their durable consumer resends the work); a
+        job whose leases lapsed ``MAX_LAPSED_LEASES`` times fails instead: a job that
+        stops every actor that takes it (a poison job: data or state the actor cannot
+        read) would otherwise take the shared actor down for every tenant, forever."""
+        out: list[LeaseExpired | Failed] = []
         for job_id, deadline in self.deadlines.items():
             if deadline > now:
                 continue
             job = self.jobs.get(job_id)
-            if job is not None and job.state is S.LEASED:
-                out.append(
-                    LeaseExpired(
-                        job=msgspec.structs.replace(job, state=S.READY, holder=""), at=at, by=by
-                    )
-                )
+            if job is None or job.state is not S.LEASED:
+                continue
+            lapsed = job.lapsed + 1
+            if lapsed >= MAX_LAPSED_LEASES:
+                reason = (f"leased {lapsed} times and each holder stopped without finishing it "
+                          f"(last: {job.holder or 'unknown'}): failed so that it stops taking "
+                          "the actor down; submit it again if its data was not the cause")
+                out.append(Failed(job=msgspec.structs.replace(
+                    job, state=S.FAILED, holder="", lapsed=lapsed, reason=reason), at=at, by=by))
+            else:
+                out.append(LeaseExpired(job=msgspec.structs.replace(
+                    job, state=S.READY, holder="", lapsed=lapsed), at=at, by=by))
         return out
 
     def effects_of(self, job: TrainingJob) -> Effects:

@@ -47,6 +47,7 @@ from joynexus.schemas.errors import Conflict, JoyNexusError, Unavailable
 from joynexus.schemas.jobs import (
     STAGES,
     TERMINAL_STATES,
+    Failed,
     JobEvent,
     JobState,
     TrainingJob,
@@ -351,7 +352,10 @@ class SchedulerAgent:
                         continue  # touched or completed meanwhile
                     try:
                         await self.append(mine[0])
-                        log.info("lease %d of job %s expired", ev.job.attempt, job_id)
+                        if isinstance(mine[0], Failed):
+                            log.warning("job %s failed: %s", job_id, mine[0].job.reason)
+                        else:
+                            log.info("lease %d of job %s expired", ev.job.attempt, job_id)
                     except JoyNexusError as e:
                         log.warning("expiring lease of %s failed: %s", job_id, e)
 

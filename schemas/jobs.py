@@ -91,6 +91,9 @@ class TrainingJob(Wire, kw_only=True, omit_defaults=True):
     attempt: int = 0
     #: Instance holding the current lease, "" when none.
     holder: str = ""
+    #: Actor leases that lapsed (their holder stopped without completing or failing
+    #: the job); at ``MAX_LAPSED_LEASES`` the job fails instead of being leased again.
+    lapsed: int = 0
     #: Why the job is dropped or failed.
     reason: str = ""
     #: Policy version the consumer produced when it completed the job.

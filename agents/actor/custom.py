@@ -10,8 +10,9 @@ the log) answers its stored result and completes without applying again; a
 call whose ``seq`` was applied already fails with a reason and changes nothing.
 A call leased before an earlier one applied (another actor holds that one, or
 an actor that died holding it: its lease lapses and it is leased again) is
-held, its lease renewed, and tried again once the earlier calls applied; only a
-gap no open call can fill fails. A call that fails on its
+held, its lease renewed, and tried again once the earlier calls applied; calls
+that ended unapplied (the scheduler fails a call whose leases kept lapsing) are
+passed over; only a gap no call fills fails. A call that fails on its
 own data (non-finite gradients, wrong loss for the head) is recorded as
 failed, so the calls after it still apply in order.
 
@@ -106,9 +107,13 @@ class CustomCalls:
             await self._complete_call(job, st.module.version)
             return None
         expected = st.calls.last_seq + 1
-        if call.seq > expected and await self._earlier_open(job, expected, call.seq):
-            await self._defer_call(job)  # an earlier call is still to apply (maybe elsewhere)
-            return None
+        if call.seq > expected:
+            earlier = await self._earlier_calls(job, expected, call.seq)
+            if earlier == "open":
+                await self._defer_call(job)  # an earlier call is still to apply (maybe elsewhere)
+                return None
+            if earlier == "ended":  # failed unapplied (by the scheduler): the rest go on
+                expected = call.seq
         if call.seq != expected:
             why = "was applied already" if call.seq < expected else f"comes before call {expected}"
             await self._fail_call(job, InvalidSpec(
@@ -214,16 +219,23 @@ class CustomCalls:
         except Conflict:
             st.record = await self.policies.latest(job.tenant_id, job.workload)
 
-    async def _earlier_open(self, job: TrainingJob, first: int, seq: int) -> bool:
-        """Is a call of ``job``'s workload numbered ``first`` .. ``seq - 1`` still open
-        (ready, or leased: by another actor, or by one that died holding it)?"""
-        open_states = [s for s in JobState if s not in TERMINAL_STATES]
+    async def _earlier_calls(self, job: TrainingJob, first: int, seq: int) -> str:
+        """The calls of ``job``'s workload numbered ``first`` .. ``seq - 1``: ``"open"`` if
+        one is still to apply (ready, or leased: by another actor, or by one that died
+        holding it), ``"ended"`` if each of them ended unapplied (failed or dropped
+        without reaching the tenant's state: the scheduler fails a call whose leases
+        kept lapsing), else ``"gap"`` (a number no call has: nothing can fill it)."""
+        ended: set[int] = set()
         for j in await self.sched.list_jobs(job.tenant_id, workload=job.workload,
-                                            generation=job.generation, states=open_states):
-            if j.job_id != job.job_id and j.task_type == "custom" and \
-                    first <= int(j.metadata.extra.get("seq", "0") or 0) < seq:
-                return True
-        return False
+                                            generation=job.generation, states=None):
+            n = int(j.metadata.extra.get("seq", "0") or 0)
+            if j.job_id == job.job_id or j.task_type != "custom" or not first <= n < seq:
+                continue
+            if j.state not in TERMINAL_STATES:
+                return "open"
+            if j.state is not JobState.COMPLETED:
+                ended.add(n)
+        return "ended" if len(ended) == seq - first else "gap"
 
     async def _defer_call(self, job: TrainingJob) -> None:
         """Keep holding ``job`` (its lease renewed) until the calls before it applied;

@@ -445,3 +445,29 @@ async def test_a_call_leased_before_an_earlier_open_one_is_held_not_failed(
     assert st.calls.last_seq == 2 and st.module.version == 2
     dep.start_actor()
     await a.close()
+
+
+async def test_a_call_after_one_the_scheduler_failed_still_applies(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """Call 1 ends unapplied (the scheduler fails a call whose leases kept lapsing):
+    its future fails with the reason, and call 2 applies instead of failing for the gap."""
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    await dep.stop_actor()
+    batch = bc.batches(tc.schema, 1)[0]
+    fb, step = tc.forward_backward(batch), tc.optim_step(learning_rate=1e-2)
+    first = await dep.actor.sched.lease_next("actor", wait_s=30)
+    assert first is not None and first.metadata.extra["seq"] == "1"
+    await dep.actor.sched.fail(first.job_id, "leased 5 times (poison)", attempt=first.attempt)
+    second = await dep.actor.sched.lease_next("actor", wait_s=30)
+    assert second is not None and second.metadata.extra["seq"] == "2"
+    await dep.actor.apply_call(second)
+    with pytest.raises(JoyNexusError, match="poison"):
+        await fb
+    assert (await step)["version"] == 2
+    st = await dep.actor.tenant("acme", "algo")
+    assert st.calls.last_seq == 2 and st.module.version == 2
+    dep.start_actor()
+    await a.close()
+

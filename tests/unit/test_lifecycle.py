@@ -269,6 +269,32 @@ def test_lease_expiry_and_stale_complete() -> None:
         d.core.decide_lease_stage(j.job_id, "advantages", now=d.now, at=0, by="w")
 
 
+def test_a_job_whose_leases_keep_lapsing_fails_instead_of_looping() -> None:
+    """A poison job (every actor that takes it stops) is leased again at most
+    MAX_LAPSED_LEASES - 1 times, then fails with a reason; its partition is cleared."""
+    from joynexus.agents.schedcore import MAX_LAPSED_LEASES
+
+    d = Driver(a=pol("a", task="sft"))
+    j = d.reserve("a", "sft")
+    d.ready(j.job_id)
+    for n in range(1, MAX_LAPSED_LEASES):
+        leased = d.lease()
+        assert leased.attempt == n and leased.lapsed == n - 1
+        d.now += 100.0
+        [exp] = d.core.decide_expiries(now=d.now, at=0, by="s")
+        assert isinstance(exp, jobs.LeaseExpired) and exp.job.lapsed == n
+        d.run(exp)
+    d.lease()
+    d.now += 100.0
+    [end] = d.core.decide_expiries(now=d.now, at=0, by="s")
+    assert isinstance(end, jobs.Failed)
+    assert f"leased {MAX_LAPSED_LEASES} times" in end.job.reason
+    failed = d.run(end)
+    assert failed.state is S.FAILED and d.core.next_ready("actor") is None
+    assert d.core.effects_of(failed).clear_partitions == [("a", j.job_id)]
+    assert d.core.decide_expiries(now=d.now + 100.0, at=0, by="s") == []
+
+
 def test_stage_lease_is_exclusive_until_it_expires() -> None:
     d = Driver(a=pol("a"))
     j = d.reserve("a")
