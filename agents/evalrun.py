@@ -25,6 +25,7 @@ import numpy as np
 
 from joynexus.agents.envs.maniskill import run_episodes
 from joynexus.agents.featureschema import feature_schema_of
+from joynexus.agents.models.policyio import PolicyStore, sample_around
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
@@ -161,9 +162,13 @@ async def evaluate_record(
     schema = feature_schema_of(src)
     _, instruction = workload_schema(spec)
     infer = InferenceClient(b, base_model=src.base_model, timeout_s=15.0, retry_for_s=90.0)
+    std = None
+    rng = np.random.default_rng([spec.seed, 0x5A3D])  # the sampled policy's noise: seeded
+    if spec.eval_policy == "sampled":  # the stochastic policy, as its rollouts act
+        std = await PolicyStore(b).action_std(src)
 
     async def act(obs: dict[str, Any]) -> np.ndarray:
-        return await infer.act(
+        mean = await infer.act(
             rec.tenant_id,
             schema=schema,
             workload=spec.init_from_workload,
@@ -172,6 +177,7 @@ async def evaluate_record(
             instruction=instruction,
             state=obs[OBS_STATE],
         )
+        return mean if std is None else sample_around(mean, std, rng)
 
     def factory() -> Any:
         return make_env(

@@ -257,6 +257,7 @@ class Evaluator:
             seed=train.seed,
             instruction=train.instruction,
             eval_videos=train.eval_videos,
+            eval_policy=train.eval_policy,
             video_frames=train.video_frames,
             video_size=train.video_size,
         )

@@ -42,6 +42,7 @@ from joynexus.schemas.errors import InvalidSpec
 from joynexus.schemas.inference import PolicyRecord, TensorBytes
 from joynexus.schemas.jobs import TASK_TYPES, Admission, TaskType, TrainingJob, check_name
 from joynexus.schemas.scheduler import ErrorBody
+from joynexus.schemas.training import HEAD_FAMILIES
 
 #: The smallest learning rate the actor applies (``agents.actor.agent``: a job's rate
 #: outside [MIN_LEARNING_RATE, 1] is ignored, and the actor's own is used instead).
@@ -118,6 +119,11 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
     #: video (MP4), at most ``video_frames`` frames each and ``video_size`` pixels a
     #: side (0: the policy camera's own size); the tenant's quota bounds all three.
     eval_videos: int = 0
+    #: eval and periodic evaluations: act with the policy's mean action ("mean"), or
+    #: sample it as RL rollouts do ("sampled": a Gaussian head's mean plus its own std
+    #: times seeded normal noise, clipped to the action bounds), the score of the
+    #: stochastic policy a policy-gradient method trains. Flow heads always sample.
+    eval_policy: Literal["mean", "sampled"] = "mean"
     video_frames: int = 50
     video_size: int = 0
     #: rl: "gae" (per-step, bootstrapped) or "grpo" (trajectory return relative to the job's group).
@@ -168,6 +174,12 @@ class WorkloadSpec(Wire, kw_only=True, omit_defaults=True):
                 f"base_model {self.base_model!r} is {family}: choose one of {sorted(FAMILY_MODELS[needs])}"
             )
         check_head_options(self.action_module, self.head_hidden, self.expert_state)
+        if self.eval_policy == "sampled" and HEAD_FAMILIES.get(self.action_module) != "gaussian":
+            raise InvalidSpec(
+                f"eval_policy 'sampled' needs a Gaussian head (its std): one of "
+                f"{sorted(k for k, v in HEAD_FAMILIES.items() if v == 'gaussian')}; "
+                f"{self.action_module!r} acts from noise already (use 'mean')"
+            )
         if self.task_type in ("rl", "eval"):
             if self.env not in RL_ENVS and libero_task(self.env) is None:
                 raise InvalidSpec(

@@ -10,7 +10,7 @@ import asyncio
 import json
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -61,21 +61,24 @@ class PolicyCalls(ClientBase):
         timeout_s: float = 900.0,
         videos: int = 0,
         name: str | None = None,
+        policy: Literal["mean", "sampled"] = "mean",
     ) -> asyncio.Future[dict[str, float]]:
         """Evaluate one version (default: the latest) of a workload's policy for
         ``episodes`` episodes in ``env`` (default: the workload's own task).
         The version is pinned for the whole run; nothing is trained. ``videos``:
         the first episodes saved as video (fetch them with ``fetch_video(name)``;
-        ``name`` names the evaluation, default ``eval-<random>``)."""
+        ``name`` names the evaluation, default ``eval-<random>``). ``policy``: act
+        with the mean action, or ``"sampled"``: from the policy's own Gaussian (its
+        mean plus its std times seeded noise), as its RL rollouts do."""
 
         async def go() -> dict[str, float]:
             src = (await self._record("get_workload", NamedWorkload(name=workload))).spec
             task_env = env or src.env
             if not task_env:
                 raise InvalidSpec(f"workload {workload!r} has no env of its own; pass env=")
-            policy = await self._policy(workload, version)
-            pinned = policy.version
-            fs = policy.feature_schema
+            record = await self._policy(workload, version)
+            pinned = record.version
+            fs = record.feature_schema
             spec = WorkloadSpec(
                 name=name or f"eval-{secrets.token_hex(4)}",
                 task_type="eval",
@@ -93,6 +96,7 @@ class PolicyCalls(ClientBase):
                 num_envs=num_envs,
                 seed=seed,
                 eval_videos=videos,
+                eval_policy=policy,
             )
             rec = await self._record("create_workload", CreateWorkload(spec=spec))
             deadline = asyncio.get_running_loop().time() + timeout_s

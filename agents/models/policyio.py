@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict
+from typing import Any
+
+import numpy as np
 
 from joynexus.agents.featureschema import (
     FeatureSchema,
@@ -153,3 +156,16 @@ class PolicyStore(PolicyRecords):
         """Weights fetched and loaded into a fresh head (the parse runs off the event loop)."""
         data = await self.load_weights(record)
         return await asyncio.to_thread(module_from_weights, record, data)
+
+    async def action_std(self, record: PolicyRecord, floor: float = 0.0) -> np.ndarray:
+        """A Gaussian head's std per action dimension in the env's action units, at
+        least ``floor``: what its rollouts (and a sampled evaluation) sample with."""
+        head: Any = (await self.load_module(record)).head
+        return head.action_std_A(floor).detach().cpu().numpy().astype(np.float32)
+
+
+def sample_around(mean: np.ndarray, std: Any, rng: np.random.Generator) -> np.ndarray:
+    """``mean`` plus ``std`` times standard normal noise, clipped to the action bounds
+    [-1, 1]: the policy's own distribution, as RL rollouts and sampled evaluations act."""
+    noise = rng.normal(0.0, 1.0, mean.shape).astype(np.float32) * std
+    return np.clip(mean + noise, -1.0, 1.0)

@@ -12,7 +12,7 @@ import numpy as np
 from opentelemetry import trace
 
 from joynexus.agents.envs.pool import EnvPool, build_key, close_env
-from joynexus.agents.models.policyio import PolicyStore
+from joynexus.agents.models.policyio import PolicyStore, sample_around
 from joynexus.agents.producers.schema import (
     EXPLORATION_STD,
     chunk_targets,
@@ -300,10 +300,8 @@ class RLProducer:
         """The behaviour version's std per action dimension (env units, floored)."""
         if self._std is None or self._std[0] != version:
             rec = await self.policies.get(self.tenant, self.spec.name, version)
-            module = await self.policies.load_module(rec)
-            head: Any = module.head
             floor = float(self.spec.exploration_std or 0.0)
-            self._std = (version, head.action_std_A(floor).detach().cpu().numpy().astype(np.float32))
+            self._std = (version, await self.policies.action_std(rec, floor))
         return self._std[1]
 
     async def _fail_orphans(self) -> None:
@@ -344,8 +342,7 @@ class RLProducer:
                 std: Any = await self._policy_std(version)
             else:
                 std = EXPLORATION_STD if self.spec.exploration_std is None else self.spec.exploration_std
-            noise = self.rng.normal(0.0, 1.0, chunk_N_H_A.shape).astype(np.float32) * std
-            return np.clip(chunk_N_H_A + noise, -1.0, 1.0)
+            return sample_around(chunk_N_H_A, std, self.rng)
 
         seed = self.spec.seed * 100_003 + self.rollouts + self.seed_salt * 1_000_000
         out = await rollout(env, act, horizon=self.spec.horizon, seed=seed)

@@ -239,6 +239,12 @@ async def test_two_rl_and_one_sft_tenant_train_end_to_end(
         report["version"] == 2 and report["episodes"] == 2 and 0.0 <= report["success_rate"] <= 1.0
     )
     assert await TrainingQueue(broker).list_partitions("acme") == tq_before
+    # The sampled policy (its Gaussian, seeded): other actions than the mean's, the
+    # same ones again for the same seed.
+    sampled = [await acme.evaluate("pick", version=2, episodes=2, policy="sampled")
+               for _ in range(2)]
+    assert sampled[0]["mean_return"] == sampled[1]["mean_return"]
+    assert sampled[0]["mean_return"] != report["mean_return"]
 
     # Export: safetensors + manifest that load back to the same actions.
     out = await acme.export("pick", tmp_path / "acme_head", version=3)

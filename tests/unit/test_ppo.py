@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,27 @@ def test_exploration_std_is_validated(bad: float) -> None:
     assert WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=0.2).exploration_std == 0.2
     with pytest.raises(InvalidSpec, match="exploration_std"):
         WorkloadSpec(name="r", task_type="rl", env="PickCube-v1", exploration_std=bad)
+
+
+def test_a_sampled_evaluation_needs_a_gaussian_head() -> None:
+    """``eval_policy="sampled"`` samples the head's own std: a flow head has none."""
+    from joynexus.schemas.workloads import WorkloadSpec
+
+    ev = {"name": "e", "task_type": "eval", "env": "PickCube-v1", "init_from_workload": "p"}
+    assert WorkloadSpec(**ev, eval_policy="sampled").eval_policy == "sampled"
+    with pytest.raises(InvalidSpec, match="eval_policy 'sampled' needs a Gaussian head"):
+        WorkloadSpec(**ev, eval_policy="sampled", action_module="flow_matching")
+
+
+def test_sample_around_is_the_policys_gaussian_clipped() -> None:
+    from joynexus.agents.models.policyio import sample_around
+
+    mean = np.zeros((4000, 1, 2), dtype=np.float32)
+    x = sample_around(mean, np.array([0.1, 0.5], dtype=np.float32), np.random.default_rng(0))
+    assert x.shape == mean.shape and x.dtype == np.float32
+    assert abs(x[..., 0].std() - 0.1) < 0.01 and x.min() >= -1.0 and x.max() <= 1.0
+    again = sample_around(mean, np.array([0.1, 0.5], dtype=np.float32), np.random.default_rng(0))
+    assert np.array_equal(x, again)
 
 
 def test_a_huge_log_ratio_keeps_the_loss_finite() -> None:
