@@ -69,6 +69,7 @@ GLOBAL_LIMITS_KEY = "_global.limits"
 #: the named checkpoints' objects (apart from those the actor's commits sweep).
 CALL_RESULT_KEYS = "res."
 NAMED_STATE_KEYS = "state."
+CLIENT_EPOCH_KEYS = "client."
 NAMED_STATE_OBJECTS = "states"
 
 def any_namespace(token: str, tail: str = ">") -> str:
@@ -285,6 +286,11 @@ class Names:
     def call_result_key(tenant_id: str, workload: str, job_id: str) -> str:
         """Key in the trainer bucket of a training-client call's result."""
         return f"{CALL_RESULT_KEYS}{tenant_id}.{workload}.{job_id}"
+
+    @staticmethod
+    def client_epoch_key(tenant_id: str, workload: str) -> str:
+        """Key in the trainer bucket of a custom workload's current training client."""
+        return f"{CLIENT_EPOCH_KEYS}{tenant_id}.{workload}"
 
     @staticmethod
     def named_state_key(tenant_id: str, workload: str, name: str) -> str:

@@ -21,8 +21,15 @@ import hashlib
 import io
 import logging
 import os
+import time
 
-from nats.js.errors import KeyNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -32,7 +39,7 @@ from joynexus.broker.subjects import check_token
 from joynexus.schemas.base import Wire, decode, encode
 from joynexus.schemas.errors import QuotaExceeded, Unavailable, UnknownTenant
 
-__all__ = ["MAX_NAMED_STATES", "CallStore", "NamedState"]
+__all__ = ["MAX_NAMED_STATES", "CallStore", "ClientEpoch", "NamedState"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,13 @@ class NamedState(Wire, kw_only=True):
     size_bytes: int
     sha256: str
     version: int
+
+
+class ClientEpoch(Wire, kw_only=True):
+    """Value of ``client.<tenant>.<workload>``: the workload's current training client."""
+
+    epoch: int
+    started_at: float
 
 
 class CallStore:
@@ -87,6 +101,32 @@ class CallStore:
         for job_id in job_ids:
             with contextlib.suppress(Exception):
                 await kv.purge(self.b.names.call_result_key(tenant, workload, job_id))
+
+    # ------------------------------------------------------------ the current client
+    async def new_client(self, tenant: str, workload: str) -> int:
+        """A new training client takes the workload over: its epoch (one more than the
+        last; compare-and-set, so two clients starting at once get different ones)."""
+        kv, _ = await self._stores()
+        key = self.b.names.client_epoch_key(tenant, workload)
+        for _ in range(16):
+            entry = await _entry(kv, key)
+            epoch = 1 if entry is None else decode(entry.value or b"", ClientEpoch).epoch + 1
+            value = encode(ClientEpoch(epoch=epoch, started_at=time.time()))
+            try:
+                if entry is None:
+                    await kv.create(key, value)
+                else:
+                    await kv.update(key, value, last=entry.revision)
+                return epoch
+            except (KeyWrongLastSequenceError, BadRequestError):
+                continue  # another client started meanwhile: take the next epoch
+        raise Unavailable(f"workload {workload!r}: too many training clients starting at once")
+
+    async def client(self, tenant: str, workload: str) -> ClientEpoch | None:
+        """The workload's current training client (None: none started yet)."""
+        kv, _ = await self._stores()
+        entry = await _entry(kv, self.b.names.client_epoch_key(tenant, workload))
+        return None if entry is None else decode(entry.value or b"", ClientEpoch)
 
     # ------------------------------------------------------------ named checkpoints
     async def names(self, tenant: str, workload: str) -> list[str]:
@@ -152,3 +192,12 @@ class CallStore:
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             return None
         return decode(entry.value, NamedState, what="named state record")
+
+
+async def _entry(kv: KeyValue, key: str) -> KeyValue.Entry | None:
+    """The key's live entry (None: never written, deleted or purged)."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    return None if entry.operation in (KV_DEL, KV_PURGE) or not entry.value else entry

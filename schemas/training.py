@@ -201,9 +201,14 @@ class TrainCall(Wire, kw_only=True, omit_defaults=True):
     sample_count: int = 0
     #: How long to wait in the admission queue (seconds, at most 10).
     wait_s: float = 0.0
+    #: The training client's epoch (``ApiReply.client`` of its start): once a newer
+    #: client started on the workload, an older one's calls are refused (0: unfenced).
+    client: int = 0
 
     def __post_init__(self) -> None:
         check_name("workload", self.workload)
+        if isinstance(self.client, bool) or not isinstance(self.client, int) or not 0 <= self.client < MAX_SEQ:
+            raise InvalidSpec(f"client must be an integer in 0..2**53, got {self.client!r:.40}")
         if self.op not in OPS:
             raise InvalidSpec(f"op {self.op!r:.40} is not one of {list(OPS)}")
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or not 1 <= self.seq < MAX_SEQ:
@@ -266,11 +271,15 @@ class TrainCall(Wire, kw_only=True, omit_defaults=True):
 class TrainResultQuery(Wire, kw_only=True, omit_defaults=True):
     """The ``train_result`` verb: the result of call job ``job_id`` of ``workload``,
     waiting up to ``wait_s`` (at most 20 s) for it; without ``job_id``: the
-    sequence number of the workload's last applied call (``ApiReply.last_seq``)."""
+    sequence number of the workload's last call applied or still to apply
+    (``ApiReply.last_seq``)."""
 
     workload: str
     job_id: str = ""
     wait_s: float = 0.0
+    #: Without ``job_id``: a new training client starts and takes the workload over
+    #: (``ApiReply.client``: its epoch, which its calls carry).
+    start: bool = False
 
 
 class TrainResult(Wire, kw_only=True, omit_defaults=True):

@@ -459,6 +459,8 @@ class ApiReply(Wire, kw_only=True, omit_defaults=True):
     #: read_events: the page, and the stream sequence to continue after.
     events: list[EventEntry] = []
     last_seq: int = 0
+    #: train_result's start: the new training client's epoch (``TrainCall.client``).
+    client: int = 0
     #: get_policy: the version's record and a slice of its weights.
     policy: PolicyRecord | None = None
     data: bytes = b""

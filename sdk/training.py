@@ -5,7 +5,7 @@ Every call returns an awaitable future at once; several may be in flight; they
 apply in the order they were made. One sender task hands the calls to the
 service in that order (``train_call``, and for a call with rows ``put_data`` and
 ``close_job``: each call is a job in the event log, its rows in the Training
-Queue), numbered ``seq`` 1, 2, ... after the workload's last applied call; the
+Queue), numbered ``seq`` 1, 2, ... after the workload's last call; the
 results are awaited concurrently (``train_result``). ``forward_backward_custom``
 runs the tenant's loss on this machine: a ``forward`` call, the loss and its
 gradients with respect to the outputs with torch here, then a ``backward``
@@ -59,7 +59,7 @@ class TrainingClient:
     ``await client.training_client(workload)``."""
 
     def __init__(self, client: DataCalls, workload: str, action_module: str, last_seq: int,
-                 schema: FeatureSchemaSpec | None = None) -> None:
+                 schema: FeatureSchemaSpec | None = None, epoch: int = 0) -> None:
         self.client = client
         self.workload = workload
         #: The workload's sample layout (cameras, image size, state, action dims, horizon).
@@ -69,6 +69,8 @@ class TrainingClient:
             raise InvalidSpec(f"the training client drives heads {sorted(HEAD_FAMILIES)}, not {action_module!r}")
         self.family = family
         self.seq = last_seq
+        #: This client's epoch on the workload: a newer client's start fences this one.
+        self.epoch = epoch
         self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
         #: When the control plane stopped answering train_result (None: it answers).
@@ -164,7 +166,7 @@ class TrainingClient:
         rows = self._rows(op, fields.get("loss", ""), batch) if op in ROW_OPS else None
         n = 0 if rows is None else len(rows[STATE_FIELD])
         call = TrainCall(workload=self.workload, op=op, seq=self.seq + 1, sample_count=n,  # type: ignore[arg-type]
-                         **{k: v for k, v in fields.items() if v is not None})
+                         client=self.epoch, **{k: v for k, v in fields.items() if v is not None})
         job = await self._admitted(call)
         if rows is not None:
             await self.client._send_rows(job, rows)  # aborted on failure: the seq is not used
@@ -246,17 +248,19 @@ class TrainingCalls(ClientBase):
 
     def training_client(self, workload: str) -> asyncio.Future[TrainingClient]:
         """A training client on your ``task_type="custom"`` workload; its calls are
-        numbered after the workload's last applied one (one client at a time)."""
+        numbered after the workload's last call made (applied, or still to apply).
+        One client at a time: a new one takes the workload over, and the calls of
+        an older one are refused from then on (``Conflict``, saying so)."""
 
         async def go() -> TrainingClient:
             rec = await self._workload_cache(workload)
             if rec.spec.task_type != "custom":
                 raise InvalidSpec(f"workload {workload!r} is {rec.spec.task_type}, not custom")
-            reply = await self._api("train_result", TrainResultQuery(workload=workload))
+            reply = await self._api("train_result", TrainResultQuery(workload=workload, start=True))
             policy = await self._policy(workload)
             # The Client (a DataCalls too) sends the rows of the calls.
             return TrainingClient(cast(DataCalls, self), workload, rec.spec.action_module, reply.last_seq,
-                                  policy.feature_schema)
+                                  policy.feature_schema, epoch=reply.client)
 
         return self._future(go())
 

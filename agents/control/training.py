@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from pathlib import Path
 
 from joynexus.agents.control.base import ControlBase
@@ -28,7 +29,7 @@ from joynexus.agents.control.submissions import open_wait_s
 from joynexus.broker.slots import waiting
 from joynexus.broker.trainercalls import CallStore
 from joynexus.broker.trainerstate import TrainerStateStore
-from joynexus.schemas.errors import InvalidSpec, QuotaExceeded, UnknownJob
+from joynexus.schemas.errors import Conflict, InvalidSpec, QuotaExceeded, UnknownJob
 from joynexus.schemas.jobs import TERMINAL_STATES, JobMetadata, JobState, check_name
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.training import HEAD_FAMILIES, ROW_OPS, TrainCall, TrainResultQuery
@@ -80,6 +81,15 @@ class TrainingAPI(ControlBase):
         spec = rec.spec
         check_train_call(tenant, rec, req, self.quotas.get(tenant),
                          open_jobs_of(self._opened_by, tenant))
+        if req.client:
+            current = await self._call_store().client(tenant, req.workload)
+            if current is not None and current.epoch != req.client:
+                started = time.strftime("%H:%M:%S UTC", time.gmtime(current.started_at))
+                raise Conflict(
+                    f"workload {req.workload!r} has a newer training client (started "
+                    f"{started}): this one's calls are refused; make a new training client "
+                    "to go on (it continues after every call already made)"
+                )
         instruction = spec.instruction
         if not instruction:
             from joynexus.agents.producers import workload_schema
@@ -106,8 +116,9 @@ class TrainingAPI(ControlBase):
 
     async def _train_result(self, tenant: str, req: TrainResultQuery) -> ApiReply:
         check_name("workload", req.workload)
-        if not req.job_id:  # where a new training client starts
-            return ApiReply(last_seq=await self._last_call(tenant, req.workload))
+        if not req.job_id:  # where a new training client starts (and, started, its epoch)
+            epoch = await self._call_store().new_client(tenant, req.workload) if req.start else 0
+            return ApiReply(last_seq=await self._last_call(tenant, req.workload), client=epoch)
         job = await self._tenant_job(tenant, req.job_id, "train_result")
         if job.workload != req.workload or job.task_type != "custom":
             raise UnknownJob(f"workload {req.workload!r} has no call {req.job_id!r}")
@@ -132,12 +143,13 @@ class TrainingAPI(ControlBase):
 
     async def _last_call(self, tenant: str, workload: str) -> int:
         """The last call a new client follows: the last applied, or a later one still
-        to apply (a previous client's calls in flight: handed in, ready or leased)."""
+        to apply (a previous client's calls in flight: reserved with their rows on the
+        way, ready or leased)."""
         rec = await self._get(tenant, workload)
         head = await TrainerStateStore(self.b).head(tenant, workload)
         applied = 0 if head is None else head[0].last_call_seq
         waiting = await self.sched.list_jobs(tenant, workload=workload, generation=rec.generation,
-                                             states=[JobState.READY, JobState.LEASED])
+                                             states=[JobState.RESERVED, JobState.READY, JobState.LEASED])
         return max([applied, *(int(j.metadata.extra.get("seq", "0") or 0) for j in waiting
                                if j.task_type == "custom")])
 

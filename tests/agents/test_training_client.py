@@ -471,3 +471,26 @@ async def test_a_call_after_one_the_scheduler_failed_still_applies(
     dep.start_actor()
     await a.close()
 
+
+async def test_a_new_client_takes_the_workload_over_and_the_old_one_is_told(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """Two training clients on one workload numbered their calls alike, and the second
+    one's calls failed as 'applied already'. Now the newest client wins: the older
+    one's calls are refused with a Conflict that says why, nothing of them applies,
+    and two clients starting at once get different epochs."""
+    (a,) = await with_algo(nats_server, broker, "acme")
+    old = await a.training_client("algo")
+    assert (await old.optim_step())["version"] == 2
+    new = await a.training_client("algo")
+    assert new.epoch == old.epoch + 1 and new.seq == 1
+    with pytest.raises(JoyNexusError, match="newer training client") as refused:
+        await old.optim_step()
+    assert refused.value.code == "conflict"
+    assert (await new.optim_step())["version"] == 3
+    st = await dep.actor.tenant("acme", "algo")
+    assert st.calls.last_seq == 2 and st.module.version == 3
+    both = await asyncio.gather(a.training_client("algo"), a.training_client("algo"))
+    assert sorted(c.epoch for c in both) == [new.epoch + 1, new.epoch + 2]
+    await a.close()
+
