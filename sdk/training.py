@@ -79,7 +79,8 @@ class TrainingClient:
     # ------------------------------------------------------------ the calls
     def forward(self, batch: Mapping[str, Any]) -> asyncio.Future[dict[str, np.ndarray]]:
         """The head's outputs for the rows (Gaussian heads: ``mean`` [B, H, A] in env
-        action units, ``log_std`` [B, A], ``value`` [B]; flow heads: ``velocity``
+        action units, ``log_std`` [B, A] in the same units (the policy is
+        N(mean, exp(log_std)), as its rollouts sample it), ``value`` [B]; flow heads: ``velocity``
         [B, H, A] at the rows' ``flow_xt`` [B, H, A] and ``flow_t`` [B])."""
         return self._submit("forward", batch, lambda r: _outputs(r))
 

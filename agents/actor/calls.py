@@ -84,7 +84,9 @@ def outputs(module: TenantModule, feats: torch.Tensor, state: torch.Tensor,
     head = module.head
     b = feats.shape[0]
     if isinstance(head, GaussianPolicy):
-        log_std = head.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+        # Both in the env's action units: the policy is N(mean, exp(log_std)), as its
+        # rollouts sample it (the head keeps its std in normalised units).
+        log_std = head.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX) + head.action_std.log()
         return {
             "mean": head.denorm_action(head._predict(feats, state)),
             "log_std": log_std.unsqueeze(0).expand(b, -1),

@@ -179,6 +179,20 @@ def test_a_failed_call_leaves_the_accumulated_gradients_as_they_were() -> None:
         outputs(TenantModule("acme", "value", HeadConfig(feature_dim=16, state_dim=9)), feats, state, {})
 
 
+def test_a_gaussian_heads_outputs_are_in_the_envs_action_units() -> None:
+    """mean and log_std in one unit: N(mean, exp(log_std)) is the distribution the
+    policy's rollouts sample (``action_std_A``), whatever the data's action scale; and
+    a gradient on log_std reaches the head's own (normalised) log_std one for one."""
+    m = _module()
+    head = m.head
+    head.action_std.copy_(torch.tensor([0.5, 2.0, 0.1, 1.0]))
+    feats, state = torch.randn(3, 16), torch.randn(3, 9)
+    out = outputs(m, feats, state, {})
+    assert torch.allclose(out["log_std"].exp()[0], head.action_std_A(), atol=1e-6)
+    out["log_std"].sum().backward()
+    assert torch.allclose(head.log_std.grad, torch.full((4,), 3.0))
+
+
 def test_a_call_fails_for_its_own_errors_but_not_for_the_machines() -> None:
     """A Training Queue read that timed out while a host was lost (``Unavailable``) is no
     answer to the tenant's call: it propagates (the actor stops, the call is leased again);
