@@ -136,8 +136,15 @@ class TrainingQueue:
         tenant_id: str,
         partition_id: str | None = None,
         metadata: BatchMeta | None = None,
+        at_row: int | None = None,
     ) -> BatchMeta:
         """Store fields for new rows (``partition_id``) or for ``metadata``'s rows (derived fields).
+
+        ``at_row`` (new rows only): the first new row's id, so a put repeated after a
+        lost reply adds nothing: rows ``at_row ..`` already there are not written again
+        (the returned meta lists them, without fields), and a partition with fewer
+        rows than ``at_row`` refuses the put (``Conflict``: rows before it are missing).
+        The compare-and-append commits the new rows only at ``at_row``.
 
         Returns a BatchMeta of the rows written and where the new data lives.
         Raises ShapeMismatch (batch dims, or dtype/row shape against earlier
@@ -151,6 +158,16 @@ class TrainingQueue:
         n_rows = len(prepared[0].arr)
 
         part = await self._read_index(tenant_id, partition_id)
+        if at_row is not None and metadata is None:
+            if part.next_row >= at_row + n_rows:  # put before (its reply was lost): done
+                return BatchMeta(tenant_id=tenant_id, partition_id=partition_id,
+                                 rows=list(range(at_row, at_row + n_rows)), fields={})
+            if part.next_row != at_row:
+                raise Conflict(
+                    f"partition {partition_id!r} of tenant {tenant_id!r} has {part.next_row} "
+                    f"rows; a put at row {at_row} of {n_rows} rows fits neither after them "
+                    "nor over an earlier put"
+                )
         check_against(part, prepared, tenant_id, partition_id, self.max_partition_bytes)
         if metadata is not None and metadata.rows:
             top = max(metadata.rows)
@@ -169,7 +186,7 @@ class TrainingQueue:
                 await self._publish(self.broker.names.tq_index(tenant_id, partition_id), encode(rec))
             else:
                 ranges = await self._append_rows(tenant_id, partition_id, part, n_rows, stored,
-                                                 prepared)
+                                                 prepared, at_row)
                 rows = list(range(ranges[0][0], ranges[0][1]))
         except Exception:
             await self._delete_quietly(s for f in stored.values() for s in f.seqs)
@@ -216,11 +233,18 @@ class TrainingQueue:
         }
 
     async def _append_rows(self, tenant_id: str, partition_id: str, part: Partition, n_rows: int,
-                           stored: dict[str, TqFieldData], prepared: list[Prepared]) -> RowRanges:
-        """Commit new rows: ids after the partition's last row, by compare-and-append."""
+                           stored: dict[str, TqFieldData], prepared: list[Prepared],
+                           at_row: int | None = None) -> RowRanges:
+        """Commit new rows: ids after the partition's last row, by compare-and-append
+        (with ``at_row``: only there; another put committed first: ``Conflict``)."""
         subject = self.broker.names.tq_index(tenant_id, partition_id)
         for _ in range(MAX_APPEND_ATTEMPTS):
             start = part.next_row
+            if at_row is not None and start != at_row:
+                raise Conflict(
+                    f"partition {partition_id!r} of tenant {tenant_id!r}: another put committed "
+                    f"rows from {at_row} first"
+                )
             ranges: RowRanges = [(start, start + n_rows)]
             rec = TqIndexRecord(rows=ranges, appended=True, fields=stored)
             try:

@@ -424,6 +424,13 @@ class PutData(Wire, kw_only=True):
 
     job_id: str
     fields: dict[str, TensorBytes]
+    #: The first row's index among the job's rows (the rows put before it): a put
+    #: repeated after a lost reply then adds nothing (None: appended wherever).
+    offset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.offset is not None and (isinstance(self.offset, bool) or not 0 <= self.offset < 1 << 40):
+            raise InvalidSpec(f"offset must be an integer in 0..2**40, got {self.offset!r:.40}")
 
 
 class PolicyQuery(Wire, kw_only=True, omit_defaults=True):

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.schemas.errors import InvalidSpec, QuotaExceeded, Timeout
+from joynexus.schemas.errors import InvalidSpec, QuotaExceeded, Timeout, Unavailable
 from joynexus.schemas.inference import TensorBytes
 from joynexus.schemas.jobs import TrainingJob
 from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, REQUIRED, STATE_FIELD
 from joynexus.schemas.scheduler import FINAL_REFUSALS
-from joynexus.schemas.workloads import CloseJob, OpenJob, PutData
+from joynexus.schemas.workloads import ApiReply, CloseJob, OpenJob, PutData
 from joynexus.sdk.base import ClientBase
 
 #: The fields each task type's batch needs besides the images (the table:
@@ -33,6 +33,9 @@ PUT_CHUNK_BYTES = 6 * 1024 * 1024
 OPEN_WAIT_S = 10.0
 #: How long a submission waits for admission in all, by default (then: Timeout).
 ADMISSION_WAIT_S = 600.0
+#: How long an idempotent request (a put at its offset, a close) is asked again while
+#: the control plane does not answer (restarting, or its host lost and another taking over).
+OUTAGE_WAIT_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,19 @@ class DataCalls(ClientBase):
         job = await self._open(workload, rows, behavior_policy_version, admission_wait_s)
         return await self._send_rows(job, data)
 
+    async def _again(self, verb: str, req: Any, *, binary: bool = False) -> ApiReply:
+        """An idempotent request, asked again while the control plane does not answer
+        (restarting, or its host lost and another taking over) for ``OUTAGE_WAIT_S``."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while True:
+            try:
+                return await self._api(verb, req, binary=binary)
+            except Unavailable:
+                if loop.time() - since > OUTAGE_WAIT_S:
+                    raise
+                await asyncio.sleep(0.5)
+
     async def _send_rows(self, job: TrainingJob, data: Mapping[str, Any]) -> TrainingJob:
         """Put ``data``'s rows into the open ``job`` (requests under the payload
         limit) and close it; on any failure the job is aborted (it holds no slot)."""
@@ -187,8 +203,11 @@ class DataCalls(ClientBase):
                 fields = {
                     k: TensorBytes.from_array(a[start : start + step]) for k, a in arrays.items()
                 }
-                await self._api("put_data", PutData(job_id=job.job_id, fields=fields), binary=True)
-            closed = await self._api("close_job", CloseJob(job_id=job.job_id))
+                # At its offset: asked again across a control-plane outage, a put whose
+                # reply was lost adds nothing (and a repeated close_job answers the job).
+                await self._again("put_data", PutData(job_id=job.job_id, fields=fields, offset=start),
+                                  binary=True)
+            closed = await self._again("close_job", CloseJob(job_id=job.job_id))
         except BaseException as e:
             # Give the job up so it holds no admission slot (the control plane also
             # fails jobs left open too long, should this process die here).

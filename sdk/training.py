@@ -39,7 +39,7 @@ from joynexus.schemas.training import (
     call_fields,
 )
 from joynexus.sdk.base import ClientBase
-from joynexus.sdk.data import DataCalls
+from joynexus.sdk.data import OUTAGE_WAIT_S, DataCalls
 
 __all__ = ["TrainingCalls", "TrainingClient"]
 
@@ -47,9 +47,6 @@ __all__ = ["TrainingCalls", "TrainingClient"]
 RESULT_WAIT_S = 10.0
 #: How long a call waits for admission in all (then: the future fails).
 ADMISSION_WAIT_S = 600.0
-#: How long a result is asked for again while the control plane does not answer
-#: (restarting, or its host lost and another host's taking over).
-OUTAGE_WAIT_S = 120.0
 
 LossFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 

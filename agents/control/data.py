@@ -128,7 +128,10 @@ class DataGateway(ControlBase):
             wait = self._tq_pace.delay(tenant, size, time.monotonic(), self.quotas.get(tenant).tq_bytes_per_s)
             if wait > 0:
                 await asyncio.sleep(min(wait, 30.0))
-            meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id)
+            meta = await self._tq.async_put(data, tenant_id=tenant, partition_id=job.partition_id,
+                                            at_row=req.offset)
+            if not meta.fields:  # a repeat of a put whose reply was lost: nothing more held
+                held[job.job_id] -= size
         except (InvalidSpec, ShapeMismatch) as e:
             # Bad rows: the job will never be closed; end it now so it holds no slot.
             await self.sched.fail(job.job_id, f"refused data: {e}")

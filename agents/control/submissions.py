@@ -30,7 +30,7 @@ from joynexus.broker.connection import raise_if_cancelled
 from joynexus.broker.slots import waiting
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import QuotaExceeded
-from joynexus.schemas.jobs import JobMetadata, JobState
+from joynexus.schemas.jobs import TERMINAL_STATES, JobMetadata, JobState
 from joynexus.schemas.quotas import Quota
 from joynexus.schemas.workloads import ApiReply, CloseJob, OpenJob, WorkloadRecord
 
@@ -110,6 +110,8 @@ class SubmissionsAPI(ControlBase):
 
     async def _close_job(self, tenant: str, req: CloseJob) -> ApiReply:
         job = await self._tenant_job(tenant, req.job_id, "close_job")
+        if job.producer_role == "tenant" and job.state not in (JobState.RESERVED, *TERMINAL_STATES):
+            return ApiReply(job=job)  # closed before (a close repeated after a lost reply)
         job = await self.sched.mark(job.job_id, closed_state(job.task_type))
         self._forget_open(job.job_id)
         return ApiReply(job=job)

@@ -494,3 +494,39 @@ async def test_a_new_client_takes_the_workload_over_and_the_old_one_is_told(
     assert sorted(c.epoch for c in both) == [new.epoch + 1, new.epoch + 2]
     await a.close()
 
+
+async def test_rows_put_across_a_control_plane_restart_are_put_once(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward's rows go one per put_data; the control plane is restarted after the
+    second put landed and its reply is lost: the SDK asks again (at the same offset, a
+    no-op) once the new control plane answers, and the call reads each row once, in
+    order: its outputs equal those of the same rows sent with no fault."""
+    import joynexus.sdk.data as sdk_data
+    from joynexus.schemas.errors import Unavailable
+
+    a, b = await with_algo(nats_server, broker, "acme", "bolt")
+    tca, tcb = await a.training_client("algo"), await b.training_client("algo")
+    batch = bc.batches(tca.schema, 1, rows=5)[0]
+    monkeypatch.setattr(sdk_data, "PUT_CHUNK_BYTES", 1)  # one row per put_data
+    api, puts = a._api, []
+
+    async def lossy(verb: str, req: Any, **kw: Any) -> Any:
+        reply = await api(verb, req, **kw)
+        if verb == "put_data":
+            puts.append(req.offset)
+            if len(puts) == 2:  # it landed; the control plane dies before answering
+                await dep.control.stop()
+                dep.control = ControlPlane(broker, init_policy=PolicyInitializer(broker),
+                                           instance="control-2", datasets_root=dep.out / "datasets")
+                await dep.control.start()
+                raise Unavailable("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(a, "_api", lossy)
+    got, want = await asyncio.gather(tca.forward(batch), tcb.forward(batch))
+    assert puts == [0, 1, 1, 2, 3, 4]  # the lost one asked again, at its offset
+    assert got["mean"].shape[0] == 5 and np.array_equal(got["mean"], want["mean"])
+    await a.close()
+    await b.close()
+

@@ -13,6 +13,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.tq import TrainingQueue
 from joynexus.schemas.base import decode, encode
 from joynexus.schemas.errors import (
+    Conflict,
     InvalidSpec,
     PayloadTooLarge,
     ShapeMismatch,
@@ -65,6 +66,25 @@ async def test_round_trip_bit_exact(broker: Broker) -> None:
     # The meta a put returns reads back too, and BatchMeta survives the wire.
     again = await tq.async_get_data(decode(encode(put), BatchMeta))
     assert_same(again["image"], data["image"])
+
+
+async def test_a_put_at_its_row_is_written_once(broker: Broker) -> None:
+    """A put repeated after a lost reply (the same rows at the same ``at_row``) adds
+    nothing and stores nothing; a put past the rows there is refused; order holds."""
+    tq = TrainingQueue(broker)
+    a, b = sample(4, seed=1), sample(3, seed=2)
+    first = await tq.async_put(a, tenant_id=T, partition_id="once", at_row=0)
+    msgs = await stream_msgs(broker, broker.names.tq_partition(T, "once"))
+    again = await tq.async_put(a, tenant_id=T, partition_id="once", at_row=0)
+    assert first.rows == again.rows == [0, 1, 2, 3] and first.fields and not again.fields
+    assert await stream_msgs(broker, broker.names.tq_partition(T, "once")) == msgs
+    with pytest.raises(Conflict, match="has 4 rows"):
+        await tq.async_put(b, tenant_id=T, partition_id="once", at_row=5)
+    assert (await tq.async_put(b, tenant_id=T, partition_id="once", at_row=4)).rows == [4, 5, 6]
+    meta = await tq.async_get_meta(list(a), 100, tenant_id=T, partition_id="once", task_name="t")
+    got = await tq.async_get_data(meta)
+    assert meta.rows == list(range(7))
+    assert_same(got["obs"], np.concatenate([a["obs"], b["obs"]]))
 
 
 async def test_rows_continue_and_objects_with_array(broker: Broker) -> None:
