@@ -204,6 +204,9 @@ class TrainCall(Wire, kw_only=True, omit_defaults=True):
     #: The training client's epoch (``ApiReply.client`` of its start): once a newer
     #: client started on the workload, an older one's calls are refused (0: unfenced).
     client: int = 0
+    #: Sent again after no reply (the control plane restarted): the job this client's
+    #: call ``seq`` already has is answered instead of reserving another.
+    again: bool = False
 
     def __post_init__(self) -> None:
         check_name("workload", self.workload)
@@ -253,8 +256,8 @@ class TrainCall(Wire, kw_only=True, omit_defaults=True):
 
     def extra(self) -> dict[str, str]:
         """The job metadata's ``extra`` that carries this call to the actor."""
-        return {"op": self.op, "seq": str(self.seq),
-                "call": msgspec.json.encode(msgspec.structs.replace(self, wait_s=0.0)).decode()}
+        return {"op": self.op, "seq": str(self.seq), "client": str(self.client),
+                "call": msgspec.json.encode(msgspec.structs.replace(self, wait_s=0.0, again=False)).decode()}
 
     @staticmethod
     def from_extra(extra: dict[str, str]) -> TrainCall:

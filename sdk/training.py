@@ -27,6 +27,7 @@ from nats.errors import NoRespondersError
 
 from joynexus.schemas.errors import InvalidSpec, Unavailable, error_from_code
 from joynexus.schemas.inference import FeatureSchemaSpec, decode_msgpack
+from joynexus.schemas.jobs import JobState
 from joynexus.schemas.samples import IMAGE_FIELD_PREFIX, STATE_FIELD
 from joynexus.schemas.scheduler import FINAL_REFUSALS
 from joynexus.schemas.training import (
@@ -166,27 +167,34 @@ class TrainingClient:
         call = TrainCall(workload=self.workload, op=op, seq=self.seq + 1, sample_count=n,  # type: ignore[arg-type]
                          client=self.epoch, **{k: v for k, v in fields.items() if v is not None})
         job = await self._admitted(call)
-        if rows is not None:
+        # (A call asked again may answer a job whose rows went in before: closed already.)
+        if rows is not None and job.state is JobState.RESERVED:
             await self.client._send_rows(job, rows)  # aborted on failure: the seq is not used
         self.seq = call.seq
         return job.job_id
 
     async def _admitted(self, call: TrainCall) -> Any:
-        """The call's job. Nobody serving ``train_call`` (the control plane restarting)
-        is asked again: nobody got the request, so asking again reserves nothing
-        twice; a request that got no reply is not (it may have reserved a job)."""
+        """The call's job. A request with no reply (the control plane restarting) is
+        asked again, for ``OUTAGE_WAIT_S``, marked ``again`` when it may have reached
+        a control plane (it then answers the job it reserved, not a second one)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADMISSION_WAIT_S
+        again, outage = False, None
         while True:
             wait = min(10.0, max(0.0, deadline - loop.time()))
             try:
-                reply = await self.client._api("train_call", TrainCall(**{**_fields(call), "wait_s": wait}),
-                                               timeout_s=self.client.timeout_s + wait)
+                reply = await self.client._api(
+                    "train_call", TrainCall(**{**_fields(call), "wait_s": wait, "again": again}),
+                    timeout_s=self.client.timeout_s + wait)
             except Unavailable as e:
-                if not isinstance(e.__cause__, NoRespondersError) or loop.time() >= deadline:
-                    raise
+                outage = outage or loop.time()
+                if not self.epoch or loop.time() - outage > OUTAGE_WAIT_S:
+                    if not isinstance(e.__cause__, NoRespondersError) or loop.time() >= deadline:
+                        raise
+                again = again or not isinstance(e.__cause__, NoRespondersError)
                 await asyncio.sleep(0.5)
                 continue
+            outage = None
             if reply.job is not None:
                 return reply.job
             if reply.refusal in FINAL_REFUSALS or loop.time() >= deadline:

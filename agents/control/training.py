@@ -90,6 +90,15 @@ class TrainingAPI(ControlBase):
                     f"{started}): this one's calls are refused; make a new training client "
                     "to go on (it continues after every call already made)"
                 )
+        if req.again and req.client:  # asked again after no reply: its job may exist
+            for j in await self.sched.list_jobs(tenant, workload=spec.name, generation=rec.generation):
+                x = j.metadata.extra
+                if j.task_type == "custom" and x.get("seq") == str(req.seq) and \
+                        x.get("client") == str(req.client):
+                    if j.state in TERMINAL_STATES and not await self._call_store().get_result(
+                            tenant, spec.name, j.job_id):
+                        break  # ended unapplied (an abort): reserve it anew
+                    return ApiReply(job=j)
         instruction = spec.instruction
         if not instruction:
             from joynexus.agents.producers import workload_schema

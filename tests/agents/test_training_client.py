@@ -530,3 +530,36 @@ async def test_rows_put_across_a_control_plane_restart_are_put_once(
     await a.close()
     await b.close()
 
+
+async def test_a_call_whose_reply_was_lost_is_reserved_once(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train_call reserved the call's job, then its reply was lost (the control plane
+    restarted): the SDK asks again marked ``again`` and is answered that job, not a
+    second one; a row call's rows then go in once. One job per call, each applied once."""
+    from joynexus.schemas.errors import Unavailable
+
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    batch = bc.batches(tc.schema, 1, rows=3)[0]
+    api, sent = a._api, []
+
+    async def lossy(verb: str, req: Any, **kw: Any) -> Any:
+        reply = await api(verb, req, **kw)
+        if verb == "train_call":
+            sent.append((req.seq, req.again))
+            if not req.again:
+                raise Unavailable("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(a, "_api", lossy)
+    fb, step = tc.forward_backward(batch), tc.optim_step(learning_rate=1e-2)
+    assert (await fb)["loss"] > 0 and (await step)["version"] == 2
+    assert sent == [(1, False), (1, True), (2, False), (2, True)]
+    calls = [j for j in dep.sched.core.jobs.values() if j.tenant_id == "acme" and j.task_type == "custom"]
+    assert sorted(j.metadata.extra["seq"] for j in calls) == ["1", "2"]
+    assert all(j.state is JobState.COMPLETED for j in calls)
+    st = await dep.actor.tenant("acme", "algo")
+    assert st.calls.last_seq == 2 and st.module.version == 2
+    await a.close()
+
