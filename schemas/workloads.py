@@ -373,6 +373,14 @@ class WorkloadRecord(Wire, kw_only=True, omit_defaults=True):
     periodic: bool = False
     #: eval: the saved episode videos, file names (``get_video`` fetches them by index).
     videos: list[str] = []
+    #: The instruction its policy is trained and evaluated with: the spec's, else the
+    #: task's or the dataset's own (what ``act`` and the gateway send by default).
+    instruction: str = ""
+
+    def policy_instruction(self) -> str:
+        """The instruction its policy is conditioned on ("" only in records written
+        before the control plane resolved it: then the spec's)."""
+        return self.instruction or self.spec.instruction
 
 
 class CreateWorkload(Wire, kw_only=True):

@@ -60,6 +60,11 @@ class Workload:
     def name(self) -> str:
         return self.record.spec.name
 
+    @property
+    def instruction(self) -> str:
+        """The instruction its policy is conditioned on (``act`` sends it by default)."""
+        return self.record.policy_instruction()
+
     def events(self, *, from_start: bool = True) -> AsyncIterator[JobEvent]:
         """This workload's job events (reserved, ready, leased, completed...) as they happen."""
         return self.client.events(

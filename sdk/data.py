@@ -71,7 +71,7 @@ class DataCalls(ClientBase):
                     workload=workload,
                     policy_version=version,
                     images=images,
-                    instruction=instruction or rec.spec.instruction,
+                    instruction=instruction or rec.policy_instruction(),
                     state=state,
                     session_id=session_id,
                     timeout_s=timeout_s,

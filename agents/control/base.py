@@ -100,6 +100,17 @@ class ControlBase:
             raise UnknownTenant(f"tenant {tenant!r} has no workload {name!r}") from e
         return decode(entry.value, WorkloadRecord)
 
+    @staticmethod
+    async def _instruction(spec: Any, rec: WorkloadRecord | None = None) -> str:
+        """The instruction a workload's policy is conditioned on: its record's, else
+        the spec's, else the task's or the dataset's own (``workload_schema``)."""
+        got = rec.policy_instruction() if rec is not None else spec.instruction
+        if got:
+            return got
+        from joynexus.agents.producers import workload_schema
+
+        return str((await asyncio.to_thread(workload_schema, spec))[1])
+
     async def _cancel(self, tenant: str, name: str) -> WorkloadRecord:
         """Cancel the workload, then append its end to the job log (where its
         events end for the SDK, and a restarted scheduler takes it as ended)."""

@@ -73,11 +73,7 @@ class SubmissionsAPI(ControlBase):
                 f"admission (at most {max_open_waits(quota)}: half its max_requests_in_flight); "
                 "wait for one to be admitted"
             )
-        instruction = spec.instruction
-        if not instruction:
-            from joynexus.agents.producers import workload_schema
-
-            instruction = (await asyncio.to_thread(workload_schema, spec))[1]
+        instruction = await self._instruction(spec, rec)
         self._open_waits[tenant] += 1
         try:
             async with waiting():  # a long poll holds none of the tenant's working slots

@@ -99,11 +99,7 @@ class TrainingAPI(ControlBase):
                             tenant, spec.name, j.job_id):
                         break  # ended unapplied (an abort): reserve it anew
                     return ApiReply(job=j)
-        instruction = spec.instruction
-        if not instruction:
-            from joynexus.agents.producers import workload_schema
-
-            instruction = (await asyncio.to_thread(workload_schema, spec))[1]
+        instruction = await self._instruction(spec, rec)
         async with waiting():  # a long poll holds none of the tenant's working slots
             r = await self.sched.reserve_reply(
                 tenant, "custom", workload=spec.name, generation=rec.generation,

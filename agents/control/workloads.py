@@ -65,6 +65,7 @@ class WorkloadsAPI(ControlBase):
                 tenant_id=tenant, spec=spec, generation=generation, created_at=time.time()
             )
             signature = await self.init_policy(record)
+            record = msgspec.structs.replace(record, instruction=await self._instruction(spec))
             if spec.task_type == "eval":  # no jobs, no training: the evaluator picks it up
                 record = msgspec.structs.replace(record, schema_signature=signature)
                 await self._put_record(record)

@@ -207,7 +207,7 @@ class PolicyGateway:
             entry = await kv.get(self.b.names.workload_key(tenant, workload))
             rec = decode(entry.value or b"", WorkloadRecord)
             if rec.tenant_id == tenant:
-                return rec.spec.instruction
+                return rec.policy_instruction()
         return ""
 
     async def _release_when_closed(self, conn: ServerConnection, tenant: str) -> None:

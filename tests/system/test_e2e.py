@@ -492,6 +492,16 @@ async def test_rollout_as_a_service_and_tenant_submitted_batches(
             )
 
         out = await rollout(env, act, horizon=6, seed=3)
+        # act's default instruction is the one the workload trains and is evaluated
+        # with (the task's), not "": the features, and so the actions, depend on it.
+        rec = await dana.get_workload("own")
+        assert rec.instruction == env.spec.instruction != ""
+        obs = env.reset(seed=[3])
+        ask = {"images": {"base_camera": obs[f"{OBS_IMAGES}.base_camera"]},
+               "state": obs[OBS_STATE], "version": v1}
+        default = await dana.act("own", **ask)
+        assert np.array_equal(default, await dana.act("own", instruction=rec.instruction, **ask))
+        assert not np.array_equal(default, await dana.act("own", instruction="do a dance", **ask))
     finally:
         await asyncio.to_thread(env.close)
     # The rollout's fields are Training Queue fields already; learn action chunks.
