@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.agents.actions import sample_around
 from joynexus.agents.envs.maniskill import run_episodes
 from joynexus.agents.featureschema import feature_schema_of
-from joynexus.agents.models.policyio import PolicyStore, sample_around
 from joynexus.broker.connection import Broker
 from joynexus.broker.policy import PolicyRecords
 from joynexus.schemas.errors import InvalidSpec
@@ -165,6 +165,8 @@ async def evaluate_record(
     std = None
     rng = np.random.default_rng([spec.seed, 0x5A3D])  # the sampled policy's noise: seeded
     if spec.eval_policy == "sampled":  # the stochastic policy, as its rollouts act
+        from joynexus.agents.models.policyio import PolicyStore  # torch: only when sampling
+
         std = await PolicyStore(b).action_std(src)
 
     async def act(obs: dict[str, Any]) -> np.ndarray:

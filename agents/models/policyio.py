@@ -162,10 +162,3 @@ class PolicyStore(PolicyRecords):
         least ``floor``: what its rollouts (and a sampled evaluation) sample with."""
         head: Any = (await self.load_module(record)).head
         return head.action_std_A(floor).detach().cpu().numpy().astype(np.float32)
-
-
-def sample_around(mean: np.ndarray, std: Any, rng: np.random.Generator) -> np.ndarray:
-    """``mean`` plus ``std`` times standard normal noise, clipped to the action bounds
-    [-1, 1]: the policy's own distribution, as RL rollouts and sampled evaluations act."""
-    noise = rng.normal(0.0, 1.0, mean.shape).astype(np.float32) * std
-    return np.clip(mean + noise, -1.0, 1.0)

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
+from joynexus.agents.actions import sample_around
 from joynexus.agents.envs.pool import EnvPool, build_key, close_env
-from joynexus.agents.models.policyio import PolicyStore, sample_around
+from joynexus.agents.models.policyio import PolicyStore
 from joynexus.agents.producers.schema import (
     EXPLORATION_STD,
     chunk_targets,

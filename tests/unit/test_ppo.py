@@ -161,7 +161,7 @@ def test_a_sampled_evaluation_needs_a_gaussian_head() -> None:
 
 
 def test_sample_around_is_the_policys_gaussian_clipped() -> None:
-    from joynexus.agents.models.policyio import sample_around
+    from joynexus.agents.actions import sample_around
 
     mean = np.zeros((4000, 1, 2), dtype=np.float32)
     x = sample_around(mean, np.array([0.1, 0.5], dtype=np.float32), np.random.default_rng(0))
