@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import time
 from typing import Any
 
 import numpy as np
@@ -43,37 +45,51 @@ ADV = "grpo_adv"
 OLD_LOGP = "grpo_logp_old"
 
 
-def episode_advantages(rewards_T_N: np.ndarray, group: int) -> np.ndarray:
-    """GRPO's outcome advantage: each episode's return minus its group's mean, over
-    the batch's std, the same for every step of the episode. [T, N]."""
-    ret = pc.group_centred(rewards_T_N.sum(0, keepdims=True), group)
-    adv = np.broadcast_to(ret, rewards_T_N.shape)
+def outcome_advantages(outcome_N: np.ndarray, group: int, steps: int) -> np.ndarray:
+    """GRPO's outcome advantage: each episode's outcome minus its group's mean, over
+    the batch's std, the same for every step of the episode (all 0 where every
+    group's episodes did alike). [T, N]."""
+    centred = pc.group_centred(np.asarray(outcome_N, dtype=np.float32)[None], group)
+    adv = np.broadcast_to(centred, (steps, centred.shape[1]))
     return adv / (adv.std() + 1e-6)
 
 
-def advantages(kind: str, rewards_T_N: np.ndarray, group: int, gamma: float) -> np.ndarray:
+#: --advantage: per step (returns-to-go), or per episode (its return, its success).
+ADVANTAGES = ("step", "return", "success")
+
+
+def advantages(kind: str, ro: pc.Rollout, group: int, gamma: float) -> np.ndarray:
+    """The rollout's advantages of kind ``kind`` (:data:`ADVANTAGES`), [T, N]."""
     if kind == "step":
-        return pc.step_advantages(rewards_T_N, group, gamma)
-    if kind == "episode":
-        return episode_advantages(rewards_T_N, group)
-    raise ValueError(f"advantage {kind!r}: step or episode")
+        return pc.step_advantages(ro.rewards, group, gamma)
+    if kind == "return":
+        return outcome_advantages(ro.rewards.sum(0), group, len(ro.rewards))
+    if kind == "success":
+        return outcome_advantages(ro.success, group, len(ro.rewards))
+    raise ValueError(f"advantage {kind!r}: one of {ADVANTAGES}")
 
 
 class ClippedLoss:
     """The clipped surrogate of a minibatch (a ``forward_backward_custom`` loss): the
     Gaussian log-probability of each taken chunk under the outputs, its ratio to the
-    behaviour's, ``-mean(min(r A, clip(r) A)) - c * entropy``. Each call's ratio
-    statistics (approximate KL, clipped fraction) are kept in ``stats``."""
+    behaviour's, ``-mean(min(r A, clip(r) A)) - c * entropy``; with ``std`` the
+    Gaussian has that fixed std (the head's log-std gets no gradient). Each call's
+    ratio statistics (approximate KL, clipped fraction) are kept in ``stats``."""
 
-    def __init__(self, clip: float = 0.2, entropy_coef: float = 0.0) -> None:
+    def __init__(self, clip: float = 0.2, entropy_coef: float = 0.0, std: float | None = None) -> None:
+        if std is not None and entropy_coef:
+            raise ValueError("a fixed std has no entropy to weigh")
         self.clip = clip
         self.entropy_coef = entropy_coef
+        self.std = std
         self.stats: list[dict[str, float]] = []
 
     def __call__(self, outputs: dict[str, Any], batch: dict[str, Any]) -> Any:
         import torch
 
         log_std = outputs["log_std"]  # [B, A]
+        if self.std is not None:  # the client's own exploration std: only the mean learns
+            log_std = torch.full_like(log_std, math.log(self.std))
         logp = torch.distributions.Normal(outputs["mean"], log_std.exp().unsqueeze(1)).log_prob(
             batch[ACTIONS_FIELD]).sum((1, 2))
         log_r = logp - batch[OLD_LOGP]
@@ -90,7 +106,7 @@ class ClippedLoss:
 async def grpo(client: Client, workload: str, *, iterations: int = 10, envs: int = 4, group: int = 2,
                steps: int = 50, lr: float = 1e-4, gamma: float = 0.95, epochs: int = 4, minibatch: int = 100,
                clip: float = 0.2, target_kl: float = 0.0, entropy_coef: float = 0.0, advantage: str = "step",
-               seed: int = 0, log: Any = None) -> dict[str, Any]:
+               std: float | None = None, seed: int = 0, log: Any = None) -> dict[str, Any]:
     """Train ``workload`` in a PushCube the client runs (see the module); per
     iteration the rollout's success with intervals, its passes, and the ratio's
     approximate KL and clipped fraction over its last pass."""
@@ -98,16 +114,23 @@ async def grpo(client: Client, workload: str, *, iterations: int = 10, envs: int
         raise ValueError(f"envs={envs} must be a multiple of group={group} >= 2")
     tc = await client.training_client(workload)
     rng = np.random.default_rng(seed)
-    loss = ClippedLoss(clip, entropy_coef)
+    loss = ClippedLoss(clip, entropy_coef, std)
     rates: list[dict[str, Any]] = []
+    version = await client.latest_version(workload)
     with pc.pushcube(tc, envs, seed) as env:
         for it in range(iterations):
-            ro = await pc.rollout(client, tc, env, workload, pc.group_seeds(seed, it, envs, group), steps, rng)
-            adv = advantages(advantage, ro.rewards, group, gamma)
+            t0 = time.perf_counter()
+            ro = await pc.rollout(client, tc, env, workload, pc.group_seeds(seed, it, envs, group), steps, rng,
+                                  std)
+            adv = advantages(advantage, ro, group, gamma)
             batch = {**ro.rows, ADV: adv.reshape(-1).astype(np.float32), OLD_LOGP: ro.logp_old}
+            # not past a success (never scored), nor rows without advantage (no gradient: an
+            # optimizer step on nothing would still move by Adam's momentum)
+            keep = ro.live.reshape(-1) & (batch[ADV] != 0)
+            batch = {k: v[keep] for k, v in batch.items()}
             n = len(batch[STATE_FIELD])
-            version, passes = 0, 0
-            for _ in range(epochs):
+            passes, kl, kl0, clipped, t1 = 0, 0.0, 0.0, 0.0, time.perf_counter()
+            for _ in range(epochs if n else 0):
                 loss.stats.clear()
                 order = rng.permutation(n)
                 calls = []
@@ -116,18 +139,20 @@ async def grpo(client: Client, workload: str, *, iterations: int = 10, envs: int
                     calls.append(tc.forward_backward_custom({k: v[idx] for k, v in batch.items()}, loss))
                     calls.append(tc.optim_step(learning_rate=lr, grad_clip=1.0))
                 version = (await asyncio.gather(*calls))[-1]["version"]
+                kl0 = loss.stats[0]["approx_kl"] if passes == 0 else kl0  # before any step: ~0
                 passes += 1
                 kl = float(np.mean([s["approx_kl"] for s in loss.stats]))
+                clipped = float(np.mean([s["clip_frac"] for s in loss.stats]))
                 if target_kl > 0 and kl > target_kl:
                     break
-            clipped = float(np.mean([s["clip_frac"] for s in loss.stats]))
-            rates.append(pc.iteration_report(it, version, ro, log, passes=passes, approx_kl=round(kl, 4),
-                                             clip_frac=round(clipped, 3)))
+            rates.append(pc.iteration_report(it, version, ro, log, rows=n, passes=passes, kl_first=round(kl0, 5),
+                                             approx_kl=round(kl, 4), clip_frac=round(clipped, 3),
+                                             rollout_s=round(t1 - t0, 1), update_s=round(time.perf_counter() - t1, 1)))
     return {"iterations": rates, "first": rates[0], "last": rates[-1]}
 
 
 SETTINGS = ("iterations", "envs", "group", "steps", "lr", "gamma", "head_hidden", "epochs", "minibatch", "clip",
-            "target_kl", "entropy_coef", "advantage")
+            "target_kl", "entropy_coef", "advantage", "std")
 
 
 async def train(client: Client, args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -135,7 +160,7 @@ async def train(client: Client, args: argparse.Namespace, log: Any) -> dict[str,
     out = await grpo(client, args.name, iterations=args.iterations, envs=args.envs, group=args.group,
                      steps=args.steps, lr=args.lr, gamma=args.gamma, epochs=args.epochs, minibatch=args.minibatch,
                      clip=args.clip, target_kl=args.target_kl, entropy_coef=args.entropy_coef,
-                     advantage=args.advantage, seed=args.seed, log=log)
+                     advantage=args.advantage, std=args.std, seed=args.seed, log=log)
     out["settings"] = {k: getattr(args, k) for k in SETTINGS}
     return out
 
@@ -147,7 +172,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=0.2, help="the ratio's clip, eps")
     p.add_argument("--target-kl", type=float, default=0.0, help="end an iteration's passes past this KL (0: never)")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="c * entropy added to the objective")
-    p.add_argument("--advantage", choices=("step", "episode"), default="step")
+    p.add_argument("--advantage", choices=ADVANTAGES, default="step")
+    p.add_argument("--std", type=float, default=None, help="explore with this std, the client's own "
+                   "(the head's log-std then stays); default: the head's")
     return p
 
 
@@ -156,6 +183,8 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
     pc.check(args, ("epochs", "minibatch"))
     if not 0.0 < args.clip < 1.0:
         raise SystemExit("--clip must be in (0, 1)")
+    if args.std is not None and not (0.0 < args.std <= 1.0 and not args.entropy_coef):
+        raise SystemExit("--std must be in (0, 1], and without --entropy-coef")
     return await pc.main(args, train)
 
 

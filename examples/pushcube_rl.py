@@ -96,33 +96,41 @@ class Rollout:
     rewards: np.ndarray  # [T, N]
     success: np.ndarray  # [N] bool: any step succeeded
     std: np.ndarray  # [A]
+    #: [T, N]: the steps up to and with each env's first success (all of a failure):
+    #: the evaluation ends an episode there, so what follows it is never scored.
+    live: np.ndarray
 
 
 async def rollout(client: Client, tc: Any, env: Any, workload: str, seeds: list[int], steps: int,
-                  rng: np.random.Generator) -> Rollout:
+                  rng: np.random.Generator, std: float | None = None) -> Rollout:
     """Reset ``env`` with ``seeds`` and run ``steps`` steps: each step's mean action
     from the Inference Queue (``client.act``, the latest version) plus Gaussian noise
     with the policy's std (one ``forward``: a Gaussian head's std does not depend on
-    the observation)."""
+    the observation), or with ``std`` (the client's own, every dimension)."""
     cam = tc.schema.camera_slots[0]
     obs = env.reset(seed=seeds)
     rows: dict[str, list[np.ndarray]] = {image_field(cam): [], STATE_FIELD: [], ACTIONS_FIELD: []}
-    logp, rewards, success = [], [], np.zeros(len(seeds), dtype=bool)
+    logp, rewards, live, success = [], [], [], np.zeros(len(seeds), dtype=bool)
     images, state = obs[f"{OBS_IMAGES}.{cam}"], obs[OBS_STATE]
-    std = np.exp((await tc.forward({image_field(cam): images[:1], STATE_FIELD: state[:1]}))["log_std"][0])
+    own = np.exp((await tc.forward({image_field(cam): images[:1], STATE_FIELD: state[:1]}))["log_std"][0])
+    std_A = own if std is None else np.full_like(own, std)
     for _ in range(steps):
         images, state = obs[f"{OBS_IMAGES}.{cam}"], obs[OBS_STATE]
-        mean = await client.act(workload, images={cam: images}, state=state)  # [N, 1, A]
-        chunk = (mean + std * rng.standard_normal(mean.shape)).astype(np.float32)
-        logp.append(gaussian_logp(mean, std, chunk))
+        # the task's instruction, as the service's training calls and evaluation give it (act
+        # without one would use the workload's own, empty here: other features, another policy)
+        mean = await client.act(workload, images={cam: images}, state=state,
+                                instruction=env.spec.instruction)  # [N, 1, A]
+        chunk = (mean + std_A * rng.standard_normal(mean.shape)).astype(np.float32)
+        logp.append(gaussian_logp(mean, std_A, chunk))
         res = env.step(np.clip(chunk[:, 0], -1.0, 1.0))
         for k, v in ((image_field(cam), images), (STATE_FIELD, state), (ACTIONS_FIELD, chunk)):
             rows[k].append(v)
         rewards.append(np.asarray(res.reward_N, dtype=np.float32))
+        live.append(~success)
         success |= np.asarray(res.success_N, dtype=bool)
         obs = res.obs
     return Rollout({k: np.concatenate(v) for k, v in rows.items()}, np.concatenate(logp).astype(np.float32),
-                   np.stack(rewards), success, std)
+                   np.stack(rewards), success, std_A, np.stack(live))
 
 
 @contextmanager
@@ -140,13 +148,27 @@ def iteration_report(it: int, version: int, ro: Rollout, log: Any = None, **extr
     """One iteration's rollout success (Wilson 95%), mean return, std; logged."""
     n, k = len(ro.success), int(ro.success.sum())
     lo, hi = wilson(k, n)
-    out = {"iteration": it, "version": version, "success": k / n, "ci95": [lo, hi],
+    out = {"iteration": it, "version": version, "success": k / n, "ci95": [lo, hi], "episodes": n,
            "mean_return": round(float(ro.rewards.sum(0).mean()), 3), "std": round(float(ro.std.mean()), 4),
            **extra}
     if log is not None:
         more = "".join(f", {k} {v}" for k, v in extra.items())
         log(f"iteration {it}: v{version} rollout success {k}/{n}, return {out['mean_return']}, "
             f"std {out['std']}{more}")
+    return out
+
+
+def pooled_rollouts(rates: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sampled policy's success over the first and the last quarter of the
+    iterations' rollouts, pooled, with Wilson 95% intervals (other starts than the
+    evaluation's, and the exploration noise: the policy RL improves)."""
+    q = max(1, len(rates) // 4)
+    out = {}
+    for key, part in (("first", rates[:q]), ("last", rates[-q:])):
+        n = sum(r["episodes"] for r in part)
+        k = round(sum(r["success"] * r["episodes"] for r in part))
+        out[key] = {"iterations": [part[0]["iteration"], part[-1]["iteration"]], "success": round(k / n, 4),
+                    "ci95": list(wilson(k, n)), "episodes": n}
     return out
 
 
@@ -196,6 +218,7 @@ async def run(client: Client, args: argparse.Namespace, train: Trainer, *, init_
     t0 = time.perf_counter()
     out = await train(client, args, log)
     out["train_s"] = round(time.perf_counter() - t0, 1)
+    out["rollouts"] = pooled_rollouts(out["iterations"])
     if start is not None:
         t1 = time.perf_counter()
         end = await evaluate(client, args.name, out["last"]["version"], episodes=args.eval_episodes,

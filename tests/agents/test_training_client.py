@@ -361,20 +361,24 @@ async def test_grpo_example_runs_and_reports_intervals(
     dep: Deployment, nats_server: EmbeddedNats, broker: Broker, served: None
 ) -> None:
     """examples/grpo_pushcube.py through the examples' own run (start evaluated first,
-    training, the end on the same seeds), tiny: 2 iterations of 8 rows, 2 passes of 2
-    minibatches each, a version per minibatch; the ratio's statistics reported."""
+    training, the end on the same seeds), tiny: 2 iterations of up to 8 rows, 2 passes
+    in minibatches of 4, a version per minibatch; the ratio's statistics reported, and
+    before any step the ratio is 1 (the act mean and the forward mean agree)."""
     a = await connect(nats_server, broker, "acme")
     args = gp.parser().parse_args(["--name", "gr", "--iterations", "2", "--envs", "2", "--group", "2",
                                    "--steps", "4", "--epochs", "2", "--minibatch", "4", "--head-hidden", "32",
                                    "--eval-episodes", "2", "--lr", "1e-3"])
     out = await gp.pc.run(a, args, gp.train)
-    assert [r["version"] for r in out["iterations"]] == [5, 9]
+    versions = [r["version"] for r in out["iterations"]]
+    assert 1 < versions[0] < versions[1] <= 9  # a version a minibatch (rows past a success are left out)
     for r in out["iterations"]:
         lo, hi = r["ci95"]
-        assert 0.0 <= lo <= r["success"] <= hi <= 1.0 and r["passes"] == 2
+        assert 0.0 <= lo <= r["success"] <= hi <= 1.0 and r["passes"] == 2 and 0 < r["rows"] <= 8
         assert r["approx_kl"] >= 0 and 0.0 <= r["clip_frac"] <= 1.0
-    _well_formed(out["evaluation"], 1, 9, 2)
+        assert abs(r["kl_first"]) < 1e-3  # the client's behaviour log-probs are the policy's own
+    _well_formed(out["evaluation"], 1, versions[1], 2)
     assert out["settings"]["epochs"] == 2 and out["train_s"] > 0
+    assert out["rollouts"]["last"]["episodes"] == 2 and 0.0 <= out["rollouts"]["last"]["success"] <= 1.0
     await a.close()
 
 

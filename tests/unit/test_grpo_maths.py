@@ -50,14 +50,20 @@ def test_step_advantages_are_group_centred_returns_to_go_on_one_scale() -> None:
     assert np.all(adv[:, 2:] == 0)
 
 
-def test_episode_advantages_are_one_outcome_per_episode() -> None:
+def test_outcome_advantages_are_one_per_episode() -> None:
     r = np.array([[0.0, 1.0, 0.2, 0.0], [0.0, 1.0, 0.2, 0.6]], dtype=np.float32)
-    adv = gp.episode_advantages(r, 2)
+    ro = pc.Rollout({}, np.zeros(8, np.float32), r, np.array([False, True, True, True]), np.ones(1),
+                    np.ones((2, 4), bool))
+    adv = gp.advantages("return", ro, 2, 0.9)
     assert adv.shape == (2, 4) and np.all(adv[0] == adv[1])
     assert adv[0, 1] > 0 > adv[0, 0] and adv[0, 3] > 0 > adv[0, 2]
     assert adv[0, 0] == pytest.approx(-adv[0, 1]) and abs(float(adv.std()) - 1.0) < 1e-4
+    won = gp.advantages("success", ro, 2, 0.9)  # the second group both succeeded: nothing to learn there
+    assert won[0, 1] > 0 > won[0, 0] and np.all(won[:, 2:] == 0)
+    same = pc.Rollout({}, np.zeros(8, np.float32), r, np.ones(4, bool), np.ones(1), np.ones((2, 4), bool))
+    assert np.all(gp.advantages("success", same, 2, 0.9) == 0)  # no group differs: no signal, no NaN
     with pytest.raises(ValueError):
-        gp.advantages("value", r, 2, 0.9)
+        gp.advantages("value", ro, 2, 0.9)
 
 
 def test_behaviour_logp_is_the_losss_logp_at_the_same_policy() -> None:
@@ -105,3 +111,13 @@ def test_a_negative_entropy_coefficient_pulls_the_std_down() -> None:
     outs, batch = _rows(0.0, 0.0)  # no advantage: only the entropy term
     gp.ClippedLoss(entropy_coef=-0.01)(outs, batch).backward()
     assert float(outs["log_std"].grad) == pytest.approx(0.01)  # descent lowers log_std
+
+
+def test_rollouts_pool_the_first_and_last_quarter() -> None:
+    rates = [{"iteration": i, "success": s, "episodes": 8} for i, s in enumerate([0.25, 0.5, 0.5, 1.0, 0.75, 0.875,
+                                                                                 1.0, 1.0])]
+    out = pc.pooled_rollouts(rates)
+    assert out["first"]["iterations"] == [0, 1] and out["first"]["success"] == 0.375
+    assert out["last"]["iterations"] == [6, 7] and out["last"]["episodes"] == 16 and out["last"]["success"] == 1.0
+    lo, hi = out["first"]["ci95"]
+    assert 0.0 < lo < 0.375 < hi < 1.0
