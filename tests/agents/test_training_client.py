@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example(name: str = "custom_bc") -> Any:
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))  # the RL examples share pushcube_rl from there
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -48,6 +50,7 @@ def _example(name: str = "custom_bc") -> Any:
 
 bc = _example()
 rf = _example("reinforce_pushcube")
+gp = _example("grpo_pushcube")
 
 
 @pytest.fixture(scope="module")
@@ -305,13 +308,9 @@ async def test_sync_facade(dep: Deployment, nats_server: EmbeddedNats, broker: B
     assert version == 2 and loss > 0
 
 
-async def test_reinforce_example_runs_its_iterations(
-    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, backbone: Backbone
-) -> None:
-    """examples/reinforce_pushcube.py, tiny: act rollouts in a PushCube this process runs,
-    the client's REINFORCE loss, one version per iteration, success with intervals; then
-    the service evaluates the start and the last version on the same seeds, and the
-    report carries both rates' Wilson intervals and the difference's Newcombe one."""
+@pytest.fixture
+async def served(broker: Broker, backbone: Backbone) -> AsyncIterator[None]:
+    """Inference (``act``) and an evaluator beside the deployment, for the RL examples."""
     from joynexus.agents.evaluator import Evaluator
     from joynexus.agents.inference import EnginePool
 
@@ -320,28 +319,67 @@ async def test_reinforce_example_runs_its_iterations(
     stop = asyncio.Event()
     evaluator = asyncio.create_task(Evaluator(broker, instance="eval").run(stop))
     try:
-        a = await connect(nats_server, broker, "acme")
-        await a.create_workload(rf.spec("pg"))
-        _, start = await weights(broker, "acme", "pg")
-        out = await rf.reinforce(a, "pg", iterations=2, envs=2, steps=4, rows_per_call=4)
-        assert [r["version"] for r in out["iterations"]] == [2, 3]
-        for r in out["iterations"]:
-            lo, hi = r["ci95"]
-            assert 0.0 <= lo <= r["success"] <= hi <= 1.0
-        assert float(((await weights(broker, "acme", "pg"))[1] - start).abs().max()) > 0
-        ev = await rf.evaluate_pair(a, "pg", 1, 3, episodes=2, num_envs=2)
-        assert (ev["start"]["version"], ev["end"]["version"]) == (1, 3)
-        for side in (ev["start"], ev["end"]):
-            lo, hi = side["ci95"]
-            assert side["episodes"] == 2 and 0.0 <= lo <= side["success"] <= hi <= 1.0
-        d, (lo, hi) = ev["difference"]["end_minus_start"], ev["difference"]["ci95"]
-        assert d == round(ev["end"]["success"] - ev["start"]["success"], 4)
-        assert -1.0 <= lo <= d <= hi <= 1.0 and hi - lo > 0.5  # two episodes a side: wide
-        await a.close()
+        yield
     finally:
         stop.set()
         await asyncio.wait_for(evaluator, 30)
         await pool.close()
+
+
+def _well_formed(ev: dict[str, Any], start: int, end: int, episodes: int) -> None:
+    """Both sides' Wilson intervals and the difference's Newcombe one hold their rates."""
+    assert (ev["start"]["version"], ev["end"]["version"]) == (start, end)
+    for side in (ev["start"], ev["end"]):
+        lo, hi = side["ci95"]
+        assert side["episodes"] == episodes and 0.0 <= lo <= side["success"] <= hi <= 1.0
+    d, (lo, hi) = ev["difference"]["end_minus_start"], ev["difference"]["ci95"]
+    assert d == round(ev["end"]["success"] - ev["start"]["success"], 4)
+    assert -1.0 <= lo <= d <= hi <= 1.0 and hi - lo > 0.5  # two episodes a side: wide
+
+
+async def test_reinforce_example_runs_its_iterations(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, served: None
+) -> None:
+    """examples/reinforce_pushcube.py, tiny: act rollouts in a PushCube this process runs,
+    the client's REINFORCE loss, one version per iteration, success with intervals; then
+    the service evaluates the start and the last version on the same seeds, and the
+    report carries both rates' Wilson intervals and the difference's Newcombe one."""
+    a = await connect(nats_server, broker, "acme")
+    await a.create_workload(rf.pc.spec("pg"))
+    _, start = await weights(broker, "acme", "pg")
+    out = await rf.reinforce(a, "pg", iterations=2, envs=2, steps=4, rows_per_call=4)
+    assert [r["version"] for r in out["iterations"]] == [2, 3]
+    for r in out["iterations"]:
+        lo, hi = r["ci95"]
+        assert 0.0 <= lo <= r["success"] <= hi <= 1.0
+    assert float(((await weights(broker, "acme", "pg"))[1] - start).abs().max()) > 0
+    _well_formed(await rf.pc.evaluate_pair(a, "pg", 1, 3, episodes=2), 1, 3, 2)
+    await a.close()
+
+
+async def test_grpo_example_runs_and_reports_intervals(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker, served: None
+) -> None:
+    """examples/grpo_pushcube.py through the examples' own run (start evaluated first,
+    training, the end on the same seeds), tiny: 2 iterations of up to 8 rows, 2 passes
+    in minibatches of 4, a version per minibatch; the ratio's statistics reported, and
+    before any step the ratio is 1 (the act mean and the forward mean agree)."""
+    a = await connect(nats_server, broker, "acme")
+    args = gp.parser().parse_args(["--name", "gr", "--iterations", "2", "--envs", "2", "--group", "2",
+                                   "--steps", "4", "--epochs", "2", "--minibatch", "4", "--head-hidden", "32",
+                                   "--eval-episodes", "2", "--lr", "1e-3"])
+    out = await gp.pc.run(a, args, gp.train)
+    versions = [r["version"] for r in out["iterations"]]
+    assert 1 < versions[0] < versions[1] <= 9  # a version a minibatch (rows past a success are left out)
+    for r in out["iterations"]:
+        lo, hi = r["ci95"]
+        assert 0.0 <= lo <= r["success"] <= hi <= 1.0 and r["passes"] == 2 and 0 < r["rows"] <= 8
+        assert r["approx_kl"] >= 0 and 0.0 <= r["clip_frac"] <= 1.0
+        assert abs(r["kl_first"]) < 1e-3  # the client's behaviour log-probs are the policy's own
+    _well_formed(out["evaluation"], 1, versions[1], 2)
+    assert out["settings"]["epochs"] == 2 and out["train_s"] > 0
+    assert out["rollouts"]["last"]["episodes"] == 2 and 0.0 <= out["rollouts"]["last"]["success"] <= 1.0
+    await a.close()
 
 
 async def test_a_cached_state_is_reloaded_once_another_actor_committed(
