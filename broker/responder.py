@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import nats.errors
+
 from joynexus.broker import metrics, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import SERVICE_ERROR, SERVICE_ERROR_CODE
@@ -47,7 +49,7 @@ from joynexus.broker.slots import HELD, Budget, Held
 from joynexus.broker.subjects import Names
 from joynexus.broker.tasks import cancel_and_wait
 from joynexus.schemas.base import encode
-from joynexus.schemas.errors import JoyNexusError, PermissionDenied, RateLimited
+from joynexus.schemas.errors import JoyNexusError, PermissionDenied, RateLimited, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +265,13 @@ class Server(Responder):
         reference (the traceback is logged, not sent)."""
         if isinstance(e, JoyNexusError):  # clipped: a tenant's 1 MB name is not echoed back
             return e.code, (str(e) if self.clip is None else metrics.clip(e, self.clip))
+        if isinstance(e, TimeoutError | nats.errors.TimeoutError):
+            # The message store did not answer in time (a server restarting, its cluster
+            # electing a leader after a host was lost): the machine, not the request or a
+            # bug; retryable, as Unavailable says (an "internal error" ends a caller's retries).
+            log.warning("%s request: the message store timed out: %r", self.source, e)
+            return Unavailable.code, (f"the {self.source} timed out waiting for the message "
+                                      "store (a server restarting or failing over?); retry")
         ref = uuid.uuid4().hex[:12]
         log.error("%s request failed (ref %s)", self.source, ref, exc_info=e)
         return "error", self.internal.format(ref=ref, source=self.source, error=repr(e))

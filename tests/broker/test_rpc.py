@@ -34,7 +34,7 @@ from joynexus.schemas.scheduler import DEFAULT_LEASE_TTL_S, ErrorBody, Reply
 
 class Echo(Wire, kw_only=True):
     text: str
-    #: what the handler does: "echo", "typed", "denied", "bug", "hold"
+    #: what the handler does: "echo", "typed", "denied", "bug", "store_timeout", "hold"
     do: str = "echo"
 
 
@@ -90,6 +90,10 @@ class EchoService:
                 raise PermissionDenied("not yours")
             if req.do == "bug":
                 raise RuntimeError("a bug in the handler")
+            if req.do == "store_timeout":  # a JetStream request that timed out (a failover)
+                import nats.errors
+
+                raise nats.errors.TimeoutError
             if req.do == "hold":
                 await self.release.wait()
             if req.do == "poll":  # a long poll: waits without the tenant's slot
@@ -158,6 +162,17 @@ async def test_a_handler_that_raises_answers_an_error_and_the_server_keeps_servi
     assert bad.error is not None and bad.error.code == InvalidMessage.code
     assert (await ask(broker, "acme", Echo(text="still here"))).text == "still here"
     assert echo.server.in_flight == {}
+
+
+async def test_a_message_store_timeout_answers_unavailable_not_an_internal_error(
+    broker: Broker, echo: EchoService
+) -> None:
+    """A handler's JetStream request that timed out (a host lost, its cluster electing)
+    is the machine's: Unavailable, which callers retry; an internal error ended a
+    training client's call in the host-loss drill."""
+    with pytest.raises(Unavailable, match="timed out waiting for the message store"):
+        await ask(broker, "acme", Echo(text="x", do="store_timeout"))
+    assert (await ask(broker, "acme", Echo(text="after"))).text == "after"
 
 
 async def test_a_hostile_reply_subject_is_dropped_and_reported_and_others_are_served(
