@@ -564,7 +564,11 @@ async def test_rows_put_across_a_control_plane_restart_are_put_once(
     monkeypatch.setattr(a, "_api", lossy)
     got, want = await asyncio.gather(tca.forward(batch), tcb.forward(batch))
     assert puts == [0, 1, 1, 2, 3, 4]  # the lost one asked again, at its offset
-    assert got["mean"].shape[0] == 5 and np.array_equal(got["mean"], want["mean"])
+    # Equal up to float rounding: the two calls' rows may ride in different grouped
+    # base forwards (a batch of another size sums in another order); a row read twice
+    # or out of order would differ by the rows' own spread, orders of magnitude more.
+    assert got["mean"].shape[0] == 5
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=0, atol=1e-6)
     await a.close()
     await b.close()
 
