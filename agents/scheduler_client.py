@@ -247,12 +247,15 @@ class SchedulerClient:
         workload: str = "",
         generation: int = 0,
         states: list[jobs.JobState] | None = None,
+        extra: dict[str, str] | None = None,
     ) -> list[jobs.TrainingJob]:
-        """The tenant's jobs (of one workload, of one generation of it: 0 is any)."""
+        """The tenant's jobs (of one workload, of one generation of it: 0 is any; with
+        ``extra``, only those whose metadata's extra holds those items)."""
         r = await self._call(
             "list_jobs",
             scheduler.ListJobsRequest(
-                tenant_id=tenant_id, workload=workload, generation=generation, states=states or []
+                tenant_id=tenant_id, workload=workload, generation=generation, states=states or [],
+                extra=extra or {},
             ),
         )
         return r.jobs

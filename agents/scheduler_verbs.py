@@ -335,6 +335,7 @@ class SchedulerVerbs:
                 and (not req.workload or job.workload == req.workload)
                 and (not req.generation or job.generation == req.generation)
                 and (not states or job.state in states)
+                and all(job.metadata.extra.get(k) == v for k, v in req.extra.items())
             ]
         )
 

@@ -135,6 +135,9 @@ class ListJobsRequest(Wire, kw_only=True, omit_defaults=True):
     #: With ``workload``: that generation's jobs only (0: every generation's).
     generation: int = 0
     states: list[JobState] = []
+    #: Only jobs whose ``metadata.extra`` holds every one of these items (a training
+    #: client's call: its ``client`` and ``seq``), so the reply stays small.
+    extra: dict[str, str] = {}
 
 
 class TenantShare(Wire, kw_only=True, omit_defaults=True):

@@ -136,6 +136,10 @@ class DataGateway(ControlBase):
             # Bad rows: the job will never be closed; end it now so it holds no slot.
             await self.sched.fail(job.job_id, f"refused data: {e}")
             raise
+        except BaseException:  # not written (a Conflict at its offset, a broker error)
+            if job.job_id in held:
+                held[job.job_id] -= size
+            raise
         return ApiReply(job=job, rows=len(meta.rows))
 
     async def _get_policy(self, tenant: str, req: PolicyQuery) -> ApiReply:

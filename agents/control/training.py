@@ -83,7 +83,13 @@ class TrainingAPI(ControlBase):
                          open_jobs_of(self._opened_by, tenant))
         if req.client:
             current = await self._call_store().client(tenant, req.workload)
-            if current is not None and current.epoch != req.client:
+            if current is None or current.epoch < req.client:  # no start gave it
+                raise Conflict(
+                    f"workload {req.workload!r} started no training client {req.client} (the "
+                    f"latest is {0 if current is None else current.epoch}); make a training "
+                    "client to call it"
+                )
+            if current.epoch != req.client:
                 started = time.strftime("%H:%M:%S UTC", time.gmtime(current.started_at))
                 raise Conflict(
                     f"workload {req.workload!r} has a newer training client (started "
@@ -91,10 +97,13 @@ class TrainingAPI(ControlBase):
                     "to go on (it continues after every call already made)"
                 )
         if req.again and req.client:  # asked again after no reply: its job may exist
-            for j in await self.sched.list_jobs(tenant, workload=spec.name, generation=rec.generation):
-                x = j.metadata.extra
-                if j.task_type == "custom" and x.get("seq") == str(req.seq) and \
-                        x.get("client") == str(req.client):
+            # Filtered in the scheduler by (client, seq): the reply is that call's job(s),
+            # not the workload's whole history, whichever call a tenant marks ``again``.
+            mine = {"client": str(req.client), "seq": str(req.seq)}
+            for j in await self.sched.list_jobs(tenant, workload=spec.name,
+                                                generation=rec.generation, extra=mine):
+                x = j.metadata.extra  # checked here too (a scheduler of an older release)
+                if j.task_type == "custom" and all(x.get(k) == v for k, v in mine.items()):
                     if j.state in TERMINAL_STATES and not await self._call_store().get_result(
                             tenant, spec.name, j.job_id):
                         break  # ended unapplied (an abort): reserve it anew

@@ -616,3 +616,23 @@ async def test_the_fair_order_survives_a_restart_and_a_lease_takeover(broker: Br
         stop.set()
         await a.stop()
         await b.stop()
+
+
+async def test_jobs_are_listed_by_their_metadata_extra(broker: Broker, sched: SchedulerAgent) -> None:
+    """A training client's call asked again finds its job by (client, seq) in the
+    scheduler: the reply holds that job only, not the workload's history."""
+    from joynexus.schemas.jobs import JobMetadata
+
+    c = SchedulerClient(broker, by="t")
+    await setup_tenants(c)
+    await c.set_policy(WorkloadPolicy(tenant_id="acme", workload="algo", task_type="custom",
+                                      max_in_flight=16))
+    for seq in (1, 2, 3):
+        job = await c.reserve("acme", "custom", workload="algo", producer_role="tenant",
+                              metadata=JobMetadata(extra={"client": "4", "seq": str(seq)}))
+        assert job is not None
+    mine = await c.list_jobs("acme", workload="algo", extra={"client": "4", "seq": "2"})
+    assert [j.metadata.extra["seq"] for j in mine] == ["2"]
+    assert await c.list_jobs("acme", workload="algo", extra={"client": "5", "seq": "2"}) == []
+    assert await c.list_jobs("bolt", workload="algo", extra={"client": "4", "seq": "2"}) == []
+    assert len(await c.list_jobs("acme", workload="algo")) == 3

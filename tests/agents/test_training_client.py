@@ -605,3 +605,43 @@ async def test_a_call_whose_reply_was_lost_is_reserved_once(
     assert st.calls.last_seq == 2 and st.module.version == 2
     await a.close()
 
+
+
+async def test_a_put_refused_at_its_offset_holds_no_queue_room(
+    dep: Deployment, nats_server: EmbeddedNats, broker: Broker
+) -> None:
+    """A put past the rows already put is refused (``Conflict``) and writes nothing: the
+    tenant's Training Queue room it counted comes back (it held it until the job ended,
+    so a tenant's own gaps ate its quota); the rows put at their offsets then run."""
+    from joynexus.schemas.errors import Conflict
+    from joynexus.schemas.inference import TensorBytes
+    from joynexus.schemas.workloads import CloseJob, PutData
+
+    (a,) = await with_algo(nats_server, broker, "acme")
+    tc = await a.training_client("algo")
+    rows = bc.batches(tc.schema, 1, rows=2)[0]
+    rows.pop("actions")
+    from joynexus.schemas.training import TrainCall
+
+    opened = await a._api("train_call", TrainCall(workload="algo", op="forward", seq=tc.seq + 1,
+                                                  sample_count=2, client=tc.epoch))
+    job_id = opened.job.job_id
+
+    def put(i: int, offset: int) -> PutData:
+        return PutData(job_id=job_id, offset=offset,
+                       fields={k: TensorBytes.from_array(v[i:i + 1]) for k, v in rows.items()})
+
+    with pytest.raises(Conflict, match="a put at row 3"):
+        await a._api("put_data", put(0, 3))
+    assert dep.control.usage("acme")["tq_bytes"] == 0
+    await a._api("put_data", put(0, 0))
+    held = dep.control.usage("acme")["tq_bytes"]
+    assert held > 0
+    await a._api("put_data", put(0, 0))  # asked again: nothing more written or held
+    assert dep.control.usage("acme")["tq_bytes"] == held
+    await a._api("put_data", put(1, 1))
+    await a._api("close_job", CloseJob(job_id=job_id))
+    tc.seq += 1
+    out = await tc._result(job_id)
+    assert out.outputs["mean"].to_array("mean").shape[0] == 2
+    await a.close()

@@ -212,7 +212,7 @@ async def test_periodic_evaluations_run_within_the_tenants_eval_quota(
             # and, a moment later, v4 active after v2 ended: never at once. Counted as
             # running together are those active in two reads in a row (each was active
             # from its first read to its second, so all were at the turn between them).
-            before = {n for n, r in zip(names, [await record(b, n) for n in names])
+            before = {n for n, r in zip(names, [await record(b, n) for n in names], strict=True)
                       if r is not None and r.state == "active"}
             recs = [r for r in [await record(b, n) for n in names] if r is not None]
             running = [r for r in recs if r.spec.task_type == "eval" and r.state == "active"

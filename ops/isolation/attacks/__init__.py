@@ -41,6 +41,7 @@ from joynexus.ops.isolation.attacks.limits import (
     attack_event_position,
     attack_service_inbox_reply,
 )
+from joynexus.ops.isolation.attacks.primitives import attack_training_client_fields
 from joynexus.ops.isolation.attacks.quotas import attack_quotas
 from joynexus.ops.isolation.attacks.shares import (
     attack_control_reads,
@@ -81,6 +82,8 @@ CATALOGUE: list[Attack] = [
            "24: replies into the service's inbox space", 30),
     Attack("event_position", attack_event_position, "24: the job stream's position leaks", 30),
     Attack("bad_seed", attack_bad_seed, "24: a spec accepted that later breaks", 30),
+    Attack("training_client_fields", attack_training_client_fields,
+           "28: hostile training-client epochs, row offsets and evaluation policies", 90),
     Attack("gateway_keys", attack_gateway_keys, "27: gateway keys and scopes", 90),
     Attack("gateway_frames", attack_gateway_frames, "27: hostile gateway frames", 120),
     Attack("gateway_never_reads", attack_gateway_never_reads,
@@ -121,4 +124,5 @@ __all__ = [
     "attack_request_flood",
     "attack_service_inbox_reply",
     "attack_service_reads_admin_inbox",
+    "attack_training_client_fields",
 ]
