@@ -33,6 +33,7 @@ from joynexus.ops.isolation import (
     prepare,
     run_attack,
 )
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 
 async def bench_isolation(
@@ -47,6 +48,7 @@ async def bench_isolation(
     baseline_s: float = 2.0,
     processes: bool = True,
     gateway_url: str = "",
+    max_rows: int = DEFAULT_MAX_ROWS,
 ) -> dict[str, Any]:
     if url and creds is None:
         from joynexus.broker.credentials import from_env_or_file
@@ -60,6 +62,7 @@ async def bench_isolation(
     async with SecuredDeployment(
         namespace=namespace, url=url, admin_creds=creds, service_creds=service_creds,
         datasets_root=datasets_root, processes=processes, gateway_url=gateway_url,
+        max_rows=max_rows,
     ) as dep:
         victim = await prepare(dep)
         try:
@@ -99,5 +102,7 @@ async def bench_isolation(
         "deployment": "external" if url else (
             "embedded (fresh, secured), "
             + ("one process per role" if processes else "agents in the bench's process")),
+        # The fresh deployment's engine batch rows (an external deployment's are its own).
+        "max_rows": None if url else max_rows,
         "seconds": round(time.monotonic() - t0, 1),
     }

@@ -18,6 +18,7 @@ from joynexus.ops.cli import learning
 from joynexus.ops.cli.common import common, embedded_opts
 from joynexus.ops.runtime.deploy import nats_url
 from joynexus.schemas.catalog import BASE_FAMILIES, FAMILY_SIZES
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 
 def register(sub: Any) -> None:
@@ -151,6 +152,10 @@ def register(sub: Any) -> None:
                 "--gateway-url", default="", metavar="URL",
                 help="with --nats: the deployment's policy gateway (ws://HOST:PORT) for the "
                 "gateway attacks (a fresh deployment starts its own)")
+            bp.add_argument(
+                "--max-rows", type=int, default=DEFAULT_MAX_ROWS, metavar="N",
+                help="a fresh deployment's inference engine: rows per batch, larger requests "
+                f"in parts of N/2 (default {DEFAULT_MAX_ROWS}, as `joynexus agent inference`)")
         bp.set_defaults(run=RUNNERS[name])
     learning.register_bench(bsub)  # `bench learning`
     fp = bsub.add_parser(
@@ -278,6 +283,7 @@ def _isolation(args: argparse.Namespace) -> int:
         namespace=args.namespace, progress=not args.json,
         only=[n for n in args.only.split(",") if n] or None,
         processes=args.agents == "processes", gateway_url=args.gateway_url,
+        max_rows=args.max_rows,
     ))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

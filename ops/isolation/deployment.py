@@ -31,6 +31,7 @@ from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.subjects import Names
 from joynexus.schemas.errors import JoyNexusError
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 from joynexus.schemas.workloads import (
     WorkloadSpec,
 )
@@ -132,6 +133,7 @@ class SecuredDeployment:
         prefetch_dataset: bool = True,
         processes: bool = False,
         gateway_url: str = "",
+        max_rows: int = DEFAULT_MAX_ROWS,
     ) -> None:
         self.names = Names(namespace)
         self.namespace = namespace
@@ -147,6 +149,8 @@ class SecuredDeployment:
         #: The agents in processes of their own (:mod:`.processes`), as in production,
         #: instead of in this process.
         self.processes = processes
+        #: A fresh deployment's inference engine: rows per batch (``--max-rows``).
+        self.max_rows = max_rows
         #: The policy gateway's address (a fresh deployment starts one: ``.gateway``).
         self.gateway_url = gateway_url
         self.agents: Any = None
@@ -297,7 +301,7 @@ class SecuredDeployment:
         )
         await control.start()
         st.push_async_callback(control.stop)
-        pool = EnginePool(self.service, backbone, max_batch=8, max_wait_ms=5)
+        pool = EnginePool(self.service, backbone, max_batch=8, max_wait_ms=5, max_rows=self.max_rows)
         await pool.scale_to(1)
         st.push_async_callback(pool.close)
         from joynexus.ops.isolation.gateway import start_in_process
@@ -315,6 +319,7 @@ class SecuredDeployment:
         self.agents = AgentProcesses(
             self.url, self.namespace, self.data / "agents", service=self.service_creds,
             control=control_creds, datasets_root=self.datasets_root, lease_ttl_s=self.lease_ttl_s,
+            max_rows=self.max_rows,
         )
         self._stack.push_async_callback(self.agents.stop)
         await self.agents.start(self.service)

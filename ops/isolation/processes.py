@@ -33,6 +33,7 @@ from joynexus.ops.isolation.gateway import GATEWAY_ENV, free_port, wait_healthy
 from joynexus.ops.runtime.children import stop_all
 from joynexus.ops.runtime.launcher import role_command
 from joynexus.ops.runtime.threads import role_thread_env
+from joynexus.schemas.inference import DEFAULT_MAX_ROWS
 
 #: The roles an attack meets, in start order (the scheduler first: others call it).
 ROLES = ("scheduler", "control", "inference", "actor", "gateway")
@@ -68,11 +69,13 @@ class AgentProcesses:
         self, url: str, namespace: str, data: Path, *, service: Credentials,
         control: Credentials, datasets_root: Path, lease_ttl_s: float = 10.0,
         max_batch: int = 8, max_wait_ms: float = 5.0, roles: tuple[str, ...] = ROLES,
+        max_rows: int = DEFAULT_MAX_ROWS,
     ) -> None:
         self.roles = roles
         self.url, self.namespace, self.data = url, namespace, data
         self.datasets_root = datasets_root
         self.lease_ttl_s, self.max_batch, self.max_wait_ms = lease_ttl_s, max_batch, max_wait_ms
+        self.max_rows = max_rows
         self.logs = data / "logs"
         self.creds = {
             "service": service.save(data / "agent-creds" / "service.json"),
@@ -92,7 +95,8 @@ class AgentProcesses:
         if role == "scheduler":
             extra += ["--lease-ttl", str(self.lease_ttl_s)]
         if role == "inference":
-            extra += ["--max-batch", str(self.max_batch), "--max-wait-ms", str(self.max_wait_ms)]
+            extra += ["--max-batch", str(self.max_batch), "--max-wait-ms", str(self.max_wait_ms),
+                      "--max-rows", str(self.max_rows)]
         if role == "control":
             extra += ["--datasets", str(self.datasets_root)]
         if role == "gateway":
