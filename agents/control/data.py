@@ -37,7 +37,13 @@ from joynexus.broker.slots import waiting
 from joynexus.broker.subjects import is_workload_end, parse_job_subject
 from joynexus.broker.usage import UsageQuery
 from joynexus.schemas.base import decode
-from joynexus.schemas.errors import InvalidSpec, JoyNexusError, ShapeMismatch, UnknownTenant
+from joynexus.schemas.errors import (
+    Conflict,
+    InvalidSpec,
+    JoyNexusError,
+    ShapeMismatch,
+    UnknownTenant,
+)
 from joynexus.schemas.jobs import WorkloadEnded, check_name
 from joynexus.schemas.rows import check_values
 from joynexus.schemas.samples import dims_of
@@ -110,6 +116,7 @@ class DataGateway(ControlBase):
         size = sum(len(t.data) for t in req.fields.values())
         held = self._tq_bytes.setdefault(tenant, {})
         check_tq_room(tenant, sum(held.values()), size, self.quotas.get(tenant))
+        counted = False
         try:
             data = {metrics.clip(name, 64): t.to_array(name) for name, t in req.fields.items()}
             policy = await self._policies.latest(tenant, job.workload)
@@ -125,6 +132,7 @@ class DataGateway(ControlBase):
                 check_rows(data, fs, job.workload)
             check_values(data, fs, job.workload)
             held[job.job_id] = held.get(job.job_id, 0) + size
+            counted = True
             wait = self._tq_pace.delay(tenant, size, time.monotonic(), self.quotas.get(tenant).tq_bytes_per_s)
             if wait > 0:
                 await asyncio.sleep(min(wait, 30.0))
@@ -136,8 +144,10 @@ class DataGateway(ControlBase):
             # Bad rows: the job will never be closed; end it now so it holds no slot.
             await self.sched.fail(job.job_id, f"refused data: {e}")
             raise
-        except BaseException:  # not written (a Conflict at its offset, a broker error)
-            if job.job_id in held:
+        except Conflict:  # refused at its offset: nothing written, nothing to hold
+            # (Another failure, a store timeout, may have written: it stays counted until
+            # the job ends; a put asked again then finds its rows and adds nothing.)
+            if counted and job.job_id in held:
                 held[job.job_id] -= size
             raise
         return ApiReply(job=job, rows=len(meta.rows))
