@@ -16,6 +16,13 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JOYNEXUS_STRICT_DECODE", "1")
+# Every test namespace makes a Training Queue and a metrics stream, and each stream
+# reserves its cap on the server's JetStream store when made (8 GiB + 1 GiB by
+# default); the server gets 75% of the free disk, so on a disk with under ~25 GB
+# free the second namespace's layout was refused (err 10047) and ~90 tests errored.
+# Test data is kilobytes: cap the streams (an operator's own values win).
+os.environ.setdefault("JOYNEXUS_TQ_MAX_BYTES", "1G")
+os.environ.setdefault("JOYNEXUS_METRICS_MAX_BYTES", "256M")
 
 import itertools
 import uuid

@@ -43,10 +43,14 @@ async def test_a_store_too_small_for_the_layout_says_what_to_do(
     and a second deployment's layout fits beside it once the first is deleted."""
     import pytest
 
-    from joynexus.broker.layout import TQ_MAX_BYTES_ENV, delete_layout
+    from joynexus.broker.layout import METRICS_MAX_BYTES_ENV, TQ_MAX_BYTES_ENV, delete_layout
     from joynexus.ops.runtime.natsconfig import ServerLimits
     from joynexus.ops.runtime.natsserver import EmbeddedNats
     from joynexus.schemas.errors import InvalidSpec
+
+    # The defaults, not the test session's caps (tests/conftest.py).
+    monkeypatch.delenv(TQ_MAX_BYTES_ENV, raising=False)
+    monkeypatch.delenv(METRICS_MAX_BYTES_ENV, raising=False)
 
     server = EmbeddedNats(
         tmp_path / "nats", limits=ServerLimits(max_file_store=3 * 1024**3)
