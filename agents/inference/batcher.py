@@ -8,7 +8,9 @@ first have run it. Tenants take turns, each in FIFO order, so a tenant that
 queues a thousand requests waits behind itself; a batch is bounded by rows as
 well as requests (``max_rows``: a forward's cost grows with its rows), so a
 tenant sending large requests fills a batch of its own and one with 1-row
-requests waits at most about one batch behind it (issue 24). :func:`choose` decides "which
+requests waits at most about one batch behind it (issue 24); while more than one
+tenant sends, that bound is halved (:func:`row_bound`), so the batch a newcomer waits
+behind is a half one. :func:`choose` decides "which
 prefix now" from the pending requests' keys and arrival times alone; the engine
 only runs what it says. See docs/ARCHITECTURE.md ("The Inference Queue").
 """
@@ -137,6 +139,34 @@ def part_rows(max_rows: int) -> int:
     request's forward costs about half a full batch: it waits for the batch running
     when it came plus about half of one, not two whole ones."""
     return max(1, max_rows // 2)
+
+
+#: A tenant that sent a request this recently (seconds) shares the engine: while two
+#: or more do, batches hold at most :func:`part_rows` rows (:func:`row_bound`).
+SHARING_WINDOW_S = 2.0
+
+
+def row_bound(max_rows: int, sharing: int) -> int:
+    """The row bound of the next batch while ``sharing`` tenants send requests: the
+    engine's ``max_rows`` for a tenant alone (its large requests fill whole batches:
+    throughput), half of it (a large request's part, :func:`part_rows`) while more than
+    one does. The batch running when a tenant's request arrives is what that request
+    waits for first, so the bound must already hold when it comes: a tenant that sent a
+    request within :data:`SHARING_WINDOW_S` counts as sharing, and the others' batches
+    stay small in between its requests. A 1-row request then waits for at most one
+    half-batch and runs in its own turn (a part does not fit beside it), instead of a
+    full batch and then one that a part and it share (issue 24)."""
+    return max_rows if sharing <= 1 else part_rows(max_rows)
+
+
+def sharing(last_seen: dict[str, float], now: float, window_s: float = SHARING_WINDOW_S) -> int:
+    """How many tenants sent a request within ``window_s`` of ``now`` (``last_seen``:
+    tenant -> its latest request's arrival); the others are forgotten (``last_seen`` is
+    pruned in place, so it holds only the recent senders)."""
+    stale = [t for t, at in last_seen.items() if now - at > window_s]
+    for t in stale:
+        del last_seen[t]
+    return len(last_seen)
 
 
 @dataclass(frozen=True)

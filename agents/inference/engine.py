@@ -204,6 +204,7 @@ class InferenceEngine:
                 "base_params": str(self.backbone.num_params()),
                 "max_batch": str(self.max_batch),
                 "max_rows": str(self.max_rows),
+                "shared_rows": str(part_rows(self.max_rows)),  # the bound while tenants share
                 "max_wait_ms": f"{self.max_wait_s * 1e3:g}",
             },
             queue_group=n.inference_service,
@@ -309,7 +310,7 @@ class InferenceEngine:
                 freed_at=self._freed_at,
                 max_batch=self.max_batch,
                 max_wait_s=self.max_wait_s,
-                max_rows=self.max_rows,
+                max_rows=batcher.row_bound(self.max_rows, batcher.sharing(intake.last_seen, now)),
             )
             if choice.until is None:
                 break

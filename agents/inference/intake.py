@@ -79,6 +79,8 @@ class Intake:
         #: a request with more rows is queued as parts of at most this many (None: whole)
         self.part_rows = part_rows
         self.queue: deque[Pending] = deque()
+        #: tenant -> when its latest request was queued (perf_counter): who shares the engine
+        self.last_seen: dict[str, float] = {}
         self.wake = asyncio.Event()
         #: a batch is in its forward (a request queued meanwhile is marked busy)
         self.running = False
@@ -172,6 +174,7 @@ class Intake:
         p = Pending(request, req, lp, batch, noise, lp.schema.backbone_key(), span, received)
         p.enqueued = time.perf_counter()
         p.busy = self.running
+        self.last_seen[p.tenant] = p.enqueued
         self.queue.extend(split(p, self.part_rows) if self.part_rows else [p])
         self.wake.set()
 

@@ -1118,8 +1118,9 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
 ) -> None:
     """A request of more rows than the engine's ``max_rows`` runs as parts of at most
     half that many (``part_rows``: no forward is larger than ``max_rows``), answered once with every row's actions, equal to
-    what it gets served whole; another tenant's 1-row request queued behind it rides
-    in the batch after the first part, not after all of them (issue 24)."""
+    what it gets served whole; another tenant's 1-row request queued behind it runs
+    right after the first part (in a batch of its own: while two tenants send, a batch
+    holds at most a part's rows), not after all of them (issue 24)."""
     store = PolicyStore(broker)
     await store.publish("a", "default", make_module("a", "flow_matching"), SCHEMA)
     await store.publish("b", "default", make_module("b", seed=3), SCHEMA)
@@ -1141,11 +1142,13 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
     np.testing.assert_allclose(got, expected(backbone, engine.cache.lookup("a", "default", None)
                                              .module, big, noise), atol=ATOL, rtol=0)
     assert max(engine.stats.batch_sizes) <= 2 and engine.stats.rows <= 10 + 2
-    # b's request went in the first batch after the gate (with a's first part): it did
-    # not wait for a's five parts; a's answer came with its last part's batch.
+    # b's request ran right after a's first part (alone: two tenants share, so a batch
+    # holds at most 2 rows): it did not wait for a's five parts; a's answer came with
+    # its last part's batch.
     b_batch = int(victim.batch.batch_id.rsplit("-", 1)[-1])
     a_last = int(whole.batch.batch_id.rsplit("-", 1)[-1])
     assert b_batch < a_last, (b_batch, a_last)
+    assert victim.batch.rows == 1, victim.batch
     assert whole.batch.rows <= 4
     # Served whole (an engine whose batches hold all 10 rows): the same actions.
     await engine.close()

@@ -15,7 +15,9 @@ from joynexus.agents.inference.batcher import (
     choose,
     part_rows,
     plan,
+    row_bound,
     served,
+    sharing,
 )
 
 
@@ -212,6 +214,41 @@ def test_a_small_tenant_waits_at_most_one_batch_behind_a_flood() -> None:
             queue = [p for i, p in enumerate(queue) if i not in set(take)]
         else:
             raise AssertionError("the 1-row request waited more than two batches")
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "tenants", "want"),
+    [(16, 0, 16), (16, 1, 16), (16, 2, 8), (16, 30, 8), (17, 2, 8), (1, 2, 1), (2, 3, 1)],
+)
+def test_batches_are_halved_while_tenants_share(max_rows: int, tenants: int, want: int) -> None:
+    assert row_bound(max_rows, tenants) == want
+
+
+def test_sharing_counts_recent_senders_and_forgets_the_others() -> None:
+    seen = {"a": 10.0, "b": 8.5, "c": 7.9}
+    assert sharing(seen, now=10.0, window_s=2.0) == 2
+    assert seen == {"a": 10.0, "b": 8.5}  # c forgotten: the map holds recent senders only
+    assert sharing(seen, now=12.1, window_s=2.0) == 0 and seen == {}
+    assert sharing({}, now=0.0) == 0
+
+
+def test_while_two_tenants_share_a_small_request_waits_for_one_half_batch() -> None:
+    """A flood's 64-row requests (parts of 8 of a 16-row engine) while a 1-row tenant
+    sends too: every batch under the shared bound holds at most 8 rows, so the batch
+    running when the 1-row request comes is a half one, and the request then runs in
+    a batch of 1 row (no part fits beside it), not one of 9 after one of 16."""
+    rng = random.Random(5)
+    bound = row_bound(16, 2)
+    for _ in range(200):
+        queue = [Arrival("m", "k", float(i), False, 8) for i in range(rng.randint(1, 24))]
+        last: dict[str, int] = {"m": 7}
+        running = plan(queue, last, 16, bound)
+        assert sum(queue[i].rows for i in running) <= 8
+        last = served(last, ["m"], 8, 100)
+        queue = [p for i, p in enumerate(queue) if i not in set(running)]
+        queue.append(Arrival("v", "k", 99.0, False, 1))
+        take = plan(queue, {**last, "v": rng.randint(0, 6)}, 16, bound)
+        assert [queue[i].tenant for i in take] == ["v"]
 
 
 @pytest.mark.parametrize(
