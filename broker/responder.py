@@ -181,11 +181,16 @@ class Responder:
     def _bound(self, tenant: str) -> int:
         return self.limit(tenant) if tenant else self.total
 
-    def busy(self, tenant: str) -> bool:
-        """Would a request of ``tenant`` be refused now? A dict lookup: a tenant with
-        nothing in flight (or a token that is no tenant) is not busy."""
+    def busy(self, tenant: str, waiting: int = 0) -> bool:
+        """Would a request of ``tenant`` be refused now, with ``waiting`` more of its
+        requests taken in and not yet served (they count as in flight)? A dict lookup:
+        a tenant with nothing in flight or waiting (or a token that is no tenant) is
+        not busy."""
         n = self.in_flight.get(tenant)
-        return n is not None and (n >= self._bound(tenant) or self._in_flight_total >= self.total)
+        if n is None and not waiting:
+            return False
+        n = (n or 0) + waiting
+        return n >= self._bound(tenant) or self._in_flight_total + waiting >= self.total
 
     def limited(self, tenant: str) -> RateLimited:
         """The refusal of a request of ``tenant`` ("": of none) past its bound (counted)."""

@@ -31,7 +31,7 @@ from joynexus.agents.control.checks import (
     tenant_of_subject,
 )
 from joynexus.agents.control.data import DataGateway
-from joynexus.agents.control.door import DoorCount, IngressPace
+from joynexus.agents.control.door import DoorCount, FairIngress, IngressPace
 from joynexus.agents.control.operator import OperatorAPI
 from joynexus.agents.control.submissions import SubmissionsAPI
 from joynexus.agents.control.training import TrainingAPI
@@ -107,6 +107,8 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         self.quotas = QuotaBook(broker)
         # Each tenant's messages a second at the door, and who is paused (agents/control/door.py).
         self.door = DoorCount()
+        # Each tenant's requests in a line of its own, served in turn (agents/control/door.py).
+        self.ingress = FairIngress(self._serve_api)
         self.rpc = Server(
             broker,
             "control",
@@ -161,6 +163,7 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         await sync_server(self.b.nc)
         if nc is not self.b.nc:
             await sync_server(nc)
+        self.rpc.spawn(self.ingress.run())
         self.rpc.spawn(self._apply_logged_ends())
         self.rpc.spawn(self._adopt_open_jobs())
         self.rpc.spawn(self._expire_open_jobs())
@@ -178,10 +181,9 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
         await self._records_mirror.stop()
 
     async def _handle(self, request: Request) -> None:
-        """Check the reply subject and the tenant's in-flight bound; never wait here
-        (nats-py runs one callback at a time per subscription)."""
-        # A tenant at its bound is refused before any other check (a flood's cheapest
-        # path: the other tenants' requests wait behind it in this one subscription).
+        """The door: count the tenant's messages (a paused tenant's are dropped) and
+        file the request in its tenant's line (:class:`FairIngress`); never wait here
+        (nats-py runs one callback at a time per subscription, in arrival order)."""
         token = request.subject.split(".")[2] if request.subject.count(".") == 3 else ""
         if token:
             now = time.time()
@@ -192,9 +194,17 @@ class ControlPlane(WorkloadsAPI, SubmissionsAPI, DataGateway, OperatorAPI, ApiKe
             if pause is not None:
                 self.rpc.spawn(self._pause(token, *pause, limit=q.max_requests_per_s))
                 return
-            if self.rpc.busy(token):
+            # A tenant at its bound (in flight + filed) is refused before any other
+            # check: a flood's cheapest path, and its line never holds more than that.
+            if self.rpc.busy(token, self.ingress.waiting(token)):
                 self.rpc.defer_refusal(token, request)
                 return
+        self.ingress.put(token, request)  # a full line (a backstop): dropped, as the door's
+
+    def _serve_api(self, request: Request) -> None:
+        """One request in its tenant's turn (:class:`FairIngress`): the reply subject,
+        the body's size; then its verb's work in a task of its own (counted against the
+        tenant's in-flight bound: past the total of all tenants', refused)."""
         tenant = tenant_of_subject(request.subject)
         if not self.rpc.allowed(request, tenant):
             return

@@ -14,9 +14,16 @@ still going earns the next a doubled length, up to 16x.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["MAX_STRIKES", "DoorCount", "IngressPace"]
+__all__ = ["MAX_STRIKES", "DoorCount", "FairIngress", "IngressPace"]
+
+log = logging.getLogger(__name__)
 
 #: Pauses in a row double up to 2^(MAX_STRIKES - 1) times ``penalty_s``.
 MAX_STRIKES = 5
@@ -85,3 +92,69 @@ class IngressPace:
         tokens = min(float(rate), tokens + (now - last) * rate) - size
         self.tenants[tenant] = (tokens, now)
         return 0.0 if tokens >= 0 else -tokens / rate
+
+
+class FairIngress:
+    """Each tenant's requests in a line of its own, served round robin.
+
+    nats-py runs one subscription's callbacks one at a time, in arrival order: a
+    tenant's burst of 2,000 requests put a request of another tenant behind all of
+    them, each costing its checks and its refusal (issue 24, ``request_flood``). The
+    subscription's callback now only files the request under its tenant
+    (:meth:`put`: a deque append), and :meth:`run` serves the lines in turn, one
+    request per tenant per round, each tenant's own in FIFO order, letting the event
+    loop turn every ``per_turn`` requests so that requests just received are filed
+    before the next ones are served. A request of a tenant with an empty line then
+    waits for the filing of what came before it and at most one request of each
+    other tenant, not for their work. The door counts a tenant's filed requests as in
+    flight (:meth:`waiting`), so a line holds at most the tenant's in-flight bound;
+    ``max_queued`` is a backstop past which :meth:`put` refuses (the caller drops the
+    request, as the door drops a flood's)."""
+
+    def __init__(self, serve: Callable[[Any], None], *, per_turn: int = 8,
+                 max_queued: int = 4096) -> None:
+        self._serve = serve
+        self.per_turn = per_turn
+        self.max_queued = max_queued
+        self._lines: OrderedDict[str, deque[Any]] = OrderedDict()
+        self._wake = asyncio.Event()
+        self.dropped = 0
+
+    def put(self, tenant: str, item: Any) -> bool:
+        line = self._lines.get(tenant)
+        if line is None:
+            line = self._lines[tenant] = deque()
+        elif len(line) >= self.max_queued:
+            self.dropped += 1
+            return False
+        line.append(item)
+        self._wake.set()
+        return True
+
+    def waiting(self, tenant: str) -> int:
+        """``tenant``'s requests filed and not yet served."""
+        line = self._lines.get(tenant)
+        return 0 if line is None else len(line)
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self._lines.values())
+
+    async def run(self) -> None:
+        while True:
+            if not self._lines:
+                self._wake.clear()
+                await self._wake.wait()
+            served = 0
+            while self._lines and served < self.per_turn:
+                tenant, line = next(iter(self._lines.items()))
+                item = line.popleft()
+                if line:
+                    self._lines.move_to_end(tenant)  # its next request after the others'
+                else:
+                    del self._lines[tenant]
+                served += 1
+                try:
+                    self._serve(item)
+                except Exception:  # a bug: this request's, never the other tenants'
+                    log.exception("serving a request of tenant %r failed", tenant[:64])
+            await asyncio.sleep(0)  # let the requests received meanwhile be filed
