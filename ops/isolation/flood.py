@@ -61,6 +61,44 @@ async def flood(creds: str, kind: str, workload: str, *, lanes: int, seconds: fl
     return dict(outcomes)
 
 
+async def connections(creds: str, *, count: int, wait_s: float = 20.0) -> dict[str, int]:
+    """Open ``count`` bare connections as the tenant (past its ``max_connections``),
+    then wait until the service has closed the excess (fewer than ``count`` open) or
+    ``wait_s`` passed; counts ``opened``, ``refused`` (a connect that failed) and
+    ``alive`` (still open when it stopped waiting); closes the rest."""
+    import nats
+
+    from joynexus.broker.credentials import Credentials
+    from joynexus.broker.subjects import Names
+
+    c = Credentials.load(creds)
+    prefix = Names(c.namespace).inbox_prefix(c.tenant) if c.tenant and c.namespace else ""
+    kw: dict[str, Any] = {"inbox_prefix": prefix} if prefix else {}
+    opened: list[Any] = []
+    refused = 0
+
+    async def quiet(_e: Exception) -> None:
+        return None
+
+    for _ in range(count):
+        try:
+            opened.append(await nats.connect(c.url, user=c.user, password=c.password,
+                                             error_cb=quiet, max_reconnect_attempts=0,
+                                             allow_reconnect=False, connect_timeout=5, **kw))
+        except Exception:
+            refused += 1
+    for _ in range(int(wait_s / 0.3)):  # until the service closes the excess
+        if sum(nc.is_connected for nc in opened) < count - refused:
+            break
+        await asyncio.sleep(0.3)
+    await asyncio.sleep(1.0)  # the closes of one sweep land together
+    alive = sum(nc.is_connected for nc in opened)
+    for nc in opened:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return {"opened": len(opened), "refused": refused, "alive": alive}
+
+
 def creds_file(dep: Any, tenant: str) -> Path:
     """The tenant's credentials (of a ``SecuredDeployment``) in a file, for a flood's
     own process."""
@@ -314,14 +352,15 @@ def main(argv: list[str] | None = None) -> None:
                                  description="One tenant's flood within its quota (JSON counts).")
     ap.add_argument("--creds", required=True, help="the tenant's credentials file")
     ap.add_argument("--kind", choices=("act", "get_policy", "tq", "strings", "burst", "oversize",
-                                       "open_loop"),
+                                       "open_loop", "connections"),
                     required=True,
                     help="act: inference requests; get_policy: control-plane reads; tq: fill "
                     "the Training Queue up to --limit-mib (or the quota); strings: 1 MB "
                     "strings where names go; burst: 2,000 control-plane requests at once; "
                     "open_loop: control-plane requests as fast as one connection sends, never "
                     "reading a reply; "
-                    "oversize: inference requests past the rows and instruction bounds")
+                    "oversize: inference requests past the rows and instruction bounds; "
+                    "connections: --lanes bare connections, then wait for the excess closed")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--lanes", type=int, default=4, help="requests in flight")
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -338,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         counts = asyncio.run(open_loop(a.creds, seconds=a.seconds))
     elif a.kind == "burst":
         counts = asyncio.run(burst(a.creds))
+    elif a.kind == "connections":
+        counts = asyncio.run(connections(a.creds, count=a.lanes))
     elif a.kind == "strings":
         counts = asyncio.run(long_strings(a.creds, a.workload, signature=a.signature,
                                           claim=a.claim))
