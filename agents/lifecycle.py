@@ -121,6 +121,8 @@ class JobBook:
     #: Per "<tenant>.<workload>": how its newest ended generation ended.
     ended: dict[str, WorkloadEnded] = field(default_factory=dict)
     jobs: dict[str, TrainingJob] = field(default_factory=dict)
+    #: Job ids per tenant (of ``jobs``): a tenant's lookups never scan the others' jobs.
+    by_tenant: dict[str, set[str]] = field(default_factory=dict)
     last_seq: dict[str, int] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)
     #: Current policy version per "<tenant>.<workload>".
@@ -220,11 +222,26 @@ class JobBook:
         if old is not None:
             self._account(old, -1)
         if new is None:
-            self.jobs.pop(job_id, None)
+            self._forget(job_id)
             self.deadlines.pop(job_id, None)
             return
         self._account(new, +1)
         self.jobs[job_id] = new
+        self.by_tenant.setdefault(new.tenant_id, set()).add(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        ids = self.by_tenant.get(job.tenant_id)
+        if ids is not None:
+            ids.discard(job_id)
+            if not ids:
+                del self.by_tenant[job.tenant_id]
+
+    def jobs_of(self, tenant_id: str) -> list[TrainingJob]:
+        """The tenant's jobs held (terminal ones until pruned), in no particular order."""
+        return [self.jobs[j] for j in self.by_tenant.get(tenant_id, ())]
 
     def get(self, job_id: str) -> TrainingJob:
         job = self.jobs.get(job_id)
@@ -325,6 +342,6 @@ class JobBook:
         n = len(terminal) - keep
         for j in terminal[:n]:
             # Keep the counters (completed, by_state) as they are: accounting survives pruning.
-            self.jobs.pop(j.job_id, None)
+            self._forget(j.job_id)
             self.last_seq.pop(j.job_id, None)
         return n

@@ -326,18 +326,19 @@ class SchedulerVerbs:
         return Reply(job=self.core.get(req.job_id))
 
     async def on_list_jobs(self, req: ListJobsRequest) -> Reply:
+        """The tenant's jobs that match, in the order they were reserved; only the
+        tenant's own are looked at (``jobs_of``), however many others hold."""
         states = set(req.states)
-        return Reply(
-            jobs=[
-                job
-                for job in self.core.jobs.values()
-                if job.tenant_id == req.tenant_id
-                and (not req.workload or job.workload == req.workload)
-                and (not req.generation or job.generation == req.generation)
-                and (not states or job.state in states)
-                and all(job.metadata.extra.get(k) == v for k, v in req.extra.items())
-            ]
-        )
+        jobs = [
+            job
+            for job in self.core.jobs_of(req.tenant_id)
+            if (not req.workload or job.workload == req.workload)
+            and (not req.generation or job.generation == req.generation)
+            and (not states or job.state in states)
+            and all(job.metadata.extra.get(k) == v for k, v in req.extra.items())
+        ]
+        jobs.sort(key=lambda j: (j.created_seq, j.job_id))
+        return Reply(jobs=jobs)
 
     async def on_snapshot(self, _req: Any) -> Reply:
         return Reply(snapshot=snapshot(self.core))

@@ -464,3 +464,38 @@ def test_rebuild_counts_per_generation_and_finds_an_end_due() -> None:
         ReserveRequest(job_id="late", tenant_id="acme", task_type="sft", workload="w",
                        generation=2), at=0, by="p")
     assert isinstance(refused, Refused) and refused.code == "ended"
+
+
+def test_the_jobs_of_a_tenant_are_indexed_through_every_change() -> None:
+    """``jobs_of`` (what ``list_jobs`` reads instead of every tenant's jobs) holds
+    exactly the tenant's jobs after reserves, ends, reverts and pruning."""
+    d = Driver(a=pol("a", task="sft", max_in_flight=50), b=pol("b", task="sft", max_in_flight=50))
+
+    def check() -> None:
+        for t in ("a", "b", "nobody"):
+            want = {j.job_id for j in d.core.jobs.values() if j.tenant_id == t}
+            assert {j.job_id for j in d.core.jobs_of(t)} == want, t
+        assert set().union(*d.core.by_tenant.values()) == set(d.core.jobs)
+        assert all(d.core.by_tenant.values())  # no empty entries kept
+
+    made = [d.reserve(t, "sft") for t in ("a", "b") * 6]
+    check()
+    for j in made[:6]:
+        finish(d, j, "complete" if j.tenant_id == "a" else "fail")
+    check()
+    j = d.reserve("a", "sft")
+    ev = d.core.decide_mark(j.job_id, S.READY, attempt=0, sample_count=None, at=0, by="p")
+    prev = d.core.apply(ev, 0.0)
+    d.core.revert(j.job_id, prev, 0.0)
+    check()
+    ev = d.core.decide_reserve(ReserveRequest(job_id="undone", tenant_id="b", task_type="sft"),
+                               at=0, by="p")
+    prev = d.core.apply(ev, 0.0)  # a new job whose append failed: reverted to none
+    assert "undone" in {j.job_id for j in d.core.jobs_of("b")}
+    d.core.revert("undone", prev, 0.0)
+    check()
+    assert d.core.prune_terminal(keep=1) == 5
+    check()
+    assert len(d.core.jobs_of("b")) == 6 - 2  # three of b's ended, two of them pruned
+    fresh = SchedulerCore(lease_ttl_s=10.0)
+    assert fresh.jobs_of("a") == []
