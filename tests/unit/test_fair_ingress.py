@@ -15,6 +15,15 @@ async def _served_after(ingress: FairIngress, order: list[str], n: int) -> None:
     await _until(lambda: len(order) >= n, f"served {len(order)} of {n}")
 
 
+async def _run_until_served(ingress: FairIngress, order: list[str], n: int) -> None:
+    """Run the ingress until ``n`` requests were served, then stop it."""
+    task = asyncio.ensure_future(ingress.run())
+    try:
+        await _served_after(ingress, order, n)
+    finally:
+        await cancel_and_wait(task)
+
+
 async def _until(done: Callable[[], bool], what: str, turns: int = 5000) -> None:
     for _ in range(turns):
         if done():
@@ -29,11 +38,7 @@ async def test_a_request_filed_behind_a_burst_is_served_in_the_next_round() -> N
     for i in range(2000):
         ingress.put("mallory", f"m{i}")
     ingress.put("vera", "v0")
-    task = asyncio.ensure_future(ingress.run())
-    try:
-        await _served_after(ingress, order, 2001)
-    finally:
-        await cancel_and_wait(task)
+    await _run_until_served(ingress, order, 2001)
     # Round robin: vera's one request after mallory's first, not after its 2,000.
     assert order.index("v0") == 1
     assert [x for x in order if x != "v0"] == [f"m{i}" for i in range(2000)]  # FIFO
@@ -84,9 +89,5 @@ async def test_a_request_whose_serving_raises_fails_alone() -> None:
     for item in ("a1", "bad", "a2"):
         ingress.put("mallory", item)
     ingress.put("vera", "v")
-    task = asyncio.ensure_future(ingress.run())
-    try:
-        await _served_after(ingress, order, 3)
-    finally:
-        await cancel_and_wait(task)
+    await _run_until_served(ingress, order, 3)
     assert order == ["a1", "v", "a2"]
