@@ -72,6 +72,8 @@ async def connections(creds: str, *, count: int, wait_s: float = 20.0) -> dict[s
     from joynexus.broker.subjects import Names
 
     c = Credentials.load(creds)
+    if not c.url:
+        raise SystemExit(f"{creds}: the credentials name no server url")
     prefix = Names(c.namespace).inbox_prefix(c.tenant) if c.tenant and c.namespace else ""
     kw: dict[str, Any] = {"inbox_prefix": prefix} if prefix else {}
     opened: list[Any] = []
