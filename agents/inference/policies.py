@@ -73,6 +73,9 @@ class PolicyCache:
         self._used: dict[PolicyId, int] = {}  # last use, for eviction
         self._uses = itertools.count()
         self._latest: dict[tuple[str, str], int] = {}
+        #: Versions the watch announced for policies this engine does not hold (not loaded
+        #: until asked for): a request for the latest then loads the announced one.
+        self._announced: dict[tuple[str, str], int] = {}
         self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
 
     def loaded_versions(self, tenant_id: str, workload: str = "default") -> list[int]:
@@ -81,11 +84,23 @@ class PolicyCache:
     def latest_version(self, tenant_id: str, workload: str = "default") -> int | None:
         return self._latest.get((tenant_id, workload))
 
+    def _held(self, tk: tuple[str, str]) -> bool:
+        """A version of the policy is resident or loading here."""
+        return any(pid[:2] == tk for pid in self._policies) or any(pid[:2] == tk for pid in self._loading)
+
     async def watch(self, ready: asyncio.Event) -> None:
-        """Load every version the policy KV announces for this base model; ``ready`` is
-        set once the current ones are loaded (a current one that fails raises)."""
+        """Load the versions the policy KV announces for this base model: every current
+        one before ``ready`` is set (a current one that fails raises), then each new
+        version of a policy this engine holds (its next request finds it resident). A
+        policy it does not hold is loaded when first asked for (``resolve``): an eager
+        load of every tenant's new workload cost the other tenants' requests the load's
+        CPU, for a policy no one may call here (issue 24)."""
         async for rec in self.store.watch(ready=ready):
             if rec.base_model != self.base_model:
+                continue
+            tk = (rec.tenant_id, rec.workload)
+            if ready.is_set() and not self._held(tk):
+                self._announced[tk] = max(self._announced.get(tk, 0), rec.version)
                 continue
             try:
                 await self.ensure_loaded(rec)
@@ -109,6 +124,8 @@ class PolicyCache:
         if rec.version > self._latest.get(tk, 0):
             self._latest[tk] = rec.version
             self._evict(tk)
+        if self._announced.get(tk, 0) <= rec.version:
+            self._announced.pop(tk, None)
 
     def _evict(self, tk: tuple[str, str]) -> None:
         resident = [pid for pid in self._policies if pid[:2] == tk]
@@ -156,6 +173,8 @@ class PolicyCache:
         v = version or self._latest.get((tenant_id, workload))
         if v is None:
             return None
+        if not version and self._announced.get((tenant_id, workload), 0) > v:
+            return None  # a newer version was announced: resolve loads it
         lp = self._policies.get((tenant_id, workload, v))
         if lp is not None:
             self._used[lp.id] = next(self._uses)

@@ -596,6 +596,39 @@ async def test_version_routing_and_new_version_loaded_before_served(
         await client.request("acme", schema=SCHEMA, policy_version=7, **obs)
 
 
+async def test_a_policy_no_one_asked_for_is_loaded_at_its_first_request(
+    broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
+) -> None:
+    """A workload created while the engine serves is not loaded until a request asks
+    for it (its load's CPU is then its owner's request's, not every tenant's); once
+    held, each new version is loaded as the watch announces it. A request for the
+    latest never gets a version older than one announced."""
+    store = PolicyStore(broker)
+    engine = await make_engine(max_wait_ms=1)
+    await store.publish("acme", "default", make_module("acme", seed=1), SCHEMA)
+    await wait_for(lambda: ("acme", "default") in engine.cache._announced, "v1 announced")
+    assert engine.loaded_versions("acme") == [] and engine.latest_version("acme") is None
+    client = InferenceClient(broker)
+    obs = make_obs(3)
+    first = await client.request("acme", schema=SCHEMA, **obs)
+    assert first.policy_version == 1 and engine.loaded_versions("acme") == [1]
+    assert ("acme", "default") not in engine.cache._announced
+    v2 = make_module("acme", seed=2)
+    await store.publish("acme", "default", v2, SCHEMA)
+    await wait_for(lambda: engine.latest_version("acme") == 2, "v2 loaded eagerly (held)")
+    assert engine.loaded_versions("acme") == [1, 2]
+    # The watch announced a version that is not resident (a load on demand raced it):
+    # a request for the latest does not take the resident older one.
+    engine.cache._announced[("acme", "default")] = 3
+    assert engine.cache.lookup("acme", "default", None) is None
+    assert engine.cache.lookup("acme", "default", 2) is not None  # a pinned one still is
+    v3 = make_module("acme", seed=3)
+    await store.publish("acme", "default", v3, SCHEMA)
+    third = await client.request("acme", schema=SCHEMA, **obs)
+    assert third.policy_version == 3
+    np.testing.assert_allclose(third.actions.to_array(), expected(backbone, v3, obs), atol=ATOL, rtol=0)
+
+
 async def test_pinned_old_version_beyond_resident_window_is_loaded_on_demand(
     broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
 ) -> None:
