@@ -52,6 +52,10 @@ def evictions(
     return others[max(0, keep) :]
 
 
+#: Announced versions of policies not held, remembered at most (the oldest forgotten).
+MAX_ANNOUNCED = 65_536
+
+
 class PolicyCache:
     """The resident versions of the tenant policies for one base model."""
 
@@ -84,6 +88,14 @@ class PolicyCache:
     def latest_version(self, tenant_id: str, workload: str = "default") -> int | None:
         return self._latest.get((tenant_id, workload))
 
+    def _announce(self, tk: tuple[str, str], version: int) -> None:
+        """Note a version of a policy not held here. Bounded: tenants can create and
+        cancel workloads without end, and an entry only matters while a load on demand
+        may race the version's publish, so past ``MAX_ANNOUNCED`` the oldest go."""
+        self._announced[tk] = max(self._announced.pop(tk, 0), version)  # the newest last
+        while len(self._announced) > MAX_ANNOUNCED:
+            del self._announced[next(iter(self._announced))]
+
     def _held(self, tk: tuple[str, str]) -> bool:
         """A version of the policy is resident or loading here."""
         return any(pid[:2] == tk for pid in self._policies) or any(pid[:2] == tk for pid in self._loading)
@@ -100,7 +112,7 @@ class PolicyCache:
                 continue
             tk = (rec.tenant_id, rec.workload)
             if ready.is_set() and not self._held(tk):
-                self._announced[tk] = max(self._announced.get(tk, 0), rec.version)
+                self._announce(tk, rec.version)
                 continue
             try:
                 await self.ensure_loaded(rec)

@@ -629,6 +629,21 @@ async def test_a_policy_no_one_asked_for_is_loaded_at_its_first_request(
     np.testing.assert_allclose(third.actions.to_array(), expected(backbone, v3, obs), atol=ATOL, rtol=0)
 
 
+def test_announced_versions_of_policies_not_held_are_bounded(monkeypatch: Any) -> None:
+    """A tenant creating and cancelling workloads without end leaves each engine a
+    note per workload it never served: at most ``MAX_ANNOUNCED``, the oldest forgotten."""
+    from joynexus.agents.inference import policies
+
+    monkeypatch.setattr(policies, "MAX_ANNOUNCED", 3)
+    cache = policies.PolicyCache(None, None, base_model="m", retain_versions=2,  # type: ignore[arg-type]
+                                 instance="i")
+    for i in range(10):
+        cache._announce(("mallory", f"w{i}"), 1)
+    cache._announce(("mallory", "w8"), 2)  # announced again: now the newest
+    assert list(cache._announced.items()) == [
+        (("mallory", "w7"), 1), (("mallory", "w9"), 1), (("mallory", "w8"), 2)]
+
+
 async def test_pinned_old_version_beyond_resident_window_is_loaded_on_demand(
     broker: Broker, backbone: Backbone, make_engine: Callable[..., Any]
 ) -> None:
