@@ -23,6 +23,7 @@ import numpy as np
 
 from joynexus.agents.gateway.codec import encode, pack_array
 from joynexus.ops.isolation.deployment import VICTIM_WORKLOAD, SecuredDeployment, sft_spec
+from joynexus.ops.isolation.flood import lowest_priority
 from joynexus.ops.isolation.kit import AttackResult, Checks, cancel_quietly, short_error
 from joynexus.schemas.errors import JoyNexusError
 
@@ -283,7 +284,8 @@ async def _connections(url: str, key: str, victim_key: str) -> Checks:
 
 
 #: The attacks that run from a process of their own (as a client on another machine
-#: would: their encoding and buffers are not the victim probe's event loop's).
+#: would: their encoding and buffers are not the victim probe's event loop's), at the
+#: lowest priority, as the floods (``..flood.lowest_priority``).
 PARTS = {"frames": _frames, "never_reads": _never_reads, "connections": _connections}
 
 
@@ -292,7 +294,8 @@ async def _from_own_process(dep: SecuredDeployment, part: str, attacker: str,
     key = await _keys(dep, attacker, WORKLOAD)
     victim_key = await _keys(dep, victim, VICTIM_WORKLOAD)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "joynexus.ops.isolation.attacks.gateway", part, dep.gateway_url,
+        *lowest_priority([sys.executable, "-m", "joynexus.ops.isolation.attacks.gateway", part,
+                          dep.gateway_url]),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:  # the keys through stdin, not the command line
