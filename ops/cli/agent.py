@@ -138,11 +138,13 @@ async def run_agent(
     role: str, url: str, namespace: str, opts: RoleOptions, stop: asyncio.Event
 ) -> None:
     from joynexus.broker.connection import Broker
+    from joynexus.ops.runtime.heap import freeze_heap
     from joynexus.ops.runtime.telemetry import setup_tracing
 
     setup_tracing(f"joynexus-{role}", out_dir=opts.data_dir / "traces")
 
     opts.nats_url = opts.nats_url or url
+    opts.ready = freeze_heap  # this process runs this one role: its start-up heap is done
     b = await Broker.connect(url, name=opts.instance, namespace=namespace)
     try:
         await run_role(role, b, stop, opts)
