@@ -126,6 +126,9 @@ class FairIngress:
             line = self._lines[tenant] = deque()
         elif len(line) >= self.max_queued:
             self.dropped += 1
+            if self.dropped % 1000 == 1:
+                log.warning("%d requests dropped unanswered: tenant %r has %d filed (the "
+                            "backstop, max_queued)", self.dropped, tenant[:64], len(line))
             return False
         line.append(item)
         self._wake.set()
@@ -135,9 +138,6 @@ class FairIngress:
         """``tenant``'s requests filed and not yet served."""
         line = self._lines.get(tenant)
         return 0 if line is None else len(line)
-
-    def queued(self) -> int:
-        return sum(len(q) for q in self._lines.values())
 
     async def run(self) -> None:
         while True:
