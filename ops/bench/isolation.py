@@ -68,7 +68,8 @@ async def bench_isolation(
         victim = await prepare(dep)
         # The probe runs in this process: its start-up heap (the deployment, the datasets,
         # torch) out of later collections, as every role's (ops/runtime/heap.py). A full
-        # collection here stopped the probe for 240-730 ms, measured as the victim's latency.
+        # collection here stopped the probe for 240-250 ms during the attacks (up to 730 ms
+        # while the deployment started), measured as the victim's latency.
         freeze_heap()
         try:
             for attack in CATALOGUE:
