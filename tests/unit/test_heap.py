@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
-import tempfile
 import textwrap
+from pathlib import Path
 from typing import Any
 
 
@@ -41,11 +41,12 @@ def test_freeze_heap_freezes_what_is_alive_and_collects_the_garbage_first() -> N
     assert gc.get_freeze_count() == 0  # this process: untouched
 
 
-def test_a_role_process_freezes_its_heap_once_it_is_ready(nats_server: Any, namespace: str) -> None:
+def test_a_role_process_freezes_its_heap_once_it_is_ready(
+    nats_server: Any, namespace: str, tmp_path: Path
+) -> None:
     """``joynexus agent``'s runner (``run_agent``) hands ``freeze_heap`` to the role as
     its readiness hook: a real scheduler role, in a process of its own, frozen once
     it serves and not before."""
-    tmp = tempfile.mkdtemp()
     code = textwrap.dedent(f"""
         import asyncio, gc
         from pathlib import Path
@@ -65,7 +66,7 @@ def test_a_role_process_freezes_its_heap_once_it_is_ready(nats_server: Any, name
                 stop.set()
 
             heap.freeze_heap = ready
-            opts = RoleOptions(instance="heap-test", data_dir=Path({str(tmp)!r}))
+            opts = RoleOptions(instance="heap-test", data_dir=Path({str(tmp_path)!r}))
             await asyncio.wait_for(run_agent("scheduler", {nats_server.url!r}, {namespace!r},
                                              opts, stop), 60)
             print(seen[0], seen[1] > 10000)
