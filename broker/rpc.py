@@ -22,12 +22,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 
 from joynexus.broker.connection import Broker
 from joynexus.schemas.base import decode
 from joynexus.schemas.errors import (
     JoyNexusError,
+    PayloadTooLarge,
     RateLimited,
     Unavailable,
     error_from_code,
@@ -121,7 +122,8 @@ async def call(
 ) -> R:
     """Ask ``subject`` and return ``decode(reply.data)``, which raises the typed error
     of an error reply (:func:`checked`). No responders and no reply within
-    ``timeout_s`` become :class:`NoResponders` and :class:`NoReply`; ``retry`` says
+    ``timeout_s`` become :class:`NoResponders` and :class:`NoReply`, a payload over
+    the server's ``max_payload`` :class:`PayloadTooLarge` (at once); ``retry`` says
     which failures are asked again; ``unanswered`` words the error raised when
     no answer came (else the NoResponders / NoReply itself); ``on_retry(error,
     sleep_s)`` is told before each backoff."""
@@ -139,6 +141,11 @@ async def call(
         except NoRespondersError as e:
             err: BaseException = NoResponders(f"nobody serves {subject}")
             err.__cause__ = e
+        except MaxPayloadError as e:  # never sent: asking again cannot help
+            raise PayloadTooLarge(
+                f"a request of {len(payload)} bytes; the NATS server takes at most "
+                f"{b.max_payload} in one message: send less in one call (fewer rows)"
+            ) from e
         except JoyNexusError as e:  # before TimeoutError: the typed Timeout of a reply is one
             err = e
         except TimeoutError as e:  # nats-py's timeout is asyncio's, the builtin in 3.11

@@ -110,10 +110,10 @@ def creds_file(dep: Any, tenant: str) -> Path:
 
 
 async def fill_queue(creds: str, workload: str, *, limit_bytes: int, seconds: float) -> dict[str, int]:
-    """Open jobs on ``workload`` and put a 480-row batch into each until the tenant's
-    Training Queue quota refuses (or ``limit_bytes`` went in, or ``seconds`` passed);
-    then abort every job opened. Counts: ``ok`` puts, the refusal's code, and
-    ``pushed_mib``."""
+    """Open jobs on ``workload`` and put a 480-row batch into each (in requests under
+    the server's max_payload) until the tenant's Training Queue quota refuses (or
+    ``limit_bytes`` went in, or ``seconds`` passed); then abort every job opened.
+    Counts: ``ok`` batches, the refusal's code, and ``pushed_mib``."""
     import contextlib
 
     from joynexus.ops.isolation.deployment import MiB, sft_batch
@@ -126,8 +126,10 @@ async def fill_queue(creds: str, workload: str, *, limit_bytes: int, seconds: fl
     client = await Client.connect(credentials=creds)
     outcomes: Counter[str] = Counter()
     chunk = sft_batch(480, 3)
-    fields = {k: TensorBytes.from_array(v) for k, v in chunk.items()}
-    chunk_bytes = sum(v.nbytes for v in chunk.values())
+    row_bytes = sum(v[0].nbytes for v in chunk.values())
+    step = max(1, client._b.max_payload * 3 // 4 // row_bytes)  # rows per put_data request
+    parts = [(at, {k: TensorBytes.from_array(v[at:at + step]) for k, v in chunk.items()})
+             for at in range(0, 480, step)]
     pushed, opened = 0, []
     stop = time.monotonic() + seconds
     try:
@@ -138,12 +140,13 @@ async def fill_queue(creds: str, workload: str, *, limit_bytes: int, seconds: fl
                     outcomes["admission_refused"] += 1
                     break
                 opened.append(r.job.job_id)
-                await client._api("put_data", PutData(job_id=r.job.job_id, fields=fields),
-                                  binary=True)
+                for at, fields in parts:  # the batch in requests under the server's limit
+                    await client._api("put_data", PutData(job_id=r.job.job_id, fields=fields,
+                                                          offset=at), binary=True)
+                    pushed += sum(len(f.data) for f in fields.values())
             except JoyNexusError as e:
                 outcomes[error_code(e)] += 1
                 break
-            pushed += chunk_bytes
             outcomes["ok"] += 1
     finally:
         for job_id in opened:

@@ -77,6 +77,14 @@ class ServerLimits:
     cost factor of the hashes, ``broker.permissions.BCRYPT_ROUNDS``).
     """
 
+    #: The largest message a client may publish (server default 1 MiB). It is the unit
+    #: of head-of-line blocking on every shared connection: an engine or the control
+    #: plane reads a message whole, in order, before the next tenant's request behind
+    #: it, even one it then refuses. At 8 MiB three refused requests of one tenant held
+    #: another's 1-row ``act`` up by 13-60 ms on a 2-core machine (``bench isolation``,
+    #: attack ``quotas``). Everything larger travels in parts (Training Queue chunks,
+    #: ``put_data``, weights and video slices), so 2 MiB only costs more messages.
+    max_payload: int = 2 * 1024 * 1024
     #: Client connections the server accepts at once (server default 65536).
     #: Every agent, SDK client and CLI call holds one or a few; 4096 is two
     #: orders of magnitude above a few dozen agents and tenants, and well under
@@ -89,7 +97,7 @@ class ServerLimits:
     max_subscriptions: int = 16384
     #: Bytes the server buffers for one slow client before it cuts it off as a
     #: slow consumer (server default 64 MiB). At least a few ``max_payload``
-    #: messages (Training Queue batches up to 8 MiB) must fit, and so must a
+    #: messages (Training Queue chunks are up to ``max_payload``) must fit, and so must a
     #: burst of requests one tenant sends to the shared request servers while
     #: their (Python) reader is busy: 190 requests of 1 MiB cut the control
     #: plane's responder off at 64 MiB on a loaded 2-core machine. It is only
@@ -136,7 +144,8 @@ class ServerLimits:
 
     def render(self) -> str:
         """The top-level config lines of the bounds (those not 0; ``max_file_store``
-        goes in the ``jetstream`` block)."""
+        goes in the ``jetstream`` block, and ``max_payload`` is written by
+        ``EmbeddedNats``, which may be given another)."""
         lines = []
         for key, value in (
             ("max_connections", self.max_connections),

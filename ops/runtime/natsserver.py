@@ -48,7 +48,6 @@ _READY = "Server is ready"
 #   "Failed to reload server configuration: <why>"
 _RELOADED = "Reloaded server configuration"
 _RELOAD_FAILED = "Failed to reload server configuration"
-DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 def nats_server_binary() -> str:
@@ -83,7 +82,8 @@ class EmbeddedNats:
     logged at debug and otherwise ignored.
     ``extra_config`` is appended to the config as is.
     ``limits``: the per-client bounds (:class:`ServerLimits`; by default its
-    defaults with the environment's overrides).
+    defaults with the environment's overrides). ``max_payload``, when given,
+    overrides ``limits.max_payload``.
     ``jetstream=False`` leaves JetStream off. A clustered JetStream server
     refuses to start without configured routes ("JetStream cluster requires
     configured routes or solicited leafnode for the system account"), so the
@@ -99,7 +99,7 @@ class EmbeddedNats:
         *,
         port: int = -1,
         host: str = "127.0.0.1",
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        max_payload: int | None = None,
         name: str = "jnx",
         extra_config: str = "",
         tls: TlsFiles | None = None,
@@ -112,7 +112,8 @@ class EmbeddedNats:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
-        self.max_payload = max_payload
+        self.limits = limits if limits is not None else ServerLimits.from_env()
+        self.max_payload = max_payload if max_payload is not None else self.limits.max_payload
         self.name = name
         self.extra_config = extra_config
         self.tls = tls
@@ -120,7 +121,6 @@ class EmbeddedNats:
         self.auth_include = auth_include
         self.on_log_line = on_log_line
         self.jetstream = jetstream
-        self.limits = limits if limits is not None else ServerLimits.from_env()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: deque[str] = deque(maxlen=200)
         self.url = ""
@@ -182,8 +182,9 @@ class EmbeddedNats:
             f"server_name: {self.name}\n"
             f"host: {self.host}\n"
             f"port: {self.port}\n"
-            f"max_payload: {self.max_payload}\n"
         )
+        if self.max_payload:  # 0: the server's default (1 MiB)
+            text += f"max_payload: {int(self.max_payload)}\n"
         limits = self.limits
         if limits.max_pending and limits.max_pending < self.max_payload:
             # nats-server refuses a max_payload above max_pending.

@@ -23,6 +23,7 @@ from joynexus.schemas.base import Wire, decode, encode
 from joynexus.schemas.errors import (
     InvalidMessage,
     JoyNexusError,
+    PayloadTooLarge,
     PermissionDenied,
     QuotaExceeded,
     RateLimited,
@@ -362,6 +363,15 @@ async def test_no_reply_within_the_timeout_is_typed(broker: Broker) -> None:
         await rpc.call(broker, broker.names.api("acme", "echo"), b"{}", DECODE, timeout_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 2.0
     await sub.unsubscribe()
+
+
+async def test_a_request_over_the_servers_max_payload_is_payload_too_large(
+    broker: Broker, echo: EchoService
+) -> None:
+    """Refused before it is sent, typed, with what to do; the next call is served."""
+    with pytest.raises(PayloadTooLarge, match=f"at most {broker.max_payload}.*fewer rows"):
+        await ask(broker, "acme", Echo(text="x" * (broker.max_payload + 1)))
+    assert (await ask(broker, "acme", Echo(text="small"))).text == "small"
 
 
 async def test_the_transport_is_a_seam(broker: Broker, echo: EchoService) -> None:

@@ -423,12 +423,12 @@ async def test_reload_applies_changed_options_and_reports_failures(tmp_path: Pat
     (data / "auth.conf").write_text("")
     with EmbeddedNats(data, auth_include="auth.conf") as server:
         # A changed option, written into the config by reload().
-        server.max_payload = 2 * 1024 * 1024
+        server.max_payload = 4 * 1024 * 1024  # the default is 2 MiB
         server.reload()
-        assert "max_payload: 2097152" in server.config_path.read_text()
+        assert "max_payload: 4194304" in server.config_path.read_text()
         nc = await nats.connect(server.url)
         try:
-            assert nc.max_payload == 2 * 1024 * 1024
+            assert nc.max_payload == 4 * 1024 * 1024
         finally:
             await nc.close()
         # Reloads in a row, and from two threads at once, each wait for their own
