@@ -1,7 +1,7 @@
 """The health manager: owns role processes and restarts a failed one in place.
 
 The process-owning side of :class:`~joynexus.agents.health.core.HealthCore`:
-it spawns each slot's process (its log, ``die_with_parent``), feeds the core
+it spawns each slot's process (its log, ``dying_with_parent``), feeds the core
 the beats it watches, the exits it waits for and its connection state, carries
 out the decisions (kill, spawn again with the same arguments), publishes each
 as a ``health`` metric event and its view under ``mgr.<instance>``. It lives in
@@ -29,7 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from joynexus.agents.health.core import HealthCore, ttl_for
-from joynexus.agents.procs import die_with_parent
+from joynexus.agents.procs import dying_with_parent
 from joynexus.broker import metrics
 from joynexus.broker.connection import Broker
 from joynexus.broker.headers import TTL
@@ -168,9 +168,10 @@ class HealthManager:
         if self.log_dir is not None:
             out = await asyncio.to_thread(_open_log, self.log_dir / f"{slot.instance}.log")
         env = {**os.environ, **slot.env} if slot.env else None
+        argv, preexec = dying_with_parent(slot.argv)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *slot.argv, stdout=out, stderr=out, env=env, preexec_fn=die_with_parent
+                *argv, stdout=out, stderr=out, env=env, preexec_fn=preexec
             )
         finally:
             if out is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from joynexus.agents.datasets import DATASETS_ENV
-from joynexus.agents.procs import die_with_parent
+from joynexus.agents.procs import dying_with_parent
 from joynexus.broker.connection import Broker
 from joynexus.broker.credentials import Credentials
 from joynexus.broker.natsapi import service_api
@@ -108,11 +108,12 @@ class AgentProcesses:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{role}.log", "ab")
         self._files.append(log)
+        argv, preexec = dying_with_parent(self.command(role))
         self.procs[role] = subprocess.Popen(
-            self.command(role), stdout=log, stderr=subprocess.STDOUT,
+            argv, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, **role_thread_env(role), DATASETS_ENV: str(self.datasets_root),
                  "PYTHONUNBUFFERED": "1", **(GATEWAY_ENV if role == "gateway" else {})},
-            preexec_fn=die_with_parent,
+            preexec_fn=preexec,
         )
 
     async def start(self, b: Broker) -> None:

@@ -21,7 +21,7 @@ import psutil
 
 from joynexus.agents.datasets import DATASETS_ENV
 from joynexus.agents.envworkers.assign import WARM_ENV
-from joynexus.agents.procs import die_with_parent
+from joynexus.agents.procs import dying_with_parent
 from joynexus.agents.producers.supervisor import SFT_WARM_ENV
 from joynexus.agents.scheduler_client import SchedulerClient
 from joynexus.broker import kvwatch
@@ -92,8 +92,9 @@ class RoleProcesses:
                 out_dir=self.out / "checkpoints" / self.namespace,
             )
             cmd += ["--data-dir", str(self.out)]  # argparse: the last one wins
+            argv, preexec = dying_with_parent(cmd)
             self.procs[role] = subprocess.Popen(
-                cmd,
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={
@@ -111,7 +112,7 @@ class RoleProcesses:
                     WARM_ENV: ",".join(self.warm_envs),
                     SFT_WARM_ENV: "1",  # the SFT tenant's dataset reader loaded, too
                 },
-                preexec_fn=die_with_parent,
+                preexec_fn=preexec,
             )
 
     def processes(self) -> dict[str, list[psutil.Process]]:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
-from joynexus.agents.procs import die_with_parent
+from joynexus.agents.procs import dying_with_parent
 from joynexus.ops.runtime.natsconfig import (
     ClusterOptions,
     ServerLimits,
@@ -237,11 +237,9 @@ class EmbeddedNats:
         if self._proc is not None:
             return self.url
         self._write_config()
+        argv, preexec = dying_with_parent([nats_server_binary(), "-c", str(self.config_path)])
         self._proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(self.config_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=die_with_parent,
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=preexec
         )
         ready = threading.Event()
         url: list[str] = []
