@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -74,6 +75,9 @@ class PolicyCache:
         self.retain_versions = retain_versions
         self.instance = instance
         self._policies: dict[PolicyId, LoadedPolicy] = {}
+        #: The resident versions of each policy (``_policies`` by tenant and workload):
+        #: what a policy holds is read per published version, not by scanning every one.
+        self._versions: dict[tuple[str, str], set[int]] = {}
         self._used: dict[PolicyId, int] = {}  # last use, for eviction
         self._uses = itertools.count()
         self._latest: dict[tuple[str, str], int] = {}
@@ -81,9 +85,11 @@ class PolicyCache:
         #: until asked for): a request for the latest then loads the announced one.
         self._announced: dict[tuple[str, str], int] = {}
         self._loading: dict[PolicyId, asyncio.Future[LoadedPolicy]] = {}
+        #: Loads in flight per policy (``_loading`` by tenant and workload).
+        self._loads: Counter[tuple[str, str]] = Counter()
 
     def loaded_versions(self, tenant_id: str, workload: str = "default") -> list[int]:
-        return sorted(v for (t, k, v) in self._policies if (t, k) == (tenant_id, workload))
+        return sorted(self._versions.get((tenant_id, workload), ()))
 
     def latest_version(self, tenant_id: str, workload: str = "default") -> int | None:
         return self._latest.get((tenant_id, workload))
@@ -98,7 +104,7 @@ class PolicyCache:
 
     def _held(self, tk: tuple[str, str]) -> bool:
         """A version of the policy is resident or loading here."""
-        return any(pid[:2] == tk for pid in self._policies) or any(pid[:2] == tk for pid in self._loading)
+        return tk in self._versions or tk in self._loads
 
     async def watch(self, ready: asyncio.Event) -> None:
         """Load the versions the policy KV announces for this base model: every current
@@ -140,10 +146,16 @@ class PolicyCache:
             self._announced.pop(tk, None)
 
     def _evict(self, tk: tuple[str, str]) -> None:
-        resident = [pid for pid in self._policies if pid[:2] == tk]
+        held = self._versions.get(tk)
+        if not held:
+            return
+        resident = [(tk[0], tk[1], v) for v in held]
         for pid in evictions(resident, self._latest.get(tk), self._used, self.retain_versions):
             self._policies.pop(pid, None)
             self._used.pop(pid, None)
+            held.discard(pid[2])
+        if not held:
+            del self._versions[tk]
 
     async def ensure_loaded(self, rec: PolicyRecord) -> LoadedPolicy:
         pid = (rec.tenant_id, rec.workload, rec.version)
@@ -154,8 +166,17 @@ class PolicyCache:
         if fut is None:
             fut = asyncio.ensure_future(self._load(rec))
             self._loading[pid] = fut
-            fut.add_done_callback(lambda _f: self._loading.pop(pid, None))
+            self._loads[pid[:2]] += 1
+            fut.add_done_callback(lambda _f: self._loaded(pid))
         return await asyncio.shield(fut)
+
+    def _loaded(self, pid: PolicyId) -> None:
+        """A load ended (loaded or failed)."""
+        self._loading.pop(pid, None)
+        tk = (pid[0], pid[1])
+        self._loads[tk] -= 1
+        if self._loads[tk] <= 0:
+            del self._loads[tk]
 
     async def _load(self, rec: PolicyRecord) -> LoadedPolicy:
         if rec.base_model != self.base_model:
@@ -173,6 +194,7 @@ class PolicyCache:
         module = await self.store.load_module(rec)
         lp = LoadedPolicy(rec, schema, module)
         self._policies[lp.id] = lp
+        self._versions.setdefault((rec.tenant_id, rec.workload), set()).add(rec.version)
         self._used[lp.id] = next(self._uses)
         self._evict((rec.tenant_id, rec.workload))
         log.info(

@@ -661,6 +661,14 @@ async def test_pinned_old_version_beyond_resident_window_is_loaded_on_demand(
         np.testing.assert_allclose(r.actions.to_array(), expected(backbone, mods[v - 1], obs), atol=ATOL, rtol=0)
     # The latest plus the most recently used other version stay resident.
     assert engine.loaded_versions("acme") == [3, 4]
+    # The per-policy index is exactly what is resident, and no load is left counted.
+    cache = engine.cache
+    by_policy: dict[tuple[str, str], set[int]] = {}
+    for t, w, v in cache._policies:
+        by_policy.setdefault((t, w), set()).add(v)
+    assert cache._versions == by_policy == {("acme", "default"): {3, 4}}
+    assert not cache._loads and not cache._loading
+    assert cache._held(("acme", "default")) and not cache._held(("acme", "other"))
 
 
 async def test_full_queue_answers_unavailable_and_serves_the_rest(
