@@ -18,7 +18,7 @@ import numpy as np
 from joynexus.broker import rpc, tracing
 from joynexus.broker.connection import Broker
 from joynexus.broker.subjects import check_token
-from joynexus.schemas.errors import Timeout, Unavailable
+from joynexus.schemas.errors import PayloadTooLarge, Timeout, Unavailable
 from joynexus.schemas.inference import (
     InferError,
     InferReply,
@@ -133,5 +133,47 @@ class InferenceClient:
             ) from e.__cause__
 
     async def act(self, tenant_id: str, **kw: Any) -> np.ndarray:
-        """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as ``request``."""
-        return (await self.request(tenant_id, **kw)).actions.to_array("actions")
+        """Actions ``[B, horizon, action_dim]`` (``[B]`` for value heads); same arguments as
+        ``request``. A batch over the server's message limit (``PayloadTooLarge``) is
+        asked in halves of its rows, one after the other, each half pinned to the policy
+        version that served the first: every row gets the same version."""
+        actions, _ = await self._act_rows(tenant_id, kw)
+        return actions
+
+    async def _act_rows(self, tenant_id: str, kw: dict[str, Any]) -> tuple[np.ndarray, int]:
+        try:
+            r = await self.request(tenant_id, **kw)
+        except PayloadTooLarge:
+            halves = row_halves(kw)
+            if halves is None:  # one row over the limit: nothing to split
+                raise
+            first, version = await self._act_rows(tenant_id, halves[0])
+            second, _ = await self._act_rows(tenant_id, {**halves[1], "policy_version": version})
+            return np.concatenate([first, second]), version
+        return r.actions.to_array("actions"), r.policy_version
+
+
+def row_halves(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``request``'s arguments as two requests of half the rows each; None when they
+    hold one row, or anything batched whose rows do not match ``state``'s (the engine
+    refuses those whole, so they are sent as they are)."""
+    state = np.asarray(kw["state"])
+    if state.ndim != 2 or len(state) < 2:
+        return None
+    n, mid = len(state), len(state) // 2
+    per_row = {slot: np.asarray(x) for slot, x in kw["images"].items()}
+    per_row.update({k: np.asarray(kw[k]) for k in ("history", "noise") if kw.get(k) is not None})
+    instruction = kw.get("instruction", "")
+    if any(x.ndim < 1 or len(x) != n for x in per_row.values()) or (
+        not isinstance(instruction, str) and len(instruction) != n
+    ):
+        return None
+    halves = []
+    for lo, hi in ((0, mid), (mid, n)):
+        part = {**kw, "state": state[lo:hi],
+                "images": {slot: per_row[slot][lo:hi] for slot in kw["images"]}}
+        part.update({k: per_row[k][lo:hi] for k in ("history", "noise") if k in per_row})
+        if not isinstance(instruction, str):
+            part["instruction"] = list(instruction)[lo:hi]
+        halves.append(part)
+    return halves[0], halves[1]

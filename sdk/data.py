@@ -59,7 +59,9 @@ class DataCalls(ClientBase):
         yourself, from the workload's policy (``version`` pinned, or the latest).
 
         ``images``: camera slot -> uint8 [B, 3, H, W] (or one [3, H, W]); ``state``
-        [B, S] (or [S]). One shared backbone forward serves many tenants' requests."""
+        [B, S] (or [S]). One shared backbone forward serves many tenants' requests.
+        A batch over the server's message limit is asked in parts of its rows, all
+        served by one policy version."""
 
         async def go() -> np.ndarray:
             rec = await self._workload_cache(workload)

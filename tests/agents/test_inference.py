@@ -47,6 +47,7 @@ from joynexus.schemas.errors import (
     InvalidMessage,
     InvalidSpec,
     JoyNexusError,
+    PayloadTooLarge,
     PermissionDenied,
     ShapeMismatch,
     Unavailable,
@@ -1212,3 +1213,37 @@ async def test_a_large_request_runs_in_parts_that_take_turns_with_other_tenants(
     alone = await client.request("a", schema=SCHEMA, noise=noise, **big)
     assert alone.batch.rows == 10 and wide.stats.batches >= 1
     np.testing.assert_allclose(alone.actions.to_array(), got, atol=ATOL, rtol=0)
+
+
+async def test_a_batch_over_the_message_limit_is_asked_in_halves_on_one_version(
+    broker: Broker, make_engine: Callable[..., Any], backbone: Any
+) -> None:
+    """An ``act`` whose request is over the server's ``max_payload`` goes in halves of
+    its rows (each under the limit), the halves after the first pinned to the version
+    that served it; the actions are every row's, in order, equal to the rows served alone."""
+    store = PolicyStore(broker)
+    module = make_module("acme", "flow_matching", seed=4)
+    await store.publish("acme", "default", module, SCHEMA)
+    await make_engine(max_wait_ms=1)
+    sent: list[iq.InferRequest] = []
+    client = InferenceClient(broker, fast=False)
+
+    async def spying(subject: str, payload: bytes, *, timeout: float, headers: Any) -> Any:  # noqa: ASYNC109
+        if len(payload) <= broker.max_payload:  # what the server would take
+            sent.append(iq.decode_msgpack(payload, iq.InferRequest))
+        return await broker.nc.request(subject, payload, timeout=timeout, headers=headers)
+
+    client._request = spying
+    rows = broker.max_payload // (len(CAMS) * 3 * HW[0] * HW[1]) + 8  # just over the limit
+    obs = make_obs(11, b=rows)
+    noise = np.random.default_rng(6).standard_normal((rows, 8, 7)).astype(np.float32)
+    got = await client.act("acme", schema=SCHEMA, noise=noise, **obs)
+    assert got.shape == (rows, 8, 7)
+    np.testing.assert_allclose(got, expected(backbone, module, obs, noise), atol=ATOL, rtol=0)
+    assert [len(r.observation.instruction) for r in sent] == [rows // 2, rows - rows // 2]
+    assert [r.policy_version for r in sent] == [None, 1]
+    # One row over the limit has nothing to split: the caller is told.
+    one = make_obs(12)
+    one["images"] = {s: np.zeros((1, 3, 1024, 1024), np.uint8) for s in CAMS}
+    with pytest.raises(PayloadTooLarge, match="fewer rows"):
+        await client.act("acme", schema=SCHEMA, **one)
