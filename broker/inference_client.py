@@ -161,18 +161,17 @@ def row_halves(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | No
     if state.ndim != 2 or len(state) < 2:
         return None
     n, mid = len(state), len(state) // 2
-    per_row = {slot: np.asarray(x) for slot, x in kw["images"].items()}
-    per_row.update({k: np.asarray(kw[k]) for k in ("history", "noise") if kw.get(k) is not None})
+    images = {slot: np.asarray(x) for slot, x in kw["images"].items()}
+    extra = {k: np.asarray(kw[k]) for k in ("history", "noise") if kw.get(k) is not None}
     instruction = kw.get("instruction", "")
-    if any(x.ndim < 1 or len(x) != n for x in per_row.values()) or (
+    if any(x.ndim < 1 or len(x) != n for x in (*images.values(), *extra.values())) or (
         not isinstance(instruction, str) and len(instruction) != n
     ):
         return None
     halves = []
     for lo, hi in ((0, mid), (mid, n)):
-        part = {**kw, "state": state[lo:hi],
-                "images": {slot: per_row[slot][lo:hi] for slot in kw["images"]}}
-        part.update({k: per_row[k][lo:hi] for k in ("history", "noise") if k in per_row})
+        part = {**kw, **{k: x[lo:hi] for k, x in extra.items()}, "state": state[lo:hi],
+                "images": {slot: x[lo:hi] for slot, x in images.items()}}
         if not isinstance(instruction, str):
             part["instruction"] = list(instruction)[lo:hi]
         halves.append(part)
